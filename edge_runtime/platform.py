@@ -1,0 +1,93 @@
+# The board's view of its machine: clocks, sleeping, the flash file system, settings
+# and the log. MicroPython and CPython differ here and nowhere else, so every other
+# board module imports its clock and file helpers from this one.
+import sys
+import time
+
+try:
+    import asyncio
+except ImportError:  # pragma: no cover - very old MicroPython ports
+    import uasyncio as asyncio  # type: ignore
+
+IS_MICROPYTHON = sys.implementation.name == "micropython"
+
+if IS_MICROPYTHON:
+    ticks_ms = time.ticks_ms
+    ticks_diff = time.ticks_diff
+    ticks_add = time.ticks_add
+else:
+    _start = time.monotonic()
+
+    def ticks_ms():
+        return int((time.monotonic() - _start) * 1000)
+
+    def ticks_diff(a, b):
+        return a - b
+
+    def ticks_add(a, b):
+        return a + b
+
+
+def time_ms():
+    # Wall clock in ms for event timestamps. On a board without RTC sync this is
+    # seconds since its epoch; the bridge stamps its own receive time anyway.
+    if hasattr(time, "time_ns"):
+        return time.time_ns() // 1000000
+    return int(time.time() * 1000)
+
+
+async def sleep_ms(ms):
+    if IS_MICROPYTHON:
+        await asyncio.sleep_ms(ms)
+    else:
+        await asyncio.sleep(ms / 1000)
+
+
+async def wait_for_ms(awaitable, ms):
+    # Every wait on the board is bounded; this raises asyncio.TimeoutError past ms.
+    if IS_MICROPYTHON:
+        return await asyncio.wait_for_ms(awaitable, ms)
+    return await asyncio.wait_for(awaitable, ms / 1000)
+
+
+def log(*parts):
+    # One line per event, prefixed so a serial console and the virtual board's
+    # output read the same.
+    print("wren:", *parts)
+
+
+def read_file(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def write_file_atomic(path, data):
+    # Write to a temporary file and rename over the target, so a reset mid-write
+    # leaves either the old contents or the new, never half of each.
+    import os
+
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if hasattr(f, "flush"):
+            f.flush()
+        if hasattr(os, "fsync"):
+            try:
+                os.fsync(f.fileno())
+            except (AttributeError, OSError):
+                pass
+    os.rename(tmp, path)
+
+
+def load_settings(path="settings.json"):
+    # Settings live on flash as JSON, written by `wren provision` for a real board or
+    # by `wren board --virtual` for the simulation.
+    import json
+
+    raw = read_file(path)
+    if raw is None:
+        return {}
+    return json.loads(raw)

@@ -1,0 +1,57 @@
+# A bounded ring that drops the oldest item when full and counts what it dropped.
+# Every queue on the board is one of these: memory stays fixed whatever the link does.
+
+
+class Ring:
+    def __init__(self, capacity):
+        if capacity < 1:
+            raise ValueError("ring capacity must be >= 1")
+        self._items = [None] * capacity
+        self._head = 0  # index of the oldest item
+        self._len = 0
+        self.dropped = 0
+
+    def __len__(self):
+        return self._len
+
+    @property
+    def capacity(self):
+        return len(self._items)
+
+    def push(self, item):
+        cap = len(self._items)
+        if self._len == cap:
+            # Full: overwrite the oldest slot and move the head past it.
+            self._items[self._head] = item
+            self._head = (self._head + 1) % cap
+            self.dropped += 1
+        else:
+            self._items[(self._head + self._len) % cap] = item
+            self._len += 1
+
+    def pop(self):
+        # Oldest first; raises IndexError when empty, like list.pop.
+        if self._len == 0:
+            raise IndexError("pop from empty ring")
+        item = self._items[self._head]
+        self._items[self._head] = None
+        self._head = (self._head + 1) % len(self._items)
+        self._len -= 1
+        return item
+
+    def peek(self):
+        if self._len == 0:
+            raise IndexError("peek into empty ring")
+        return self._items[self._head]
+
+    def clear(self):
+        for i in range(len(self._items)):
+            self._items[i] = None
+        self._head = 0
+        self._len = 0
+
+    def __iter__(self):
+        # Oldest to newest, without removing anything.
+        cap = len(self._items)
+        for n in range(self._len):
+            yield self._items[(self._head + n) % cap]

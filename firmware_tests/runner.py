@@ -1,0 +1,51 @@
+# Runs board test modules on a MicroPython target (the unix port or a real board):
+#   micropython -X heapsize=128K firmware_tests/runner.py firmware_tests.test_codec
+# Each test_* function is called; the last line is "N passed, N failed" so both people
+# and the pytest wrapper (firmware_tests/test_on_unix_port.py) can read the outcome.
+import sys
+
+try:
+    import gc
+except ImportError:  # pragma: no cover
+    gc = None
+
+
+def _run_module(name):
+    mod = __import__(name)
+    for part in name.split(".")[1:]:
+        mod = getattr(mod, part)
+    passed = failed = 0
+    names = sorted(n for n in dir(mod) if n.startswith("test_"))
+    only = None
+    for arg in sys.argv[2:]:
+        only = arg
+    for n in names:
+        if only and n != only:
+            continue
+        fn = getattr(mod, n)
+        if not callable(fn):
+            continue
+        if gc:
+            gc.collect()
+        try:
+            fn()
+            passed += 1
+            print("PASS", n)
+        except Exception as e:  # noqa: BLE001 - the runner reports every failure
+            failed += 1
+            print("FAIL", n, type(e).__name__, e)
+            if hasattr(sys, "print_exception"):
+                sys.print_exception(e)
+    return passed, failed
+
+
+def main():
+    if len(sys.argv) < 2:
+        print("usage: runner.py MODULE [TEST]")
+        sys.exit(2)
+    passed, failed = _run_module(sys.argv[1])
+    print("%d passed, %d failed" % (passed, failed))
+    sys.exit(1 if failed or not passed else 0)
+
+
+main()

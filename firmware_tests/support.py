@@ -1,0 +1,35 @@
+# Helpers shared by the board tests. They run under pytest on CPython and under
+# firmware_tests/runner.py on the MicroPython unix port (or a board), so only the
+# subset of Python both share is used here.
+import os
+
+try:
+    import asyncio
+except ImportError:  # pragma: no cover
+    import uasyncio as asyncio  # type: ignore
+
+
+def run(coro):
+    # Board tests are plain functions; an async body goes through here so pytest needs
+    # no plugin and MicroPython needs no special runner.
+    return asyncio.run(coro)
+
+
+def raises(exc_type, fn, *args):
+    # pytest.raises does not exist on the board; this returns the exception so a test
+    # can assert on its kind and message.
+    try:
+        fn(*args)
+    except exc_type as e:
+        return e
+    raise AssertionError("expected %s" % exc_type.__name__)
+
+
+def broker_address():
+    # Set by the pytest fixture that started Mosquitto (and passed on to the unix
+    # port through the environment). None when no broker was started for this run.
+    spec = os.getenv("WREN_TEST_BROKER")
+    if not spec:
+        return None
+    host, port = spec.rsplit(":", 1)
+    return host, int(port)

@@ -1,0 +1,1 @@
+"""Model providers: the interface and the two that ship (scripted, OpenAI-compatible)."""

@@ -1,0 +1,46 @@
+"""The provider interface every model backend implements.
+
+A provider turns one `llm.complete` call into a stream of chunks, exactly the chunk
+shapes of the wire contract, so the RPC layer forwards them without translation:
+
+    {"text": "..."}                                   streamed assistant text
+    {"reason": "..."}                                 streamed reasoning text
+    {"tool": {"call": id, "name": n, "input": json}}  a tool call (input is a JSON string)
+
+and then returns the final answer `{"usage": {"in", "out", "reason"}, "finish": str}`.
+
+Messages are the board's conversation, in the contract's shape:
+    {"role": "system" | "user", "content": str}
+    {"role": "assistant", "content": str, "tools": [{"call", "name", "input"}]}
+    {"role": "tool", "call": id, "content": str}
+Tools are `{"name", "description", "args": <JSON schema>}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+Chunk = dict[str, Any]
+Final = dict[str, Any]
+
+
+class ModelError(Exception):
+    """A provider failure the board sees as an RPC error of kind 'llm'."""
+
+    kind = "llm"
+
+
+class Provider(Protocol):
+    name: str
+
+    def complete(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        emit: Callable[[Chunk], None],
+        model: str | None = None,
+        max_tokens: int | None = None,
+    ) -> Final:
+        """Stream chunks through `emit` and return the final {usage, finish}."""
+        ...
