@@ -91,3 +91,25 @@ def load_settings(path="settings.json"):
     if raw is None:
         return {}
     return json.loads(raw)
+
+
+def connect_wifi(settings, timeout_ms=20000):
+    # Boards join Wi-Fi here; the unix port and CPython are already on a network, so a
+    # missing `network` module is logged and skipped.
+    wifi = settings.get("wifi")
+    if not wifi:
+        return True
+    try:
+        import network
+    except ImportError:
+        log("no network module on this port; using the host network")
+        return True
+    sta = network.WLAN(network.STA_IF)
+    sta.active(True)
+    if not sta.isconnected():
+        sta.connect(wifi.get("ssid"), wifi.get("password"))
+        start = ticks_ms()
+        while not sta.isconnected() and ticks_diff(ticks_ms(), start) < timeout_ms:
+            time.sleep_ms(100) if IS_MICROPYTHON else time.sleep(0.1)
+    log("wifi", "connected" if sta.isconnected() else "not connected")
+    return sta.isconnected()

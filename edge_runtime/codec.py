@@ -1,0 +1,515 @@
+# The board's msgpack codec: the subset of msgpack the wire contract uses, with the
+# limits of docs/PROTOCOL.md ("Limits", "Errors") checked before anything is allocated.
+# It runs on MicroPython and unchanged on CPython, and encodes byte for byte what
+# `msgpack.packb` (msgpack >= 1.0 defaults) produces, so board and bridge agree on bytes.
+import struct
+
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+
+# Wire numbers: msgpack header bytes (https://github.com/msgpack/msgpack/blob/master/spec.md).
+_FIXMAP = const(0x80)
+_FIXARRAY = const(0x90)
+_FIXSTR = const(0xa0)
+_NIL = const(0xc0)
+_NEVER = const(0xc1)
+_FALSE = const(0xc2)
+_TRUE = const(0xc3)
+_BIN8 = const(0xc4)
+_BIN16 = const(0xc5)
+_BIN32 = const(0xc6)
+_EXT8 = const(0xc7)
+_EXT16 = const(0xc8)
+_EXT32 = const(0xc9)
+_FLOAT32 = const(0xca)
+_FLOAT64 = const(0xcb)
+_UINT8 = const(0xcc)
+_UINT16 = const(0xcd)
+_UINT32 = const(0xce)
+_UINT64 = const(0xcf)
+_INT8 = const(0xd0)
+_INT16 = const(0xd1)
+_INT32 = const(0xd2)
+_INT64 = const(0xd3)
+_FIXEXT1 = const(0xd4)
+_FIXEXT2 = const(0xd5)
+_FIXEXT4 = const(0xd6)
+_FIXEXT8 = const(0xd7)
+_FIXEXT16 = const(0xd8)
+_STR8 = const(0xd9)
+_STR16 = const(0xda)
+_STR32 = const(0xdb)
+_ARRAY16 = const(0xdc)
+_ARRAY32 = const(0xdd)
+_MAP16 = const(0xde)
+_MAP32 = const(0xdf)
+_NEGFIX = const(0xe0)
+# Where the "fix" families end: the value or length fits in the header byte below these.
+_FIXINT_END = const(0x80)
+_NEGFIX_END = const(0x20)  # keyed by -1 - value: -1..-32
+_FIXSTR_END = const(0x20)
+_FIXCOUNT_END = const(0x10)  # fixarray, fixmap
+
+# What a header announces; the reader loop branches on these instead of on header bytes.
+_K_VALUE = const(0)  # a scalar: nil, bool, int, float
+_K_STR = const(1)
+_K_BIN = const(2)
+_K_ARRAY = const(3)
+_K_MAP = const(4)
+_K_BAD = const(5)  # a byte the contract does not use
+
+# Limits of PROTOCOL.md "Limits"; configuration may pass others per call.
+MAX_PAYLOAD = 16384
+MAX_STR = 8192  # str and bin alike
+MAX_ITEMS = 256  # array elements, map entries
+MAX_DEPTH = 16  # nested arrays/maps; a top-level container is depth 1
+
+
+class CodecError(ValueError):
+    # `kind` is the error kind of PROTOCOL.md "Errors", so the board's `error` event
+    # and the bridge's refusal name the same thing.
+    kind = "codec"
+
+
+class Truncated(CodecError):
+    kind = "truncated"
+
+
+class TooLarge(CodecError):
+    kind = "too_large"
+
+
+class TooDeep(CodecError):
+    kind = "too_deep"
+
+
+class BadType(CodecError):
+    kind = "bad_type"
+
+
+# --------------------------------------------------------------------------- decoding
+
+# Header byte -> (kind, format, size) for 0xc0..0xdf, the headers that are not "fix"
+# families. `size` bytes follow the header and `format` (struct) reads them: the value
+# of a scalar, or the length/count of a str, bin, array or map. When nothing follows
+# (size 0) the middle slot is the value itself (nil, bool) or why the byte is refused.
+_HEAD = {
+    _NIL: (_K_VALUE, None, 0),
+    _NEVER: (_K_BAD, "reserved byte 0xc1", 0),
+    _FALSE: (_K_VALUE, False, 0),
+    _TRUE: (_K_VALUE, True, 0),
+    _BIN8: (_K_BIN, ">B", 1),
+    _BIN16: (_K_BIN, ">H", 2),
+    _BIN32: (_K_BIN, ">I", 4),
+    _EXT8: (_K_BAD, "ext type", 0),
+    _EXT16: (_K_BAD, "ext type", 0),
+    _EXT32: (_K_BAD, "ext type", 0),
+    _FLOAT32: (_K_VALUE, ">f", 4),
+    _FLOAT64: (_K_VALUE, ">d", 8),
+    _UINT8: (_K_VALUE, ">B", 1),
+    _UINT16: (_K_VALUE, ">H", 2),
+    _UINT32: (_K_VALUE, ">I", 4),
+    _UINT64: (_K_VALUE, ">Q", 8),
+    _INT8: (_K_VALUE, ">b", 1),
+    _INT16: (_K_VALUE, ">h", 2),
+    _INT32: (_K_VALUE, ">i", 4),
+    _INT64: (_K_VALUE, ">q", 8),
+    _FIXEXT1: (_K_BAD, "ext type", 0),
+    _FIXEXT2: (_K_BAD, "ext type", 0),
+    _FIXEXT4: (_K_BAD, "ext type", 0),
+    _FIXEXT8: (_K_BAD, "ext type", 0),
+    _FIXEXT16: (_K_BAD, "ext type", 0),
+    _STR8: (_K_STR, ">B", 1),
+    _STR16: (_K_STR, ">H", 2),
+    _STR32: (_K_STR, ">I", 4),
+    _ARRAY16: (_K_ARRAY, ">H", 2),
+    _ARRAY32: (_K_ARRAY, ">I", 4),
+    _MAP16: (_K_MAP, ">H", 2),
+    _MAP32: (_K_MAP, ">I", 4),
+}
+
+# 0x80..0xbf by high nibble: fixmap, fixarray, fixstr (two nibbles). Their count sits in
+# the header's low bits, so they need no table row per byte.
+_FIX_KIND = (_K_MAP, _K_ARRAY, _K_STR, _K_STR)
+
+# Well-formed UTF-8 (Unicode 15, table 3-7): lead byte range -> continuation bytes and
+# the range allowed for the FIRST of them (later ones are always 0x80..0xbf). Those
+# narrow first ranges are what exclude overlong forms, surrogates and code points past
+# U+10FFFF.
+_UTF8 = (
+    (0xc2, 0xdf, 1, 0x80, 0xbf),
+    (0xe0, 0xe0, 2, 0xa0, 0xbf),
+    (0xe1, 0xec, 2, 0x80, 0xbf),
+    (0xed, 0xed, 2, 0x80, 0x9f),
+    (0xee, 0xef, 2, 0x80, 0xbf),
+    (0xf0, 0xf0, 3, 0x90, 0xbf),
+    (0xf1, 0xf3, 3, 0x80, 0xbf),
+    (0xf4, 0xf4, 3, 0x80, 0x8f),
+)
+
+# MicroPython's str() only checks the shape of UTF-8 and lets surrogates, overlong forms
+# and code points past U+10FFFF through; CPython (the bridge) refuses them. Found out
+# once here, so only a lax runtime pays for the strict check, and only on non-ASCII.
+try:
+    str(b"\xed\xa0\x80", "utf-8")
+    _LAX_UTF8 = True
+except UnicodeError:
+    _LAX_UTF8 = False
+
+
+def _strict_utf8(mv, pos, end):
+    while pos < end:
+        b = mv[pos]
+        pos += 1
+        if b < 0x80:
+            continue
+        for first, last, more, lo, hi in _UTF8:
+            if first <= b <= last:
+                break
+        else:
+            return False
+        if pos + more > end or not lo <= mv[pos] <= hi:
+            return False
+        for i in range(pos + 1, pos + more):
+            if mv[i] & 0xc0 != 0x80:
+                return False
+        pos += more
+    return True
+
+
+# Marks a map that waits for a key rather than for the value of the key it holds.
+_NOKEY = object()
+
+
+def decode(data, max_payload=MAX_PAYLOAD, max_str=MAX_STR, max_items=MAX_ITEMS,
+           max_depth=MAX_DEPTH):
+    # One loop reads one header per turn. Open containers live on an explicit stack, not
+    # in recursion, so the C stack use is the same whatever the nesting (a board has a
+    # few KiB of it) and a depth limit raised by configuration stays safe.
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BadType("payload must be bytes, not %s" % type(data).__name__)
+    end = len(data)
+    if end > max_payload:
+        raise TooLarge("payload of %d bytes over %d" % (end, max_payload))
+    # Slices of a memoryview share the payload, so a str or bin is copied exactly once.
+    mv = memoryview(data)
+    unpack_from = struct.unpack_from
+    # The innermost open container is kept in locals (cont: the list or dict, left:
+    # entries still to read, key: a map's key read so far, or _NOKEY); the ones around
+    # it wait on `stack`, three slots each. left == 0 means no container is open.
+    stack = []
+    cont = None
+    left = 0
+    key = _NOKEY
+    pos = 0
+    while True:
+        if pos >= end:
+            raise Truncated("payload ends at byte %d before its declared contents" % pos)
+        b = mv[pos]
+        pos += 1
+        if b < _FIXMAP:
+            obj = b  # positive fixint: the header is the value
+        elif b >= _NEGFIX:
+            obj = b - 0x100  # negative fixint
+        else:
+            if b < _NIL:
+                kind = _FIX_KIND[(b - _FIXMAP) >> 4]
+                n = b & (0x1f if kind == _K_STR else 0x0f)
+            else:
+                kind, fmt, size = _HEAD[b]
+                if kind == _K_BAD:
+                    raise BadType("%s at byte %d is not used by the contract" % (fmt, pos - 1))
+                if size > end - pos:
+                    raise Truncated("payload ends inside the header at byte %d" % (pos - 1))
+                n = unpack_from(fmt, mv, pos)[0] if size else fmt
+                pos += size
+            if kind == _K_VALUE:
+                obj = n
+            elif kind == _K_STR or kind == _K_BIN:
+                # The declared length is judged before the bytes are looked for or
+                # copied: a 4 GiB length is too_large, whatever the payload holds.
+                if n > max_str:
+                    raise TooLarge("str/bin of %d bytes over %d" % (n, max_str))
+                if n > end - pos:
+                    raise Truncated("payload ends inside a %d-byte str/bin" % n)
+                if kind == _K_BIN:
+                    obj = bytes(mv[pos:pos + n])
+                else:
+                    try:
+                        obj = str(mv[pos:pos + n], "utf-8")
+                    except UnicodeError:
+                        obj = None
+                    # A str as long as its bytes is ASCII and needs no second look.
+                    if obj is None or (_LAX_UTF8 and len(obj) != n
+                                       and not _strict_utf8(mv, pos, pos + n)):
+                        raise BadType("str at byte %d is not valid UTF-8" % pos)
+                pos += n
+            else:
+                if n > max_items:
+                    raise TooLarge("array/map of %d entries over %d" % (n, max_items))
+                if len(stack) >= 3 * max_depth:
+                    raise TooDeep("nesting deeper than %d" % max_depth)
+                # Every entry needs at least one byte (two for a map's key and value),
+                # so a count the rest of the payload cannot hold is refused before the
+                # list is sized by it.
+                if (n * 2 if kind == _K_MAP else n) > end - pos:
+                    raise Truncated("payload ends inside a %d-entry array/map" % n)
+                # A list is sized once: growing it by appends fragments a small heap.
+                obj = {} if kind == _K_MAP else [None] * n
+                if n:
+                    stack.append(cont)
+                    stack.append(left)
+                    stack.append(key)
+                    cont = obj
+                    left = n
+                    key = _NOKEY
+                    continue
+        # A finished object fills the innermost open container; a container it
+        # completes is in turn the finished object for the one around it.
+        while left:
+            if key is not _NOKEY:
+                cont[key] = obj
+                key = _NOKEY
+            elif type(cont) is dict:
+                if type(obj) is list or type(obj) is dict:
+                    raise BadType("a map key must be hashable, not %s" % type(obj).__name__)
+                key = obj
+                break
+            else:
+                cont[len(cont) - left] = obj
+            left -= 1
+            if left:
+                break
+            obj = cont
+            key = stack.pop()
+            left = stack.pop()
+            cont = stack.pop()
+        if not left:
+            if pos != end:
+                raise BadType("%d trailing bytes after the object" % (end - pos))
+            return obj
+
+
+# --------------------------------------------------------------------------- encoding
+
+# Header tables: (exclusive upper bound of the key, header byte, struct format of header
+# and field together, encoded size). The first row whose bound the key is under is the
+# smallest encoding, which is the one msgpack.packb picks. A format of None marks a fix
+# family: the value (or length) is OR-ed into the header byte.
+_UINT_HEADS = (
+    (_FIXINT_END, 0, None, 1),
+    (0x100, _UINT8, ">BB", 2),
+    (0x10000, _UINT16, ">BH", 3),
+    (0x100000000, _UINT32, ">BI", 5),
+    (0x10000000000000000, _UINT64, ">BQ", 9),
+)
+# Keyed by -1 - value, so -1 is 0 and the bounds read like the unsigned ones.
+_NINT_HEADS = (
+    (_NEGFIX_END, _NEGFIX, None, 1),
+    (0x80, _INT8, ">Bb", 2),
+    (0x8000, _INT16, ">Bh", 3),
+    (0x80000000, _INT32, ">Bi", 5),
+    (0x8000000000000000, _INT64, ">Bq", 9),
+)
+_STR_HEADS = (
+    (_FIXSTR_END, _FIXSTR, None, 1),
+    (0x100, _STR8, ">BB", 2),
+    (0x10000, _STR16, ">BH", 3),
+    (0x100000000, _STR32, ">BI", 5),
+)
+_BIN_HEADS = (
+    (0x100, _BIN8, ">BB", 2),
+    (0x10000, _BIN16, ">BH", 3),
+    (0x100000000, _BIN32, ">BI", 5),
+)
+_ARRAY_HEADS = (
+    (_FIXCOUNT_END, _FIXARRAY, None, 1),
+    (0x10000, _ARRAY16, ">BH", 3),
+    (0x100000000, _ARRAY32, ">BI", 5),
+)
+_MAP_HEADS = (
+    (_FIXCOUNT_END, _FIXMAP, None, 1),
+    (0x10000, _MAP16, ">BH", 3),
+    (0x100000000, _MAP32, ">BI", 5),
+)
+
+# The UTF-8 bytes of a str without copying them where the runtime allows: MicroPython
+# keeps str as UTF-8 and lends it out as a view, so an 8 KiB text is not duplicated on
+# the heap just to be written once. CPython has to encode.
+try:
+    memoryview("")
+    _utf8 = memoryview
+except TypeError:
+    def _utf8(s):
+        return s.encode()
+
+
+_NONE_TYPE = type(None)
+# Types the encoder dispatches on by identity, which is several times cheaper on
+# MicroPython than a chain of isinstance; subclasses go through _base_type once.
+_EXACT = (str, int, dict, list, tuple, float, bool, _NONE_TYPE, bytes, bytearray, memoryview)
+
+
+def _base_type(obj):
+    for base in (int, float, str, bytes, bytearray, memoryview, dict, list, tuple):
+        if isinstance(obj, base):
+            return base
+    raise BadType("cannot encode %s" % type(obj).__name__)
+
+
+class Encoder:
+    # Owns one buffer for its lifetime and writes every payload into it in place, so
+    # publishing an event allocates no growing bytes objects on a 128 KiB heap.
+
+    def __init__(self, size=MAX_PAYLOAD, max_depth=MAX_DEPTH):
+        self._buf = bytearray(size)
+        self._mv = memoryview(self._buf)
+        self._limit = size
+        self._depth = max_depth
+        self.max_depth = max_depth
+
+    def pack(self, obj):
+        # The view is into the buffer: valid until the next pack, copy it to keep it.
+        return self._pack(obj, len(self._buf), self.max_depth)
+
+    def _pack(self, obj, limit, max_depth):
+        self._limit = min(limit, len(self._buf))
+        self._depth = max_depth
+        return self._mv[:self._put(obj, 0, max_depth)]
+
+    def _full(self):
+        return TooLarge("encoding over %d bytes" % self._limit)
+
+    def _head(self, pos, table, key, value):
+        for bound, head, fmt, size in table:
+            if key < bound:
+                if pos + size > self._limit:
+                    raise self._full()
+                if fmt is None:
+                    self._buf[pos] = head | (value & 0xff)
+                else:
+                    struct.pack_into(fmt, self._buf, pos, head, value)
+                return pos + size
+        # Past the widest row there is no msgpack encoding at all (an int beyond 64
+        # bits, which msgpack.packb refuses too): a type the contract cannot carry.
+        raise BadType("%d does not fit a msgpack header" % value)
+
+    def _raw(self, pos, table, data):
+        n = len(data)
+        # Judged before the header so a huge str fails fast and never reaches a row.
+        if pos + n >= self._limit:
+            raise self._full()
+        pos = self._head(pos, table, n, n)
+        end = pos + n
+        if end > self._limit:
+            raise self._full()
+        self._buf[pos:end] = data
+        return end
+
+    def _put(self, obj, pos, room):
+        # Recursion is bounded by `room` (levels of nesting left), which is checked
+        # before each descent, so a cyclic or hostile object stops at max_depth.
+        t = type(obj)
+        if t not in _EXACT:
+            t = _base_type(obj)
+        if t is str:
+            data = _utf8(obj)
+            n = len(data)
+            if n >= _FIXSTR_END:
+                return self._raw(pos, _STR_HEADS, data)
+            # Keys and short texts, most strs on the wire: the first row of _STR_HEADS
+            # written inline, since a method call is a good part of the cost.
+            end = pos + 1 + n
+            if end > self._limit:
+                raise self._full()
+            self._buf[pos] = _FIXSTR | n
+            self._buf[pos + 1:end] = data
+            return end
+        if t is int:
+            if obj < 0:
+                return self._head(pos, _NINT_HEADS, -1 - obj, obj)
+            if obj >= _FIXINT_END:
+                return self._head(pos, _UINT_HEADS, obj, obj)
+            # Ids, counters and flags: the fixint row of _UINT_HEADS, inline.
+            if pos >= self._limit:
+                raise self._full()
+            self._buf[pos] = obj
+            return pos + 1
+        if t is dict or t is list or t is tuple:
+            if room < 1:
+                raise TooDeep("nesting deeper than %d" % self._depth)
+            room -= 1
+            n = len(obj)
+            if t is dict:
+                pos = self._head(pos, _MAP_HEADS, n, n)
+                # Keys then lookups, not items(): MicroPython builds a tuple per item.
+                for k in obj:
+                    pos = self._put(obj[k], self._put(k, pos, room), room)
+            else:
+                pos = self._head(pos, _ARRAY_HEADS, n, n)
+                for item in obj:
+                    pos = self._put(item, pos, room)
+            return pos
+        if t is float:
+            # Always float64, as msgpack.packb does by default: float32 loses digits.
+            if pos + 9 > self._limit:
+                raise self._full()
+            struct.pack_into(">Bd", self._buf, pos, _FLOAT64, obj)
+            return pos + 9
+        if t is bool or t is _NONE_TYPE:
+            if pos >= self._limit:
+                raise self._full()
+            self._buf[pos] = _NIL if obj is None else (_TRUE if obj else _FALSE)
+            return pos + 1
+        # bytes, bytearray, memoryview. A CPython view of wider items is written as its
+        # raw bytes, as msgpack does.
+        if getattr(obj, "itemsize", 1) != 1:
+            obj = bytes(obj)
+        return self._raw(pos, _BIN_HEADS, obj)
+
+
+# Idle shared encoders for encode(). One is taken and put back per call, so the board
+# keeps a single buffer; a caller that finds none (a second thread on CPython) gets its
+# own. list.pop/append are atomic, which a plain "in use" flag would not be.
+_idle = []
+# The shared buffer starts small and grows (x4) only when a payload needs it, up to the
+# payload limit: most payloads are events of a few hundred bytes, and a 16 KiB block
+# taken on first use may no longer be free in one piece on a fragmented board heap.
+_FIRST_SIZE = const(512)
+
+
+def encode(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
+    try:
+        enc = _idle.pop()
+    except IndexError:
+        enc = Encoder(_FIRST_SIZE)
+    try:
+        while True:
+            try:
+                return bytes(enc._pack(obj, max_payload, max_depth))
+            except TooLarge:
+                size = len(enc._buf)
+                if size >= max_payload:
+                    raise
+            if size >= MAX_PAYLOAD:
+                # A limit raised past the protocol's: a one-off buffer, not kept.
+                return bytes(Encoder(max_payload)._pack(obj, max_payload, max_depth))
+            enc = Encoder(min(size * 4, MAX_PAYLOAD))
+    finally:
+        _idle.append(enc)
+
+
+# The board's one long-lived encode buffer. Boards take it first thing in main.py: a
+# block of the payload limit is easy to find before the rest of the runtime is compiled
+# and fragments the heap, and may not be findable after.
+_reserved = []
+
+
+def reserve(size=MAX_PAYLOAD):
+    if not _reserved or len(_reserved[0]._buf) < size:
+        _reserved[:] = [Encoder(size)]
+    return _reserved[0]

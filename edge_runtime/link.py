@@ -1,0 +1,406 @@
+# The board's MQTT 3.1.1 client. One supervisor (run) owns the connection: it
+# connects, starts three tasks per connection (reader, keepalive watchdog, sender)
+# and sleeps until one of them, or the application, calls reconnect(); then it
+# cancels them, closes the socket, waits out a bounded, jittered backoff and starts
+# over. publish() never blocks and never fails because the network is down:
+# messages wait in a bounded outbox that drops the oldest and counts what it
+# dropped, so memory stays fixed however long the broker is away.
+#
+# Delivery: QoS 0 is sent once. QoS 1 gets a packet id and stays in a bounded
+# in-flight list until its PUBACK; it goes again with DUP set after every reconnect,
+# and once on the same connection if its PUBACK is late (a second late PUBACK means
+# the connection is not working, whatever TCP says). At least once, then: the wire
+# contract's ids (req ids, run/event ids, write ids) make a repeat harmless.
+#
+# Every wait on the network is bounded: connect, CONNACK and each write go through
+# platform.wait_for_ms; the reader's open-ended wait for the next packet is bounded
+# by the keepalive watchdog, which pings after half a keepalive of silence and calls
+# reconnect() when the ping goes unanswered.
+#
+# Heap: this module and mqtt.py are compiled on the board when shipped as source, and
+# the compiler's peak grows with the module, so the code is kept terse on purpose.
+from edge_runtime import mqtt
+from edge_runtime.platform import asyncio, log, sleep_ms, ticks_diff, ticks_ms, wait_for_ms
+from edge_runtime.ring import Ring
+
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+_OPEN_MS = const(10000)  # TCP connect, CONNACK, and the SUBACK of the resubscribe
+_WRITE_MS = const(10000)  # one packet onto the socket
+_BYE_MS = const(1000)  # DISCONNECT and close on stop()
+_TICK_MS = const(500)  # watchdog period (shorter for tiny keepalives)
+_FAIL = const(0x80)  # SUBACK failure code
+
+# Whatever ends a connection. asyncio.TimeoutError is an OSError on CPython >= 3.11
+# but not on MicroPython; readexactly raises EOFError at end of stream (CPython's
+# IncompleteReadError derives from it); mqtt.MqttError is a peer breaking the protocol.
+_ENDS = (OSError, EOFError, asyncio.TimeoutError, mqtt.MqttError)
+
+# In-flight entry: [pid, topic, payload, retain, sent_at or None (not yet sent on
+# this connection), resent on this connection already]
+_PID = const(0)
+_SENT = const(4)
+_RESENT = const(5)
+
+
+def _jitter(n):
+    # Spreads a fleet that lost the same broker so it does not return in lockstep.
+    try:
+        from random import getrandbits
+        return getrandbits(16) % (n + 1)
+    except ImportError:
+        return ticks_ms() % (n + 1)
+
+
+async def _close_late(t):
+    try:
+        w = (await t)[1]
+        w.close()
+        await w.wait_closed()
+    except Exception:  # the attempt failed after all: nothing to close
+        pass
+
+
+class Link:
+    def __init__(self, client_id, host, port, user=None, password=None, keepalive=30,
+                 will=None, outbox_size=16, max_packet=20000, on_message=None,
+                 on_connect=None, backoff_ms=(250, 8000), clean_session=True, inflight=8,
+                 ack_timeout_ms=10000):
+        self.client_id = client_id
+        self.host = host
+        self.port = port
+        self.keepalive = keepalive
+        self.max_packet = max_packet  # both ways: what we accept and what we send
+        self.on_message = on_message
+        self.on_connect = on_connect
+        self.backoff_ms = backoff_ms
+        self.ack_timeout_ms = ack_timeout_ms
+        self.connected = False
+        self.stats = {"dropped": 0, "sent": 0, "received": 0, "retransmits": 0,
+                      "reconnects": 0, "connects": 0, "failures": 0}
+        self._outbox = Ring(outbox_size)
+        self._inflight = []
+        self._inflight_max = inflight
+        self._subs = []  # (topic, qos) in subscribe order, applied on every connect
+        self._nsubs = 0  # how many of _subs went out on this connection
+        self._sub_pid = 0  # the connect-time SUBSCRIBE until its SUBACK
+        self._pid_next = 0
+        self._conn = None  # (reader, writer, write lock) of the current connection
+        self._tasks = []
+        self._stopping = False
+        self._wake = asyncio.Event()  # the sender has work
+        self._up = asyncio.Event()  # connected and subscribed
+        self._down = asyncio.Event()  # this connection is over, or stop()
+        self._opened = self._rx = self._tx = 0
+        self._ping = None  # ticks_ms of an unanswered PINGREQ
+        # Built once: CONNECT is the same bytes on every attempt.
+        self._connect_pkt = mqtt.encode_connect(client_id, clean_session, keepalive, user,
+                                                password, will)
+
+    # --- application API ------------------------------------------------------------
+
+    def subscribe(self, topic, qos=1):
+        # Recorded and re-applied on every connect; sent at once if connected. QoS is
+        # capped at 1: this client never takes part in a QoS 2 exchange.
+        self._subs.append((topic, 1 if qos else 0))
+        self._wake.set()
+
+    def publish(self, topic, payload, qos=0, retain=False):
+        # Non-blocking. A message bigger than max_packet is refused here: sent, it
+        # would make the broker drop us, and as QoS 1 it would do so on every reconnect.
+        mqtt.check_topic(topic)
+        if qos not in (0, 1):
+            raise ValueError("qos")
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)  # the caller reuses its memoryview/bytearray buffer
+        if len(payload) + len(topic) + 9 > self.max_packet:
+            raise ValueError("message over max_packet")
+        self._outbox.push((topic, payload, qos, retain))
+        self.stats["dropped"] = self._outbox.dropped
+        self._wake.set()
+
+    async def wait_connected(self, timeout_ms):
+        try:
+            await wait_for_ms(self._up.wait(), timeout_ms)
+        except asyncio.TimeoutError:
+            pass
+        return self.connected
+
+    def reconnect(self, reason):
+        # Idempotent: the first call per connection marks it down and wakes the
+        # supervisor, which ends the connection's tasks and closes the socket. Later
+        # calls, and calls with no connection, do nothing.
+        if self._conn is None or self._down.is_set():
+            return
+        log("link: down:", reason)
+        self.connected = False
+        self._up.clear()
+        self.stats["reconnects"] += 1
+        self._down.set()
+
+    def _lost(self, conn, reason):
+        # A task's way to report its connection over; a task left over from an older
+        # connection must not take the current one down.
+        if conn is self._conn:
+            self.reconnect(reason)
+
+    def stop(self):
+        self._stopping = True
+        self.connected = False
+        self._down.set()
+
+    @property
+    def pending(self):
+        # Messages not acknowledged yet: outbox plus in flight.
+        return len(self._outbox) + len(self._inflight)
+
+    # --- supervisor -----------------------------------------------------------------
+
+    async def run(self):
+        fails = 0
+        try:
+            while not self._stopping:
+                try:
+                    await self._open()
+                    fails = 0
+                    await self._down.wait()  # the connection's life: to reconnect()/stop()
+                except _ENDS as e:
+                    log("link: connect %s:%s failed: %r" % (self.host, self.port, e))
+                    self.stats["failures"] += 1
+                    fails += 1
+                await self._close()
+                if self._stopping:
+                    break
+                # Doubling from the minimum up to the maximum; half of it random.
+                lo, hi = self.backoff_ms
+                d = min(lo << min(fails, 16), hi)
+                d = d // 2 + _jitter(d // 2)
+                self._down.clear()
+                try:
+                    await wait_for_ms(self._down.wait(), d)  # only stop() sets it now
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            # Also when run() itself is cancelled: that counts as stop().
+            self._stopping = True
+            await self._close()
+
+    async def _dial(self):
+        # Not wait_for(open_connection(...)): on MicroPython a cancelled open_connection
+        # leaves its socket open (the unix port's sockets have no finaliser), one per
+        # timed-out attempt until the board runs out. A late attempt is left to end on
+        # its own (the OS bounds a TCP connect) and its stream is closed then.
+        t = asyncio.create_task(asyncio.open_connection(self.host, self.port))
+        waited = 0
+        while not t.done():
+            if waited >= _OPEN_MS or self._stopping:
+                asyncio.create_task(_close_late(t))
+                raise asyncio.TimeoutError()
+            await sleep_ms(20)
+            waited += 20
+        return await t
+
+    async def _open(self):
+        self._down.clear()
+        r, w = await self._dial()
+        # Everything that belongs to this connection, handed to its tasks: a task whose
+        # connection is no longer self._conn stops, whatever it was doing.
+        conn = self._conn = (r, w, asyncio.Lock())
+        await self._write(conn, self._connect_pkt)
+        t, _, body = await wait_for_ms(
+            mqtt.read_packet(r, self.max_packet, mqtt.FROM_SERVER), _OPEN_MS)
+        if t != mqtt.CONNACK:
+            raise mqtt.MalformedPacket("no CONNACK")
+        mqtt.parse_connack(body)
+        self.stats["connects"] += 1
+        self._opened = self._rx = ticks_ms()
+        self._ping = None
+        self._nsubs = self._sub_pid = 0
+        for e in self._inflight:
+            e[_SENT] = None  # all of it goes again, with DUP
+            e[_RESENT] = False
+        self._wake.set()
+        self._tasks = [asyncio.create_task(self._read_loop(conn)),
+                       asyncio.create_task(self._watch_loop(conn)),
+                       asyncio.create_task(self._send_loop(conn))]
+        if not self._subs:
+            self._connected()
+
+    def _connected(self):
+        # "Up" includes the subscriptions: whoever waited for it can rely on receiving.
+        self.connected = True
+        self._up.set()
+        log("link: up %s:%s as %s" % (self.host, self.port, self.client_id))
+        if self.on_connect:
+            try:
+                self.on_connect()
+            except Exception as e:  # an application bug must not take the link down
+                log("link: on_connect:", repr(e))
+
+    async def _close(self):
+        conn = self._conn
+        self._conn = None  # from here on the connection's tasks end at their next check
+        self.connected = False
+        self._up.clear()
+        # Cancelled, not awaited: CPython's wait_for can swallow a cancellation that
+        # races with the awaited result, and awaiting a task that missed its
+        # cancellation would hang; such a task finds _conn changed and ends. On
+        # MicroPython cancel() also takes the task off the poller at once, so the
+        # socket can be closed under it.
+        for t in self._tasks:
+            t.cancel()
+        self._tasks = []
+        if conn is None:
+            return
+        try:
+            if self._stopping:
+                # A clean DISCONNECT tells the broker not to publish our will.
+                await wait_for_ms(self._write(conn, mqtt.DISCONNECT_PACKET), _BYE_MS)
+        except _ENDS:
+            pass
+        try:
+            conn[1].close()
+            await wait_for_ms(conn[1].wait_closed(), _BYE_MS)
+        except _ENDS:
+            pass
+
+    # --- sending --------------------------------------------------------------------
+
+    async def _write(self, conn, *parts):
+        # One lock per connection for every write: packets must not interleave, and on
+        # MicroPython two tasks may not wait to write on one stream at the same time.
+        w = conn[1]
+        async with conn[2]:
+            for p in parts:
+                w.write(p)
+            await wait_for_ms(w.drain(), _WRITE_MS)
+        self._tx = ticks_ms()
+
+    async def _publish(self, conn, e, qos, dup):
+        # e = (or starts like) [pid, topic, payload, retain]; the header is built apart
+        # from the payload so a large payload is never copied to prepend a few bytes.
+        await self._write(conn, mqtt.publish_header(e[1], len(e[2]), qos, e[3], dup, e[0]),
+                          e[2])
+        self.stats["sent"] += 1
+
+    def _new_pid(self):
+        # 1..65535, skipping ids still waiting for their ack.
+        while True:
+            self._pid_next = self._pid_next % 0xFFFF + 1
+            p = self._pid_next
+            if p != self._sub_pid and not [e for e in self._inflight if e[_PID] == p]:
+                return p
+
+    async def _send_loop(self, conn):
+        try:
+            while conn is self._conn:
+                self._wake.clear()
+                # Subscriptions first, then in-flight messages this connection has not
+                # carried (retransmits, DUP set), then the outbox while there is room.
+                if self._nsubs < len(self._subs):
+                    pid = self._new_pid()
+                    if not self._nsubs:
+                        self._sub_pid = pid
+                    new = self._subs[self._nsubs:]
+                    self._nsubs = len(self._subs)
+                    await self._write(conn, mqtt.encode_subscribe(pid, new))
+                for e in self._inflight:
+                    if e[_SENT] is None and conn is self._conn:
+                        e[_SENT] = ticks_ms()
+                        self.stats["retransmits"] += 1
+                        await self._publish(conn, e, 1, True)
+                while (len(self._outbox) and len(self._inflight) < self._inflight_max
+                       and conn is self._conn):
+                    topic, payload, qos, retain = self._outbox.pop()
+                    e = [self._new_pid() if qos else 0, topic, payload, retain, ticks_ms(),
+                         False]
+                    if qos:
+                        self._inflight.append(e)
+                    await self._publish(conn, e, qos, False)
+                try:
+                    await wait_for_ms(self._wake.wait(), 4 * _TICK_MS)
+                except asyncio.TimeoutError:
+                    pass  # look again anyway: a missed wake-up costs at most this long
+        except _ENDS as e:
+            self._lost(conn, "send: %r" % (e,))
+
+    # --- receiving ------------------------------------------------------------------
+
+    async def _read_loop(self, conn):
+        r = conn[0]
+        try:
+            while conn is self._conn:
+                t, flags, body = await mqtt.read_packet(r, self.max_packet, mqtt.FROM_SERVER)
+                self._rx = ticks_ms()
+                self._ping = None  # any packet shows the broker is there
+                if t == mqtt.PUBLISH:
+                    topic, payload, qos, _, _, pid = mqtt.parse_publish(flags, body)
+                    if qos > 1:
+                        raise mqtt.MalformedPacket("QoS 2")  # we never subscribe with 2
+                    self.stats["received"] += 1
+                    if self.on_message:
+                        try:
+                            self.on_message(topic, payload)
+                        except Exception as e:  # an application bug must not end the link
+                            log("link: on_message", topic, repr(e))
+                    if qos:
+                        # After delivery: if we die first, the broker sends it again.
+                        await self._write(conn, mqtt.encode_puback(pid))
+                elif t == mqtt.PUBACK:
+                    pid = mqtt.parse_packet_id(body)
+                    for i in range(len(self._inflight)):
+                        if self._inflight[i][_PID] == pid:
+                            self._inflight.pop(i)
+                            self._wake.set()  # room for the next QoS 1 message
+                            break
+                    # else: the ack of a message acked already (we resent it); ignored.
+                elif t == mqtt.SUBACK:
+                    pid, codes = mqtt.parse_suback(body)
+                    if _FAIL in codes:
+                        log("link: broker refused a subscription", pid)
+                    if pid == self._sub_pid:
+                        self._sub_pid = 0
+                        self._connected()
+                elif t != mqtt.PINGRESP:
+                    # A second CONNACK, a QoS 2 flow or an UNSUBACK we never caused:
+                    # the broker and we disagree about the session.
+                    raise mqtt.MalformedPacket(mqtt.packet_name(t))
+        except _ENDS as e:
+            self._lost(conn, "read: %r" % (e,))
+
+    # --- watchdog -------------------------------------------------------------------
+
+    async def _watch_loop(self, conn):
+        ka = self.keepalive * 1000
+        half = ka // 2
+        tick = min(_TICK_MS, max(ka // 4, 50)) if ka else _TICK_MS
+        try:
+            while conn is self._conn:
+                await sleep_ms(tick)
+                now = ticks_ms()
+                if not self.connected and ticks_diff(now, self._opened) > _OPEN_MS:
+                    return self._lost(conn, "no SUBACK")
+                if ka:
+                    # Ping after half a keepalive of silence either way: silence out lets
+                    # the broker drop us, silence in may be a dead half-open connection.
+                    if self._ping is not None:
+                        if ticks_diff(now, self._ping) > half:
+                            return self._lost(conn, "no PINGRESP")
+                    elif ticks_diff(now, self._tx) >= half or ticks_diff(now, self._rx) >= half:
+                        self._ping = now
+                        await self._write(conn, mqtt.PINGREQ_PACKET)
+                for e in self._inflight:
+                    s = e[_SENT]
+                    if s is not None and ticks_diff(now, s) > self.ack_timeout_ms:
+                        if e[_RESENT]:
+                            return self._lost(conn, "no PUBACK")
+                        e[_SENT] = now
+                        e[_RESENT] = True
+                        self.stats["retransmits"] += 1
+                        await self._publish(conn, e, 1, True)
+        except _ENDS as e:
+            self._lost(conn, "watch: %r" % (e,))

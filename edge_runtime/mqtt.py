@@ -1,0 +1,307 @@
+# MQTT 3.1.1 packets as pure functions: encoders return bytes, parsers take a packet
+# body and return plain values, and one reader (read_packet) pulls whole packets off a
+# stream. No sockets or tasks here, so the board's Link, the board tests and the
+# embedded broker on CPython (tools/embedded_broker.py) share one byte layout. The
+# broker-only parsers (CONNECT, SUBSCRIBE, ...) live in the broker: on a board every
+# line here is compiled into a small heap, so only what a client needs is here.
+#
+# Errors: wire data is refused with an MqttError, never an assert and never a
+# half-built value. MqttError derives from Exception, not OSError, on purpose: a
+# transport failure (OSError, EOFError, timeout) and a peer breaking the grammar both
+# end the connection and lead to a reconnect (the Link catches both), but a log
+# should say which of the two it was, and on MicroPython an OSError subclass would
+# carry a message where callers expect an errno.
+
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+
+# Packet types (the high nibble of the first byte).
+_CONNECT = const(1)
+_CONNACK = const(2)
+_PUBLISH = const(3)
+_PUBACK = const(4)
+_SUBSCRIBE = const(8)
+_SUBACK = const(9)
+_UNSUBACK = const(11)
+_PINGREQ = const(12)
+_PINGRESP = const(13)
+_DISCONNECT = const(14)
+
+_DUP = const(0x08)  # PUBLISH fixed-header flags
+_RETAIN = const(0x01)
+_F_USER = const(0x80)  # CONNECT flags
+_F_PASSWORD = const(0x40)
+_F_WILL_RETAIN = const(0x20)
+_F_WILL = const(0x04)
+_F_CLEAN = const(0x02)
+_LEVEL = const(4)  # protocol level of 3.1.1
+_MAX_LEN = const(268435455)  # the most four varint bytes can say
+
+# Public names for code that dispatches on read_packet's result.
+CONNECT = _CONNECT
+CONNACK = _CONNACK
+PUBLISH = _PUBLISH
+PUBACK = _PUBACK
+SUBSCRIBE = _SUBSCRIBE
+SUBACK = _SUBACK
+UNSUBSCRIBE = const(10)
+UNSUBACK = _UNSUBACK
+PINGREQ = _PINGREQ
+PINGRESP = _PINGRESP
+DISCONNECT = _DISCONNECT
+FROM_CLIENT = "c"  # read_packet(..., sender=FROM_CLIENT) on a broker
+FROM_SERVER = "s"  # read_packet(..., sender=FROM_SERVER) on a client
+
+# The protocol as one table and read_packet its one reader. Row t (16 characters) is
+# packet type t: its name; who sends it (c client, s server, b both, - reserved type);
+# the fixed-header flags the spec requires (MQTT-2.2.2-2; * where they carry meaning);
+# the body length of a fixed-size packet (* variable). All of it is checked before a
+# byte of the body is read. One string rather than tuples: on a board it is a single
+# object, not sixteen.
+_ROW = const(16)
+_TABLE = (
+    #            who flags length
+    "reserved    -**."
+    "CONNECT     c0*."
+    "CONNACK     s02."
+    "PUBLISH     b**."
+    "PUBACK      b02."
+    "PUBREC      b02."
+    "PUBREL      b22."
+    "PUBCOMP     b02."
+    "SUBSCRIBE   c2*."
+    "SUBACK      s0*."
+    "UNSUBSCRIBE c2*."
+    "UNSUBACK    s02."
+    "PINGREQ     c00."
+    "PINGRESP    s00."
+    "DISCONNECT  c00."
+    "reserved    -**."
+)
+
+# CONNACK return codes (3.2.2.3), index = code.
+REFUSALS = ("accepted", "bad protocol version", "identifier rejected",
+            "server unavailable", "bad user name or password", "not authorized")
+
+# Packets with no variable part are constants, never rebuilt.
+PINGREQ_PACKET = b"\xc0\x00"
+PINGRESP_PACKET = b"\xd0\x00"
+DISCONNECT_PACKET = b"\xe0\x00"
+
+
+class MqttError(Exception):
+    # The peer broke MQTT 3.1.1 or refused us; this connection cannot go on.
+    pass
+
+
+class MalformedPacket(MqttError):
+    # Bytes outside the grammar, or a packet the peer's side never sends.
+    pass
+
+
+class PacketTooLarge(MqttError):
+    # A remaining length over our limit, refused before the body was read.
+    pass
+
+
+class ConnectRefused(MqttError):
+    # CONNACK with a non-zero return code, kept in .code.
+    def __init__(self, code):
+        super().__init__("refused: " + (REFUSALS[code] if code < 6 else str(code)))
+        self.code = code
+
+
+def packet_name(t):
+    return _TABLE[(t & 15) * _ROW:(t & 15) * _ROW + 12].strip()
+
+
+def encode_length(n):
+    # The remaining length: base-128 digits, low first, at most four (2.2.3).
+    if not 0 <= n <= _MAX_LEN:
+        raise ValueError("remaining length")
+    out = bytearray()
+    while n > 127:
+        out.append(n & 127 | 128)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _packet(first, body):
+    return bytes((first,)) + encode_length(len(body)) + body
+
+
+def _str(s):
+    # A length-prefixed field (1.5.3) from str or bytes.
+    if isinstance(s, str):
+        s = s.encode()
+    if len(s) > 0xFFFF:
+        raise ValueError("field over 65535 bytes")
+    return bytes((len(s) >> 8, len(s) & 255)) + s
+
+
+def read_u16(buf, off):
+    # Returns (value, next offset); fields are checked against the body's end so a
+    # lying length can never read past the packet.
+    if off + 2 > len(buf):
+        raise MalformedPacket("truncated")
+    return buf[off] << 8 | buf[off + 1], off + 2
+
+
+def read_bytes(buf, off):
+    n, off = read_u16(buf, off)
+    if off + n > len(buf):
+        raise MalformedPacket("field past the end")
+    return buf[off:off + n], off + n
+
+
+def read_text(buf, off):
+    raw, off = read_bytes(buf, off)
+    try:
+        s = raw.decode()
+    except UnicodeError:
+        raise MalformedPacket("not UTF-8")
+    if "\x00" in s:
+        raise MalformedPacket("U+0000 in a string")  # MQTT-1.5.3-2
+    return s, off
+
+
+def check_topic(topic):
+    # A topic name (what is published to) is non-empty and has no wildcard.
+    if not topic or "+" in topic or "#" in topic:
+        raise ValueError("bad topic name")
+
+
+def encode_connect(client_id, clean=True, keepalive=60, user=None, password=None, will=None):
+    # will = (topic, payload, qos, retain) or None.
+    flags = _F_CLEAN if clean else 0
+    tail = _str(client_id)
+    if will:
+        topic, payload, qos, retain = will
+        check_topic(topic)
+        if qos not in (0, 1, 2):
+            raise ValueError("will qos")
+        flags |= _F_WILL | qos << 3 | (_F_WILL_RETAIN if retain else 0)
+        tail += _str(topic) + _str(bytes(payload))
+    if user is not None:
+        flags |= _F_USER
+        tail += _str(user)
+    if password is not None:
+        if user is None:
+            raise ValueError("password without user")  # MQTT-3.1.2-22
+        flags |= _F_PASSWORD
+        tail += _str(password)
+    if not 0 <= keepalive <= 0xFFFF:
+        raise ValueError("keepalive")
+    head = b"\x00\x04MQTT" + bytes((_LEVEL, flags, keepalive >> 8, keepalive & 255))
+    return _packet(_CONNECT << 4, head + tail)
+
+
+def parse_connack(body):
+    # Returns session_present; a refusal raises ConnectRefused naming the code.
+    if body[0] > 1:
+        raise MalformedPacket("CONNACK flags")
+    if body[1]:
+        raise ConnectRefused(body[1])
+    return body[0] == 1
+
+
+def publish_header(topic, size, qos=0, retain=False, dup=False, pid=0):
+    # Fixed header, topic and packet id of a PUBLISH whose payload is `size` bytes.
+    # A sender writes this and then the payload it already holds: a large payload is
+    # never copied into a second buffer to prepend a few bytes.
+    if qos not in (0, 1, 2) or dup and not qos:  # MQTT-3.3.1-2
+        raise ValueError("qos/dup")
+    var = _str(topic)
+    if qos:
+        if not 0 < pid <= 0xFFFF:
+            raise ValueError("packet id")
+        var += bytes((pid >> 8, pid & 255))
+    first = _PUBLISH << 4 | qos << 1 | (_DUP if dup else 0) | (_RETAIN if retain else 0)
+    return bytes((first,)) + encode_length(len(var) + size) + var
+
+
+def encode_publish(topic, payload, qos=0, retain=False, dup=False, pid=0):
+    return publish_header(topic, len(payload), qos, retain, dup, pid) + bytes(payload)
+
+
+def parse_publish(flags, body):
+    # Returns (topic, payload, qos, retain, dup, pid); pid is 0 at QoS 0.
+    qos = flags >> 1 & 3
+    if qos == 3 or flags & _DUP and not qos:  # MQTT-3.3.1-4, 3.3.1-2
+        raise MalformedPacket("PUBLISH flags")
+    topic, off = read_text(body, 0)
+    if not topic or "+" in topic or "#" in topic:
+        raise MalformedPacket("PUBLISH topic")  # MQTT-3.3.2-2
+    pid = 0
+    if qos:
+        pid, off = read_u16(body, off)
+        if not pid:
+            raise MalformedPacket("packet id 0")
+    return topic, body[off:], qos, bool(flags & _RETAIN), bool(flags & _DUP), pid
+
+
+def encode_puback(pid):
+    return bytes((_PUBACK << 4, 2, pid >> 8, pid & 255))
+
+
+def parse_packet_id(body):
+    # PUBACK, UNSUBACK and the QoS 2 acks: the body is the packet id alone (the
+    # table made read_packet check it is two bytes).
+    return body[0] << 8 | body[1]
+
+
+def encode_subscribe(pid, topics):
+    # topics: (filter, qos) pairs, at least one (MQTT-3.8.3-3).
+    if not topics:
+        raise ValueError("no filters")
+    body = bytes((pid >> 8, pid & 255))
+    for topic, qos in topics:
+        body += _str(topic) + bytes((qos,))
+    return _packet(_SUBSCRIBE << 4 | 2, body)
+
+
+def parse_suback(body):
+    # Returns (pid, codes); code 0x80 refused that filter.
+    pid, off = read_u16(body, 0)
+    codes = body[off:]
+    for c in codes:
+        if c > 2 and c != 0x80:
+            raise MalformedPacket("SUBACK code")
+    return pid, codes
+
+
+async def read_packet(reader, max_size, sender="b"):
+    # One packet via reader.readexactly -> (type, flags, body). The table's checks and
+    # the size limit come before the body is read, so a peer announcing a huge or
+    # impossible packet costs us at most five bytes, never an allocation. `sender` is
+    # FROM_SERVER on a client (a broker never sends CONNECT...) and FROM_CLIENT on a
+    # broker.
+    first = (await reader.readexactly(1))[0]
+    t = first >> 4
+    row = t * _ROW
+    who = _TABLE[row + 12]
+    if who == "-" or who != "b" and sender != "b" and who != sender:
+        raise MalformedPacket("%s from this side" % packet_name(t))
+    want = _TABLE[row + 13]
+    if want != "*" and first & 15 != ord(want) - 48:
+        raise MalformedPacket(packet_name(t) + " flags")
+    n = shift = 0
+    while True:
+        b = (await reader.readexactly(1))[0]
+        n |= (b & 127) << shift
+        if b < 128:
+            break
+        shift += 7
+        if shift > 21:
+            raise MalformedPacket("remaining length over four bytes")
+    want = _TABLE[row + 14]
+    if want != "*" and n != ord(want) - 48:
+        raise MalformedPacket(packet_name(t) + " length")
+    if n > max_size:
+        raise PacketTooLarge("%s of %d bytes" % (packet_name(t), n))
+    return t, first & 15, (await reader.readexactly(n) if n else b"")

@@ -1,0 +1,266 @@
+# Runs in the request domain: every request on P/d/D/req gets a fresh Run with its own
+# event ids. Admission is bounded (concurrency + a short queue); past that a request is
+# refused with a `busy` error event, never dropped silently. This module also routes
+# everything that arrives on the board's topics, so bad input is refused in one place.
+import sys
+
+from edge_runtime import codec, platform
+from edge_runtime.events import DEVICE_RUN, Emitter
+from edge_runtime.ring import Ring
+from edge_runtime.rpc import RpcClient
+from edge_runtime.toolloop import RunFailed, model_loop
+
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+FW_VERSION = "0.1.0"
+_QOS1 = const(1)
+_DEFAULT_CONCURRENCY = const(1)
+_DEFAULT_QUEUE = const(2)
+_DEFAULT_RING = const(32)
+_RECENT_RUNS = const(4)
+_SEEN_REQS = const(16)
+
+
+def firmware():
+    impl = sys.implementation
+    return "wren-edge %s %s %s" % (FW_VERSION, impl.name, ".".join(str(n) for n in impl.version[:3]))
+
+
+def free_heap():
+    try:
+        import gc
+        return gc.mem_free()
+    except (ImportError, AttributeError):
+        return None
+
+
+class Run:
+    # One request's run state: fresh per request, owned by one task.
+
+    def __init__(self, runtime, run_id, msg):
+        self.id = run_id
+        self.agent = runtime.agent
+        self.rpc = runtime.rpc
+        self.req = msg["req"]
+        self.input = msg["input"]
+        self.conv = msg.get("conv")
+        self.user = msg.get("usr")
+        self.emitter = Emitter(run_id, runtime.send_event, platform.time_ms, runtime.ring_size)
+        self.task = None
+        self.cancel_reason = None
+
+    def emit(self, etype, d=None, node=None):
+        return self.emitter.emit(etype, d, node)
+
+    def check_cancelled(self):
+        if self.cancel_reason is not None:
+            raise platform.asyncio.CancelledError()
+
+
+class Runtime:
+    def __init__(self, agent, device, settings=None):
+        settings = settings or {}
+        self.agent = agent
+        self.device = device
+        prefix = settings.get("prefix", "wren/v1")
+        self._base = "%s/d/%s/" % (prefix, device)
+        self.limits = {
+            "payload": settings.get("max_payload", codec.MAX_PAYLOAD),
+            "str": settings.get("max_str", codec.MAX_STR),
+            "items": settings.get("max_items", codec.MAX_ITEMS),
+            "depth": settings.get("max_depth", codec.MAX_DEPTH),
+            "ring": settings.get("ring", _DEFAULT_RING),
+        }
+        self.ring_size = self.limits["ring"]
+        self.concurrency = settings.get("concurrency", _DEFAULT_CONCURRENCY)
+        self.max_queue = settings.get("queue", _DEFAULT_QUEUE)
+        # One encode buffer for everything the board sends; the link copies out of it.
+        self._encoder = codec.reserve(self.limits["payload"])
+        self.link = None
+        self.rpc = RpcClient(self.publish_msg, self._base + "rpc")
+        self.device_stream = Emitter(DEVICE_RUN, self.send_event, platform.time_ms, 8)
+        self.active = {}
+        self._recent = Ring(_RECENT_RUNS)
+        self._seen = Ring(_SEEN_REQS)
+        self._queue = []
+        self._boot = "%08x" % _random32()
+        self._runs_started = 0
+        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0}
+        self._routes = {"req": self._on_req, "ctl": self._on_ctl, "rpc/res": self.rpc.on_answer}
+        self._ctl_ops = {"cancel": self._ctl_cancel, "replay": self._ctl_replay,
+                         "tool": self._ctl_not_waiting, "approve": self._ctl_not_waiting}
+
+    # --- wiring to the link -------------------------------------------------------
+
+    def attach(self, link):
+        self.link = link
+        for leaf in ("req", "ctl", "rpc/res"):
+            link.subscribe(self._base + leaf, _QOS1)
+
+    def will(self):
+        return (self._base + "status", codec.encode({"st": "offline"}), _QOS1, True)
+
+    def on_connect(self):
+        # Presence first (retained, so a dashboard that connects later sees it), then
+        # the capabilities the bridge needs to serve this board.
+        self.publish_msg(self._base + "status", {
+            "st": "online", "fw": firmware(), "agent": self.agent.name,
+            "ver": self.agent.version, "heap": free_heap()}, _QOS1, True)
+        self.publish_msg(self._base + "hello", {
+            "agent": self.agent.name, "ver": self.agent.version, "fw": firmware(),
+            "fields": self.agent.fields, "tools": self.agent.describe(),
+            "limits": self.limits}, _QOS1)
+
+    def publish_msg(self, topic, msg, qos=0, retain=False):
+        try:
+            view = self._encoder.pack(msg)
+        except codec.CodecError as e:
+            self.stats["unsendable"] += 1
+            platform.log("cannot encode message for", topic, e)
+            return False
+        if self.link is None:
+            return False
+        self.link.publish(topic, view, qos, retain)
+        return True
+
+    def send_event(self, env):
+        self.publish_msg(self._base + "evt", env, _QOS1)
+
+    # --- input --------------------------------------------------------------------
+
+    def on_message(self, topic, payload):
+        if not topic.startswith(self._base):
+            self.refuse("bad_topic", "not this board's topic")
+            return
+        leaf = topic[len(self._base):]
+        route = self._routes.get(leaf)
+        if route is None:
+            self.refuse("bad_topic", "no such topic leaf: " + leaf)
+            return
+        lim = self.limits
+        try:
+            msg = codec.decode(payload, lim["payload"], lim["str"], lim["items"], lim["depth"])
+        except codec.CodecError as e:
+            self.refuse(e.kind, "%s on %s" % (e, leaf))
+            return
+        if not isinstance(msg, dict):
+            self.refuse("bad_envelope", "payload on %s is not a map" % leaf)
+            return
+        route(msg)
+
+    def refuse(self, kind, msg, extra=None):
+        # Refused input becomes an error event on the device stream; the board goes on.
+        self.stats["refused"] += 1
+        d = {"kind": kind, "msg": msg}
+        if extra:
+            d.update(extra)
+        platform.log("refused", kind, msg)
+        self.device_stream.emit("error", d)
+
+    def _on_req(self, msg):
+        req = msg.get("req")
+        if not isinstance(req, str) or not isinstance(msg.get("input"), str):
+            self.refuse("bad_envelope", "req needs string fields req and input")
+            return
+        if req in self._seen:
+            # The idempotency key: a repeated request starts nothing new.
+            self.stats["duplicate"] += 1
+            return
+        self._seen.push(req)
+        if len(self.active) < self.concurrency:
+            self._start(msg)
+        elif len(self._queue) < self.max_queue:
+            self._queue.append(msg)
+        else:
+            self.stats["busy"] += 1
+            self.refuse("busy", "the board is running %d requests and has %d queued"
+                        % (len(self.active), len(self._queue)), {"req": req})
+
+    def _on_ctl(self, msg):
+        op = self._ctl_ops.get(msg.get("op"))
+        if op is None:
+            self.refuse("unknown_op", "unknown ctl op %r" % (msg.get("op"),))
+            return
+        op(msg)
+
+    def _find_run(self, run_id):
+        run = self.active.get(run_id)
+        if run is not None:
+            return run
+        for old in self._recent:
+            if old.id == run_id:
+                return old
+        return None
+
+    def _ctl_cancel(self, msg):
+        run = self.active.get(msg.get("r"))
+        if run is None:
+            self.refuse("unknown_run", "no active run %r to cancel" % (msg.get("r"),))
+            return
+        run.cancel_reason = msg.get("reason") or "cancelled"
+        if run.task is not None:
+            run.task.cancel()
+
+    def _ctl_replay(self, msg):
+        after = msg.get("after")
+        if not isinstance(after, int) or after < 0:
+            self.refuse("bad_envelope", "replay needs an integer after >= 0")
+            return
+        run_id = msg.get("r")
+        if run_id == DEVICE_RUN:
+            self.device_stream.replay(after)
+            return
+        run = self._find_run(run_id)
+        if run is None:
+            self.refuse("unknown_run", "run %r is no longer held" % (run_id,))
+            return
+        run.emitter.replay(after)
+
+    def _ctl_not_waiting(self, msg):
+        # No run pauses in this version, so no tool answer or approval can be expected.
+        self.refuse("not_waiting", "run %r is not waiting on call %r" % (msg.get("r"), msg.get("call")))
+
+    # --- runs ---------------------------------------------------------------------
+
+    def _start(self, msg):
+        self._runs_started += 1
+        run = Run(self, "%s.%d" % (self._boot, self._runs_started), msg)
+        self.active[run.id] = run
+        run.task = platform.asyncio.create_task(self._drive(run))
+
+    async def _drive(self, run):
+        agent = self.agent
+        run.emit("run.started", {"agent": agent.name, "ver": agent.version, "req": run.req,
+                                 "conv": run.conv, "domain": "request", "input": run.input})
+        try:
+            handler = agent.handler or model_loop
+            usage = await handler(run)
+            run.emit("run.done", {"usage": usage or {}})
+        except platform.asyncio.CancelledError:
+            run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
+        except RunFailed as e:
+            run.emit("run.failed", {"err": {"kind": e.kind, "msg": e.msg}, "retryable": e.retryable})
+        except Exception as e:
+            # The detail goes to the console; the host sees a customer-safe message.
+            platform.log("run", run.id, "crashed:", repr(e))
+            run.emit("run.failed", {"err": {"kind": "internal", "msg": "the board hit an internal error"},
+                                    "retryable": False})
+        finally:
+            self.active.pop(run.id, None)
+            self._recent.push(run)
+            if self._queue and len(self.active) < self.concurrency:
+                self._start(self._queue.pop(0))
+
+
+def _random32():
+    try:
+        import os
+        b = os.urandom(4)
+        return (b[0] << 24) | (b[1] << 16) | (b[2] << 8) | b[3]
+    except (ImportError, AttributeError, OSError):
+        import random
+        return random.getrandbits(32)

@@ -1,0 +1,101 @@
+# The default handler: the model tool loop. Ask the bridge's model (llm.complete) with
+# the conversation so far, stream its text as msg.delta, run the local tools it calls,
+# feed their results back, and stop when it answers without calling a tool.
+import json
+
+from edge_runtime.rpc import RpcError
+
+
+class RunFailed(Exception):
+    # Ends a run as run.failed with a customer-safe message.
+
+    def __init__(self, kind, msg, retryable=False):
+        Exception.__init__(self, msg)
+        self.kind = kind
+        self.msg = msg
+        self.retryable = retryable
+
+
+def _tool_output(value):
+    # The model reads text; a number or a map from a sensor becomes its JSON text.
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+async def _run_tool(tool, input_text):
+    try:
+        args = json.loads(input_text) if input_text else {}
+    except ValueError:
+        return "invalid JSON arguments", True
+    if not isinstance(args, dict):
+        return "arguments must be a JSON object", True
+    try:
+        value = tool.fn(args)
+        if hasattr(value, "send"):  # a coroutine (async tool) on either runtime
+            value = await value
+        return _tool_output(value), False
+    except Exception as e:  # the model sees a failed tool as its error text
+        return "%s: %s" % (type(e).__name__, e), True
+
+
+async def model_loop(run):
+    agent = run.agent
+    messages = [{"role": "system", "content": agent.instructions},
+                {"role": "user", "content": run.input}]
+    specs = [t.model_spec() for t in agent.tools.values()]
+    usage = {"in": 0, "out": 0, "reason": 0}
+    for step in range(agent.max_steps):
+        run.check_cancelled()
+        m = step + 1
+        parts = []
+        calls = []
+
+        def on_chunk(ch):
+            text = ch.get("text")
+            if text:
+                parts.append(text)
+                run.emit("msg.delta", {"m": m, "text": text})
+            elif ch.get("reason"):
+                run.emit("reason.delta", {"m": m, "text": ch["reason"]})
+            elif ch.get("tool"):
+                calls.append(ch["tool"])
+
+        run.emit("msg.start", {"m": m, "role": "assistant"})
+        args = {"messages": messages, "tools": specs}
+        if agent.model:
+            args["model"] = agent.model
+        if agent.max_tokens:
+            args["max_tokens"] = agent.max_tokens
+        try:
+            final = await run.rpc.call("llm.complete", args, run.id, on_chunk)
+        except RpcError as e:
+            run.emit("msg.end", {"m": m})
+            raise RunFailed("llm", "the model is unavailable (%s)" % e.kind, True)
+        run.emit("msg.end", {"m": m})
+        got = (final or {}).get("usage") or {}
+        for key in usage:
+            value = got.get(key)
+            if isinstance(value, int):
+                usage[key] += value
+        reply = {"role": "assistant", "content": "".join(parts)}
+        if calls:
+            reply["tools"] = calls
+        messages.append(reply)
+        if not calls:
+            return usage
+        for call in calls:
+            run.check_cancelled()
+            name = call.get("name")
+            cid = call.get("call")
+            input_text = call.get("input") or "{}"
+            tool = agent.tools.get(name)
+            run.emit("tool.call", {"call": cid, "name": name, "input": input_text,
+                                   "client": False})
+            if tool is None:
+                output, failed = "no tool named %s" % name, True
+            else:
+                output, failed = await _run_tool(tool, input_text)
+            run.emit("tool.result", {"call": cid, "output": output, "failed": failed})
+            messages.append({"role": "tool", "call": cid, "content": output})
+    raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)

@@ -1,0 +1,254 @@
+# The Link against a real broker (the session's Mosquitto, address from
+# WREN_TEST_BROKER): publish/subscribe, QoS 1 redelivery across a cut connection,
+# the last will, and outbox overflow. The other MQTT clients here are Links too, so
+# the module runs unchanged on the MicroPython unix port.
+import random
+import sys
+
+from edge_runtime import mqtt
+from edge_runtime.link import Link
+from edge_runtime.platform import asyncio, sleep_ms, wait_for_ms
+from firmware_tests.support import broker_address, run
+
+WAIT_MS = 10000  # every wait here is bounded by this
+
+
+def _broker():
+    addr = broker_address()
+    assert addr is not None, "WREN_TEST_BROKER is not set (the pytest fixture sets it)"
+    return addr
+
+
+def _base():
+    # A topic subtree of this test's own: the broker outlives a single test.
+    return "wren-test/%06x" % random.getrandbits(24)
+
+
+def _link(name, port=None, **kw):
+    host, bport = _broker()
+    kw.setdefault("backoff_ms", (20, 200))
+    return Link("%s-%06x" % (name, random.getrandbits(24)), host, port or bport, **kw)
+
+
+async def _until(pred, what, ms=WAIT_MS):
+    waited = 0
+    while not pred():
+        assert waited < ms, "timed out waiting for " + what
+        await sleep_ms(20)
+        waited += 20
+
+
+async def _with(links, body):
+    # Runs the links' supervisors around body() and always stops them: on MicroPython a
+    # task left behind would run on in the next test's event loop.
+    tasks = [asyncio.create_task(k.run()) for k in links]
+    try:
+        for k in links:
+            assert await k.wait_connected(WAIT_MS), "link did not connect"
+        await body()
+    finally:
+        for k in links:
+            k.stop()
+        for t in tasks:
+            try:
+                await wait_for_ms(t, WAIT_MS)
+            except asyncio.TimeoutError:
+                t.cancel()
+
+
+def _collector():
+    got = []
+
+    def on_message(topic, payload):
+        got.append((topic, payload))
+
+    return got, on_message
+
+
+def test_publish_subscribe_round_trip_qos0_qos1_and_retained():
+    base = _base()
+
+    async def main():
+        got, on_message = _collector()
+        sub = _link("sub", on_message=on_message)
+        sub.subscribe(base + "/+", 1)
+        pub = _link("pub")
+
+        async def body():
+            pub.publish(base + "/a", b"zero", 0)
+            pub.publish(base + "/b", bytearray(b"one"), 1)
+            pub.publish(base + "/c", memoryview(b"kept"), 1, True)
+            await _until(lambda: len(got) == 3, "three messages")
+            assert sorted(got) == [(base + "/a", b"zero"), (base + "/b", b"one"),
+                                   (base + "/c", b"kept")]
+            await _until(lambda: pub.pending == 0, "PUBACKs")
+            assert pub.stats["sent"] == 3 and pub.stats["retransmits"] == 0
+            assert sub.stats["received"] == 3
+
+        await _with([sub, pub], body)
+
+        # A subscriber that comes later gets the retained message.
+        late_got, on_late = _collector()
+        late = _link("late", on_message=on_late)
+        late.subscribe(base + "/c", 0)
+        clear = _link("clear")
+
+        async def later():
+            await _until(lambda: late_got == [(base + "/c", b"kept")], "the retained message")
+            clear.publish(base + "/c", b"", 1, True)  # an empty retained message clears it
+            await _until(lambda: clear.pending == 0, "the clearing PUBACK")
+
+        await _with([late, clear], later)
+
+    run(main())
+
+
+class CutProxy:
+    # Sits between a Link and the broker and forwards whole packets both ways, except
+    # that it swallows the first PUBLISH on `topic` from the client and cuts both
+    # connections right there: the broker never got that message and the client never
+    # got its PUBACK. Whatever comes later is forwarded, and the flags of every PUBLISH
+    # on `topic` are kept in `seen`.
+    def __init__(self, topic):
+        self.topic = topic
+        self.seen = []
+        self.pairs = []
+        self.cut = False
+
+    async def start(self):
+        if sys.implementation.name != "micropython":
+            self.server = await asyncio.start_server(self._accepted, "127.0.0.1", 0)
+            self.port = self.server.sockets[0].getsockname()[1]
+            return self
+        for _ in range(20):  # the unix port cannot report a kernel-chosen port
+            self.port = 20000 + random.getrandbits(15)
+            try:
+                self.server = await asyncio.start_server(self._accepted, "127.0.0.1", self.port)
+                return self
+            except OSError:
+                pass
+        raise OSError("no free port for the proxy")
+
+    async def _accepted(self, cr, cw):
+        host, port = _broker()
+        br, bw = await asyncio.open_connection(host, port)
+        pair = [cw, bw, None, None]
+        self.pairs.append(pair)
+        pair[2] = asyncio.create_task(self._pump(pair, cr, bw, mqtt.FROM_CLIENT, 3))
+        pair[3] = asyncio.create_task(self._pump(pair, br, cw, mqtt.FROM_SERVER, 2))
+
+    async def _pump(self, pair, r, w, side, other):
+        try:
+            while True:
+                t, flags, body = await mqtt.read_packet(r, 1 << 20, side)
+                if side == mqtt.FROM_CLIENT and t == mqtt.PUBLISH:
+                    if mqtt.parse_publish(flags, body)[0] == self.topic:
+                        self.seen.append(flags)
+                        if not self.cut:
+                            self.cut = True
+                            await self._drop(pair, other)
+                            return
+                w.write(bytes((t << 4 | flags,)) + mqtt.encode_length(len(body)) + body)
+                await w.drain()
+        except (OSError, EOFError, mqtt.MqttError):
+            await self._drop(pair, other)
+
+    async def _drop(self, pair, other=None):
+        # The other direction's task first: on MicroPython a socket must not be closed
+        # under a task that is waiting on it.
+        for i in (2, 3):
+            if pair[i] is not None and (other is None or i == other):
+                pair[i].cancel()
+        for w in pair[:2]:
+            w.close()
+            try:
+                await w.wait_closed()
+            except OSError:
+                pass
+
+    async def close(self):
+        for pair in self.pairs:
+            await self._drop(pair)
+        self.server.close()
+        await self.server.wait_closed()
+
+
+def test_qos1_message_is_redelivered_after_the_connection_is_cut():
+    base = _base()
+    topic = base + "/evt"
+
+    async def main():
+        proxy = await CutProxy(topic).start()
+        got, on_message = _collector()
+        sub = _link("sub", on_message=on_message)
+        sub.subscribe(topic, 1)
+        dev = _link("dev", proxy.port)
+
+        async def body():
+            dev.publish(topic, b"must arrive", 1)
+            await _until(lambda: got, "the redelivered message")
+            await _until(lambda: dev.pending == 0, "the PUBACK")
+            assert got == [(topic, b"must arrive")]
+            # First try QoS 1 (flags 0010), cut; the retry carries DUP (1010).
+            assert proxy.seen == [0x02, 0x0A], proxy.seen
+            assert dev.stats["reconnects"] == 1 and dev.stats["retransmits"] == 1
+
+        try:
+            await _with([sub, dev], body)
+        finally:
+            await proxy.close()
+
+    run(main())
+
+
+def test_last_will_is_published_when_the_connection_drops():
+    base = _base()
+    will_topic = base + "/status"
+
+    async def main():
+        got, on_message = _collector()
+        watcher = _link("watch", on_message=on_message)
+        watcher.subscribe(will_topic, 1)
+        dev = _link("dev", will=(will_topic, b"offline", 1, False))
+
+        async def body():
+            # Gone without a DISCONNECT, as when a board loses power or Wi-Fi: the
+            # broker publishes the will.
+            dev.reconnect("test: connection cut")
+            await _until(lambda: got, "the will")
+            assert got == [(will_topic, b"offline")]
+            assert await dev.wait_connected(WAIT_MS)  # and the link came back by itself
+
+        await _with([watcher, dev], body)
+
+    run(main())
+
+
+def test_outbox_overflow_drops_the_oldest_and_counts_it():
+    base = _base()
+    topic = base + "/evt"
+
+    async def main():
+        got, on_message = _collector()
+        sub = _link("sub", on_message=on_message)
+        sub.subscribe(topic, 1)
+        dev = _link("dev", outbox_size=4)
+        for i in range(10):  # while the link is not running: all of it waits
+            dev.publish(topic, ("m%d" % i).encode(), 1)
+        assert dev.stats["dropped"] == 6 and dev.pending == 4
+
+        async def body():
+            await _until(lambda: len(got) == 4, "four messages")
+            assert [p for _, p in got] == [b"m6", b"m7", b"m8", b"m9"]
+            await _until(lambda: dev.pending == 0, "PUBACKs")
+            assert dev.stats["dropped"] == 6
+
+        sub_task = asyncio.create_task(sub.run())
+        try:
+            assert await sub.wait_connected(WAIT_MS)  # subscribed before dev sends
+            await _with([dev], body)
+        finally:
+            sub.stop()
+            await wait_for_ms(sub_task, WAIT_MS)
+
+    run(main())

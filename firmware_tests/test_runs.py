@@ -1,0 +1,281 @@
+# The board runtime over a real broker, on both runtimes: a Runtime wired to a real Link,
+# and a second Link playing the bridge from a script (it answers llm.complete, collects
+# events and sends ctl). Nothing of the runtime is replaced.
+import json
+
+from edge_runtime import codec
+
+# As a board's main.py does: the encode buffer first, while the heap is unfragmented.
+codec.reserve()
+
+from edge_runtime import platform
+from edge_runtime.agent import Agent
+from edge_runtime.link import Link
+from edge_runtime.runs import Runtime
+from firmware_tests.support import broker_address, run
+
+P = "wren/v1/d/"
+
+
+def _agent():
+    agent = Agent("thermostat", "0.1.0", "You watch a room.")
+
+    @agent.tool("read_temperature", "Read the room in C")
+    def read_temperature(args):
+        return 21.5
+
+    @agent.tool("explode", "Always fails")
+    def explode(args):
+        raise ValueError("sensor unplugged")
+
+    return agent
+
+
+# Turn n of the scripted model is chosen by how many assistant messages it was sent.
+SCRIPT = [
+    [{"text": "Let me "}, {"text": "check."}, {"tool": {"call": "c1", "name": "read_temperature", "input": "{}"}}],
+    [{"text": "It is 21.5 C."}],
+]
+
+
+class ScriptedBridge:
+    def __init__(self, device, script, answer_rpc=True):
+        host, port = broker_address()
+        self.base = P + device + "/"
+        self.script = script
+        self.answer_rpc = answer_rpc
+        self.events = []
+        self.calls = []
+        self.link = Link("bridge-" + device, host, port, on_message=self.on_message)
+        self.link.subscribe(self.base + "evt", 1)
+        self.link.subscribe(self.base + "rpc", 1)
+        self.link.subscribe(self.base + "hello", 1)
+        self.hello = None
+
+    def on_message(self, topic, payload):
+        msg = codec.decode(payload)
+        if topic.endswith("/evt"):
+            self.events.extend(msg if isinstance(msg, list) else [msg])
+        elif topic.endswith("/hello"):
+            self.hello = msg
+        elif topic.endswith("/rpc"):
+            self.calls.append(msg)
+            if self.answer_rpc:
+                self.answer(msg)
+
+    def answer(self, call):
+        turn = sum(1 for m in call["a"]["messages"] if m["role"] == "assistant")
+        res = self.base + "rpc/res"
+        if turn >= len(self.script):
+            self.link.publish(res, codec.encode({"c": call["c"], "err": {"kind": "llm", "msg": "script exhausted"}}), 1)
+            return
+        for step in self.script[turn]:
+            self.link.publish(res, codec.encode({"c": call["c"], "ch": step}), 1)
+        finish = "tool_calls" if any("tool" in s for s in self.script[turn]) else "stop"
+        self.link.publish(res, codec.encode({"c": call["c"], "ok": {"usage": {"in": 10, "out": 5, "reason": 0},
+                                                                   "finish": finish}}), 1)
+
+    def send(self, leaf, msg_or_bytes):
+        data = msg_or_bytes if isinstance(msg_or_bytes, bytes) else codec.encode(msg_or_bytes)
+        self.link.publish(self.base + leaf, data, 1)
+
+    def of_run(self, run_id):
+        return sorted((e for e in self.events if e["r"] == run_id), key=lambda e: e["i"])
+
+    async def wait_for(self, pred, ms=10000):
+        waited = 0
+        while not pred():
+            if waited >= ms:
+                raise AssertionError("timed out; events: %r" % (self.events,))
+            await platform.sleep_ms(20)
+            waited += 20
+
+
+async def _with_board(device, body, script=SCRIPT, settings=None, agent=None):
+    host, port = broker_address()
+    bridge = ScriptedBridge(device, script)
+    runtime = Runtime(agent or _agent(), device, settings or {})
+    link = Link(device, host, port, will=runtime.will(), on_message=runtime.on_message,
+                on_connect=runtime.on_connect)
+    runtime.attach(link)
+    tasks = [platform.asyncio.create_task(bridge.link.run()), platform.asyncio.create_task(link.run())]
+    try:
+        assert await bridge.link.wait_connected(5000)
+        assert await link.wait_connected(5000)
+        await bridge.wait_for(lambda: bridge.hello is not None)
+        await body(bridge, runtime)
+    finally:
+        link.stop()
+        bridge.link.stop()
+        for t in tasks:
+            try:
+                await platform.wait_for_ms(t, 3000)
+            except Exception:
+                t.cancel()
+
+
+def _types(events):
+    return [e["t"] for e in events]
+
+
+def test_one_request_runs_the_tool_loop_to_done():
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "q1", "conv": "c1", "usr": "u1", "input": "How warm is it?"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+        run_id = bridge.events[0]["r"]
+        events = bridge.of_run(run_id)
+        assert [e["i"] for e in events] == list(range(1, len(events) + 1))
+        assert _types(events) == ["run.started", "msg.start", "msg.delta", "msg.delta", "msg.end",
+                                  "tool.call", "tool.result", "msg.start", "msg.delta", "msg.end",
+                                  "run.done"]
+        started = events[0]["d"]
+        assert started["req"] == "q1" and started["input"] == "How warm is it?"
+        assert started["domain"] == "request" and started["agent"] == "thermostat"
+        assert events[5]["d"] == {"call": "c1", "name": "read_temperature", "input": "{}", "client": False}
+        assert events[6]["d"] == {"call": "c1", "output": "21.5", "failed": False}
+        assert events[-1]["d"]["usage"] == {"in": 20, "out": 10, "reason": 0}
+        # The second model call carried the tool result back in the conversation.
+        second = bridge.calls[1]["a"]["messages"]
+        assert second[-1] == {"role": "tool", "call": "c1", "content": "21.5"}
+        assert second[-2]["tools"][0]["name"] == "read_temperature"
+        assert bridge.hello["tools"][0]["name"] in ("read_temperature", "explode")
+
+    run(_with_board("tb-loop", body))
+
+
+def test_failing_tool_is_reported_to_the_model_and_the_run_goes_on():
+    script = [[{"tool": {"call": "c9", "name": "explode", "input": "{}"}}], [{"text": "Sorry."}]]
+
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "q2", "input": "boom"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+        result = [e for e in bridge.events if e["t"] == "tool.result"][0]["d"]
+        assert result["failed"] is True and "sensor unplugged" in result["output"]
+
+    run(_with_board("tb-toolfail", body, script))
+
+
+def test_model_error_fails_the_run_retryable_with_a_safe_message():
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "q3", "input": "hi"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.failed" for e in bridge.events))
+        failed = [e for e in bridge.events if e["t"] == "run.failed"][0]["d"]
+        assert failed["err"]["kind"] == "llm" and failed["retryable"] is True
+
+    run(_with_board("tb-llmerr", body, script=[]))
+
+
+def test_repeated_request_id_starts_nothing_new():
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "same", "input": "one"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+        bridge.send("req", {"req": "same", "input": "one"})
+        bridge.send("req", {"req": "other", "input": "two"})
+        await bridge.wait_for(lambda: len([e for e in bridge.events if e["t"] == "run.done"]) == 2)
+        started = [e["d"]["req"] for e in bridge.events if e["t"] == "run.started"]
+        assert started == ["same", "other"]
+        assert runtime.stats["duplicate"] == 1
+
+    run(_with_board("tb-idem", body))
+
+
+def _device_errors(bridge):
+    return [e["d"] for e in bridge.of_run("_") if e["t"] == "error"]
+
+
+def test_bad_input_is_refused_by_name_and_the_board_keeps_serving():
+    deep = b"\x91" * 40 + b"\xc0"
+    bad = [
+        ("req", b"\x85\xa3req", "truncated"),
+        ("req", b"\xdb\xff\xff\xff\xff" + b"x" * 8, "too_large"),
+        ("req", deep, "too_deep"),
+        ("req", codec.encode([1, 2, 3]), "bad_envelope"),
+        ("req", codec.encode({"req": 5, "input": "x"}), "bad_envelope"),
+        ("ctl", codec.encode({"op": "explode", "r": "x"}), "unknown_op"),
+        ("ctl", codec.encode({"op": "tool", "r": "x", "call": "c1", "output": "1"}), "not_waiting"),
+        ("ctl", b"\xc1", "bad_type"),
+    ]
+
+    async def body(bridge, runtime):
+        for leaf, payload, _ in bad:
+            bridge.send(leaf, payload)
+        await bridge.wait_for(lambda: len(_device_errors(bridge)) == len(bad))
+        kinds = [d["kind"] for d in _device_errors(bridge)]
+        assert kinds == [k for _, _, k in bad]
+        ids = [e["i"] for e in bridge.of_run("_")]
+        assert ids == list(range(1, len(bad) + 1))
+        # and a valid request after all of that still runs to the end
+        bridge.send("req", {"req": "after-bad", "input": "still there?"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+
+    run(_with_board("tb-bad", body))
+
+
+def test_requests_beyond_concurrency_and_queue_are_refused_busy():
+    # The model never answers, so the first run holds the only slot and the queue fills.
+    async def body(bridge, runtime):
+        bridge.answer_rpc = False
+        for n in range(4):
+            bridge.send("req", {"req": "b%d" % n, "input": "x"})
+        await bridge.wait_for(lambda: len(_device_errors(bridge)) == 1)
+        err = _device_errors(bridge)[0]
+        assert err["kind"] == "busy" and err["req"] == "b3"
+        assert len(runtime.active) == 1 and len(runtime._queue) == 2
+        # Cancelling the running one admits the next from the queue.
+        run_id = [e for e in bridge.events if e["t"] == "run.started"][0]["r"]
+        bridge.send("ctl", {"op": "cancel", "r": run_id, "reason": "user stopped it"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.cancelled" for e in bridge.events))
+        cancelled = [e for e in bridge.events if e["t"] == "run.cancelled"][0]
+        assert cancelled["d"]["reason"] == "user stopped it" and cancelled["r"] == run_id
+        await bridge.wait_for(lambda: len([e for e in bridge.events if e["t"] == "run.started"]) == 2)
+
+    run(_with_board("tb-busy", body))
+
+
+def test_replay_resends_what_the_ring_holds_and_reports_the_rest_as_a_gap():
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "r1", "input": "x"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+        run_id = bridge.events[0]["r"]
+        total = len(bridge.of_run(run_id))
+        bridge.events = []
+        # The ring holds 4 events: asking from 0 resends the last 4 and names the rest lost.
+        bridge.send("ctl", {"op": "replay", "r": run_id, "after": 0})
+        await bridge.wait_for(lambda: any(e["t"] == "error" for e in bridge.events))
+        got = bridge.of_run(run_id)
+        assert [e["i"] for e in got[:4]] == list(range(total - 3, total + 1))
+        gap = got[-1]
+        assert gap["t"] == "error" and gap["i"] == total + 1
+        assert gap["d"]["kind"] == "gap" and gap["d"]["from"] == 1 and gap["d"]["to"] == total - 4
+
+    run(_with_board("tb-replay", body, settings={"ring": 4}))
+
+
+def test_plain_async_handler_needs_no_model():
+    async def handler(run_):
+        run_.emit("output", {"name": "echo", "value": run_.input.upper(), "status": "final"})
+        return {"in": 0, "out": 0, "reason": 0}
+
+    agent = Agent("echo", "1.0", "", handler=handler)
+
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "e1", "input": "shout"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+        out = [e for e in bridge.events if e["t"] == "output"][0]["d"]
+        assert out["value"] == "SHOUT"
+        assert bridge.calls == []
+
+    run(_with_board("tb-plain", body, agent=agent))
+
+
+def test_tool_input_must_be_a_json_object():
+    script = [[{"tool": {"call": "c1", "name": "read_temperature", "input": "[1,2]"}}], [{"text": "ok"}]]
+
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "j1", "input": "x"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+        result = [e for e in bridge.events if e["t"] == "tool.result"][0]["d"]
+        assert result["failed"] is True
+        assert json.loads('"%s"' % result["output"]) == "arguments must be a JSON object"
+
+    run(_with_board("tb-json", body, script))

@@ -1,0 +1,398 @@
+"""The server bridge process: MQTT link, identity, RPC, event intake, host requests.
+
+Identity comes from the topic, never the payload: a device is the D level of P/d/D/...,
+which the broker's ACL binds to the device's authenticated MQTT user; the registry maps
+it to its tenant and agent. A host's request is on P/h/T/D/..., and the user is the one
+its session token proves for tenant T. A `tenant`, `user`, `device`, `usr` or `ten` key
+inside any payload is data and changes nothing.
+
+Every input the bridge refuses is counted by kind (`stats["refused.<kind>"]`), kept in
+a short list of recent refusals, logged with its kind, and answered with an RPC error
+where there is an rpc topic to answer on; then the bridge carries on with the next
+message. Every paho callback is wrapped so an exception in our code is logged with its
+traceback and the network thread keeps running.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from server_bridge import tokens
+from server_bridge.config import BridgeConfig
+from server_bridge.intake import EventIntake
+from server_bridge.models.base import Provider
+from server_bridge.registry import DeviceRecord, Registry
+from server_bridge.rpc import RpcServer
+from server_bridge.tokens import TokenError
+from server_bridge.topics import BadTopic, Topic, device_topic, parse
+from server_bridge.wire import (
+    REFUSALS,
+    UnknownDevice,
+    check_host_ctl,
+    check_host_req,
+    decode,
+    encode,
+)
+
+__all__ = ["Bridge", "BridgeError", "Refusal"]
+
+log = logging.getLogger("wren.bridge")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# How often the housekeeping thread retries replay requests and expires slow RPC calls.
+_TICK_S = 0.25
+
+
+class BridgeError(RuntimeError):
+    """The bridge could not start (broker unreachable, refused, or no subscription)."""
+
+
+class Refusal(NamedTuple):
+    kind: str
+    topic: str
+    msg: str
+
+
+def _guarded(fn: F) -> F:
+    """Log (with traceback) and count any exception of a callback; never let it escape.
+
+    An exception escaping a paho callback would end paho's network thread and with it
+    the whole bridge, for one bad message.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(self: Bridge, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception:
+            log.exception("bridge callback %s failed", fn.__name__)
+            self._count("callback_errors")
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Bridge:
+    """One bridge process's link to the broker and everything behind it."""
+
+    def __init__(self, config: BridgeConfig, registry: Registry, provider: Provider) -> None:
+        self.config = config
+        self.registry = registry
+        self.provider = provider
+        self._lock = threading.Lock()
+        self._stats: Counter[str] = Counter()
+        self._refusals: deque[Refusal] = deque(maxlen=config.refusals_kept)
+        self._client: mqtt.Client | None = None
+        self._ready = threading.Event()
+        self._start_error: str | None = None
+        self._sub_mid: int | None = None
+        self._connected = False
+        self._stopping = threading.Event()
+        self._housekeeper: threading.Thread | None = None
+        self.intake = EventIntake(
+            config.prefix,
+            self._publish,
+            count=self._count,
+            limits=config.limits,
+            keep=config.events_per_run,
+            hold=config.hold_per_run,
+            max_runs=config.max_runs,
+            replay_retry_s=config.replay_retry_s,
+            replay_max_attempts=config.replay_max_attempts,
+        )
+        self.rpc = RpcServer(
+            provider,
+            send=self._send_rpc,
+            refuse=self._refuse,
+            count=self._count,
+            limits=config.limits,
+            workers=config.rpc_workers,
+            max_inflight=config.rpc_max_inflight,
+            llm_timeout_s=config.llm_timeout_s,
+            rpc_timeout_s=config.rpc_timeout_s,
+        )
+
+    # ------------------------------------------------------------------ diagnostics
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """A snapshot of the counters; a missing key reads as 0."""
+        with self._lock:
+            return Counter(self._stats)
+
+    @property
+    def refusals(self) -> list[Refusal]:
+        """The most recent refusals, oldest first (bounded by config.refusals_kept)."""
+        with self._lock:
+            return list(self._refusals)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def hello(self, device: str) -> dict[str, Any] | None:
+        """The capabilities a device last announced on P/d/D/hello (None before any)."""
+        return self.intake.capabilities(device)
+
+    def presence(self, device: str) -> dict[str, Any] | None:
+        """A device's last P/d/D/status (`st` online/offline), None when unknown."""
+        return self.intake.presence(device)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._stats[name] += n
+
+    def _refuse(self, kind: str, topic: str, msg: str) -> None:
+        with self._lock:
+            self._stats["refused"] += 1
+            self._stats[f"refused.{kind}"] += 1
+            self._refusals.append(Refusal(kind, topic, msg))
+        log.warning("refused %s on %s: %s", kind, topic, msg)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def subscriptions(self) -> list[str]:
+        p = self.config.prefix
+        # With several bridge processes the broker spreads the board traffic among them;
+        # hello and status stay per process because each keeps its own presence table.
+        share = "$share/bridge/" if self.config.shared_subscription else ""
+        return [
+            f"{share}{p}/d/+/rpc",
+            f"{share}{p}/d/+/evt",
+            f"{p}/d/+/hello",
+            f"{p}/d/+/status",
+            f"{p}/h/+/+/req",
+            f"{p}/h/+/+/ctl",
+        ]
+
+    def start(self) -> None:
+        """Connect, subscribe and return once subscribed; raise BridgeError if not in time."""
+        if self._client is not None:
+            raise BridgeError("bridge already started")
+        if self._stopping.is_set():
+            # stop() shut the RPC worker pool down; a restart is a new Bridge.
+            raise BridgeError("a stopped bridge cannot be started again")
+        cfg = self.config
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=cfg.client_id,
+            protocol=mqtt.MQTTv311,
+            clean_session=True,
+        )
+        client.enable_logger(logging.getLogger("wren.bridge.paho"))
+        if cfg.username is not None:
+            client.username_pw_set(cfg.username, cfg.password)
+        client.connect_timeout = cfg.connect_timeout_s
+        client.reconnect_delay_set(1, 30)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_subscribe = self._on_subscribe
+        client.on_message = self._on_message
+        self._ready.clear()
+        self._start_error = None
+        self._client = client
+        try:
+            client.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
+        except OSError as e:
+            self._client = None
+            raise BridgeError(f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}") from e
+        client.loop_start()
+        if not self._ready.wait(cfg.connect_timeout_s) or self._start_error is not None:
+            why = self._start_error or f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
+            client.disconnect()
+            client.loop_stop()
+            self._client = None
+            raise BridgeError(f"bridge could not start on {cfg.host}:{cfg.port}: {why}")
+        self._housekeeper = threading.Thread(
+            target=self._housekeeping, name="wren-bridge-housekeeping", daemon=True
+        )
+        self._housekeeper.start()
+        log.info(
+            "bridge %s serving %s on %s:%d with provider %s",
+            cfg.client_id,
+            cfg.prefix,
+            cfg.host,
+            cfg.port,
+            getattr(self.provider, "name", "?"),
+        )
+
+    def stop(self) -> None:
+        """Disconnect and stop the threads; calls still running get no answer."""
+        self._stopping.set()
+        client, self._client = self._client, None
+        if client is not None:
+            client.disconnect()
+            client.loop_stop()
+        if self._housekeeper is not None:
+            self._housekeeper.join(timeout=5)
+            self._housekeeper = None
+        # Do not wait on a model call that may take minutes; queued calls are dropped.
+        self.rpc.close(wait=False)
+        self._connected = False
+
+    def __enter__(self) -> Bridge:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _housekeeping(self) -> None:
+        while not self._stopping.wait(_TICK_S):
+            try:
+                self.intake.tick()
+                self.rpc.expire()
+            except Exception:
+                log.exception("bridge housekeeping failed")
+                self._count("callback_errors")
+
+    # ------------------------------------------------------------------ paho callbacks
+
+    @_guarded
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        if reason_code.is_failure:
+            self._start_error = f"broker refused the connection: {reason_code}"
+            log.error("broker refused the bridge connection: %s", reason_code)
+            self._ready.set()
+            return
+        self._connected = True
+        self._count("connects")
+        # Subscribe on every connect: a clean session forgets subscriptions on reconnect.
+        rc, mid = client.subscribe([(topic, 1) for topic in self.subscriptions()])
+        if rc != mqtt.MQTT_ERR_SUCCESS:
+            self._start_error = f"subscribe failed: {mqtt.error_string(rc)}"
+            self._ready.set()
+            return
+        self._sub_mid = mid
+
+    @_guarded
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
+    ) -> None:
+        if mid != self._sub_mid:
+            return
+        refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        if refused:
+            # The broker's ACL said no to something the bridge must read; serving on
+            # half the topics would look healthy and lose messages.
+            self._start_error = f"broker refused subscriptions: {', '.join(refused)}"
+            log.error("broker refused bridge subscriptions: %s", refused)
+        self._ready.set()
+
+    @_guarded
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        self._connected = False
+        if not self._stopping.is_set():
+            self._count("disconnects")
+            log.warning("bridge disconnected from the broker (%s); paho reconnects", reason_code)
+
+    @_guarded
+    def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        self._count("rx")
+        topic = msg.topic
+        try:
+            self._route(topic, bytes(msg.payload))
+        except REFUSALS as e:
+            self._refuse(getattr(e, "kind", "bad_envelope"), topic, str(e))
+
+    # ------------------------------------------------------------------ routing
+
+    def _route(self, topic: str, payload: bytes) -> None:
+        t = parse(self.config.prefix, topic)
+        if t.side == "h":
+            if t.leaf == "req":
+                self._host_req(t, payload)
+            elif t.leaf == "ctl":
+                self._host_ctl(t, payload)
+            else:
+                raise BadTopic(f"the bridge does not read host leaf {t.leaf!r}")
+            return
+        if t.leaf not in ("rpc", "evt", "hello", "status"):
+            raise BadTopic(f"the bridge does not read device leaf {t.leaf!r}")
+        record = self.registry.device(t.device)
+        if record is None:
+            msg = f"device {t.device!r} is not in the registry"
+            if t.leaf == "rpc":
+                # Refused before its payload is read, so there is no call id to answer.
+                self.rpc.answer_refusal(t.device, topic, UnknownDevice.kind, msg)
+                return
+            raise UnknownDevice(msg)
+        if t.leaf == "rpc":
+            self.rpc.handle(record, topic, payload)
+        elif t.leaf == "evt":
+            self.intake.handle_evt(record, payload)
+        elif t.leaf == "hello":
+            self.intake.handle_hello(record, payload)
+            self._count("hello")
+        else:
+            self.intake.handle_status(record, payload)
+            self._count("status")
+
+    def _session(self, t: Topic, tok: object) -> tuple[DeviceRecord, tokens.Session]:
+        """The user a host message speaks for, and the device, both checked against T."""
+        assert t.tenant is not None
+        secret = self.registry.tenant_secret(t.tenant)
+        if secret is None:
+            raise TokenError(f"no tenant {t.tenant!r} to verify the session token against")
+        session = tokens.verify(bytes.fromhex(secret), tok, tenant=t.tenant)
+        record = self.registry.device(t.device)
+        if record is None or record.tenant != t.tenant:
+            raise UnknownDevice(f"device {t.device!r} is not tenant {t.tenant!r}'s")
+        return record, session
+
+    def _host_req(self, t: Topic, payload: bytes) -> None:
+        req = check_host_req(decode(payload, self.config.limits))
+        record, session = self._session(t, req.tok)
+        # Built from named fields only: the user is the token's, and no other key of the
+        # host payload (usr, ten, device, tok ...) reaches the board.
+        out: dict[str, Any] = {"req": req.req, "usr": session.user, "input": req.input}
+        if req.conv is not None:
+            out["conv"] = req.conv
+        if req.ttl is not None:
+            out["ttl"] = req.ttl
+        self._publish(device_topic(self.config.prefix, record.device, "req"), encode(out))
+        self._count("host.req")
+
+    def _host_ctl(self, t: Topic, payload: bytes) -> None:
+        ctl = check_host_ctl(decode(payload, self.config.limits))
+        record, session = self._session(t, ctl.tok)
+        out = dict(ctl.fields)
+        if ctl.op == "approve":
+            # Who approved is whoever the token proves, not what the payload claims.
+            out["by"] = session.user
+        self._publish(device_topic(self.config.prefix, record.device, "ctl"), encode(out))
+        self._count("host.ctl")
+
+    # ------------------------------------------------------------------ publishing
+
+    def _send_rpc(self, device: str, answer: dict[str, Any]) -> None:
+        self._publish(device_topic(self.config.prefix, device, "rpc/res"), encode(answer))
+
+    def _publish(self, topic: str, payload: bytes) -> None:
+        client = self._client
+        if client is None:
+            self._count("publish.dropped")
+            log.warning("not connected: dropped a message for %s", topic)
+            return
+        info = client.publish(topic, payload, qos=1)
+        if info.rc == mqtt.MQTT_ERR_SUCCESS:
+            self._count("tx")
+        else:
+            # paho keeps a QoS 1 message queued across a reconnect; anything else is lost
+            # and must be visible.
+            self._count("publish.not_sent")
+            log.warning("publish to %s returned %s", topic, mqtt.error_string(info.rc))

@@ -1,0 +1,19 @@
+"""The host side: the snapshot reducer, a terminal view and a Python host client."""
+
+from server_bridge.host.client import HostClient, HostConnectError, MalformedEvent
+from server_bridge.host.reducer import BadEnvelope, Reducer, Row, RunSnapshot, Usage
+from server_bridge.host.terminal import LiveView, print_transcript, render
+
+__all__ = [
+    "BadEnvelope",
+    "HostClient",
+    "HostConnectError",
+    "LiveView",
+    "MalformedEvent",
+    "Reducer",
+    "Row",
+    "RunSnapshot",
+    "Usage",
+    "print_transcript",
+    "render",
+]

@@ -1,0 +1,377 @@
+"""A Python host client: start runs on a tenant's devices and watch their events.
+
+It is what scripts and hardware-in-loop tests use in place of a dashboard. It speaks the
+host side of the contract (docs/PROTOCOL.md): it publishes `{req, conv, input, ttl, tok}`
+on `P/h/T/D/req` and subscribes to `P/h/T/+/evt`, folding every event into one Reducer
+per device.
+
+Threading: paho's network thread delivers messages; every piece of shared state is
+guarded by one condition variable, and what is handed to callers (snapshots, events) is
+a copy, so a caller never sees a snapshot change under it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+
+from server_bridge.host.reducer import BadEnvelope, Reducer, RunSnapshot
+from server_bridge.topics import DEFAULT_PREFIX, BadTopic, check_id, host_topic, parse
+
+log = logging.getLogger(__name__)
+
+# Decode limits for events from the bridge. Events are redacted and small (the board's
+# own payload limit is 16 KiB); these bound what a misbehaving peer on the topic can make
+# this process allocate, checked by msgpack before it allocates.
+MAX_PAYLOAD = 1 << 20
+MAX_STR = 256 * 1024
+MAX_ITEMS = 4096
+
+EventCallback = Callable[[dict[str, Any], RunSnapshot], None]
+
+
+class HostConnectError(ConnectionError):
+    """The broker could not be reached, refused the connection, or refused the
+    subscription (an ACL that does not give this user the tenant's topics)."""
+
+
+class MalformedEvent(ValueError):
+    """A payload on an evt topic that is not msgpack within the limits, or not an
+    envelope (or a list of envelopes)."""
+
+
+def decode_events(payload: bytes | bytearray) -> list[dict[str, Any]]:
+    """Decode one evt payload: one envelope or a list of them (a batch)."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        max_buffer_size=MAX_PAYLOAD,
+        max_str_len=MAX_STR,
+        max_bin_len=MAX_STR,
+        max_array_len=MAX_ITEMS,
+        max_map_len=MAX_ITEMS,
+        # The contract uses no ext types; refuse them instead of handing out ExtType.
+        max_ext_len=0,
+        strict_map_key=True,
+    )
+    try:
+        unpacker.feed(payload)
+        obj = unpacker.unpack()
+    except msgpack.OutOfData as e:
+        raise MalformedEvent("truncated msgpack") from e
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
+        raise MalformedEvent(f"undecodable msgpack ({type(e).__name__})") from e
+    if unpacker.tell() != len(payload):
+        raise MalformedEvent("trailing bytes after the msgpack value")
+    items = obj if isinstance(obj, list) else [obj]
+    if not items or not all(isinstance(item, dict) for item in items):
+        raise MalformedEvent("evt payload is not an envelope or a list of envelopes")
+    return items
+
+
+class HostClient:
+    """One MQTT connection for one tenant's host stream.
+
+    `on_event(envelope, snapshot)` is called (on paho's network thread) for every event
+    applied; an exception it raises is logged with its traceback and counted in
+    `callback_errors`, and never stops the network thread.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tenant: str,
+        username: str | None = None,
+        password: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        client_id: str | None = None,
+        *,
+        max_events: int = 10_000,
+        on_event: EventCallback | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.tenant = check_id(tenant, "tenant")
+        self.prefix = prefix
+        self.on_event: EventCallback | None = on_event
+        self.malformed = 0
+        self.callback_errors = 0
+        self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
+        self._reducers: dict[str, Reducer] = {}
+        self._cond = threading.Condition()
+        self._connected = False
+        self._connect_error: str | None = None
+        self._subscribed = False
+        self._sub_mid: int | None = None
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id or f"wren-host-{uuid.uuid4().hex[:12]}",
+            protocol=mqtt.MQTTv311,
+        )
+        if username is not None:
+            self._client.username_pw_set(username, password)
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_subscribe = self._on_subscribe
+        self._client.on_message = self._on_message
+        self._evt_filter = f"{prefix}/h/{self.tenant}/+/evt"
+        self._started = False
+
+    # --- connection ---------------------------------------------------------------
+
+    def connect(self, timeout: float = 10) -> None:
+        """Connect and subscribe; returns once the subscription is acknowledged, so no
+        event published after this returns is missed. Raises HostConnectError."""
+        deadline = time.monotonic() + timeout
+        self._client.connect_timeout = timeout
+        try:
+            self._client.connect(self.host, self.port, keepalive=30)
+        except OSError as e:
+            raise HostConnectError(
+                f"could not reach the MQTT broker at {self.host}:{self.port}: {e}"
+            ) from e
+        self._client.loop_start()
+        self._started = True
+        with self._cond:
+            while not self._subscribed and self._connect_error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            error, ok = self._connect_error, self._subscribed
+        if not ok:
+            self.close()
+            raise HostConnectError(
+                error
+                or f"no CONNACK/SUBACK from the MQTT broker at {self.host}:{self.port} "
+                f"within {timeout}s"
+            )
+
+    def close(self) -> None:
+        if self._started:
+            self._client.disconnect()
+            self._client.loop_stop()
+            self._started = False
+
+    def __enter__(self) -> HostClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def connected(self) -> bool:
+        with self._cond:
+            return self._connected
+
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        if reason_code.is_failure:
+            with self._cond:
+                self._connect_error = (
+                    f"the MQTT broker at {self.host}:{self.port} refused the connection: "
+                    f"{reason_code}"
+                )
+                self._cond.notify_all()
+            # Do not retry with credentials the broker has refused.
+            client.disconnect()
+            return
+        with self._cond:
+            self._connected = True
+        # Subscribe here, not in connect(): after an automatic reconnect the session is
+        # clean and the subscription must be made again.
+        _, mid = client.subscribe(self._evt_filter, qos=1)
+        with self._cond:
+            self._sub_mid = mid
+
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
+    ) -> None:
+        with self._cond:
+            if any(rc.is_failure for rc in reason_codes):
+                self._connect_error = (
+                    f"the MQTT broker refused the subscription to {self._evt_filter} "
+                    "(check this user's ACL)"
+                )
+            else:
+                self._subscribed = True
+            self._cond.notify_all()
+
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        with self._cond:
+            self._connected = False
+            self._cond.notify_all()
+        if reason_code is not None and getattr(reason_code, "is_failure", False):
+            log.warning("host client disconnected from %s:%s: %s", self.host, self.port,
+                        reason_code)
+
+    # --- requests -----------------------------------------------------------------
+
+    def request(
+        self,
+        device: str,
+        token: str,
+        text: str,
+        conv: str | None = None,
+        req: str | None = None,
+        ttl: int | None = None,
+        *,
+        timeout: float = 10,
+    ) -> str:
+        """Ask `device` to start a run with the user text `text`; returns the req id
+        (the idempotency key: publishing the same req twice starts one run)."""
+        topic = host_topic(self.prefix, self.tenant, device, "req")
+        req_id = req or uuid.uuid4().hex
+        body: dict[str, Any] = {"req": req_id, "input": text, "tok": token}
+        # Absent rather than nil: an optional key the caller did not give is not sent.
+        if conv is not None:
+            body["conv"] = conv
+        if ttl is not None:
+            body["ttl"] = ttl
+        info = self._client.publish(topic, msgpack.packb(body), qos=1)
+        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            raise HostConnectError(f"could not publish the request: {mqtt.error_string(info.rc)}")
+        info.wait_for_publish(timeout)
+        if not info.is_published():
+            raise TimeoutError(f"the broker did not acknowledge request {req_id} within {timeout}s")
+        return req_id
+
+    # --- events -------------------------------------------------------------------
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        # Everything is caught here: an exception escaping a paho callback would stop
+        # the network thread, and with it every later event.
+        try:
+            self._handle(msg.topic, msg.payload)
+        except Exception:
+            log.exception("host client: unexpected error handling a message on %s", msg.topic)
+
+    def _handle(self, topic_name: str, payload: bytes | bytearray) -> None:
+        try:
+            topic = parse(self.prefix, topic_name)
+            if topic.side != "h" or topic.leaf != "evt" or topic.tenant != self.tenant:
+                raise BadTopic(f"not this tenant's evt topic: {topic_name!r}")
+            events = decode_events(payload)
+        except (BadTopic, MalformedEvent) as e:
+            self._count_malformed(topic_name, e)
+            return
+        for event in events:
+            bad: Exception | None = None
+            view: RunSnapshot | None = None
+            with self._cond:
+                reducer = self._reducers.get(topic.device)
+                if reducer is None:
+                    reducer = self._reducers[topic.device] = Reducer(topic.device)
+                try:
+                    snap = reducer.apply(event)
+                except BadEnvelope as e:
+                    bad = e
+                else:
+                    self._events.append(event)
+                    # A copy for the callback, taken under the lock, so it is consistent.
+                    view = copy.deepcopy(snap) if self.on_event is not None else None
+                self._cond.notify_all()
+            if bad is not None:
+                self._count_malformed(topic_name, bad)
+                continue
+            callback = self.on_event
+            if callback is not None and view is not None:
+                try:
+                    callback(event, view)
+                except Exception:
+                    with self._cond:
+                        self.callback_errors += 1
+                    log.exception("host client: on_event callback raised")
+
+    def _count_malformed(self, topic_name: str, err: Exception) -> None:
+        with self._cond:
+            self.malformed += 1
+        log.warning("host client: dropped a malformed event on %s: %s", topic_name, err)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The envelopes received (the last `max_events` of them), oldest first."""
+        with self._cond:
+            return list(self._events)
+
+    def runs(self, device: str | None = None) -> list[RunSnapshot]:
+        """Copies of the snapshots of every run seen (of one device, if given)."""
+        with self._cond:
+            if device is None:
+                reducers = list(self._reducers.values())
+            else:
+                reducers = [self._reducers[device]] if device in self._reducers else []
+            return [copy.deepcopy(s) for r in reducers for s in r.runs()]
+
+    def find_run(self, req_id: str) -> RunSnapshot | None:
+        """A copy of the snapshot of the run started for request `req_id`, if seen."""
+        with self._cond:
+            snap = self._find(req_id)
+            return copy.deepcopy(snap) if snap is not None else None
+
+    def _find(self, req_id: str) -> RunSnapshot | None:
+        for reducer in self._reducers.values():
+            for snap in reducer.runs():
+                if snap.req == req_id:
+                    return snap
+        return None
+
+    def wait_run(self, req_id: str, timeout: float) -> RunSnapshot:
+        """Wait until the run started for `req_id` is done, failed or cancelled; return a
+        copy of its snapshot. Raises TimeoutError describing what was seen."""
+        return self.wait_for(req_id, lambda snap: snap.terminal, timeout)
+
+    def wait_for(
+        self, req_id: str, until: Callable[[RunSnapshot], bool], timeout: float
+    ) -> RunSnapshot:
+        """Wait until the run started for `req_id` satisfies `until` (called under the
+        client's lock, with the live snapshot: keep it quick, do not keep the snapshot);
+        return a copy. Raises TimeoutError describing what was seen. Useful to wait for
+        a pause on a client tool, say."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                snap = self._find(req_id)
+                if snap is not None and until(snap):
+                    return copy.deepcopy(snap)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(self._describe_wait(req_id, snap, timeout))
+                self._cond.wait(left)
+
+    def _describe_wait(self, req_id: str, snap: RunSnapshot | None, timeout: float) -> str:
+        if snap is not None:
+            return (
+                f"run {snap.run} for request {req_id} is still {snap.status} after "
+                f"{timeout}s (last event id {snap.last_id}, {len(snap.rows)} rows, "
+                f"pending client tools: {sorted(snap.pending) or 'none'})"
+            )
+        seen = sorted({f"{d}/{s.run}" for d, r in self._reducers.items() for s in r.runs()})
+        # Refusals that happen before a run exists (bad token, busy board) come on the
+        # device stream, run "_": they are usually the reason a run never started.
+        refusals = [
+            f"{d}: {e.get('kind')}: {e.get('msg')}"
+            for d, r in self._reducers.items()
+            if (dev := r.get("_")) is not None
+            for e in dev.errors[-5:]
+        ]
+        return (
+            f"no run started for request {req_id} within {timeout}s "
+            f"(connected: {self._connected}; {len(self._events)} events received from "
+            f"runs {seen or 'none'}; {self.malformed} malformed"
+            + (f"; device-stream errors: {refusals}" if refusals else "")
+            + ")"
+        )

@@ -1,0 +1,161 @@
+"""A plain-text view of runs: a transcript renderer and a live, incremental printer.
+
+No curses and no cursor movement: lines are only ever appended, so the output reads the
+same in a terminal, a CI log or a file. Streamed text (assistant turns, outputs built
+from deltas) is printed as it arrives on one open line that is closed with a newline
+when the stream ends.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from server_bridge.host.reducer import Envelope, Reducer, Row, RunSnapshot
+
+# Row statuses that mean "more text may still be appended to this row".
+_OPEN_STATUSES = frozenset({"streaming", "building"})
+
+
+def _value_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    # default=str: msgpack may deliver bytes or other non-JSON values; show them anyway.
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def render_row(row: Row) -> str:
+    """One row as text. A row that is still streaming renders as a prefix of what it will
+    render as when finished, which is what lets LiveView print only the new part."""
+    if row.kind == "user":
+        return f"you: {row.text}"
+    if row.kind == "assistant":
+        return f"assistant: {row.text}"
+    if row.kind == "tool_call":
+        line = f"tool call {row.name or '?'} {row.input or '{}'}"
+        return line + " (client)" if row.client else line
+    if row.kind == "tool_result":
+        label = "tool result (failed)" if row.failed else "tool result"
+        return f"{label}: {_value_text(row.output)}"
+    if row.kind == "output":
+        return f"output {row.name or ''}: {_value_text(row.output)}"
+    return f"{row.kind}: {row.text}"
+
+
+def render_error(err: dict[str, Any]) -> str:
+    return f"error {err.get('kind', '?')}: {err.get('msg', '')}"
+
+
+def render_status(snap: RunSnapshot) -> str:
+    u = snap.usage
+    if snap.status == "done":
+        tokens = f"in {u.tokens_in}, out {u.tokens_out}"
+        if u.tokens_reason:
+            tokens += f", reason {u.tokens_reason}"
+        return f"status: done ({tokens} tokens)"
+    if snap.status == "failed":
+        err = snap.error or {"kind": "internal", "msg": "the run failed"}
+        retry = " (retryable)" if snap.retryable else ""
+        return f"status: failed: {err['kind']}: {err['msg']}{retry}"
+    if snap.status == "cancelled":
+        return f"status: cancelled ({snap.reason})" if snap.reason else "status: cancelled"
+    if snap.status == "paused":
+        waiting = ", ".join(r.name or r.call or "?" for r in snap.pending.values())
+        return f"status: paused (waiting on {waiting})" if waiting else "status: paused"
+    return f"status: {snap.status}"
+
+
+def render(snapshot: RunSnapshot) -> list[str]:
+    """The whole run as lines: rows in order, non-terminal errors, then the status."""
+    lines = [render_row(row) for row in snapshot.rows]
+    lines.extend(render_error(e) for e in snapshot.errors)
+    lines.append(render_status(snapshot))
+    return lines
+
+
+def print_transcript(snapshot: RunSnapshot, stream: TextIO) -> None:
+    for line in render(snapshot):
+        stream.write(line + "\n")
+    stream.flush()
+
+
+@dataclass
+class _Printed:
+    """What LiveView has already written for one run."""
+
+    rows: dict[int, str] = field(default_factory=dict)
+    errors: int = 0
+    status: str = "running"
+
+
+class LiveView:
+    """Feed events one by one (`feed`); new and changed rows are written to `stream` as
+    they happen. Owns its own Reducer, so it can be fed the raw stream, duplicates and
+    replays included."""
+
+    def __init__(self, stream: TextIO, reducer: Reducer | None = None) -> None:
+        self.stream = stream
+        self.reducer = reducer if reducer is not None else Reducer()
+        self._printed: dict[str, _Printed] = {}
+        # (run, row index) of the row whose line is open (written without its newline).
+        self._open: tuple[str, int] | None = None
+
+    def feed(self, event: Envelope) -> RunSnapshot:
+        snap = self.reducer.apply(event)
+        self.show(snap)
+        return snap
+
+    def show(self, snap: RunSnapshot) -> None:
+        """Write whatever in `snap` has not been written yet."""
+        printed = self._printed.setdefault(snap.run, _Printed())
+        for index, row in enumerate(snap.rows):
+            self._show_row(snap.run, printed, index, row)
+        for err in snap.errors[printed.errors :]:
+            self._line(render_error(err))
+        printed.errors = len(snap.errors)
+        # Print a status only when it changes, and "running" only when coming back from
+        # a pause: the first line of a run already says it is running.
+        if snap.status != printed.status:
+            printed.status = snap.status
+            self._line(render_status(snap))
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End an open line (a stream that never saw its end)."""
+        if self._open is not None:
+            self.stream.write("\n")
+            self._open = None
+        self.stream.flush()
+
+    def _line(self, text: str) -> None:
+        self.close()
+        self.stream.write(text + "\n")
+
+    def _show_row(self, run: str, printed: _Printed, index: int, row: Row) -> None:
+        line = render_row(row)
+        before = printed.rows.get(index)
+        still_open = row.status in _OPEN_STATUSES
+        is_open_line = self._open == (run, index)
+        if before is not None and is_open_line and line.startswith(before):
+            # The open line grew: write only the new text, end it when the stream ends.
+            self.stream.write(line[len(before) :])
+            printed.rows[index] = line
+            if not still_open:
+                self.stream.write("\n")
+                self._open = None
+            return
+        if line == before:
+            return
+        # A new row, or one that changed in a way that is not an append (an output
+        # whose value was replaced, a row interleaved with another open line): its
+        # whole line, on a line of its own.
+        self.close()
+        self.stream.write(line)
+        printed.rows[index] = line
+        if still_open:
+            self._open = (run, index)
+        else:
+            self.stream.write("\n")

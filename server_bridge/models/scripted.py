@@ -1,0 +1,164 @@
+"""A model provider that plays a declared script: tests, demos, hardware-in-loop runs.
+
+A script is a list of turns; a turn is a list of steps:
+
+    {"text": "..."}                               assistant text, streamed in small chunks
+    {"reason": "..."}                             reasoning text
+    {"tool": {"name": "...", "input": {...}}}     a tool call
+
+Which turn plays is derived from the conversation alone — the number of assistant
+messages already in it — so the provider keeps no state between calls: a retried call
+plays the same turn, and several boards can share one provider. A text step may contain
+`{last_tool_output}`, replaced by the content of the conversation's last tool message,
+so a scripted demo honestly repeats what the board's tool returned instead of inventing
+a reading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from server_bridge.models.base import Chunk, Final, ModelError
+
+__all__ = ["DEMO_SCRIPT", "PLACEHOLDER", "ScriptedProvider"]
+
+PLACEHOLDER = "{last_tool_output}"
+NO_TOOL_OUTPUT = "(no tool output)"
+
+Step = Mapping[str, Any]
+Script = Sequence[Sequence[Step]]
+
+DEMO_SCRIPT: list[list[dict[str, Any]]] = [
+    [
+        {"text": "Let me check the sensor."},
+        {"tool": {"name": "read_temperature", "input": {}}},
+    ],
+    [
+        {"text": "It is {last_tool_output} °C in here."},
+    ],
+]
+
+
+def _tokens(text: str) -> int:
+    # Rough token count (about four characters a token): the script has no tokenizer
+    # and usage only needs to be plausible and deterministic.
+    return len(text) // 4
+
+
+def _check_script(script: object) -> list[list[dict[str, Any]]]:
+    if not isinstance(script, Sequence) or isinstance(script, (str, bytes)):
+        raise ValueError("a script is a list of turns")
+    turns: list[list[dict[str, Any]]] = []
+    for t, turn in enumerate(script):
+        if not isinstance(turn, Sequence) or isinstance(turn, (str, bytes)):
+            raise ValueError(f"turn {t} must be a list of steps")
+        steps: list[dict[str, Any]] = []
+        for s, step in enumerate(turn):
+            where = f"turn {t} step {s}"
+            if not isinstance(step, Mapping) or len(step) != 1:
+                raise ValueError(f"{where} must be a map with exactly one of text, reason, tool")
+            ((key, value),) = step.items()
+            if key in ("text", "reason"):
+                if not isinstance(value, str):
+                    raise ValueError(f"{where}: {key} must be a str")
+            elif key == "tool":
+                if not isinstance(value, Mapping) or not isinstance(value.get("name"), str):
+                    raise ValueError(f"{where}: tool needs a name")
+                args = value.get("input", {})
+                if not isinstance(args, Mapping):
+                    raise ValueError(f"{where}: tool input must be a map")
+                json.dumps(args)  # refuse what could never be sent, at load time
+                value = {"name": value["name"], "input": dict(args)}
+            else:
+                raise ValueError(f"{where}: unknown step kind {key!r}")
+            steps.append({key: value})
+        turns.append(steps)
+    return turns
+
+
+class ScriptedProvider:
+    """Plays `script` (default: DEMO_SCRIPT); text is emitted in chunks of `chunk_chars`."""
+
+    def __init__(
+        self,
+        script: Script = DEMO_SCRIPT,
+        chunk_chars: int = 8,
+        name: str = "scripted",
+    ) -> None:
+        if chunk_chars < 1:
+            raise ValueError("chunk_chars must be >= 1")
+        self.script = _check_script(script)
+        self.chunk_chars = chunk_chars
+        self.name = name
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], chunk_chars: int = 8) -> ScriptedProvider:
+        """Load a script from JSON: a list of turns, or {"turns": [...], "chunk_chars": n}."""
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if isinstance(data, dict):
+            chunk_chars = int(data.get("chunk_chars", chunk_chars))
+            data = data.get("turns")
+        return cls(data, chunk_chars=chunk_chars, name=f"scripted:{Path(path).name}")
+
+    def complete(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        emit: Callable[[Chunk], None],
+        model: str | None = None,
+        max_tokens: int | None = None,
+    ) -> Final:
+        msgs = [m for m in messages if isinstance(m, Mapping)]
+        turn = sum(1 for m in msgs if m.get("role") == "assistant")
+        if turn >= len(self.script):
+            raise ModelError("script exhausted")
+        # Call ids continue from the tool calls already in the conversation, so they are
+        # unique within it (c1, c2, ...) and the same on every replay of the call.
+        calls_so_far = sum(
+            len(m.get("tools") or [])
+            for m in msgs
+            if m.get("role") == "assistant" and isinstance(m.get("tools") or [], list)
+        )
+        last_tool = NO_TOOL_OUTPUT
+        for m in msgs:
+            if m.get("role") == "tool":
+                content = m.get("content")
+                last_tool = content if isinstance(content, str) else json.dumps(content)
+
+        usage_in = sum(_tokens(str(m.get("content") or "")) for m in msgs)
+        usage_in += sum(_tokens(json.dumps(t, default=str)) for t in tools)
+        out = reason = 0
+        called = False
+        for step in self.script[turn]:
+            if "text" in step:
+                text = step["text"].replace(PLACEHOLDER, last_tool)
+                for k in range(0, len(text), self.chunk_chars):
+                    emit({"text": text[k : k + self.chunk_chars]})
+                out += _tokens(text)
+            elif "reason" in step:
+                text = step["reason"]
+                for k in range(0, len(text), self.chunk_chars):
+                    emit({"reason": text[k : k + self.chunk_chars]})
+                reason += _tokens(text)
+            else:
+                calls_so_far += 1
+                args = json.dumps(step["tool"]["input"])
+                emit(
+                    {
+                        "tool": {
+                            "call": f"c{calls_so_far}",
+                            "name": step["tool"]["name"],
+                            "input": args,
+                        }
+                    }
+                )
+                out += _tokens(step["tool"]["name"] + args) + 1
+                called = True
+        return {
+            "usage": {"in": usage_in, "out": out, "reason": reason},
+            "finish": "tool_calls" if called else "stop",
+        }

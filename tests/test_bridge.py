@@ -1,0 +1,752 @@
+"""The bridge against a real Mosquitto: RPC streaming, event intake with replay, host
+requests with session tokens, and every refusal named, counted and survived.
+
+The test plays the board and the host with plain paho clients; nothing of the bridge
+is mocked. Every wait is bounded (queue.get(timeout=...), or polling with a deadline);
+no assertion is about how long something took.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from server_bridge import tokens
+from server_bridge.bridge import Bridge, BridgeError
+from server_bridge.config import BridgeConfig
+from server_bridge.intake import EventIntake
+from server_bridge.models.base import Chunk, Final, ModelError
+from server_bridge.models.scripted import ScriptedProvider
+from server_bridge.registry import DeviceRecord, Registry
+from tools.broker import MosquittoProcess, free_port, start_mosquitto
+
+SECRET = bytes(range(32))
+OTHER_SECRET = bytes(range(1, 33))
+WAIT = 5.0
+
+# ---------------------------------------------------------------- helpers
+
+
+def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Peer:
+    """A paho client playing a board or a host: per-topic queues of decoded payloads."""
+
+    def __init__(self, broker: MosquittoProcess, subscribe: Sequence[str] = ()) -> None:
+        # A plain dict behind a lock, not a defaultdict: paho's thread and the test's
+        # thread may both be first to touch a topic, and must not get two queues.
+        self._queues: dict[str, queue.Queue[Any]] = {}
+        self._queues_lock = threading.Lock()
+        self._subscribed = threading.Event()
+        self._connected = threading.Event()
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"peer-{uuid.uuid4().hex[:10]}",
+            protocol=mqtt.MQTTv311,
+        )
+        self.client.on_message = self._on_message
+        self.client.on_connect = lambda *a: self._connected.set()
+        self.client.on_subscribe = lambda *a: self._subscribed.set()
+        self.client.connect(broker.host, broker.port)
+        self.client.loop_start()
+        assert self._connected.wait(WAIT), "peer did not connect"
+        if subscribe:
+            self.client.subscribe([(t, 1) for t in subscribe])
+            assert self._subscribed.wait(WAIT), "peer subscription not acknowledged"
+
+    def inbox(self, topic: str) -> queue.Queue[Any]:
+        with self._queues_lock:
+            return self._queues.setdefault(topic, queue.Queue())
+
+    def _on_message(self, client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        self.inbox(msg.topic).put(msgpack.unpackb(msg.payload, raw=False))
+
+    def send(self, topic: str, obj: Any = None, raw: bytes | None = None) -> None:
+        payload = raw if raw is not None else msgpack.packb(obj, use_bin_type=True)
+        self.client.publish(topic, payload, qos=1).wait_for_publish(WAIT)
+
+    def get(self, topic: str, timeout: float = WAIT) -> Any:
+        try:
+            return self.inbox(topic).get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"nothing arrived on {topic}") from None
+
+    def empty(self, topic: str) -> bool:
+        return self.inbox(topic).empty()
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+class World:
+    """A running bridge, its registry, a board peer for dev1 and a host peer for acme."""
+
+    def __init__(self, broker: MosquittoProcess, tmp: Path, provider: Any, **config: Any) -> None:
+        self.p = f"wren-test-{uuid.uuid4().hex[:8]}/v1"
+        self.registry = Registry(tmp / "registry.json")
+        self.registry.add_tenant("acme", SECRET)
+        self.registry.add_tenant("globex", OTHER_SECRET)
+        self.registry.add_device("dev1", "acme", "thermostat")
+        self.registry.add_device("dev2", "globex", "kiosk")
+        cfg = BridgeConfig(
+            host=broker.host,
+            port=broker.port,
+            username=None,
+            password=None,
+            prefix=self.p,
+            registry_path=tmp / "registry.json",
+            **config,
+        )
+        self.bridge = Bridge(cfg, self.registry, provider)
+        self.bridge.start()
+        p = self.p
+        self.board = Peer(broker, [f"{p}/d/dev1/rpc/res", f"{p}/d/dev1/req", f"{p}/d/dev1/ctl"])
+        self.host = Peer(broker, [f"{p}/h/acme/dev1/evt"])
+
+    # topics
+    def d(self, leaf: str, device: str = "dev1") -> str:
+        return f"{self.p}/d/{device}/{leaf}"
+
+    def h(self, leaf: str, tenant: str = "acme", device: str = "dev1") -> str:
+        return f"{self.p}/h/{tenant}/{device}/{leaf}"
+
+    def call(self, c: Any, method: str, args: Mapping[str, Any], run: str = "run1") -> None:
+        self.board.send(self.d("rpc"), {"c": c, "m": method, "a": dict(args), "r": run})
+
+    def answers(self, device: str = "dev1") -> tuple[list[Any], dict[str, Any]]:
+        """Chunks then the final answer of the next call on rpc/res."""
+        chunks = []
+        while True:
+            msg = self.board.get(self.d("rpc/res", device))
+            if "ch" in msg:
+                chunks.append(msg)
+            else:
+                return chunks, msg
+
+    def refused(self, kind: str, n: int = 1) -> None:
+        wait_for(lambda: self.bridge.stats[f"refused.{kind}"] >= n, f"{n} refusal(s) of {kind}")
+
+    def close(self) -> None:
+        self.board.close()
+        self.host.close()
+        self.bridge.stop()
+        self.registry.close()
+
+
+@pytest.fixture
+def world(broker: MosquittoProcess, tmp_path: Path) -> Iterator[World]:
+    # A long replay retry: on a slow machine a retry must not add a replay request that
+    # a test counting them does not expect (test_replay_retry_is_bounded sets its own).
+    w = World(broker, tmp_path, ScriptedProvider(chunk_chars=6), replay_retry_s=60)
+    yield w
+    w.close()
+
+
+USER = {"role": "user", "content": "How warm is it?"}
+
+
+def ev(i: int, t: str = "msg.delta", run: str = "r1", **d: Any) -> dict[str, Any]:
+    """An event envelope; keyword arguments are its `d` fields."""
+    return {"r": run, "i": i, "t": t, "ts": 1000 + i, "d": d or {"m": 1, "text": f"e{i}"}}
+
+
+def check_valid_call_works(w: World, c: int = 99) -> None:
+    w.call(c, "llm.complete", {"messages": [USER]})
+    chunks, final = w.answers()
+    assert final["c"] == c and final["ok"]["finish"] == "tool_calls"
+    assert "".join(ch["ch"].get("text", "") for ch in chunks) == "Let me check the sensor."
+
+
+# ---------------------------------------------------------------- RPC
+
+
+def test_llm_complete_streams_chunks_then_the_final(world: World) -> None:
+    world.call(1, "llm.complete", {"messages": [USER], "tools": [], "max_tokens": 100})
+    chunks, final = world.answers()
+    assert all(ch["c"] == 1 for ch in chunks)
+    texts = [ch["ch"]["text"] for ch in chunks if "text" in ch["ch"]]
+    assert len(texts) > 1 and "".join(texts) == "Let me check the sensor."
+    assert chunks[-1]["ch"] == {"tool": {"call": "c1", "name": "read_temperature", "input": "{}"}}
+    assert final["c"] == 1 and "err" not in final
+    assert final["ok"]["finish"] == "tool_calls"
+    assert set(final["ok"]["usage"]) == {"in", "out", "reason"}
+
+    # The second turn repeats what the board's tool returned.
+    world.call(
+        2,
+        "llm.complete",
+        {
+            "messages": [
+                USER,
+                {"role": "assistant", "content": "Let me check the sensor.",
+                 "tools": [{"call": "c1", "name": "read_temperature", "input": "{}"}]},
+                {"role": "tool", "call": "c1", "content": "21.5"},
+            ]
+        },
+    )  # fmt: skip
+    chunks, final = world.answers()
+    assert "".join(ch["ch"]["text"] for ch in chunks) == "It is 21.5 °C in here."
+    assert final == {"c": 2, "ok": final["ok"]} and final["ok"]["finish"] == "stop"
+    assert world.bridge.stats["rpc.ok"] == 2
+
+
+def test_provider_error_is_an_llm_error(world: World) -> None:
+    done = [USER, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+    world.call(3, "llm.complete", {"messages": done})
+    chunks, final = world.answers()
+    assert chunks == []
+    assert final == {"c": 3, "err": {"kind": "llm", "msg": "script exhausted"}}
+    check_valid_call_works(world)
+
+
+class LeakyProvider:
+    """Fails with an exception whose text must not reach the board."""
+
+    name = "leaky"
+
+    def complete(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        emit: Callable[[Chunk], None],
+        model: str | None = None,
+        max_tokens: int | None = None,
+    ) -> Final:
+        emit({"text": "par"})
+        raise RuntimeError("POST http://10.0.0.7/v1 with key sk-secret failed")
+
+
+def test_unexpected_provider_exception_is_logged_and_not_leaked(
+    broker: MosquittoProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = World(broker, tmp_path, LeakyProvider())
+    try:
+        with caplog.at_level(logging.ERROR, logger="wren.bridge.rpc"):
+            w.call(4, "llm.complete", {"messages": [USER]})
+            chunks, final = w.answers()
+        assert [ch["ch"] for ch in chunks] == [{"text": "par"}]
+        assert final == {"c": 4, "err": {"kind": "llm", "msg": "the model call failed"}}
+        assert "sk-secret" in caplog.text  # the operator sees it in the log ...
+        assert any(r.exc_info for r in caplog.records)  # ... with its traceback
+    finally:
+        w.close()
+
+
+class SlowProvider:
+    """Blocks until released: shows paho's network thread is not the one waiting."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def complete(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        emit: Callable[[Chunk], None],
+        model: str | None = None,
+        max_tokens: int | None = None,
+    ) -> Final:
+        if not self.release.wait(WAIT * 2):
+            raise ModelError("never released")
+        emit({"text": "too late"})
+        return {"usage": {"in": 0, "out": 0, "reason": 0}, "finish": "stop"}
+
+
+def test_slow_model_neither_blocks_the_link_nor_outlives_its_timeout(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    provider = SlowProvider()
+    w = World(broker, tmp_path, provider, llm_timeout_s=0.5)
+    try:
+        w.call(5, "llm.complete", {"messages": [USER]})
+        # While the model call hangs, events still flow.
+        w.board.send(w.d("evt"), ev(1))
+        assert w.host.get(w.h("evt"))["i"] == 1
+        chunks, final = w.answers()
+        assert chunks == []
+        assert final["c"] == 5 and final["err"]["kind"] == "llm"
+        provider.release.set()
+        # The late chunk and answer of the released call are never sent.
+        wait_for(lambda: w.bridge.rpc.inflight == 0, "the worker to finish")
+        assert w.board.empty(w.d("rpc/res"))
+        assert w.bridge.stats["rpc.timeout"] == 1
+    finally:
+        provider.release.set()
+        w.close()
+
+
+def test_unknown_method(world: World) -> None:
+    world.call(6, "mem.teleport", {})
+    _, final = world.answers()
+    assert final["c"] == 6 and final["err"]["kind"] == "unknown_method"
+    world.refused("unknown_method")
+    check_valid_call_works(world)
+
+
+@pytest.mark.parametrize(
+    "payload, kind",
+    [
+        (b"\x84\xa1c\x01\xa1m", "truncated"),
+        (b"\xdb\xff\xff\xff\xff", "too_large"),
+        (b"\x81\xa1c" + b"\x91" * 40 + b"\x01", "too_deep"),
+        (b"\x91" * 5000 + b"\x01", "too_deep"),
+        (b"\xd4\x01\x00", "bad_type"),
+        (b"\x80\x80", "bad_type"),
+        (b"\xa0" * 20000, "too_large"),
+        (msgpack.packb([1, "llm.complete"]), "bad_envelope"),
+        (msgpack.packb({"m": "llm.complete", "a": {}}), "bad_envelope"),
+    ],
+)
+def test_undecodable_rpc_is_answered_with_c_nil(world: World, payload: bytes, kind: str) -> None:
+    world.board.send(world.d("rpc"), raw=payload)
+    _, final = world.answers()
+    assert final["c"] is None
+    assert final["err"]["kind"] == kind and final["err"]["msg"]
+    world.refused(kind)
+    assert any(r.kind == kind and r.topic == world.d("rpc") for r in world.bridge.refusals)
+    check_valid_call_works(world)
+
+
+def test_bad_arguments_keep_the_call_id(world: World) -> None:
+    world.call(7, "llm.complete", {"messages": "hello"})
+    _, final = world.answers()
+    assert final["c"] == 7 and final["err"]["kind"] == "bad_envelope"
+    world.call(8, "llm.complete", {"messages": [{"role": "wizard", "content": "x"}]})
+    _, final = world.answers()
+    assert final["c"] == 8 and final["err"]["kind"] == "bad_envelope"
+    check_valid_call_works(world)
+
+
+def test_unknown_device_is_refused_and_answered(world: World, broker: MosquittoProcess) -> None:
+    ghost = Peer(broker, [world.d("rpc/res", "ghost")])
+    try:
+        ghost.send(
+            world.d("rpc", "ghost"), {"c": 1, "m": "llm.complete", "a": {"messages": [USER]}}
+        )
+        msg = ghost.get(world.d("rpc/res", "ghost"))
+        assert msg["c"] is None and msg["err"]["kind"] == "unknown_device"
+        ghost.send(world.d("evt", "ghost"), ev(1))
+        world.refused("unknown_device", 2)
+    finally:
+        ghost.close()
+    assert world.bridge.intake.runs("ghost") == []
+    check_valid_call_works(world)
+
+
+def test_payload_identity_keys_change_nothing(world: World) -> None:
+    # A board writing another tenant or device into its call is still dev1 of acme.
+    world.board.send(
+        world.d("rpc"),
+        {"c": 9, "m": "llm.complete", "a": {"messages": [USER]}, "tenant": "globex",
+         "device": "dev2", "user": "root", "usr": "root", "ten": "globex"},
+    )  # fmt: skip
+    chunks, final = world.answers()
+    assert final["c"] == 9 and final["ok"]["finish"] == "tool_calls"
+    world.board.send(world.d("evt"), dict(ev(1), tenant="globex", device="dev2"))
+    got = world.host.get(world.h("evt"))  # acme's stream, not globex's
+    assert got == ev(1)  # and the extra keys did not travel
+
+
+def test_shared_subscription(broker: MosquittoProcess, tmp_path: Path) -> None:
+    w = World(broker, tmp_path, ScriptedProvider(), shared_subscription=True)
+    try:
+        assert w.bridge.subscriptions()[0] == f"$share/bridge/{w.p}/d/+/rpc"
+        check_valid_call_works(w, c=1)
+        w.board.send(w.d("evt"), ev(1))
+        assert w.host.get(w.h("evt"))["i"] == 1
+    finally:
+        w.close()
+
+
+# ---------------------------------------------------------------- events
+
+
+def test_in_order_events_fan_out_one_per_message(world: World) -> None:
+    world.board.send(
+        world.d("evt"),
+        ev(
+            1,
+            "run.started",
+            agent="thermostat",
+            ver="1",
+            req="q1",
+            conv="c1",
+            domain="request",
+            input="hi",
+        ),
+    )
+    world.board.send(world.d("evt"), [ev(2), ev(3), ev(4, "run.done", usage={})])  # a batch
+    got = [world.host.get(world.h("evt")) for _ in range(4)]
+    assert [e["i"] for e in got] == [1, 2, 3, 4]
+    assert got[3]["t"] == "run.done"
+    assert [e["i"] for e in world.bridge.intake.events("dev1", "r1", after=2)] == [3, 4]
+    assert world.bridge.intake.expected("dev1", "r1") == 5
+
+
+def test_gap_asks_for_replay_and_hosts_see_strict_order(world: World) -> None:
+    world.board.send(world.d("evt"), [ev(1), ev(2)])
+    world.board.send(world.d("evt"), ev(5))  # 3 and 4 were lost on the way
+    assert world.board.get(world.d("ctl")) == {"op": "replay", "r": "r1", "after": 2}
+    world.board.send(world.d("evt"), ev(6))  # still the same hole: no second request
+    wait_for(lambda: world.bridge.intake.held("dev1", "r1") == [5, 6], "5 and 6 held")
+    # The board resends from its ring: 3, 4, 5, 6 (5 and 6 again).
+    world.board.send(world.d("evt"), [ev(3), ev(4), ev(5), ev(6)])
+    world.board.send(world.d("evt"), ev(7))
+    got = [world.host.get(world.h("evt"))["i"] for _ in range(7)]
+    assert got == [1, 2, 3, 4, 5, 6, 7]
+    stats = world.bridge.stats
+    assert stats["replay.sent"] == 1 and stats["evt.duplicate"] == 2
+    assert world.board.empty(world.d("ctl"))
+
+
+def test_lost_events_are_reported_not_papered_over(world: World) -> None:
+    world.board.send(world.d("evt"), ev(1))
+    world.board.send(world.d("evt"), [ev(5), ev(6)])
+    assert world.board.get(world.d("ctl")) == {"op": "replay", "r": "r1", "after": 1}
+    # The ring only had 5 and 6; it resends them and reports 2..4 as a gap (event 7).
+    gap = ev(7, "error", kind="gap", msg="events 2..4 are no longer held")
+    gap["d"].update({"from": 2, "to": 4})
+    world.board.send(world.d("evt"), [ev(5), ev(6), gap])
+    got = [world.host.get(world.h("evt")) for _ in range(4)]
+    assert [e["i"] for e in got] == [1, 5, 6, 7]
+    assert got[3]["d"]["kind"] == "gap" and (got[3]["d"]["from"], got[3]["d"]["to"]) == (2, 4)
+    assert world.bridge.stats["evt.lost"] == 3
+    world.board.send(world.d("evt"), ev(8))
+    assert world.host.get(world.h("evt"))["i"] == 8
+
+
+def test_replay_retry_is_bounded(broker: MosquittoProcess, tmp_path: Path) -> None:
+    w = World(broker, tmp_path, ScriptedProvider(), replay_retry_s=0.1, replay_max_attempts=2)
+    try:
+        w.board.send(w.d("evt"), ev(3, run="r9"))
+        first = w.board.get(w.d("ctl"))
+        second = w.board.get(w.d("ctl"))
+        assert first == second == {"op": "replay", "r": "r9", "after": 0}
+        wait_for(lambda: w.bridge.stats["replay.gave_up"] == 1, "the bridge to give up")
+        assert w.bridge.stats["replay.sent"] == 2
+        # A late resend still completes the run in order.
+        w.board.send(w.d("evt"), [ev(1, run="r9"), ev(2, run="r9"), ev(3, run="r9")])
+        assert [w.host.get(w.h("evt"))["i"] for _ in range(3)] == [1, 2, 3]
+    finally:
+        w.close()
+
+
+def test_runs_and_the_device_stream_are_separate(world: World) -> None:
+    world.board.send(world.d("evt"), ev(1, run="a"))
+    world.board.send(world.d("evt"), ev(1, "error", run="_", kind="busy", msg="full"))
+    world.board.send(world.d("evt"), ev(2, run="a"))
+    got = [world.host.get(world.h("evt")) for _ in range(3)]
+    assert [(e["r"], e["i"]) for e in got] == [("a", 1), ("_", 1), ("a", 2)]
+
+
+@pytest.mark.parametrize(
+    "payload, kind",
+    [
+        (msgpack.packb(42), "bad_envelope"),
+        (msgpack.packb("run.started"), "bad_envelope"),
+        (msgpack.packb(ev(1, "run.exploded")), "unknown_type"),
+        (msgpack.packb([ev(1), ev(2, "nope")]), "unknown_type"),
+        (msgpack.packb({"r": "r1", "i": "1", "t": "msg.delta", "ts": 1, "d": {}}), "bad_envelope"),
+        (b"\x85\xa1r\xa2r1", "truncated"),
+        (b"\xdb\xff\xff\xff\xff", "too_large"),
+        (b"\x91" * 17 + b"\x01", "too_deep"),
+        (b"\xc1", "bad_type"),
+    ],
+)
+def test_bad_events_are_refused_and_the_stream_goes_on(
+    world: World, payload: bytes, kind: str
+) -> None:
+    world.board.send(world.d("evt"), raw=payload)
+    world.refused(kind)
+    assert world.bridge.refusals[-1].kind == kind
+    world.board.send(world.d("evt"), ev(1))
+    assert world.host.get(world.h("evt")) == ev(1)
+    assert world.board.empty(world.d("ctl"))
+
+
+def test_bad_topic_levels_are_refused(world: World, broker: MosquittoProcess) -> None:
+    world.board.send(f"{world.p}/d/DEV1/evt", ev(1))
+    world.board.send(f"{world.p}/d/dev.1/rpc", {"c": 1, "m": "llm.complete", "a": {}})
+    world.board.send(f"{world.p}/h/ACME/dev1/req", {"req": "q", "input": "x"})
+    world.refused("bad_topic", 3)
+    world.board.send(world.d("evt"), ev(1))
+    assert world.host.get(world.h("evt"))["i"] == 1
+
+
+def test_hello_and_status_are_kept(world: World) -> None:
+    hello = {
+        "agent": "thermostat", "ver": "1.0", "fw": "mp-1.24",
+        "fields": [], "tools": [{"name": "read_temperature", "description": "°C",
+                                 "args": {}, "client": False}],
+        "limits": {"payload": 16384, "str": 8192, "items": 256, "depth": 16, "ring": 32},
+    }  # fmt: skip
+    world.board.send(world.d("hello"), hello)
+    assert wait_for(lambda: world.bridge.hello("dev1"), "hello") == hello
+    world.board.send(world.d("status"), {"st": "online", "fw": "mp-1.24", "heap": 90000})
+    presence = wait_for(lambda: world.bridge.presence("dev1"), "status")
+    assert presence["st"] == "online"
+    world.board.send(world.d("status"), {"st": "asleep"})
+    world.refused("bad_envelope")
+    world.board.send(world.d("hello"), [1, 2])
+    world.refused("bad_envelope", 2)
+    assert (world.bridge.presence("dev1") or {}).get("st") == "online"
+
+
+# ---------------------------------------------------------------- host requests
+
+
+def token(user: str, tenant: str = "acme", secret: bytes = SECRET, ttl: int = 600) -> str:
+    return tokens.sign(secret, tenant, user, ttl_s=ttl)
+
+
+def test_host_req_carries_the_tokens_user(world: World) -> None:
+    world.host.send(
+        world.h("req"),
+        {"req": "q1", "conv": "c1", "input": "How warm is it?", "ttl": 60,
+         "tok": token("alice"), "usr": "admin", "ten": "globex", "device": "dev2",
+         "tenant": "globex", "user": "root"},
+    )  # fmt: skip
+    got = world.board.get(world.d("req"))
+    assert got == {"req": "q1", "conv": "c1", "usr": "alice", "input": "How warm is it?",
+                   "ttl": 60}  # fmt: skip
+    assert world.bridge.stats["host.req"] == 1
+
+
+def test_host_req_refusals(world: World) -> None:
+    def send(tok: object, tenant: str = "acme", device: str = "dev1", **extra: Any) -> None:
+        world.host.send(
+            world.h("req", tenant, device), {"req": "q", "input": "x", "tok": tok, **extra}
+        )
+
+    send(token("mallory", secret=OTHER_SECRET), usr="admin")  # forged: wrong secret
+    send(token("alice", ttl=-10))  # expired
+    send(token("alice", tenant="globex", secret=OTHER_SECRET))  # another tenant's token
+    send("not-a-token")
+    send(None)
+    world.refused("bad_token", 5)
+    send(token("alice"), device="dev2")  # dev2 is globex's
+    send(token("bob", "globex", OTHER_SECRET), tenant="globex")  # dev1 is acme's
+    send(token("alice"), device="ghost")
+    world.refused("unknown_device", 3)
+    world.host.send(world.h("req"), {"req": "q", "tok": token("alice")})  # no input
+    world.host.send(world.h("req"), raw=b"\xdb\xff\xff\xff\xff")
+    world.refused("bad_envelope")
+    world.refused("too_large")
+    assert world.board.empty(world.d("req"))
+    # Afterwards a valid request goes through, and it is the first the board sees.
+    send(token("alice"), usr="admin")
+    assert world.board.get(world.d("req")) == {"req": "q", "usr": "alice", "input": "x"}
+
+
+def test_host_ctl(world: World) -> None:
+    tok = token("alice")
+    world.host.send(world.h("ctl"), {"op": "cancel", "r": "r1", "tok": tok, "usr": "admin"})
+    assert world.board.get(world.d("ctl")) == {"op": "cancel", "r": "r1"}
+    world.host.send(
+        world.h("ctl"),
+        {"op": "approve", "r": "r1", "call": "c1", "ok": True, "by": "admin", "tok": tok},
+    )
+    assert world.board.get(world.d("ctl")) == {
+        "op": "approve", "r": "r1", "call": "c1", "ok": True, "by": "alice"
+    }  # fmt: skip
+    world.host.send(
+        world.h("ctl"),
+        {"op": "tool", "r": "r1", "call": "c2", "output": "yes", "failed": False, "tok": tok},
+    )
+    assert world.board.get(world.d("ctl")) == {
+        "op": "tool", "r": "r1", "call": "c2", "output": "yes", "failed": False
+    }  # fmt: skip
+    world.host.send(world.h("ctl"), {"op": "replay", "r": "r1", "after": 0, "tok": tok})
+    world.host.send(world.h("ctl"), {"op": "reboot", "r": "r1", "tok": tok})
+    world.refused("unknown_op", 2)
+    world.host.send(
+        world.h("ctl"), {"op": "cancel", "r": "r1", "tok": token("x", secret=OTHER_SECRET)}
+    )
+    world.refused("bad_token")
+    world.host.send(world.h("ctl"), {"op": "cancel", "r": "r2", "tok": tok})
+    assert world.board.get(world.d("ctl")) == {"op": "cancel", "r": "r2"}
+
+
+# ---------------------------------------------------------------- resilience, lifecycle
+
+
+def test_an_internal_error_is_logged_and_the_bridge_keeps_serving(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A corrupt registry file makes the device lookup raise inside the paho callback.
+    path = Path(world.registry.path)
+    good = path.read_bytes()
+    path.write_text("{ not json")
+    with caplog.at_level(logging.ERROR, logger="wren.bridge"):
+        world.board.send(world.d("evt"), ev(1))
+        wait_for(lambda: world.bridge.stats["callback_errors"] >= 1, "the error to be counted")
+    assert any(r.exc_info for r in caplog.records if "callback" in r.getMessage())
+    path.write_bytes(good)
+    world.board.send(world.d("evt"), ev(1))
+    assert world.host.get(world.h("evt"))["i"] == 1
+    check_valid_call_works(world)
+
+
+def test_start_fails_clearly_without_a_broker(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "r.json")
+    cfg = BridgeConfig(host="127.0.0.1", port=free_port(), connect_timeout_s=2)
+    with pytest.raises(BridgeError, match="cannot reach the MQTT broker"):
+        Bridge(cfg, registry, ScriptedProvider()).start()
+
+
+def test_config_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WREN_BRIDGE_USER", "bridge")
+    monkeypatch.setenv("WREN_BRIDGE_PASSWORD", "pw")
+    cfg = BridgeConfig()
+    assert (cfg.username, cfg.password, cfg.prefix) == ("bridge", "pw", "wren/v1")
+    assert cfg.shared_subscription is False
+    assert BridgeConfig().client_id != cfg.client_id
+    with pytest.raises(ValueError):
+        BridgeConfig(prefix="wren/#")
+
+
+def test_broker_refusing_the_bridge_is_a_clear_error(tmp_path: Path) -> None:
+    locked = start_mosquitto(tmp_path / "locked", allow_anonymous=False)
+    try:
+        registry = Registry(tmp_path / "r.json")
+        cfg = BridgeConfig(host=locked.host, port=locked.port, username="who", password="x")
+        with pytest.raises(BridgeError, match="refused"):
+            Bridge(cfg, registry, ScriptedProvider()).start()
+    finally:
+        locked.stop()
+
+
+def test_busy_beyond_max_inflight(broker: MosquittoProcess, tmp_path: Path) -> None:
+    provider = SlowProvider()
+    w = World(broker, tmp_path, provider, rpc_max_inflight=1)
+    try:
+        w.call(1, "llm.complete", {"messages": [USER]})
+        wait_for(lambda: w.bridge.rpc.inflight == 1, "the first call to be running")
+        w.call(2, "llm.complete", {"messages": [USER]})
+        _, final = w.answers()
+        assert final == {"c": 2, "err": {"kind": "busy", "msg": final["err"]["msg"]}}
+        w.refused("busy")
+        provider.release.set()
+        chunks, final = w.answers()
+        assert final["c"] == 1 and final["ok"]["finish"] == "stop"
+    finally:
+        provider.release.set()
+        w.close()
+
+
+def test_a_stopped_bridge_does_not_restart(world: World) -> None:
+    world.bridge.stop()
+    with pytest.raises(BridgeError):
+        world.bridge.start()
+
+
+# ---------------------------------------------------------------- intake rules, no broker
+# The same EventIntake the bridge runs, fed directly, with a clock the test moves.
+
+DEV = DeviceRecord("dev1", "acme", "thermostat")
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sent: list[tuple[str, Any]] = []
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self.sent.append((topic.rsplit("/", 1)[-1], msgpack.unpackb(payload, raw=False)))
+
+    def evts(self) -> list[int]:
+        return [obj["i"] for leaf, obj in self.sent if leaf == "evt"]
+
+    def ctls(self) -> list[dict[str, Any]]:
+        return [obj for leaf, obj in self.sent if leaf == "ctl"]
+
+
+def intake(sink: Sink, **kw: Any) -> EventIntake:
+    counts: collections.Counter[str] = collections.Counter()
+    i = EventIntake(
+        "p", sink.publish, lambda k, n: counts.update({k: n}), clock=lambda: sink.now, **kw
+    )
+    i.counts = counts  # type: ignore[attr-defined]
+    return i
+
+
+def test_hold_buffer_is_bounded_and_keeps_the_ids_nearest_the_hole() -> None:
+    sink = Sink()
+    it = intake(sink, hold=3)
+    it.accept(DEV, [ev(9), ev(8), ev(7), ev(3)])
+    assert it.held("dev1", "r1") == [3, 7, 8]
+    assert sink.ctls() == [{"op": "replay", "r": "r1", "after": 0}]
+    it.accept(DEV, [ev(i) for i in range(1, 10)])
+    assert sink.evts() == list(range(1, 10))
+
+
+def test_an_event_reported_lost_but_then_resent_is_delivered() -> None:
+    sink = Sink()
+    it = intake(sink)
+    it.accept(DEV, [ev(1), ev(3), ev(6)])
+    gap = ev(7, "error", kind="gap", msg="lost")
+    gap["d"].update({"from": 2, "to": 5})
+    it.accept(DEV, [gap])
+    assert sink.evts() == [1, 3, 6, 7]
+    assert it.counts["evt.lost"] == 3  # type: ignore[attr-defined]
+
+
+def test_retry_counts_restart_when_the_hole_moves() -> None:
+    sink = Sink()
+    it = intake(sink, replay_retry_s=1.0, replay_max_attempts=2)
+    it.accept(DEV, [ev(1), ev(5)])
+    it.tick()
+    assert len(sink.ctls()) == 1  # not yet due
+    sink.now = 1.0
+    it.tick()
+    sink.now = 2.0
+    it.tick()
+    sink.now = 3.0
+    it.tick()
+    assert [c["after"] for c in sink.ctls()] == [1, 1]
+    assert it.counts["replay.gave_up"] == 1  # type: ignore[attr-defined]
+    it.accept(DEV, [ev(2)])  # progress: the board is answering after all; ask again
+    assert [c["after"] for c in sink.ctls()] == [1, 1, 2]
+    sink.now = 3.5
+    it.tick()
+    assert len(sink.ctls()) == 3
+    sink.now = 4.0
+    it.tick()
+    assert [c["after"] for c in sink.ctls()] == [1, 1, 2, 2]
+    it.accept(DEV, [ev(3), ev(4)])
+    assert sink.evts() == [1, 2, 3, 4, 5] and it.held("dev1", "r1") == []
+    sink.now = 10.0
+    it.tick()
+    assert len(sink.ctls()) == 4  # the hole is closed: nothing more to ask
+
+
+def test_runs_tracked_are_bounded() -> None:
+    sink = Sink()
+    it = intake(sink, max_runs=2, keep=2)
+    for run in ("a", "b", "c"):
+        it.accept(DEV, [ev(1, run=run), ev(2, run=run), ev(3, run=run)])
+    assert sorted(it.runs("dev1")) == ["b", "c"]
+    assert [e["i"] for e in it.events("dev1", "c")] == [2, 3]  # the window per run

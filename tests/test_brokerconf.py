@@ -1,0 +1,257 @@
+"""tools/brokerconf.py: password entries that Mosquitto accepts, and the Wren ACL
+enforced by a real Mosquitto (and, through acl_function, by the embedded broker)."""
+
+from __future__ import annotations
+
+import base64
+import queue
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as paho
+import pytest
+
+from tools import brokerconf
+from tools.broker import start_mosquitto
+from tools.embedded_broker import EmbeddedBroker
+
+TIMEOUT_S = 10.0
+P = "wren/v1"
+USERS = {
+    "bridge": "bridge-pw",
+    "dev1": "dev1-pw",
+    "dev2": "dev2-pw",
+    "host-acme": "acme-pw",
+    "host-other": "other-pw",
+}
+TENANTS = {"acme": "host-acme", "other": "host-other"}
+
+
+# --- password entries ------------------------------------------------------------------
+
+
+def test_hash_has_mosquitto_layout() -> None:
+    entry = brokerconf.hash_password("secret")
+    assert re.fullmatch(r"\$7\$101\$[A-Za-z0-9+/]{16}\$[A-Za-z0-9+/]{86}==", entry), entry
+    assert brokerconf.check_password("secret", entry)
+    assert not brokerconf.check_password("Secret", entry)
+    assert brokerconf.hash_password("secret") != entry  # a fresh salt every time
+    with pytest.raises(ValueError):
+        brokerconf.hash_password("x", salt=b"short")
+
+
+def test_hash_equals_mosquitto_passwd_for_the_same_salt(tmp_path: Path) -> None:
+    exe = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+    if not Path(exe).exists():
+        pytest.skip("mosquitto_passwd is not installed")
+    pw_file = tmp_path / "pw"
+    pw_file.touch()
+    subprocess.run([exe, "-b", str(pw_file), "dev1", "s3cret pass"], check=True, timeout=30)
+    user, entry = pw_file.read_text().strip().split(":", 1)
+    assert user == "dev1"
+    _, seven, iterations, salt, _ = entry.split("$")
+    assert seven == "7"
+    ours = brokerconf.hash_password("s3cret pass", base64.b64decode(salt), int(iterations))
+    assert ours == entry
+    assert brokerconf.check_password("s3cret pass", entry)
+
+
+def test_password_file_is_private(tmp_path: Path) -> None:
+    path = brokerconf.write_password_file(tmp_path / "passwords", {"b": "1", "a": "2"})
+    lines = path.read_text().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["a", "b"]
+    assert brokerconf.check_password("2", lines[0].split(":", 1)[1])
+    assert path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError):
+        brokerconf.write_password_file(tmp_path / "bad", {"a:b": "x"})
+
+
+# --- ACL text and function ----------------------------------------------------------------
+
+
+def test_acl_text_is_exactly_the_wren_rules() -> None:
+    assert brokerconf.acl_text(P, "bridge", {"acme": "host-acme"}) == (
+        "# Wren broker ACL (written by tools/brokerconf.py). Mosquitto denies whatever\n"
+        "# is not granted here.\n"
+        "\n"
+        "# Devices: the MQTT user name is the device id.\n"
+        "pattern read wren/v1/d/%u/req\n"
+        "pattern read wren/v1/d/%u/ctl\n"
+        "pattern read wren/v1/d/%u/rpc/res\n"
+        "pattern write wren/v1/d/%u/status\n"
+        "pattern write wren/v1/d/%u/hello\n"
+        "pattern write wren/v1/d/%u/evt\n"
+        "pattern write wren/v1/d/%u/rpc\n"
+        "\n"
+        "# The bridge.\n"
+        "user bridge\n"
+        "topic readwrite wren/v1/#\n"
+        "\n"
+        "# Hosts of tenant acme.\n"
+        "user host-acme\n"
+        "topic read wren/v1/h/acme/+/evt\n"
+        "topic write wren/v1/h/acme/+/req\n"
+        "topic write wren/v1/h/acme/+/ctl\n"
+    )
+    for bad in (("wren/#", "bridge", {}), (P, "bad user", {}), (P, "bridge", {"Acme": "h"}),
+                (P, "bridge", {"acme": "bridge"})):
+        with pytest.raises(ValueError):
+            brokerconf.acl_text(*bad)
+
+
+def test_acl_function_mirrors_the_file() -> None:
+    acl = brokerconf.acl_function(P, "bridge", TENANTS)
+    allowed = [
+        ("bridge", "wren/v1/d/dev1/req", True), ("bridge", "wren/v1/h/acme/dev1/evt", True),
+        ("dev1", "wren/v1/d/dev1/evt", True), ("dev1", "wren/v1/d/dev1/rpc", True),
+        ("dev1", "wren/v1/d/dev1/status", True), ("dev1", "wren/v1/d/dev1/req", False),
+        ("dev1", "wren/v1/d/dev1/rpc/res", False),
+        ("host-acme", "wren/v1/h/acme/dev1/evt", False),
+        ("host-acme", "wren/v1/h/acme/dev1/req", True),
+        ("host-acme", "wren/v1/h/acme/dev1/ctl", True),
+    ]
+    for user, topic, write in allowed:
+        assert acl(user, topic, write), (user, topic, write)
+    denied = [
+        ("dev1", "wren/v1/d/dev2/evt", True), ("dev1", "wren/v1/d/dev1/req", True),
+        ("dev1", "wren/v1/d/dev1/evt", False), ("dev1", "wren/v1/d/dev2/req", False),
+        ("dev1", "wren/v1/d/dev1/rpc/res", True), ("dev1", "other/x", True),
+        ("host-acme", "wren/v1/h/other/dev1/evt", False),
+        ("host-acme", "wren/v1/h/acme/dev1/evt", True),
+        ("host-acme", "wren/v1/d/dev1/req", True), (None, "wren/v1/d/dev1/evt", True),
+        ("bridge", "elsewhere/x", True),
+    ]
+    for who, where, writes in denied:
+        assert not acl(who, where, writes), (who, where, writes)
+
+
+# --- enforced by a real broker ----------------------------------------------------------------
+
+
+class Client:
+    def __init__(self, host: str, port: int, user: str | None, password: str | None) -> None:
+        self.messages: queue.Queue[paho.MQTTMessage] = queue.Queue()
+        self.connacks: queue.Queue[Any] = queue.Queue()
+        self.subacks: queue.Queue[Any] = queue.Queue()
+        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"t-{user}",
+                             protocol=paho.MQTTv311)
+        if user is not None:
+            self.c.username_pw_set(user, password)
+        self.c.on_connect = lambda c, u, flags, rc, props: self.connacks.put(rc)
+        self.c.on_subscribe = lambda c, u, mid, rcs, props: self.subacks.put(rcs)
+        self.c.on_message = lambda c, u, msg: self.messages.put(msg)
+        self.c.connect(host, port, keepalive=30)
+        self.c.loop_start()
+        self.rc = self.connacks.get(timeout=TIMEOUT_S)
+
+    def subscribe(self, topic: str) -> None:
+        self.c.subscribe(topic, 1)
+        self.subacks.get(timeout=TIMEOUT_S)
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self.c.publish(topic, payload, 1).wait_for_publish(TIMEOUT_S)
+
+    def until(self, payload: bytes) -> list[tuple[str, bytes]]:
+        """Every message up to and including the first with `payload`: a marker sent
+        after the messages that must NOT arrive proves they did not."""
+        got = []
+        while True:
+            msg = self.messages.get(timeout=TIMEOUT_S)
+            got.append((msg.topic, bytes(msg.payload)))
+            if msg.payload == payload:
+                return got
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+@dataclass
+class Secured:
+    host: str
+    port: int
+    clients: list[Client]
+
+    def connect(self, user: str | None, password: str | None = None) -> Client:
+        if user is not None and password is None:
+            password = USERS[user]
+        c = Client(self.host, self.port, user, password)
+        self.clients.append(c)
+        return c
+
+    def login(self, user: str) -> Client:
+        c = self.connect(user)
+        assert not c.rc.is_failure, (user, c.rc)
+        return c
+
+
+@pytest.fixture(params=["mosquitto", "embedded"])
+def secured(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Secured]:
+    stop: Any
+    if request.param == "mosquitto":
+        extra = brokerconf.secure_mosquitto_conf(
+            tmp_path / "conf", USERS, brokerconf.acl_text(P, "bridge", TENANTS))
+        m = start_mosquitto(tmp_path / "mosquitto", extra_conf=extra, allow_anonymous=False)
+        host, port, stop = m.host, m.port, m.stop
+    else:
+        eb = EmbeddedBroker(users=USERS,
+                            acl=brokerconf.acl_function(P, "bridge", TENANTS)).start()
+        host, port, stop = eb.host, eb.port, eb.stop
+    s = Secured(host, port, [])
+    try:
+        yield s
+    finally:
+        for c in s.clients:
+            c.close()
+        stop()
+
+
+def test_wrong_password_and_strangers_are_refused(secured: Secured) -> None:
+    assert secured.connect("dev1", "not-the-password").rc.is_failure
+    assert secured.connect("nobody", "dev1-pw").rc.is_failure
+    assert secured.connect(None).rc.is_failure
+    assert not secured.connect("dev1").rc.is_failure
+
+
+def test_device_writes_only_its_own_outgoing_topics(secured: Secured) -> None:
+    bridge = secured.login("bridge")
+    bridge.subscribe(f"{P}/#")
+    dev1 = secured.login("dev1")
+    dev1.publish(f"{P}/d/dev1/evt", b"own evt")
+    dev1.publish(f"{P}/d/dev2/evt", b"forged evt")  # another device's topic
+    dev1.publish(f"{P}/d/dev1/req", b"self-made req")  # only the bridge sends req
+    dev1.publish(f"{P}/d/dev1/rpc/res", b"self-made answer")
+    dev1.publish(f"{P}/d/dev1/hello", b"marker")
+    assert bridge.until(b"marker") == [(f"{P}/d/dev1/evt", b"own evt"),
+                                       (f"{P}/d/dev1/hello", b"marker")]
+
+
+def test_only_the_bridge_reaches_a_device_and_only_that_device(secured: Secured) -> None:
+    dev1 = secured.login("dev1")
+    dev1.subscribe(f"{P}/d/dev1/req")
+    dev1.subscribe(f"{P}/d/dev2/req")  # refused or never served: either way nothing comes
+    dev2 = secured.login("dev2")
+    dev2.publish(f"{P}/d/dev1/req", b"from a neighbour")
+    bridge = secured.login("bridge")
+    bridge.publish(f"{P}/d/dev2/req", b"for dev2")
+    bridge.publish(f"{P}/d/dev1/req", b"for dev1")
+    assert dev1.until(b"for dev1") == [(f"{P}/d/dev1/req", b"for dev1")]
+
+
+def test_host_users_stay_in_their_tenant(secured: Secured) -> None:
+    bridge = secured.login("bridge")
+    bridge.subscribe(f"{P}/h/+/+/req")
+    host = secured.login("host-acme")
+    host.subscribe(f"{P}/h/+/+/evt")  # wider than allowed: only acme's events may come
+    bridge.publish(f"{P}/h/other/dev9/evt", b"other tenant's event")
+    bridge.publish(f"{P}/h/acme/dev1/evt", b"acme event")
+    assert host.until(b"acme event") == [(f"{P}/h/acme/dev1/evt", b"acme event")]
+    host.publish(f"{P}/h/other/dev9/req", b"into another tenant")
+    host.publish(f"{P}/d/dev1/req", b"straight to the device")
+    host.publish(f"{P}/h/acme/dev1/req", b"acme request")
+    assert bridge.until(b"acme request") == [(f"{P}/h/acme/dev1/req", b"acme request")]

@@ -1,0 +1,257 @@
+"""The snapshot reducer against scripted event sequences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from edge_runtime.events import TYPES
+from server_bridge.host.reducer import HANDLERS, BadEnvelope, Reducer, RunSnapshot
+
+
+def ev(i: int, t: str, run: str = "r1", /, **d: Any) -> dict[str, Any]:
+    return {"r": run, "i": i, "t": t, "ts": 1000 + i, "d": d}
+
+
+def full_run(run: str = "r1") -> list[dict[str, Any]]:
+    """A complete run: question, streamed answer with a tool call, second answer, done."""
+    return [
+        ev(1, "run.started", run, agent="thermo", ver="1.0", req="q1", conv="c1",
+           domain="request", input="How warm is it?"),
+        ev(2, "msg.start", run, m=1, role="assistant"),
+        ev(3, "msg.delta", run, m=1, text="Let me "),
+        ev(4, "msg.delta", run, m=1, text="check."),
+        ev(5, "msg.end", run, m=1),
+        ev(6, "usage", run, **{"in": 10, "out": 4, "reason": 0}),
+        ev(7, "tool.call", run, call="c-1", name="read_temperature", input="{}", client=False),
+        ev(8, "tool.result", run, call="c-1", output="21.5", failed=False),
+        ev(9, "msg.start", run, m=2, role="assistant"),
+        ev(10, "msg.delta", run, m=2, text="It is 21.5 °C."),
+        ev(11, "msg.end", run, m=2),
+        ev(12, "usage", run, **{"in": 14, "out": 6, "reason": 0}),
+        ev(13, "run.done", run, usage={"in": 24, "out": 10, "reason": 0}),
+    ]
+
+
+def fold(events: list[dict[str, Any]]) -> RunSnapshot:
+    reducer = Reducer()
+    snap = None
+    for e in events:
+        snap = reducer.apply(e)
+    assert snap is not None
+    return snap
+
+
+def test_full_run_folds_into_rows_status_and_usage() -> None:
+    snap = fold(full_run())
+    assert (snap.run, snap.req, snap.conv, snap.agent) == ("r1", "q1", "c1", "thermo")
+    assert snap.status == "done" and snap.terminal and snap.error is None
+    assert [(r.kind, r.text) for r in snap.rows if r.kind in ("user", "assistant")] == [
+        ("user", "How warm is it?"),
+        ("assistant", "Let me check."),
+        ("assistant", "It is 21.5 °C."),
+    ]
+    assert [r.kind for r in snap.rows] == [
+        "user", "assistant", "tool_call", "tool_result", "assistant",
+    ]
+    call, result = snap.rows[2], snap.rows[3]
+    assert (call.name, call.input, call.call, call.status) == (
+        "read_temperature", "{}", "c-1", "done"
+    )
+    assert (result.call, result.name, result.output, result.failed) == (
+        "c-1", "read_temperature", "21.5", False
+    )
+    assert all(r.status == "done" for r in snap.rows if r.kind == "assistant")
+    # run.done's usage is the run's total: it replaces the per-node sum, not adds to it.
+    assert (snap.usage.tokens_in, snap.usage.tokens_out) == (24, 10)
+    assert snap.last_id == 13 and snap.pending == {} and snap.gaps == [] and snap.errors == []
+
+
+def test_usage_events_add_up_while_running() -> None:
+    snap = fold(full_run()[:12])
+    assert snap.status == "running"
+    assert (snap.usage.tokens_in, snap.usage.tokens_out) == (24, 10)
+
+
+def test_duplicates_and_replays_do_not_double_text() -> None:
+    events = full_run()
+    once = fold(events)
+    # Every event delivered twice in a row, then the whole run replayed from the start.
+    twice = fold([e for e in events for _ in range(2)] + events)
+    assert [(r.kind, r.text, r.output) for r in twice.rows] == [
+        (r.kind, r.text, r.output) for r in once.rows
+    ]
+    assert twice.usage == once.usage and twice.last_id == 13
+
+
+def test_out_of_order_lower_ids_are_ignored() -> None:
+    events = full_run()
+    reducer = Reducer()
+    for e in events[:4]:  # ... msg.delta "check." (id 4)
+        reducer.apply(e)
+    snap = reducer.apply(events[2])  # id 3 again, late: "Let me "
+    assert snap.rows[1].text == "Let me check."
+    assert snap.last_id == 4
+
+
+def test_client_tool_is_pending_until_its_result() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "run.started", input="Water the plants?"))
+    reducer.apply(ev(2, "tool.call", call="k1", name="confirm", input='{"q": "ok?"}', client=True))
+    snap = reducer.apply(ev(3, "run.paused", reason="client", calls=["k1"]))
+    assert snap.status == "paused"
+    assert list(snap.pending) == ["k1"] and snap.pending["k1"].name == "confirm"
+    assert snap.pending["k1"] is snap.rows[1] and snap.rows[1].status == "pending"
+    snap = reducer.apply(ev(4, "run.resumed", ckpt=3))
+    assert snap.status == "running" and "k1" in snap.pending
+    snap = reducer.apply(ev(5, "tool.result", call="k1", output="yes", failed=False))
+    assert snap.pending == {} and snap.rows[1].status == "done"
+    assert snap.rows[-1].kind == "tool_result" and snap.rows[-1].output == "yes"
+
+
+def test_failed_tool_result_marks_row_and_call() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "tool.call", call=7, name="relay", input='{"on": true}', client=False))
+    snap = reducer.apply(ev(2, "tool.result", call=7, output="relay stuck", failed=True))
+    assert snap.rows[0].status == "failed"
+    assert snap.rows[1].failed and snap.rows[1].output == "relay stuck"
+    assert snap.rows[1].call == "7"
+
+
+def test_delta_without_start_creates_the_row() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "run.started", input="hi"))
+    # msg.start (id 2) was lost and reported as a gap.
+    reducer.apply(ev(3, "error", kind="gap", msg="events 2..2 are no longer held", **{
+        "from": 2, "to": 2}))
+    snap = reducer.apply(ev(4, "msg.delta", m="a", text="hello"))
+    snap = reducer.apply(ev(5, "msg.end", m="a"))
+    assert [(r.kind, r.text, r.status) for r in snap.rows] == [
+        ("user", "hi", "done"), ("assistant", "hello", "done"),
+    ]
+    assert snap.gaps == [(2, 2)]
+    assert snap.errors[0]["kind"] == "gap" and snap.status == "running"
+
+
+def test_non_gap_errors_are_recorded_without_ending_the_run() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "run.started", input="x"))
+    snap = reducer.apply(ev(2, "error", kind="too_large", msg="tool output over the limit"))
+    assert snap.errors == [{"kind": "too_large", "msg": "tool output over the limit"}]
+    assert snap.gaps == [] and snap.status == "running"
+
+
+def test_failed_run_keeps_only_the_customer_safe_error() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "run.started", input="x"))
+    snap = reducer.apply(ev(2, "run.failed", err={
+        "kind": "llm", "msg": "the model server failed (HTTP 500)",
+        "detail": "Traceback ... sk-secret", "url": "http://u:p@host"}, retryable=True))
+    assert snap.status == "failed" and snap.retryable is True
+    assert snap.error == {"kind": "llm", "msg": "the model server failed (HTTP 500)"}
+
+
+@pytest.mark.parametrize(
+    "err, want",
+    [
+        (None, {"kind": "internal", "msg": "the run failed"}),
+        ({"kind": "weird", "msg": 5}, {"kind": "internal", "msg": "the run failed"}),
+        ({"kind": "tool", "msg": "x" * 2000}, {"kind": "tool", "msg": "x" * 500}),
+    ],
+)
+def test_failed_run_with_odd_errors(err: Any, want: dict[str, str]) -> None:
+    snap = fold([ev(1, "run.failed", err=err)])
+    assert snap.error == want and snap.retryable is False
+
+
+def test_terminal_status_is_final() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "run.cancelled", reason="user"))
+    snap = reducer.apply(ev(2, "run.resumed", ckpt=1))
+    snap = reducer.apply(ev(3, "run.failed", err={"kind": "llm", "msg": "late"}))
+    assert snap.status == "cancelled" and snap.reason == "user" and snap.error is None
+
+
+def test_unknown_event_type_is_ignored_but_advances_the_id() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "run.started", input="x"))
+    snap = reducer.apply(ev(2, "hologram.beam", color="blue"))
+    snap = reducer.apply(ev(3, "citation", src="manual", ver=1, chunk=2, score=0.9))
+    assert snap.last_id == 3 and [r.kind for r in snap.rows] == ["user"]
+    assert snap.status == "running"
+
+
+def test_output_is_one_row_updated_in_place() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "output", name="summary", delta="Warm ", status="building"))
+    reducer.apply(ev(2, "output", name="summary", delta="today.", status="building"))
+    reducer.apply(ev(3, "output", name="reading", value={"c": 21.5}, status="final",
+                     format="json"))
+    snap = reducer.apply(ev(4, "output", name="summary", value="Warm today.", status="final"))
+    assert [(r.name, r.output, r.status) for r in snap.rows] == [
+        ("summary", "Warm today.", "final"),
+        ("reading", {"c": 21.5}, "final"),
+    ]
+    assert snap.rows[1].format == "json"
+
+
+def test_reasoning_is_kept_on_the_assistant_row() -> None:
+    snap = fold([
+        ev(1, "msg.start", m=1, role="assistant"),
+        ev(2, "reason.delta", m=1, text="thinking"),
+        ev(3, "msg.delta", m=1, text="answer"),
+    ])
+    assert len(snap.rows) == 1
+    assert (snap.rows[0].reasoning, snap.rows[0].text, snap.rows[0].status) == (
+        "thinking", "answer", "streaming"
+    )
+
+
+def test_runs_are_kept_apart() -> None:
+    reducer = Reducer(device="dev1")
+    a = full_run("ra")
+    b = full_run("rb")
+    for x, y in zip(a, b, strict=True):
+        reducer.apply(x)
+        reducer.apply(y)
+    assert [s.run for s in reducer.runs()] == ["ra", "rb"]
+    assert all(s.device == "dev1" and s.status == "done" for s in reducer.runs())
+    assert reducer.get("ra") is not None and reducer.get("nope") is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not a map",
+        {"i": 1, "t": "run.started", "d": {}},
+        {"r": "r1", "i": "1", "t": "run.started", "d": {}},
+        {"r": "r1", "i": 0, "t": "run.started", "d": {}},
+        {"r": "r1", "i": True, "t": "run.started", "d": {}},
+        {"r": "r1", "i": 1, "t": 5, "d": {}},
+        {"r": "r1", "i": 1, "t": "run.started", "d": [1]},
+    ],
+)
+def test_bad_envelopes_are_refused(bad: Any) -> None:
+    reducer = Reducer()
+    with pytest.raises(BadEnvelope):
+        reducer.apply(bad)
+    assert reducer.runs() == []
+
+
+def test_wrongly_typed_fields_do_not_crash() -> None:
+    snap = fold([
+        ev(1, "run.started", input=42, req=["x"]),
+        ev(2, "msg.delta", m=None, text=3),
+        ev(3, "tool.call", call={"x": 1}, name=None, input=None, client="yes"),
+        ev(4, "usage", **{"in": "many", "out": True}),
+        ev(5, "error", kind="gap", msg=None, **{"from": "a", "to": 3}),
+    ])
+    assert snap.req is None and snap.usage.tokens_in == 0 and snap.usage.tokens_out == 0
+    assert [r.kind for r in snap.rows] == ["assistant", "tool_call"]
+    assert snap.rows[1].client is False and snap.pending == {}
+    assert snap.gaps == [] and snap.errors == [{"kind": "gap", "msg": ""}]
+
+
+def test_every_handled_type_is_in_the_contract() -> None:
+    assert set(HANDLERS) <= set(TYPES)

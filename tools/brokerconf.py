@@ -1,0 +1,200 @@
+"""Mosquitto password and ACL files for Wren, and the same rules as a callback for
+the embedded broker.
+
+The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
+
+- the bridge user reads and writes all of `P/#`;
+- a device, whose MQTT user name *is* its device id, reads only its own
+  `P/d/<id>/req`, `P/d/<id>/ctl` and `P/d/<id>/rpc/res` and writes only its own
+  `P/d/<id>/status`, `hello`, `evt` and `rpc` (so only the bridge can publish the
+  requests, control messages and RPC answers a board acts on);
+- a tenant's host user reads `P/h/<tenant>/+/evt` and writes `P/h/<tenant>/+/req` and
+  `P/h/<tenant>/+/ctl`, for that tenant only.
+
+Device rules are Mosquitto `pattern` lines with `%u`, which apply to every user: a
+bridge or host user name that is also a registered device id would share that
+device's rights, so keep the names apart (e.g. `bridge`, `host-<tenant>`).
+
+Passwords are stored the way `mosquitto_passwd` (Mosquitto 2.x) stores them:
+`$7$<iterations>$<base64 salt>$<base64 hash>`, PBKDF2-HMAC-SHA512 over the raw
+12-byte salt, a 64-byte hash, 101 iterations by default.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+SALT_BYTES = 12
+HASH_BYTES = 64
+DEFAULT_ITERATIONS = 101  # mosquitto_passwd's default for $7$ (sha512-pbkdf2)
+
+# Device and tenant ids (docs/PROTOCOL.md, "Topics").
+_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+# A user name that fits on a password-file line and in an ACL `user` line.
+_USER = re.compile(r"[^\s:#+/]{1,128}")
+# A prefix of plain topic levels (no wildcards, no empty level).
+_PREFIX = re.compile(r"[^/+#\s]+(/[^/+#\s]+)*")
+
+DEVICE_READ = ("req", "ctl", "rpc/res")
+DEVICE_WRITE = ("status", "hello", "evt", "rpc")
+HOST_READ = ("evt",)
+HOST_WRITE = ("req", "ctl")
+
+Acl = Callable[[str | None, str, bool], bool]
+
+
+# --- passwords --------------------------------------------------------------------------
+
+
+def hash_password(password: str, salt: bytes | None = None,
+                  iterations: int = DEFAULT_ITERATIONS) -> str:
+    """A Mosquitto 2.x `$7$` password entry (the part after `user:`)."""
+    if salt is None:
+        salt = os.urandom(SALT_BYTES)
+    if len(salt) != SALT_BYTES:
+        raise ValueError(f"the salt must be {SALT_BYTES} bytes")
+    if iterations < 1:
+        raise ValueError("iterations must be positive")
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations, HASH_BYTES)
+    salt64 = base64.b64encode(salt).decode()
+    digest64 = base64.b64encode(digest).decode()
+    return f"$7${iterations}${salt64}${digest64}"
+
+
+def check_password(password: str, entry: str) -> bool:
+    """Does `password` match a `$7$` entry (ours or mosquitto_passwd's)?"""
+    parts = entry.split("$")
+    if len(parts) != 5 or parts[0] != "" or parts[1] != "7":
+        raise ValueError("not a $7$ password entry")
+    iterations = int(parts[2])
+    salt = base64.b64decode(parts[3])
+    expected = base64.b64decode(parts[4])
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations, len(expected))
+    return hmac.compare_digest(digest, expected)
+
+
+def _check_user(user: str) -> None:
+    if not _USER.fullmatch(user):
+        raise ValueError(f"user name {user!r} cannot be written to the broker's files")
+
+
+def write_password_file(path: Path | str, users: dict[str, str]) -> Path:
+    """Write `user:$7$...` lines, readable by the owner only (they guard every device)."""
+    path = Path(path)
+    lines = []
+    for user, password in sorted(users.items()):
+        _check_user(user)
+        lines.append(f"{user}:{hash_password(password)}\n")
+    _write_private(path, "".join(lines))
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    # Created 0600 from the start (no window in which another user could read it),
+    # then renamed over the target so a reader never sees half a file.
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o600)  # O_CREAT's mode does not apply to a file that already existed
+    os.replace(tmp, path)
+
+
+# --- ACL ------------------------------------------------------------------------------------
+
+
+def _check_prefix(prefix: str) -> None:
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError(f"bad topic prefix {prefix!r}")
+
+
+def _check_tenants(bridge_user: str, tenants: dict[str, str]) -> None:
+    _check_user(bridge_user)
+    for tenant, host_user in tenants.items():
+        if not _ID.fullmatch(tenant):
+            raise ValueError(f"bad tenant id {tenant!r}")
+        _check_user(host_user)
+        if host_user == bridge_user:
+            raise ValueError("a host user cannot be the bridge user")
+
+
+def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
+    """A Mosquitto `acl_file` for the rules in this module's docstring.
+
+    `tenants` maps a tenant id to the MQTT user its hosts connect as.
+    """
+    _check_prefix(prefix)
+    _check_tenants(bridge_user, tenants)
+    out = [
+        "# Wren broker ACL (written by tools/brokerconf.py). Mosquitto denies whatever",
+        "# is not granted here.",
+        "",
+        "# Devices: the MQTT user name is the device id.",
+    ]
+    out += [f"pattern read {prefix}/d/%u/{leaf}" for leaf in DEVICE_READ]
+    out += [f"pattern write {prefix}/d/%u/{leaf}" for leaf in DEVICE_WRITE]
+    out += ["", "# The bridge.", f"user {bridge_user}", f"topic readwrite {prefix}/#"]
+    for tenant, host_user in sorted(tenants.items()):
+        out += ["", f"# Hosts of tenant {tenant}.", f"user {host_user}"]
+        out += [f"topic read {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_READ]
+        out += [f"topic write {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_WRITE]
+    return "\n".join(out) + "\n"
+
+
+def acl_function(prefix: str, bridge_user: str, tenants: dict[str, str]) -> Acl:
+    """The rules of acl_text() as a callback for tools/embedded_broker.py."""
+    _check_prefix(prefix)
+    _check_tenants(bridge_user, tenants)
+    host_tenant = {host_user: tenant for tenant, host_user in tenants.items()}
+    base = prefix.split("/")
+    n = len(base)
+
+    def allowed(user: str | None, topic: str, write: bool) -> bool:
+        if user is None:
+            return False
+        levels = topic.split("/")
+        if levels[:n] != base:
+            return False
+        rest = levels[n:]
+        if user == bridge_user:
+            return True
+        leaf = "/".join(rest[2:])
+        # Device: P/d/<own user>/<leaf>; as with %u, a user name Mosquitto would not
+        # substitute (one holding + # or /) gets nothing from these rules.
+        if len(rest) >= 3 and rest[0] == "d" and rest[1] == user:
+            return leaf in (DEVICE_WRITE if write else DEVICE_READ)
+        tenant = host_tenant.get(user)
+        if tenant is not None and len(rest) == 4 and rest[0] == "h" and rest[1] == tenant:
+            return rest[3] in (HOST_WRITE if write else HOST_READ)
+        return False
+
+    return allowed
+
+
+# --- Mosquitto configuration -------------------------------------------------------------------
+
+
+def secure_mosquitto_conf(directory: Path | str, users: dict[str, str], acl: str) -> str:
+    """Write `passwords` and `acl` into `directory` and return the configuration lines
+    that use them, for `tools.broker.start_mosquitto(extra_conf=..., allow_anonymous=False)`.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    pw = write_password_file(directory / "passwords", users)
+    acl_path = directory / "acl"
+    _write_private(acl_path, acl)
+    lines = [f"password_file {pw.resolve()}", f"acl_file {acl_path.resolve()}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Started as root, Mosquitto switches to the `mosquitto` user before it reads
+        # these files, which are the caller's and private (0600), often in a private
+        # directory too. Keep the caller's identity rather than loosen the files.
+        lines.append("user root")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,315 @@
+"""What `wren demo`, `wren bridge`, `wren board --virtual` and `wren ask` run.
+
+The demo wires the real parts together on one machine: a broker that authenticates
+every client (Mosquitto with a password file and ACL of our own, or the embedded
+Python broker with the same users and rules), the bridge with the scripted model, the
+virtual board on the MicroPython unix port, and the terminal view of a host client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from server_bridge.bridge import Bridge
+from server_bridge.config import BridgeConfig
+from server_bridge.host.client import HostClient
+from server_bridge.host.terminal import LiveView, print_transcript
+from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
+from server_bridge.registry import Registry
+from server_bridge.tokens import sign
+from tools import brokerconf
+from tools.broker import BrokerError, mosquitto_binary, start_mosquitto
+from tools.virtual_board import BoardError, VirtualBoard, fallback_notice, lay_out_flash
+
+PREFIX = "wren/v1"
+TENANT = "demo"
+AGENT = "thermostat"
+BRIDGE_USER = "bridge"
+START_TIMEOUT_S = 20.0
+RUN_TIMEOUT_S = 60.0
+
+
+class DemoError(RuntimeError):
+    """A part of the demo failed to start or a run did not finish; the message says which."""
+
+
+@dataclass
+class Credentials:
+    user: str | None
+    password: str | None
+
+
+@dataclass
+class BrokerHandle:
+    host: str
+    port: int
+    kind: str
+    stop: Any
+
+
+def _users(device: str) -> dict[str, str]:
+    return {
+        BRIDGE_USER: secrets.token_urlsafe(18),
+        device: secrets.token_urlsafe(18),
+        f"host-{TENANT}": secrets.token_urlsafe(18),
+    }
+
+
+def start_demo_broker(workdir: Path, users: dict[str, str], embedded: bool) -> BrokerHandle:
+    """Mosquitto with our password file and ACL when it exists, else the embedded broker."""
+    tenants = {TENANT: f"host-{TENANT}"}
+    if not embedded and mosquitto_binary() is not None:
+        extra = brokerconf.secure_mosquitto_conf(
+            workdir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, tenants)
+        )
+        try:
+            m = start_mosquitto(workdir / "mosquitto", extra_conf=extra, allow_anonymous=False)
+        except BrokerError as e:
+            raise DemoError(f"the broker did not start: {e}") from e
+        return BrokerHandle(m.host, m.port, f"mosquitto (pid {m.proc.pid}, config {m.workdir})", m.stop)
+    from tools.embedded_broker import EmbeddedBroker
+
+    eb = EmbeddedBroker(
+        users=users, acl=brokerconf.acl_function(PREFIX, BRIDGE_USER, tenants)
+    )
+    eb.start()
+    return BrokerHandle(eb.host, eb.port, "embedded Python broker (no mosquitto binary found)", eb.stop)
+
+
+def make_registry(path: Path, tenant: str, devices: list[tuple[str, str]]) -> Registry:
+    registry = Registry(path)
+    if registry.tenant_secret(tenant) is None:
+        registry.add_tenant(tenant, secrets.token_hex(32))
+    for device, agent in devices:
+        if registry.device(device) is None:
+            registry.add_device(device, tenant, agent)
+    return registry
+
+
+def _pump_board_output(board: VirtualBoard, out: TextIO, lines: list[str]) -> None:
+    assert board.proc is not None and board.proc.stdout is not None
+    for line in board.proc.stdout:
+        lines.append(line.rstrip())
+        out.write(f"  board | {line}")
+        out.flush()
+
+
+def _wait(pred: Any, timeout_s: float, what: str, board: VirtualBoard | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if board is not None and board.proc is not None and board.proc.poll() is not None:
+            raise DemoError(f"{what}: the virtual board exited with code {board.proc.returncode}")
+        if time.monotonic() > deadline:
+            raise DemoError(f"{what}: nothing within {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _workdir(given: Path | None) -> Iterator[Path]:
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix="wren-demo-") as tmp:
+        yield Path(tmp)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    out = sys.stdout
+    device = args.device
+    stack = contextlib.ExitStack()
+    with stack:
+        workdir = stack.enter_context(_workdir(args.workdir))
+        if args.broker:
+            host, port = args.broker
+            users = {BRIDGE_USER: args.password or "", device: "", f"host-{TENANT}": ""}
+            creds = {name: Credentials(args.user, args.password) for name in users}
+            print(f"broker: using {host}:{port}", file=out)
+        else:
+            users = _users(device)
+            handle = start_demo_broker(workdir, users, args.embedded_broker)
+            stack.callback(handle.stop)
+            host, port = handle.host, handle.port
+            creds = {name: Credentials(name, pw) for name, pw in users.items()}
+            print(f"broker: {handle.kind} on {host}:{port}", file=out)
+
+        registry = make_registry(workdir / "registry.json", TENANT, [(device, AGENT)])
+        config = BridgeConfig(
+            host=host,
+            port=port,
+            username=creds[BRIDGE_USER].user,
+            password=creds[BRIDGE_USER].password,
+            prefix=PREFIX,
+            registry_path=workdir / "registry.json",
+        )
+        bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT))
+        try:
+            bridge.start()
+        except Exception as e:
+            raise DemoError(f"the bridge did not start: {e}") from e
+        stack.callback(bridge.stop)
+        print(f"bridge: connected as {creds[BRIDGE_USER].user or '(anonymous)'}, scripted model", file=out)
+
+        settings = {
+            "device": device,
+            "host": host,
+            "port": port,
+            "user": creds[device].user or device,
+            "password": creds[device].password,
+            "prefix": PREFIX,
+        }
+        flash = lay_out_flash(workdir / "boards" / device, settings, mpy=args.mpy)
+        board = VirtualBoard(flash, heap=args.heap, force_cpython=args.cpython)
+        notice = fallback_notice()
+        if notice and not args.cpython:
+            print(notice, file=out)
+        try:
+            board.start()
+        except OSError as e:
+            raise DemoError(f"the virtual board did not start: {e}") from e
+        stack.callback(board.stop)
+        board_lines: list[str] = []
+        threading.Thread(target=_pump_board_output, args=(board, out, board_lines), daemon=True).start()
+        runtime = "MicroPython unix port" if board.runtime == "micropython" else "CPython"
+        heap = f", heap {args.heap}" if board.runtime == "micropython" else ""
+        kind = ".mpy" if args.mpy else ".py"
+        print(f"board: {device} on {runtime}{heap}, {kind} files in {flash} (pid {board.proc.pid if board.proc else '?'})", file=out)
+        _wait(lambda: bridge.hello(device) is not None, START_TIMEOUT_S, "waiting for the board's hello", board)
+
+        host_creds = creds[f"host-{TENANT}"]
+        client = HostClient(host, port, TENANT, username=host_creds.user, password=host_creds.password, prefix=PREFIX)
+        try:
+            client.connect(timeout=START_TIMEOUT_S)
+        except Exception as e:
+            raise DemoError(f"the host client did not connect: {e}") from e
+        stack.callback(client.close)
+        secret = registry.tenant_secret(TENANT)
+        assert secret is not None
+        token = sign(bytes.fromhex(secret), TENANT, "demo-user")
+        print("host: terminal view connected; sending the request\n", file=out)
+
+        def ask(text: str) -> int:
+            view = LiveView(out)
+            client.on_event = lambda event, _snap: view.feed(event)
+            req = client.request(device, token, text)
+            try:
+                snap = client.wait_run(req, timeout=RUN_TIMEOUT_S)
+            except TimeoutError as e:
+                raise DemoError(f"the run did not finish: {e}") from e
+            finally:
+                client.on_event = None
+                view.close()
+            count = sum(1 for e in client.events if e.get("r") == snap.run)
+            return_code = 0 if snap.status == "done" else 1
+            if args.once:
+                print("\n--- transcript ---", file=out)
+                print_transcript(snap, out)
+                print(f"events: {count} (run {snap.run}, ids 1..{snap.last_id})", file=out)
+            return return_code
+
+        code = ask(args.ask)
+        if args.once:
+            return code
+        print("\nType another request (empty line or Ctrl-D to quit).", file=out)
+        while True:
+            try:
+                text = input("you> ").strip()
+            except EOFError:
+                break
+            if not text:
+                break
+            ask(text)
+        return 0
+
+
+def run_bridge(args: argparse.Namespace) -> int:
+    host, port = args.broker or ("127.0.0.1", 1883)
+    args.registry.parent.mkdir(parents=True, exist_ok=True)
+    devices = [tuple((spec.split(":", 1) + [AGENT])[:2]) for spec in args.device]
+    registry = make_registry(args.registry, args.tenant, devices)  # type: ignore[arg-type]
+    provider: Any
+    if args.openai_base_url:
+        from server_bridge.models.openai import OpenAIProvider
+
+        provider = OpenAIProvider(args.openai_base_url, args.model, api_key_env=args.api_key_env)
+        what = f"OpenAI-compatible model {args.model} at {args.openai_base_url}"
+    elif args.script:
+        provider = ScriptedProvider.from_file(args.script)
+        what = f"scripted model from {args.script}"
+    else:
+        provider = ScriptedProvider(DEMO_SCRIPT)
+        what = "scripted model (demo script)"
+    config = BridgeConfig(
+        host=host, port=port, username=args.user, password=args.password, prefix=PREFIX,
+        registry_path=args.registry,
+    )
+    bridge = Bridge(config, registry, provider)
+    try:
+        bridge.start()
+    except Exception as e:
+        raise DemoError(f"could not connect to the broker at {host}:{port}: {e}") from e
+    print(f"bridge: {host}:{port}, registry {args.registry}, {what}; Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(1)
+    finally:
+        bridge.stop()
+
+
+def run_board(args: argparse.Namespace) -> int:
+    host, port = args.broker or ("127.0.0.1", 1883)
+    flash = args.flash or Path(".wren/boards") / args.device
+    settings: dict[str, Any] = {
+        "device": args.device, "host": host, "port": port,
+        "user": args.user or args.device, "password": args.password, "prefix": PREFIX,
+    }
+    try:
+        lay_out_flash(flash, settings, mpy=args.mpy)
+    except BoardError as e:
+        raise DemoError(str(e)) from e
+    board = VirtualBoard(flash, heap=args.heap, force_cpython=args.cpython)
+    notice = fallback_notice()
+    if notice and not args.cpython:
+        print(notice, flush=True)
+    proc = board.start()
+    print(f"board: {args.device} on {board.runtime} (heap {args.heap}), flash {flash}, broker {host}:{port}", flush=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    finally:
+        board.stop()
+    return proc.returncode or 0
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    host, port = args.broker or ("127.0.0.1", 1883)
+    registry = Registry(args.registry)
+    secret = registry.tenant_secret(args.tenant)
+    if secret is None:
+        raise DemoError(f"tenant {args.tenant!r} is not in {args.registry}")
+    client = HostClient(host, port, args.tenant, username=args.user, password=args.password, prefix=PREFIX)
+    client.connect(timeout=10)
+    view = LiveView(sys.stdout)
+    client.on_event = lambda event, _snap: view.feed(event)
+    try:
+        token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
+        req = client.request(args.device, token, args.text)
+        snap = client.wait_run(req, timeout=args.timeout)
+    except TimeoutError as e:
+        raise DemoError(f"no finished run: {e}") from e
+    finally:
+        client.close()
+    print()
+    return 0 if snap.status == "done" else 1

