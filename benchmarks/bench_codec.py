@@ -94,8 +94,13 @@ def run_board(n: int) -> tuple[list[str], list[tuple[str, float, float, int]]]:
         script.write_text(BOARD_SCRIPT % (ENVELOPE,))
         cmd = [exe, "-X", f"heapsize={HEAP}", str(script), str(n), str(REPEAT)]
         proc = subprocess.run(
-            cmd, cwd=ROOT, env=dict(os.environ, MICROPYPATH=str(ROOT)),
-            capture_output=True, text=True, timeout=600, check=False,
+            cmd,
+            cwd=ROOT,
+            env=dict(os.environ, MICROPYPATH=str(ROOT)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
         )
     if proc.returncode != 0:
         sys.exit(f"the board benchmark failed:\n{proc.stdout}{proc.stderr}")
@@ -137,15 +142,16 @@ def run_cpython(n: int) -> list[tuple[str, float, float, int]]:
 def print_table(title: str, rows: list[tuple[str, float, float, int]], base: str) -> None:
     ref = next(enc + dec for name, enc, dec, _ in rows if name == base)
     print(title)
-    print(f"  {'':14} {'encode µs':>10} {'decode µs':>10} {'enc+dec µs':>11} "
-          f"{'÷ json':>8} {'bytes':>6}")
+    print(
+        f"  {'':14} {'encode µs':>10} {'decode µs':>10} {'enc+dec µs':>11} "
+        f"{'÷ json':>8} {'bytes':>6}"
+    )
     for name, enc, dec, size in rows:
         if dec < 0:  # an encode-only row
             print(f"  {name:14} {enc:10.2f} {'-':>10} {'-':>11} {'-':>8} {size:6d}")
             continue
         total = enc + dec
-        print(f"  {name:14} {enc:10.2f} {dec:10.2f} {total:11.2f} {total / ref:7.2f}x "
-              f"{size:6d}")
+        print(f"  {name:14} {enc:10.2f} {dec:10.2f} {total:11.2f} {total / ref:7.2f}x {size:6d}")
     print()
 
 

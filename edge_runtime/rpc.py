@@ -17,7 +17,7 @@ class RpcError(Exception):
     # The bridge answered with `err`, or no answer came in time (kind "timeout").
 
     def __init__(self, kind, msg):
-        Exception.__init__(self, "%s: %s" % (kind, msg))
+        super().__init__("%s: %s" % (kind, msg))
         self.kind = kind
         self.msg = msg
 

@@ -10,7 +10,7 @@ class RunFailed(Exception):
     # Ends a run as run.failed with a customer-safe message.
 
     def __init__(self, kind, msg, retryable=False):
-        Exception.__init__(self, msg)
+        super().__init__(msg)
         self.kind = kind
         self.msg = msg
         self.retryable = retryable

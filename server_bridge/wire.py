@@ -5,25 +5,21 @@ here with explicit limits, checked before anything is allocated, and every refus
 an exception whose `.kind` is the contract's error kind — the same names the board
 uses, so a refusal reads the same on both sides.
 
-Decoding is two passes. A structural scan walks the msgpack headers without building
-any object: it checks the declared length of every str/bin/array/map against its limit
-and the nesting depth against the depth limit, and refuses ext types, the reserved byte
-and trailing bytes. Only input that passes is handed to `msgpack.unpackb`, which is
-given the same limits again (defence in depth: a scan bug must not become an
-allocation). The scan is what makes the error kinds exact: `msgpack.unpackb` alone
-reports a 4 GiB declared string in a 5-byte payload as "incomplete input", while the
-contract says a declared size over the limit is `too_large`, whatever follows it.
+Decoding uses the board's own codec rather than `msgpack.unpackb`: the library cannot
+bound nesting depth below its stack size and reports a 4 GiB declared string as
+"incomplete input", while the contract calls a declared size over the limit
+`too_large` whatever follows it. Encoding uses the `msgpack` library.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import msgpack
-from msgpack import exceptions as mp_exc
 
+from edge_runtime import codec
 from edge_runtime.events import TYPES
 from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic
@@ -144,146 +140,24 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-# --------------------------------------------------------------------------- scan
-
-# Header byte -> number of bytes of the big-endian length that follows, for the
-# variable-length kinds; fixed-size scalars -> number of payload bytes to skip.
-_STR_LEN = {0xD9: 1, 0xDA: 2, 0xDB: 4}
-_BIN_LEN = {0xC4: 1, 0xC5: 2, 0xC6: 4}
-_ARRAY_LEN = {0xDC: 2, 0xDD: 4}
-_MAP_LEN = {0xDE: 2, 0xDF: 4}
-_FIXED = {
-    0xCA: 4, 0xCB: 8,  # float32/64
-    0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,  # uint8..64
-    0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,  # int8..64
-}  # fmt: skip
-_EXT = frozenset((0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8))
-
-
-def _scan(buf: bytes, limits: Limits) -> None:
-    """Walk the msgpack structure of `buf` without building objects; raise on refusal.
-
-    Iterative on purpose: a hostile payload of nested 1-byte arrays must hit the depth
-    limit, not Python's recursion limit.
-    """
-    n = len(buf)
-    pos = 0
-    # Stack of "items still to read" per open container; the bottom entry is the single
-    # top-level object, so len(stack) - 1 is the current nesting depth.
-    stack = [1]
-
-    def length(width: int) -> int:
-        nonlocal pos
-        if pos + width > n:
-            raise Truncated(f"payload ends inside a length header at byte {pos}")
-        value = int.from_bytes(buf[pos : pos + width], "big")
-        pos += width
-        return value
-
-    def skip(count: int) -> None:
-        nonlocal pos
-        if pos + count > n:
-            raise Truncated(f"payload ends before its declared {count} bytes at byte {pos}")
-        pos += count
-
-    def open_container(count: int, what: str) -> None:
-        if count > limits.max_items:
-            raise TooLarge(f"{what} of {count} entries over the limit {limits.max_items}")
-        stack.append(count * 2 if what == "map" else count)
-        if len(stack) - 1 > limits.max_depth:
-            raise TooDeep(f"nesting deeper than the limit {limits.max_depth}")
-
-    while stack:
-        if stack[-1] == 0:
-            stack.pop()
-            continue
-        stack[-1] -= 1
-        if pos >= n:
-            raise Truncated(f"payload ends at byte {pos} before its declared contents")
-        b = buf[pos]
-        pos += 1
-        if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
-            continue  # fixint, nil, bool: the header is the whole value
-        if 0x80 <= b <= 0x8F:
-            open_container(b & 0x0F, "map")
-        elif 0x90 <= b <= 0x9F:
-            open_container(b & 0x0F, "array")
-        elif 0xA0 <= b <= 0xBF:
-            skip(b & 0x1F)
-        elif b in _STR_LEN or b in _BIN_LEN:
-            what = "str" if b in _STR_LEN else "bin"
-            size = length(_STR_LEN.get(b) or _BIN_LEN[b])
-            # The declared size is judged before the bytes are looked for: a 4 GiB
-            # declaration is too_large, not merely truncated.
-            if size > limits.max_str:
-                raise TooLarge(f"{what} of {size} bytes over the limit {limits.max_str}")
-            skip(size)
-        elif b in _ARRAY_LEN:
-            open_container(length(_ARRAY_LEN[b]), "array")
-        elif b in _MAP_LEN:
-            open_container(length(_MAP_LEN[b]), "map")
-        elif b in _FIXED:
-            skip(_FIXED[b])
-        elif b in _EXT:
-            raise BadType(f"msgpack ext type (byte 0x{b:02x}) is not used by the contract")
-        else:  # 0xC1, the one reserved byte
-            raise BadType(f"reserved msgpack byte 0x{b:02x}")
-    if pos != n:
-        raise BadType(f"{n - pos} trailing bytes after the payload's object")
-
-
-def _no_ext(code: int, data: bytes) -> object:
-    raise BadType(f"msgpack ext type {code} is not used by the contract")
-
-
 # --------------------------------------------------------------------------- codec
+
+# The board's codec (edge_runtime/codec.py, which runs unchanged on CPython) is the one
+# implementation of the limits: it checks every declared size and the depth before it
+# allocates, so board and bridge refuse the same bytes with the same kind.
+_BY_KIND: dict[str, type[WireError]] = {
+    cls.kind: cls for cls in (Truncated, TooLarge, TooDeep, BadType)
+}
 
 
 def decode(payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:
     """Decode one msgpack payload within `limits`, or raise a WireError naming the kind."""
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise BadType(f"payload must be bytes, not {type(payload).__name__}")
-    # Size first: nothing about an oversized payload is worth looking at.
-    if len(payload) > limits.max_payload:
-        raise TooLarge(f"payload of {len(payload)} bytes over the limit {limits.max_payload}")
-    buf = bytes(payload)
-    _scan(buf, limits)
     try:
-        obj = msgpack.unpackb(
-            buf,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=limits.max_str,
-            max_bin_len=limits.max_str,
-            max_array_len=limits.max_items,
-            max_map_len=limits.max_items,
-            max_ext_len=0,
-            ext_hook=_no_ext,
+        obj = codec.decode(
+            payload, limits.max_payload, limits.max_str, limits.max_items, limits.max_depth
         )
-    # The scan should have caught all of these; they stay mapped so that a disagreement
-    # between scan and library is still a named refusal, never an unhandled error.
-    except WireError:
-        raise
-    except mp_exc.ExtraData as e:
-        raise BadType("trailing bytes after the payload's object") from e
-    except mp_exc.StackError as e:
-        raise TooDeep("nesting too deep for the decoder") from e
-    except mp_exc.FormatError as e:
-        raise BadType("reserved msgpack byte") from e
-    except UnicodeDecodeError as e:
-        raise BadType("a str that is not valid UTF-8") from e
-    except RecursionError as e:
-        raise TooDeep("nesting too deep for the decoder") from e
-    except ValueError as e:
-        text = str(e)
-        if "incomplete input" in text:
-            raise Truncated("payload ends before its declared contents") from e
-        if "exceeds max" in text:
-            raise TooLarge(text) from e
-        raise BadType(text) from e
-    except TypeError as e:  # e.g. an unhashable map key
-        raise BadType(str(e)) from e
+    except codec.CodecError as e:
+        raise _BY_KIND.get(e.kind, BadType)(str(e)) from e
     if isinstance(obj, dict):
         for key in obj:
             if not isinstance(key, str):
@@ -293,9 +167,7 @@ def decode(payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIM
 
 def encode(obj: Any) -> bytes:
     """Encode one payload; str stays str and bytes stays bin on the wire."""
-    data = msgpack.packb(obj, use_bin_type=True)
-    assert isinstance(data, bytes)
-    return data
+    return cast(bytes, msgpack.packb(obj, use_bin_type=True))
 
 
 # --------------------------------------------------------------------------- shapes

@@ -98,8 +98,12 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         "topic write wren/v1/h/acme/+/req\n"
         "topic write wren/v1/h/acme/+/ctl\n"
     )
-    for bad in (("wren/#", "bridge", {}), (P, "bad user", {}), (P, "bridge", {"Acme": "h"}),
-                (P, "bridge", {"acme": "bridge"})):
+    for bad in (
+        ("wren/#", "bridge", {}),
+        (P, "bad user", {}),
+        (P, "bridge", {"Acme": "h"}),
+        (P, "bridge", {"acme": "bridge"}),
+    ):
         with pytest.raises(ValueError):
             brokerconf.acl_text(*bad)
 
@@ -107,9 +111,12 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
 def test_acl_function_mirrors_the_file() -> None:
     acl = brokerconf.acl_function(P, "bridge", TENANTS)
     allowed = [
-        ("bridge", "wren/v1/d/dev1/req", True), ("bridge", "wren/v1/h/acme/dev1/evt", True),
-        ("dev1", "wren/v1/d/dev1/evt", True), ("dev1", "wren/v1/d/dev1/rpc", True),
-        ("dev1", "wren/v1/d/dev1/status", True), ("dev1", "wren/v1/d/dev1/req", False),
+        ("bridge", "wren/v1/d/dev1/req", True),
+        ("bridge", "wren/v1/h/acme/dev1/evt", True),
+        ("dev1", "wren/v1/d/dev1/evt", True),
+        ("dev1", "wren/v1/d/dev1/rpc", True),
+        ("dev1", "wren/v1/d/dev1/status", True),
+        ("dev1", "wren/v1/d/dev1/req", False),
         ("dev1", "wren/v1/d/dev1/rpc/res", False),
         ("host-acme", "wren/v1/h/acme/dev1/evt", False),
         ("host-acme", "wren/v1/h/acme/dev1/req", True),
@@ -118,12 +125,16 @@ def test_acl_function_mirrors_the_file() -> None:
     for user, topic, write in allowed:
         assert acl(user, topic, write), (user, topic, write)
     denied = [
-        ("dev1", "wren/v1/d/dev2/evt", True), ("dev1", "wren/v1/d/dev1/req", True),
-        ("dev1", "wren/v1/d/dev1/evt", False), ("dev1", "wren/v1/d/dev2/req", False),
-        ("dev1", "wren/v1/d/dev1/rpc/res", True), ("dev1", "other/x", True),
+        ("dev1", "wren/v1/d/dev2/evt", True),
+        ("dev1", "wren/v1/d/dev1/req", True),
+        ("dev1", "wren/v1/d/dev1/evt", False),
+        ("dev1", "wren/v1/d/dev2/req", False),
+        ("dev1", "wren/v1/d/dev1/rpc/res", True),
+        ("dev1", "other/x", True),
         ("host-acme", "wren/v1/h/other/dev1/evt", False),
         ("host-acme", "wren/v1/h/acme/dev1/evt", True),
-        ("host-acme", "wren/v1/d/dev1/req", True), (None, "wren/v1/d/dev1/evt", True),
+        ("host-acme", "wren/v1/d/dev1/req", True),
+        (None, "wren/v1/d/dev1/evt", True),
         ("bridge", "elsewhere/x", True),
     ]
     for who, where, writes in denied:
@@ -138,8 +149,9 @@ class Client:
         self.messages: queue.Queue[paho.MQTTMessage] = queue.Queue()
         self.connacks: queue.Queue[Any] = queue.Queue()
         self.subacks: queue.Queue[Any] = queue.Queue()
-        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"t-{user}",
-                             protocol=paho.MQTTv311)
+        self.c = paho.Client(
+            paho.CallbackAPIVersion.VERSION2, client_id=f"t-{user}", protocol=paho.MQTTv311
+        )
         if user is not None:
             self.c.username_pw_set(user, password)
         self.c.on_connect = lambda c, u, flags, rc, props: self.connacks.put(rc)
@@ -195,12 +207,12 @@ def secured(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Secured]
     stop: Any
     if request.param == "mosquitto":
         extra = brokerconf.secure_mosquitto_conf(
-            tmp_path / "conf", USERS, brokerconf.acl_text(P, "bridge", TENANTS))
+            tmp_path / "conf", USERS, brokerconf.acl_text(P, "bridge", TENANTS)
+        )
         m = start_mosquitto(tmp_path / "mosquitto", extra_conf=extra, allow_anonymous=False)
         host, port, stop = m.host, m.port, m.stop
     else:
-        eb = EmbeddedBroker(users=USERS,
-                            acl=brokerconf.acl_function(P, "bridge", TENANTS)).start()
+        eb = EmbeddedBroker(users=USERS, acl=brokerconf.acl_function(P, "bridge", TENANTS)).start()
         host, port, stop = eb.host, eb.port, eb.stop
     s = Secured(host, port, [])
     try:
@@ -227,8 +239,10 @@ def test_device_writes_only_its_own_outgoing_topics(secured: Secured) -> None:
     dev1.publish(f"{P}/d/dev1/req", b"self-made req")  # only the bridge sends req
     dev1.publish(f"{P}/d/dev1/rpc/res", b"self-made answer")
     dev1.publish(f"{P}/d/dev1/hello", b"marker")
-    assert bridge.until(b"marker") == [(f"{P}/d/dev1/evt", b"own evt"),
-                                       (f"{P}/d/dev1/hello", b"marker")]
+    assert bridge.until(b"marker") == [
+        (f"{P}/d/dev1/evt", b"own evt"),
+        (f"{P}/d/dev1/hello", b"marker"),
+    ]
 
 
 def test_only_the_bridge_reaches_a_device_and_only_that_device(secured: Secured) -> None:

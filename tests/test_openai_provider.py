@@ -98,18 +98,28 @@ def chunk(delta: dict[str, Any] | None = None, finish: str | None = None) -> dic
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a thermostat."},
     {"role": "user", "content": "How warm is it?"},
-    {"role": "assistant", "content": "", "tools": [
-        {"call": "call_0", "name": "read_temperature", "input": "{}"},
-        {"call": "call_1", "name": "memory.recall", "input": '{"q": "warm"}'},
-    ]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tools": [
+            {"call": "call_0", "name": "read_temperature", "input": "{}"},
+            {"call": "call_1", "name": "memory.recall", "input": '{"q": "warm"}'},
+        ],
+    },
     {"role": "tool", "call": "call_0", "content": "21.5"},
     {"role": "tool", "call": "call_1", "content": "[]"},
 ]
 TOOLS: list[dict[str, Any]] = [
-    {"name": "read_temperature", "description": "Read the sensor",
-     "args": {"type": "object", "properties": {}}},
-    {"name": "memory.recall", "description": "Recall memories",
-     "args": {"type": "object", "properties": {"q": {"type": "string"}}}},
+    {
+        "name": "read_temperature",
+        "description": "Read the sensor",
+        "args": {"type": "object", "properties": {}},
+    },
+    {
+        "name": "memory.recall",
+        "description": "Recall memories",
+        "args": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
     {"name": "weather", "description": "Weather for a city", "args": None},
 ]
 
@@ -123,26 +133,60 @@ def full_stream() -> list[bytes]:
         first_text[:17],  # one SSE line split across two writes
         first_text[17:],
         sse(chunk({"content": "lo"})),
-        sse(chunk({"tool_calls": [{"index": 0, "id": "call_A", "type": "function",
-                                   "function": {"name": "weather", "arguments": ""}}]})),
+        sse(
+            chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_A",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": ""},
+                        }
+                    ]
+                }
+            )
+        ),
         sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]})),
-        sse(chunk({"tool_calls": [{"index": 1, "id": "call_B", "type": "function",
-                                   "function": {"name": "memory_recall",
-                                                "arguments": '{"q":'}}]})),
+        sse(
+            chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 1,
+                            "id": "call_B",
+                            "type": "function",
+                            "function": {"name": "memory_recall", "arguments": '{"q":'},
+                        }
+                    ]
+                }
+            )
+        ),
         sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]})),
         sse(chunk({"tool_calls": [{"index": 1, "function": {"arguments": ' "oslo"}'}}]})),
         sse(chunk({}, finish="tool_calls")),
-        sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [],
-             "usage": {"prompt_tokens": 42, "completion_tokens": 17, "total_tokens": 59,
-                       "completion_tokens_details": {"reasoning_tokens": 5}}}),
+        sse(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 42,
+                    "completion_tokens": 17,
+                    "total_tokens": 59,
+                    "completion_tokens_details": {"reasoning_tokens": 5},
+                },
+            }
+        ),
         b"data: [DONE]\n\n",
     ]
 
 
 def run(provider: OpenAIProvider, **kw: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     chunks: list[dict[str, Any]] = []
-    final = provider.complete(kw.pop("messages", MESSAGES), kw.pop("tools", TOOLS),
-                              chunks.append, **kw)
+    final = provider.complete(
+        kw.pop("messages", MESSAGES), kw.pop("tools", TOOLS), chunks.append, **kw
+    )
     return chunks, final
 
 
@@ -161,26 +205,51 @@ def test_request_mapping_and_streamed_answer(peer: Peer) -> None:
     assert body["messages"] == [
         {"role": "system", "content": "You are a thermostat."},
         {"role": "user", "content": "How warm is it?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_0", "type": "function",
-             "function": {"name": "read_temperature", "arguments": "{}"}},
-            {"id": "call_1", "type": "function",
-             "function": {"name": "memory_recall", "arguments": '{"q": "warm"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_0",
+                    "type": "function",
+                    "function": {"name": "read_temperature", "arguments": "{}"},
+                },
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "memory_recall", "arguments": '{"q": "warm"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_0", "content": "21.5"},
         {"role": "tool", "tool_call_id": "call_1", "content": "[]"},
     ]
     assert body["tools"] == [
-        {"type": "function", "function": {
-            "name": "read_temperature", "description": "Read the sensor",
-            "parameters": {"type": "object", "properties": {}}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "read_temperature",
+                "description": "Read the sensor",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        },
         # A dotted name is not a valid OpenAI function name; it goes out mapped ...
-        {"type": "function", "function": {
-            "name": "memory_recall", "description": "Recall memories",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}},
-        {"type": "function", "function": {
-            "name": "weather", "description": "Weather for a city",
-            "parameters": {"type": "object", "properties": {}}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "memory_recall",
+                "description": "Recall memories",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "Weather for a city",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        },
     ]
 
     assert chunks == [
@@ -198,14 +267,23 @@ def test_model_and_max_tokens_override_and_key_from_named_env(
     peer: Peer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("WREN_TEST_LLM_KEY", "sk-from-env")
-    peer.replies.append(Reply(parts=[
-        sse(chunk({"reasoning": "hmm"})),  # Ollama's name for reasoning text
-        sse(chunk({"content": "ok"}, finish="length")),
-        b"data: [DONE]\n\n",
-    ]))
+    peer.replies.append(
+        Reply(
+            parts=[
+                sse(chunk({"reasoning": "hmm"})),  # Ollama's name for reasoning text
+                sse(chunk({"content": "ok"}, finish="length")),
+                b"data: [DONE]\n\n",
+            ]
+        )
+    )
     provider = OpenAIProvider(peer.url + "/", "default-model", api_key_env="WREN_TEST_LLM_KEY")
-    chunks, final = run(provider, messages=[{"role": "user", "content": "hi"}], tools=[],
-                        model="other-model", max_tokens=64)
+    chunks, final = run(
+        provider,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[],
+        model="other-model",
+        max_tokens=64,
+    )
     body = peer.seen[0].body
     assert body["model"] == "other-model" and body["max_tokens"] == 64 and "tools" not in body
     assert peer.seen[0].path == "/v1/chat/completions"
@@ -239,13 +317,17 @@ def test_url_credentials_become_basic_auth_and_stay_out_of_errors(
 
 def test_stop_with_tool_calls_is_reported_as_tool_calls(peer: Peer) -> None:
     # Ollama's shape: a whole call in one chunk, CRLF line ends, finish "stop".
-    peer.replies.append(Reply(parts=[
-        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"c9","type":"function",'
-        b'"function":{"name":"read_temperature","arguments":"{}"}}]},"finish_reason":null}]}'
-        b"\r\n\r\n",
-        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\r\n\r\n',
-        b"data: [DONE]\r\n\r\n",
-    ]))
+    peer.replies.append(
+        Reply(
+            parts=[
+                b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"c9","type":"function",'
+                b'"function":{"name":"read_temperature","arguments":"{}"}}]},"finish_reason":null}]}'
+                b"\r\n\r\n",
+                b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\r\n\r\n',
+                b"data: [DONE]\r\n\r\n",
+            ]
+        )
+    )
     chunks, final = run(OpenAIProvider(peer.url, "m", api_key=KEY))
     assert chunks == [{"tool": {"call": "c9", "name": "read_temperature", "input": "{}"}}]
     assert final["finish"] == "tool_calls"
@@ -254,8 +336,14 @@ def test_stop_with_tool_calls_is_reported_as_tool_calls(peer: Peer) -> None:
 def test_http_401_is_a_model_error_without_the_key(
     peer: Peer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    body = json.dumps({"error": {"message": f"Incorrect API key provided: {KEY}",
-                                 "type": "invalid_request_error"}}).encode()
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"Incorrect API key provided: {KEY}",
+                "type": "invalid_request_error",
+            }
+        }
+    ).encode()
     peer.replies.append(Reply(status=401, parts=[body], content_type="application/json"))
     provider = OpenAIProvider(peer.url, "gpt-test", api_key=KEY)
     with caplog.at_level(logging.WARNING, logger="server_bridge.models.openai"):
@@ -277,11 +365,15 @@ def test_http_500_is_a_model_error(peer: Peer) -> None:
 
 
 def test_malformed_sse_line_is_a_model_error(peer: Peer) -> None:
-    peer.replies.append(Reply(parts=[
-        sse(chunk({"content": "fine so far"})),
-        b"data: {this is not json\n\n",
-        b"data: [DONE]\n\n",
-    ]))
+    peer.replies.append(
+        Reply(
+            parts=[
+                sse(chunk({"content": "fine so far"})),
+                b"data: {this is not json\n\n",
+                b"data: [DONE]\n\n",
+            ]
+        )
+    )
     chunks: list[dict[str, Any]] = []
     with pytest.raises(ModelError, match="malformed stream"):
         OpenAIProvider(peer.url, "m", api_key=KEY).complete(MESSAGES, TOOLS, chunks.append)

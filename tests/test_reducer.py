@@ -17,8 +17,17 @@ def ev(i: int, t: str, run: str = "r1", /, **d: Any) -> dict[str, Any]:
 def full_run(run: str = "r1") -> list[dict[str, Any]]:
     """A complete run: question, streamed answer with a tool call, second answer, done."""
     return [
-        ev(1, "run.started", run, agent="thermo", ver="1.0", req="q1", conv="c1",
-           domain="request", input="How warm is it?"),
+        ev(
+            1,
+            "run.started",
+            run,
+            agent="thermo",
+            ver="1.0",
+            req="q1",
+            conv="c1",
+            domain="request",
+            input="How warm is it?",
+        ),
         ev(2, "msg.start", run, m=1, role="assistant"),
         ev(3, "msg.delta", run, m=1, text="Let me "),
         ev(4, "msg.delta", run, m=1, text="check."),
@@ -53,14 +62,24 @@ def test_full_run_folds_into_rows_status_and_usage() -> None:
         ("assistant", "It is 21.5 °C."),
     ]
     assert [r.kind for r in snap.rows] == [
-        "user", "assistant", "tool_call", "tool_result", "assistant",
+        "user",
+        "assistant",
+        "tool_call",
+        "tool_result",
+        "assistant",
     ]
     call, result = snap.rows[2], snap.rows[3]
     assert (call.name, call.input, call.call, call.status) == (
-        "read_temperature", "{}", "c-1", "done"
+        "read_temperature",
+        "{}",
+        "c-1",
+        "done",
     )
     assert (result.call, result.name, result.output, result.failed) == (
-        "c-1", "read_temperature", "21.5", False
+        "c-1",
+        "read_temperature",
+        "21.5",
+        False,
     )
     assert all(r.status == "done" for r in snap.rows if r.kind == "assistant")
     # run.done's usage is the run's total: it replaces the per-node sum, not adds to it.
@@ -123,12 +142,14 @@ def test_delta_without_start_creates_the_row() -> None:
     reducer = Reducer()
     reducer.apply(ev(1, "run.started", input="hi"))
     # msg.start (id 2) was lost and reported as a gap.
-    reducer.apply(ev(3, "error", kind="gap", msg="events 2..2 are no longer held", **{
-        "from": 2, "to": 2}))
+    reducer.apply(
+        ev(3, "error", kind="gap", msg="events 2..2 are no longer held", **{"from": 2, "to": 2})
+    )
     snap = reducer.apply(ev(4, "msg.delta", m="a", text="hello"))
     snap = reducer.apply(ev(5, "msg.end", m="a"))
     assert [(r.kind, r.text, r.status) for r in snap.rows] == [
-        ("user", "hi", "done"), ("assistant", "hello", "done"),
+        ("user", "hi", "done"),
+        ("assistant", "hello", "done"),
     ]
     assert snap.gaps == [(2, 2)]
     assert snap.errors[0]["kind"] == "gap" and snap.status == "running"
@@ -145,9 +166,19 @@ def test_non_gap_errors_are_recorded_without_ending_the_run() -> None:
 def test_failed_run_keeps_only_the_customer_safe_error() -> None:
     reducer = Reducer()
     reducer.apply(ev(1, "run.started", input="x"))
-    snap = reducer.apply(ev(2, "run.failed", err={
-        "kind": "llm", "msg": "the model server failed (HTTP 500)",
-        "detail": "Traceback ... sk-secret", "url": "http://u:p@host"}, retryable=True))
+    snap = reducer.apply(
+        ev(
+            2,
+            "run.failed",
+            err={
+                "kind": "llm",
+                "msg": "the model server failed (HTTP 500)",
+                "detail": "Traceback ... sk-secret",
+                "url": "http://u:p@host",
+            },
+            retryable=True,
+        )
+    )
     assert snap.status == "failed" and snap.retryable is True
     assert snap.error == {"kind": "llm", "msg": "the model server failed (HTTP 500)"}
 
@@ -186,8 +217,7 @@ def test_output_is_one_row_updated_in_place() -> None:
     reducer = Reducer()
     reducer.apply(ev(1, "output", name="summary", delta="Warm ", status="building"))
     reducer.apply(ev(2, "output", name="summary", delta="today.", status="building"))
-    reducer.apply(ev(3, "output", name="reading", value={"c": 21.5}, status="final",
-                     format="json"))
+    reducer.apply(ev(3, "output", name="reading", value={"c": 21.5}, status="final", format="json"))
     snap = reducer.apply(ev(4, "output", name="summary", value="Warm today.", status="final"))
     assert [(r.name, r.output, r.status) for r in snap.rows] == [
         ("summary", "Warm today.", "final"),
@@ -197,14 +227,18 @@ def test_output_is_one_row_updated_in_place() -> None:
 
 
 def test_reasoning_is_kept_on_the_assistant_row() -> None:
-    snap = fold([
-        ev(1, "msg.start", m=1, role="assistant"),
-        ev(2, "reason.delta", m=1, text="thinking"),
-        ev(3, "msg.delta", m=1, text="answer"),
-    ])
+    snap = fold(
+        [
+            ev(1, "msg.start", m=1, role="assistant"),
+            ev(2, "reason.delta", m=1, text="thinking"),
+            ev(3, "msg.delta", m=1, text="answer"),
+        ]
+    )
     assert len(snap.rows) == 1
     assert (snap.rows[0].reasoning, snap.rows[0].text, snap.rows[0].status) == (
-        "thinking", "answer", "streaming"
+        "thinking",
+        "answer",
+        "streaming",
     )
 
 
@@ -240,13 +274,15 @@ def test_bad_envelopes_are_refused(bad: Any) -> None:
 
 
 def test_wrongly_typed_fields_do_not_crash() -> None:
-    snap = fold([
-        ev(1, "run.started", input=42, req=["x"]),
-        ev(2, "msg.delta", m=None, text=3),
-        ev(3, "tool.call", call={"x": 1}, name=None, input=None, client="yes"),
-        ev(4, "usage", **{"in": "many", "out": True}),
-        ev(5, "error", kind="gap", msg=None, **{"from": "a", "to": 3}),
-    ])
+    snap = fold(
+        [
+            ev(1, "run.started", input=42, req=["x"]),
+            ev(2, "msg.delta", m=None, text=3),
+            ev(3, "tool.call", call={"x": 1}, name=None, input=None, client="yes"),
+            ev(4, "usage", **{"in": "many", "out": True}),
+            ev(5, "error", kind="gap", msg=None, **{"from": "a", "to": 3}),
+        ]
+    )
     assert snap.req is None and snap.usage.tokens_in == 0 and snap.usage.tokens_out == 0
     assert [r.kind for r in snap.rows] == ["assistant", "tool_call"]
     assert snap.rows[1].client is False and snap.pending == {}

@@ -15,8 +15,17 @@ def ev(i: int, t: str, run: str = "r1", /, **d: Any) -> dict[str, Any]:
 
 def full_run(run: str = "r1") -> list[dict[str, Any]]:
     return [
-        ev(1, "run.started", run, agent="thermo", ver="1.0", req="q1", conv="c1",
-           domain="request", input="How warm is it?"),
+        ev(
+            1,
+            "run.started",
+            run,
+            agent="thermo",
+            ver="1.0",
+            req="q1",
+            conv="c1",
+            domain="request",
+            input="How warm is it?",
+        ),
         ev(2, "msg.start", run, m=1, role="assistant"),
         ev(3, "msg.delta", run, m=1, text="Let me "),
         ev(4, "msg.delta", run, m=1, text="check."),
@@ -96,8 +105,12 @@ def test_live_view_pause_failure_and_errors() -> None:
         ev(4, "run.resumed", ckpt=2),
         ev(5, "tool.result", call="k1", output="yes", failed=False),
         ev(6, "error", kind="gap", msg="events 6..7 are no longer held", **{"from": 6, "to": 7}),
-        ev(8, "run.failed", err={"kind": "llm", "msg": "the model server failed",
-                                 "detail": "secret"}, retryable=True),
+        ev(
+            8,
+            "run.failed",
+            err={"kind": "llm", "msg": "the model server failed", "detail": "secret"},
+            retryable=True,
+        ),
     ]:
         view.feed(e)
     view.close()

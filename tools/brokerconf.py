@@ -52,8 +52,9 @@ Acl = Callable[[str | None, str, bool], bool]
 # --- passwords --------------------------------------------------------------------------
 
 
-def hash_password(password: str, salt: bytes | None = None,
-                  iterations: int = DEFAULT_ITERATIONS) -> str:
+def hash_password(
+    password: str, salt: bytes | None = None, iterations: int = DEFAULT_ITERATIONS
+) -> str:
     """A Mosquitto 2.x `$7$` password entry (the part after `user:`)."""
     if salt is None:
         salt = os.urandom(SALT_BYTES)

@@ -1,9 +1,9 @@
 """The `wren` command line: demo, bridge, virtual board, ask, bench.
 
-    wren demo [--once]                 broker + bridge + virtual board + terminal view
-    wren bridge --broker HOST:PORT     the server bridge on its own
-    wren board --virtual               the board runtime on the MicroPython unix port
-    wren ask "question"                send one request as a host and watch the run
+wren demo [--once]                 broker + bridge + virtual board + terminal view
+wren bridge --broker HOST:PORT     the server bridge on its own
+wren board --virtual               the board runtime on the MicroPython unix port
+wren ask "question"                send one request as a host and watch the run
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -29,7 +28,9 @@ def _add_broker_options(p: argparse.ArgumentParser, user_env: str, password_env:
     p.add_argument("--broker", type=broker_arg, metavar="HOST:PORT", help="MQTT broker to use")
     p.add_argument("--user", default=os.environ.get(user_env), help=f"MQTT user (env {user_env})")
     p.add_argument(
-        "--password", default=os.environ.get(password_env), help=f"MQTT password (env {password_env})"
+        "--password",
+        default=os.environ.get(password_env),
+        help=f"MQTT password (env {password_env})",
     )
 
 
@@ -39,41 +40,76 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run broker, bridge, a virtual board and the terminal view")
-    d.add_argument("--once", action="store_true", help="one scripted request, print the transcript, exit")
-    d.add_argument("--broker", type=broker_arg, metavar="HOST:PORT", help="use this broker instead of starting one")
-    d.add_argument("--user", default=os.environ.get("WREN_BRIDGE_USER"), help="bridge MQTT user on --broker")
+    d.add_argument(
+        "--once", action="store_true", help="one scripted request, print the transcript, exit"
+    )
+    d.add_argument(
+        "--broker",
+        type=broker_arg,
+        metavar="HOST:PORT",
+        help="use this broker instead of starting one",
+    )
+    d.add_argument(
+        "--user", default=os.environ.get("WREN_BRIDGE_USER"), help="bridge MQTT user on --broker"
+    )
     d.add_argument("--password", default=os.environ.get("WREN_BRIDGE_PASSWORD"))
     d.add_argument("--heap", default="128K", help="board heap for the unix port (default 128K)")
     d.add_argument("--device", default="thermo1")
     d.add_argument("--ask", default="How warm is it in here?", help="the first request's text")
-    d.add_argument("--mpy", action="store_true", help="run the board from .mpy files built with mpy-cross")
+    d.add_argument(
+        "--py",
+        action="store_true",
+        help="run the board from .py sources instead of .mpy (needs ~136K heap)",
+    )
     d.add_argument("--cpython", action="store_true", help="run the virtual board on CPython")
-    d.add_argument("--workdir", type=Path, help="keep the demo's files here (default: a temporary dir)")
-    d.add_argument("--embedded-broker", action="store_true", help="use the Python broker even if mosquitto exists")
+    d.add_argument(
+        "--workdir", type=Path, help="keep the demo's files here (default: a temporary dir)"
+    )
+    d.add_argument(
+        "--embedded-broker",
+        action="store_true",
+        help="use the Python broker even if mosquitto exists",
+    )
 
     b = sub.add_parser("bridge", help="run the server bridge")
     _add_broker_options(b, "WREN_BRIDGE_USER", "WREN_BRIDGE_PASSWORD")
     b.add_argument("--registry", type=Path, default=Path(".wren/registry.json"))
     b.add_argument("--tenant", default="demo", help="tenant to create when the registry is new")
-    b.add_argument("--device", action="append", default=[], help="register DEVICE[:AGENT] in --tenant")
-    b.add_argument("--script", type=Path, help="scripted model: a JSON script file (default: the demo script)")
-    b.add_argument("--openai-base-url", help="use an OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1")
+    b.add_argument(
+        "--device", action="append", default=[], help="register DEVICE[:AGENT] in --tenant"
+    )
+    b.add_argument(
+        "--script", type=Path, help="scripted model: a JSON script file (default: the demo script)"
+    )
+    b.add_argument(
+        "--openai-base-url", help="use an OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1"
+    )
     b.add_argument("--model", default=os.environ.get("WREN_MODEL", "gpt-4o-mini"))
-    b.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
+    b.add_argument(
+        "--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key"
+    )
 
     v = sub.add_parser("board", help="run a board")
-    v.add_argument("--virtual", action="store_true", required=True, help="the virtual board (unix port)")
+    v.add_argument(
+        "--virtual", action="store_true", required=True, help="the virtual board (unix port)"
+    )
     _add_broker_options(v, "WREN_BOARD_USER", "WREN_BOARD_PASSWORD")
     v.add_argument("--device", default="thermo1")
     v.add_argument("--heap", default="128K")
     v.add_argument("--flash", type=Path, help="flash directory (default .wren/boards/DEVICE)")
-    v.add_argument("--mpy", action="store_true", help="run from .mpy files built with mpy-cross")
+    v.add_argument(
+        "--py",
+        action="store_true",
+        help="run from .py sources instead of .mpy built with mpy-cross",
+    )
     v.add_argument("--cpython", action="store_true", help="run the board code on CPython")
 
     a = sub.add_parser("ask", help="send one request as a host and show the run")
     _add_broker_options(a, "WREN_HOST_USER", "WREN_HOST_PASSWORD")
     a.add_argument("text")
-    a.add_argument("--registry", type=Path, default=Path(".wren/registry.json"), help="for the tenant secret")
+    a.add_argument(
+        "--registry", type=Path, default=Path(".wren/registry.json"), help="for the tenant secret"
+    )
     a.add_argument("--tenant", default="demo")
     a.add_argument("--device", default="thermo1")
     a.add_argument("--user-id", default="cli-user", help="the end user the session token names")
@@ -103,10 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wren {args.command}: {e}", file=sys.stderr)
         return 1
     return 2
-
-
-def new_password() -> str:
-    return secrets.token_urlsafe(18)
 
 
 if __name__ == "__main__":

@@ -76,14 +76,16 @@ def start_demo_broker(workdir: Path, users: dict[str, str], embedded: bool) -> B
             m = start_mosquitto(workdir / "mosquitto", extra_conf=extra, allow_anonymous=False)
         except BrokerError as e:
             raise DemoError(f"the broker did not start: {e}") from e
-        return BrokerHandle(m.host, m.port, f"mosquitto (pid {m.proc.pid}, config {m.workdir})", m.stop)
+        return BrokerHandle(
+            m.host, m.port, f"mosquitto (pid {m.proc.pid}, config {m.workdir})", m.stop
+        )
     from tools.embedded_broker import EmbeddedBroker
 
-    eb = EmbeddedBroker(
-        users=users, acl=brokerconf.acl_function(PREFIX, BRIDGE_USER, tenants)
-    )
+    eb = EmbeddedBroker(users=users, acl=brokerconf.acl_function(PREFIX, BRIDGE_USER, tenants))
     eb.start()
-    return BrokerHandle(eb.host, eb.port, "embedded Python broker (no mosquitto binary found)", eb.stop)
+    return BrokerHandle(
+        eb.host, eb.port, "embedded Python broker (no mosquitto binary found)", eb.stop
+    )
 
 
 def make_registry(path: Path, tenant: str, devices: list[tuple[str, str]]) -> Registry:
@@ -96,12 +98,43 @@ def make_registry(path: Path, tenant: str, devices: list[tuple[str, str]]) -> Re
     return registry
 
 
-def _pump_board_output(board: VirtualBoard, out: TextIO, lines: list[str]) -> None:
-    assert board.proc is not None and board.proc.stdout is not None
-    for line in board.proc.stdout:
-        lines.append(line.rstrip())
-        out.write(f"  board | {line}")
-        out.flush()
+class BoardConsole:
+    """The virtual board's console. Lines print live while the parts start; once the
+    terminal view is drawing a run they wait and print after it, so the two never
+    interleave mid-line."""
+
+    def __init__(self, board: VirtualBoard, out: TextIO) -> None:
+        self.board = board
+        self.out = out
+        self.live = True
+        self.held: list[str] = []
+        self.lock = threading.Lock()
+
+    def pump(self) -> None:
+        proc = self.board.proc
+        if proc is None or proc.stdout is None:
+            return
+        for line in proc.stdout:
+            with self.lock:
+                if self.live:
+                    self._write(line)
+                else:
+                    self.held.append(line)
+
+    def hold(self) -> None:
+        with self.lock:
+            self.live = False
+
+    def release(self) -> None:
+        with self.lock:
+            for line in self.held:
+                self._write(line)
+            self.held.clear()
+            self.live = True
+
+    def _write(self, line: str) -> None:
+        self.out.write(f"  board | {line.rstrip()}\n")
+        self.out.flush()
 
 
 def _wait(pred: Any, timeout_s: float, what: str, board: VirtualBoard | None = None) -> None:
@@ -112,6 +145,22 @@ def _wait(pred: Any, timeout_s: float, what: str, board: VirtualBoard | None = N
         if time.monotonic() > deadline:
             raise DemoError(f"{what}: nothing within {timeout_s:.0f}s")
         time.sleep(0.05)
+
+
+def _wait_run(client: HostClient, req: str, board: VirtualBoard) -> Any:
+    # In one-second slices, so a board that crashed mid-run is reported at once rather
+    # than after the whole run timeout.
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        try:
+            return client.wait_run(req, timeout=1.0)
+        except TimeoutError as e:
+            if board.proc is not None and board.proc.poll() is not None:
+                raise DemoError(
+                    f"the virtual board exited with code {board.proc.returncode}"
+                ) from e
+            if time.monotonic() > deadline:
+                raise DemoError(f"the run did not finish: {e}") from e
 
 
 @contextlib.contextmanager
@@ -158,7 +207,10 @@ def run_demo(args: argparse.Namespace) -> int:
         except Exception as e:
             raise DemoError(f"the bridge did not start: {e}") from e
         stack.callback(bridge.stop)
-        print(f"bridge: connected as {creds[BRIDGE_USER].user or '(anonymous)'}, scripted model", file=out)
+        print(
+            f"bridge: connected as {creds[BRIDGE_USER].user or '(anonymous)'}, scripted model",
+            file=out,
+        )
 
         settings = {
             "device": device,
@@ -168,8 +220,11 @@ def run_demo(args: argparse.Namespace) -> int:
             "password": creds[device].password,
             "prefix": PREFIX,
         }
-        flash = lay_out_flash(workdir / "boards" / device, settings, mpy=args.mpy)
-        board = VirtualBoard(flash, heap=args.heap, force_cpython=args.cpython)
+        board = VirtualBoard(workdir / "boards" / device, heap=args.heap, force_cpython=args.cpython)
+        try:
+            flash = lay_out_flash(board.flash, settings, mpy=board.runs_mpy(not args.py))
+        except BoardError as e:
+            raise DemoError(str(e)) from e
         notice = fallback_notice()
         if notice and not args.cpython:
             print(notice, file=out)
@@ -178,16 +233,32 @@ def run_demo(args: argparse.Namespace) -> int:
         except OSError as e:
             raise DemoError(f"the virtual board did not start: {e}") from e
         stack.callback(board.stop)
-        board_lines: list[str] = []
-        threading.Thread(target=_pump_board_output, args=(board, out, board_lines), daemon=True).start()
+        console = BoardConsole(board, out)
+        threading.Thread(target=console.pump, daemon=True).start()
         runtime = "MicroPython unix port" if board.runtime == "micropython" else "CPython"
         heap = f", heap {args.heap}" if board.runtime == "micropython" else ""
-        kind = ".mpy" if args.mpy else ".py"
-        print(f"board: {device} on {runtime}{heap}, {kind} files in {flash} (pid {board.proc.pid if board.proc else '?'})", file=out)
-        _wait(lambda: bridge.hello(device) is not None, START_TIMEOUT_S, "waiting for the board's hello", board)
+        kind = ".mpy" if board.runs_mpy(not args.py) else ".py"
+        print(
+            f"board: {device} on {runtime}{heap}, {kind} files in {flash}"
+            f" (pid {board.proc.pid if board.proc else '?'})",
+            file=out,
+        )
+        _wait(
+            lambda: bridge.hello(device) is not None,
+            START_TIMEOUT_S,
+            "waiting for the board's hello",
+            board,
+        )
 
         host_creds = creds[f"host-{TENANT}"]
-        client = HostClient(host, port, TENANT, username=host_creds.user, password=host_creds.password, prefix=PREFIX)
+        client = HostClient(
+            host,
+            port,
+            TENANT,
+            username=host_creds.user,
+            password=host_creds.password,
+            prefix=PREFIX,
+        )
         try:
             client.connect(timeout=START_TIMEOUT_S)
         except Exception as e:
@@ -200,15 +271,19 @@ def run_demo(args: argparse.Namespace) -> int:
 
         def ask(text: str) -> int:
             view = LiveView(out)
-            client.on_event = lambda event, _snap: view.feed(event)
+
+            def show(event: dict[str, Any], _snap: Any) -> None:
+                view.feed(event)
+
+            console.hold()
+            client.on_event = show
             req = client.request(device, token, text)
             try:
-                snap = client.wait_run(req, timeout=RUN_TIMEOUT_S)
-            except TimeoutError as e:
-                raise DemoError(f"the run did not finish: {e}") from e
+                snap = _wait_run(client, req, board)
             finally:
                 client.on_event = None
                 view.close()
+                console.release()
             count = sum(1 for e in client.events if e.get("r") == snap.run)
             return_code = 0 if snap.status == "done" else 1
             if args.once:
@@ -235,8 +310,11 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_bridge(args: argparse.Namespace) -> int:
     host, port = args.broker or ("127.0.0.1", 1883)
     args.registry.parent.mkdir(parents=True, exist_ok=True)
-    devices = [tuple((spec.split(":", 1) + [AGENT])[:2]) for spec in args.device]
-    registry = make_registry(args.registry, args.tenant, devices)  # type: ignore[arg-type]
+    devices = []
+    for spec in args.device:
+        device, _, agent = spec.partition(":")
+        devices.append((device, agent or AGENT))
+    registry = make_registry(args.registry, args.tenant, devices)
     provider: Any
     if args.openai_base_url:
         from server_bridge.models.openai import OpenAIProvider
@@ -250,7 +328,11 @@ def run_bridge(args: argparse.Namespace) -> int:
         provider = ScriptedProvider(DEMO_SCRIPT)
         what = "scripted model (demo script)"
     config = BridgeConfig(
-        host=host, port=port, username=args.user, password=args.password, prefix=PREFIX,
+        host=host,
+        port=port,
+        username=args.user,
+        password=args.password,
+        prefix=PREFIX,
         registry_path=args.registry,
     )
     bridge = Bridge(config, registry, provider)
@@ -270,19 +352,27 @@ def run_board(args: argparse.Namespace) -> int:
     host, port = args.broker or ("127.0.0.1", 1883)
     flash = args.flash or Path(".wren/boards") / args.device
     settings: dict[str, Any] = {
-        "device": args.device, "host": host, "port": port,
-        "user": args.user or args.device, "password": args.password, "prefix": PREFIX,
+        "device": args.device,
+        "host": host,
+        "port": port,
+        "user": args.user or args.device,
+        "password": args.password,
+        "prefix": PREFIX,
     }
+    board = VirtualBoard(flash, heap=args.heap, force_cpython=args.cpython)
     try:
-        lay_out_flash(flash, settings, mpy=args.mpy)
+        lay_out_flash(flash, settings, mpy=board.runs_mpy(not args.py))
     except BoardError as e:
         raise DemoError(str(e)) from e
-    board = VirtualBoard(flash, heap=args.heap, force_cpython=args.cpython)
     notice = fallback_notice()
     if notice and not args.cpython:
         print(notice, flush=True)
     proc = board.start()
-    print(f"board: {args.device} on {board.runtime} (heap {args.heap}), flash {flash}, broker {host}:{port}", flush=True)
+    print(
+        f"board: {args.device} on {board.runtime} (heap {args.heap}), flash {flash},"
+        f" broker {host}:{port}",
+        flush=True,
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -299,10 +389,16 @@ def run_ask(args: argparse.Namespace) -> int:
     secret = registry.tenant_secret(args.tenant)
     if secret is None:
         raise DemoError(f"tenant {args.tenant!r} is not in {args.registry}")
-    client = HostClient(host, port, args.tenant, username=args.user, password=args.password, prefix=PREFIX)
+    client = HostClient(
+        host, port, args.tenant, username=args.user, password=args.password, prefix=PREFIX
+    )
     client.connect(timeout=10)
     view = LiveView(sys.stdout)
-    client.on_event = lambda event, _snap: view.feed(event)
+
+    def show(event: dict[str, Any], _snap: Any) -> None:
+        view.feed(event)
+
+    client.on_event = show
     try:
         token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
         req = client.request(args.device, token, args.text)

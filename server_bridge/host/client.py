@@ -215,8 +215,9 @@ class HostClient:
             self._connected = False
             self._cond.notify_all()
         if reason_code is not None and getattr(reason_code, "is_failure", False):
-            log.warning("host client disconnected from %s:%s: %s", self.host, self.port,
-                        reason_code)
+            log.warning(
+                "host client disconnected from %s:%s: %s", self.host, self.port, reason_code
+            )
 
     # --- requests -----------------------------------------------------------------
 

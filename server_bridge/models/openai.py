@@ -301,8 +301,11 @@ class OpenAIProvider:
                 raise ModelError("the model server sent a malformed stream")
             if obj.get("error"):
                 # vLLM and others report failures inside the stream after a 200.
-                log.warning("model server %s streamed an error: %s", self.base_url,
-                            self._scrub(json.dumps(obj["error"])[:MAX_ERROR_BODY]))
+                log.warning(
+                    "model server %s streamed an error: %s",
+                    self.base_url,
+                    self._scrub(json.dumps(obj["error"])[:MAX_ERROR_BODY]),
+                )
                 raise ModelError("the model server reported an error")
             finish = self._chunk(obj, emit, calls, usage) or finish
 
