@@ -14,7 +14,7 @@ except ImportError:
 # admitted). It has its own id sequence like any run.
 DEVICE_RUN = "_"
 
-_DEFAULT_RING = const(32)
+_DEFAULT_RING = const(16)
 
 TYPES = {
     "run.started": ("agent", "ver", "req", "conv", "domain", "input"),
@@ -54,11 +54,14 @@ TERMINAL = ("run.done", "run.failed", "run.cancelled")
 
 class Emitter:
     # Stamps events of one run with ids 1, 2, 3... and keeps the last `ring_size` of
-    # them so the bridge can ask for a resend after a gap. `send(envelope)` is the
-    # link's publish; it may drop (the outbox is a ring too) and the ring still has it.
+    # them, encoded, so the bridge can ask for a resend after a gap. Encoded bytes are
+    # a fifth of the size of the envelope dicts on the board heap, and a resend needs
+    # no second encode. `encode(env) -> bytes` may raise; `send(data)` is the link's
+    # publish, which may drop (its outbox is a ring too) while the ring still holds it.
 
-    def __init__(self, run_id, send, clock, ring_size=_DEFAULT_RING):
+    def __init__(self, run_id, encode, send, clock, ring_size=_DEFAULT_RING):
         self.run_id = run_id
+        self._encode = encode
         self._send = send
         self._clock = clock
         self.last_id = 0
@@ -72,19 +75,23 @@ class Emitter:
         env = {"r": self.run_id, "i": self.last_id, "t": etype, "ts": self._clock(), "d": d or {}}
         if node is not None:
             env["n"] = node
-        self.ring.push(env)
-        self._send(env)
+        data = self._encode(env)
+        # The ring holds ids last_id-len+1 .. last_id in order, so no id is stored.
+        self.ring.push(data)
+        self._send(data)
         return env
 
     def replay(self, after):
         # Resend what the ring still holds past `after`; report the rest as a gap
         # (an error event naming the ids that are gone), never pretend it was sent.
-        held = [e for e in self.ring if e["i"] > after]
-        first_held = held[0]["i"] if held else self.last_id + 1
-        for env in held:
-            self._send(env)
+        first_held = self.last_id - len(self.ring) + 1
+        n = 0
+        for data in self.ring:
+            if first_held + n > after:
+                self._send(data)
+            n += 1
         if first_held > after + 1:
             lost_to = first_held - 1
             self.emit("error", {"kind": "gap", "msg": "events %d..%d are no longer held" % (after + 1, lost_to),
                                 "from": after + 1, "to": lost_to})
-        return len(held)
+        return max(0, self.last_id - max(after, first_held - 1))

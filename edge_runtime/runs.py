@@ -21,7 +21,7 @@ _QOS1 = const(1)
 _DEFAULT_CONCURRENCY = const(1)
 _DEFAULT_QUEUE = const(2)
 _DEFAULT_RING = const(32)
-_RECENT_RUNS = const(4)
+_RECENT_RUNS = const(2)
 _SEEN_REQS = const(16)
 
 
@@ -38,6 +38,16 @@ def free_heap():
         return None
 
 
+def collect():
+    # A run's garbage is collected when it ends, while little else is live: this keeps
+    # the small board heap in few large free blocks instead of many fragments.
+    try:
+        import gc
+        gc.collect()
+    except ImportError:
+        pass
+
+
 class Run:
     # One request's run state: fresh per request, owned by one task.
 
@@ -49,7 +59,8 @@ class Run:
         self.input = msg["input"]
         self.conv = msg.get("conv")
         self.user = msg.get("usr")
-        self.emitter = Emitter(run_id, runtime.send_event, platform.time_ms, runtime.ring_size)
+        self.emitter = Emitter(run_id, runtime.encode, runtime.send_event, platform.time_ms,
+                               runtime.ring_size)
         self.task = None
         self.cancel_reason = None
 
@@ -82,7 +93,7 @@ class Runtime:
         self._encoder = codec.reserve(self.limits["payload"])
         self.link = None
         self.rpc = RpcClient(self.publish_msg, self._base + "rpc")
-        self.device_stream = Emitter(DEVICE_RUN, self.send_event, platform.time_ms, 8)
+        self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms, 8)
         self.active = {}
         self._recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
@@ -115,20 +126,32 @@ class Runtime:
             "fields": self.agent.fields, "tools": self.agent.describe(),
             "limits": self.limits}, _QOS1)
 
+    def encode(self, msg):
+        # Through the one reserved buffer; the bytes copy is what the link keeps.
+        return bytes(self._encoder.pack(msg))
+
     def publish_msg(self, topic, msg, qos=0, retain=False):
         try:
-            view = self._encoder.pack(msg)
+            data = self.encode(msg)
         except codec.CodecError as e:
             self.stats["unsendable"] += 1
             platform.log("cannot encode message for", topic, e)
             return False
+        return self._publish(topic, data, qos, retain)
+
+    def _publish(self, topic, data, qos, retain=False):
         if self.link is None:
             return False
-        self.link.publish(topic, view, qos, retain)
+        try:
+            self.link.publish(topic, data, qos, retain)
+        except ValueError as e:  # over the link's packet limit
+            self.stats["unsendable"] += 1
+            platform.log("cannot publish on", topic, e)
+            return False
         return True
 
-    def send_event(self, env):
-        self.publish_msg(self._base + "evt", env, _QOS1)
+    def send_event(self, data):
+        self._publish(self._base + "evt", data, _QOS1)
 
     # --- input --------------------------------------------------------------------
 
@@ -187,13 +210,13 @@ class Runtime:
             return
         op(msg)
 
-    def _find_run(self, run_id):
+    def _find_emitter(self, run_id):
         run = self.active.get(run_id)
         if run is not None:
-            return run
-        for old in self._recent:
-            if old.id == run_id:
-                return old
+            return run.emitter
+        for emitter in self._recent:
+            if emitter.run_id == run_id:
+                return emitter
         return None
 
     def _ctl_cancel(self, msg):
@@ -211,14 +234,11 @@ class Runtime:
             self.refuse("bad_envelope", "replay needs an integer after >= 0")
             return
         run_id = msg.get("r")
-        if run_id == DEVICE_RUN:
-            self.device_stream.replay(after)
-            return
-        run = self._find_run(run_id)
-        if run is None:
+        emitter = self.device_stream if run_id == DEVICE_RUN else self._find_emitter(run_id)
+        if emitter is None:
             self.refuse("unknown_run", "run %r is no longer held" % (run_id,))
             return
-        run.emitter.replay(after)
+        emitter.replay(after)
 
     def _ctl_not_waiting(self, msg):
         # No run pauses in this version, so no tool answer or approval can be expected.
@@ -251,7 +271,13 @@ class Runtime:
                                     "retryable": False})
         finally:
             self.active.pop(run.id, None)
-            self._recent.push(run)
+            # Only the event ring outlives a run (for replays), not its state.
+            self._recent.push(run.emitter)
+            run_id = run.id
+            run = None
+            collect()
+            # One console line per run: on a serial console this is how heap trouble shows.
+            platform.log("run", run_id, "ended; heap free", free_heap())
             if self._queue and len(self.active) < self.concurrency:
                 self._start(self._queue.pop(0))
 
