@@ -1,0 +1,154 @@
+"""The `wren` command line as a user runs it: each part as its own process against a
+broker of the test's own, and `wren demo` failing loudly when a part cannot start."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tools.broker import MosquittoProcess, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 60.0
+
+
+def wren(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tools.cli", *args]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+class Proc:
+    """A long-running `wren` process whose output lines are read on a thread."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.proc = subprocess.Popen(
+            args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip())
+
+    def wait_for(self, needle: str) -> str:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, "exited early:\n" + "\n".join(self.seen)
+                continue
+            self.seen.append(line)
+            if needle in line:
+                return line
+        raise AssertionError(f"no line with {needle!r}:\n" + "\n".join(self.seen))
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout=15)
+
+
+@pytest.fixture
+def parts(broker: MosquittoProcess, tmp_path: Path) -> Iterator[tuple[Proc, Proc, str]]:
+    address = broker.address
+    bridge = Proc(wren("bridge", "--broker", address, "--device", "cli1"), tmp_path)
+    bridge.wait_for("bridge: ")
+    board = Proc(wren("board", "--virtual", "--broker", address, "--device", "cli1"), tmp_path)
+    yield bridge, board, address
+    for p in (board, bridge):
+        if p.proc.poll() is None:
+            p.stop()
+
+
+def test_bridge_board_and_ask_as_separate_processes(
+    parts: tuple[Proc, Proc, str], tmp_path: Path
+) -> None:
+    bridge, board, address = parts
+    board.wait_for("link: up")
+    ask = subprocess.run(
+        wren("ask", "--broker", address, "--device", "cli1", "How warm is it in here?"),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert ask.returncode == 0, ask.stdout + ask.stderr
+    assert "assistant: It is 21.5 °C in here." in ask.stdout
+    assert "status: done" in ask.stdout
+    assert any(line.startswith("board: cli1 on micropython") for line in board.seen), board.seen
+    # SIGTERM stops `wren board` like Ctrl-C (exit 130), and its MicroPython process
+    # goes with it: nothing keeps running in the board's flash directory.
+    assert board.stop() == 130
+    flash = (tmp_path / ".wren" / "boards" / "cli1").resolve()
+    deadline = time.monotonic() + 10
+    while _processes_in(flash):
+        assert time.monotonic() < deadline, f"still running in {flash}: {_processes_in(flash)}"
+        time.sleep(0.1)
+
+
+def _processes_in(directory: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "cwd").resolve() == directory:
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours to look at
+            continue
+    return found
+
+
+def _demo(*extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        wren("demo", "--once", *extra),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_demo_on_the_embedded_broker() -> None:
+    proc = _demo("--embedded-broker")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "broker: embedded Python broker" in proc.stdout
+    assert "events: 14 " in proc.stdout
+
+
+def test_demo_with_the_board_on_cpython() -> None:
+    proc = _demo("--cpython")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "on CPython" in proc.stdout and ".py files" in proc.stdout
+    assert "events: 14 " in proc.stdout
+
+
+def test_demo_says_which_part_failed_when_the_broker_is_unreachable() -> None:
+    proc = _demo("--broker", f"127.0.0.1:{free_port()}")
+    assert proc.returncode == 1
+    assert "wren demo: the bridge did not start" in proc.stderr
+
+
+def test_demo_says_the_board_died_when_its_heap_is_too_small() -> None:
+    proc = _demo("--heap", "40K")
+    assert proc.returncode == 1
+    assert "the virtual board exited" in proc.stderr
+    assert "MemoryError" in proc.stdout
