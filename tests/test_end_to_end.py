@@ -88,8 +88,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         assert board.proc is not None and board.proc.poll() is None, "\n".join(lines)
         assert time.monotonic() < deadline, "no hello from the board:\n" + "\n".join(lines)
         time.sleep(0.05)
+    host_user = f"host-{TENANT}"
     client = HostClient(
-        broker.host, broker.port, TENANT, username=f"host-{TENANT}", password=users[f"host-{TENANT}"]
+        broker.host, broker.port, TENANT, username=host_user, password=users[host_user]
     )
     client.connect(timeout=TIMEOUT_S)
     secret = registry.tenant_secret(TENANT)
@@ -182,9 +183,7 @@ def _device_errors(stack: Stack, kinds: list[str]) -> list[dict[str, Any]]:
     # fanned out by the bridge to the tenant's hosts like any run's events.
     deadline = time.monotonic() + TIMEOUT_S
     while True:
-        found = [
-            e["d"] for e in stack.client.events if e["r"] == "_" and e["t"] == "error"
-        ]
+        found = [e["d"] for e in stack.client.events if e["r"] == "_" and e["t"] == "error"]
         if len(found) >= len(kinds) or time.monotonic() > deadline:
             return found
         time.sleep(0.05)

@@ -220,7 +220,8 @@ def run_demo(args: argparse.Namespace) -> int:
             "password": creds[device].password,
             "prefix": PREFIX,
         }
-        board = VirtualBoard(workdir / "boards" / device, heap=args.heap, force_cpython=args.cpython)
+        flash_dir = workdir / "boards" / device
+        board = VirtualBoard(flash_dir, heap=args.heap, force_cpython=args.cpython)
         try:
             flash = lay_out_flash(board.flash, settings, mpy=board.runs_mpy(not args.py))
         except BoardError as e:
