@@ -7,11 +7,8 @@ from typing import Any
 import pytest
 
 from edge_runtime.events import TYPES
-from server_bridge.host.reducer import HANDLERS, BadEnvelope, Reducer, RunSnapshot
-
-
-def ev(i: int, t: str, run: str = "r1", /, **d: Any) -> dict[str, Any]:
-    return {"r": run, "i": i, "t": t, "ts": 1000 + i, "d": d}
+from server_bridge.host.reducer import HANDLERS, BadEnvelope, Reducer
+from tests.eventdata import ev, fold
 
 
 def full_run(run: str = "r1") -> list[dict[str, Any]]:
@@ -41,15 +38,6 @@ def full_run(run: str = "r1") -> list[dict[str, Any]]:
         ev(12, "usage", run, **{"in": 14, "out": 6, "reason": 0}),
         ev(13, "run.done", run, usage={"in": 24, "out": 10, "reason": 0}),
     ]
-
-
-def fold(events: list[dict[str, Any]]) -> RunSnapshot:
-    reducer = Reducer()
-    snap = None
-    for e in events:
-        snap = reducer.apply(e)
-    assert snap is not None
-    return snap
 
 
 def test_full_run_folds_into_rows_status_and_usage() -> None:

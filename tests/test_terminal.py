@@ -5,12 +5,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from server_bridge.host.reducer import Reducer, RunSnapshot
 from server_bridge.host.terminal import LiveView, print_transcript, render
-
-
-def ev(i: int, t: str, run: str = "r1", /, **d: Any) -> dict[str, Any]:
-    return {"r": run, "i": i, "t": t, "ts": 1000 + i, "d": d}
+from tests.eventdata import ev, fold
 
 
 def full_run(run: str = "r1") -> list[dict[str, Any]]:
@@ -50,20 +46,13 @@ TRANSCRIPT = [
 ]
 
 
-def snapshot_of(events: list[dict[str, Any]]) -> RunSnapshot:
-    reducer = Reducer()
-    for e in events:
-        snap = reducer.apply(e)
-    return snap
-
-
 def test_render_full_run() -> None:
-    assert render(snapshot_of(full_run())) == TRANSCRIPT
+    assert render(fold(full_run())) == TRANSCRIPT
 
 
 def test_print_transcript_writes_the_rendered_lines() -> None:
     out = io.StringIO()
-    print_transcript(snapshot_of(full_run()), out)
+    print_transcript(fold(full_run()), out)
     assert out.getvalue() == "\n".join(TRANSCRIPT) + "\n"
 
 
@@ -158,7 +147,7 @@ def test_live_view_output_and_failed_tool() -> None:
 
 
 def test_render_paused_and_running_status_lines() -> None:
-    snap = snapshot_of([ev(1, "run.started", input="x"), ev(2, "run.paused", reason="approval")])
+    snap = fold([ev(1, "run.started", input="x"), ev(2, "run.paused", reason="approval")])
     assert render(snap) == ["you: x", "status: paused"]
-    snap = snapshot_of([ev(1, "run.started", input="x")])
+    snap = fold([ev(1, "run.started", input="x")])
     assert render(snap) == ["you: x", "status: running"]
