@@ -100,6 +100,7 @@ class Runtime:
         self._queue = []
         self._boot = "%08x" % _random32()
         self._runs_started = 0
+        self._connects = 0
         self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0}
         self._routes = {"req": self._on_req, "ctl": self._on_ctl, "rpc/res": self.rpc.on_answer}
         self._ctl_ops = {"cancel": self._ctl_cancel, "replay": self._ctl_replay,
@@ -116,6 +117,11 @@ class Runtime:
         return (self._base + "status", codec.encode({"st": "offline"}), _QOS1, True)
 
     def on_connect(self):
+        self._connects += 1
+        if self._connects > 1:
+            # The session is clean, so answers the bridge sent while the link was down
+            # are gone: a call waiting on one fails now (retryable), not at its timeout.
+            self.rpc.fail_all("link", "the link to the bridge dropped during the call")
         # Presence first (retained, so a dashboard that connects later sees it), then
         # the capabilities the bridge needs to serve this board.
         self.publish_msg(self._base + "status", {

@@ -279,3 +279,18 @@ def test_tool_input_must_be_a_json_object():
         assert json.loads('"%s"' % result["output"]) == "arguments must be a JSON object"
 
     run(_with_board("tb-json", body, script))
+
+
+def test_a_call_pending_when_the_link_drops_fails_at_once_and_retryable():
+    async def body(bridge, runtime):
+        bridge.answer_rpc = False
+        bridge.send("req", {"req": "drop1", "input": "x"})
+        await bridge.wait_for(lambda: len(bridge.calls) == 1)
+        runtime.link.reconnect("test cuts the link")
+        # Far sooner than the 120 s call timeout: the reconnect itself fails the call.
+        await bridge.wait_for(lambda: any(e["t"] == "run.failed" for e in bridge.events), 15000)
+        failed = [e for e in bridge.events if e["t"] == "run.failed"][0]["d"]
+        assert failed["err"]["kind"] == "llm" and failed["retryable"] is True
+        assert "link" in failed["err"]["msg"]
+
+    run(_with_board("tb-drop", body))
