@@ -92,9 +92,7 @@ class TurnRig:
         self.registry = Registry(workdir / "registry.json")
         self.secret = secrets.token_hex(32)
         self.registry.add_tenant("bench", self.secret)
-        config = BridgeConfig(
-            host=self.broker.host, port=self.broker.port, registry_path=workdir / "registry.json"
-        )
+        config = BridgeConfig(host=self.broker.host, port=self.broker.port)
         self.bridge = Bridge(config, self.registry, ScriptedProvider(DEMO_SCRIPT))
         self.bridge.start()
         self.client = HostClient(self.broker.host, self.broker.port, "bench")

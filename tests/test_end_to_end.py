@@ -69,7 +69,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         port=broker.port,
         username=BRIDGE_USER,
         password=users[BRIDGE_USER],
-        registry_path=work / "registry.json",
     )
     bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT))
     bridge.start()

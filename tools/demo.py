@@ -199,7 +199,6 @@ def run_demo(args: argparse.Namespace) -> int:
             username=creds[BRIDGE_USER].user,
             password=creds[BRIDGE_USER].password,
             prefix=PREFIX,
-            registry_path=workdir / "registry.json",
         )
         bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT))
         try:
@@ -334,7 +333,6 @@ def run_bridge(args: argparse.Namespace) -> int:
         username=args.user,
         password=args.password,
         prefix=PREFIX,
-        registry_path=args.registry,
     )
     bridge = Bridge(config, registry, provider)
     try:
