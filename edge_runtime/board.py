@@ -41,7 +41,7 @@ def _collect_early():
 def start(agent, settings=None):
     settings = settings if settings is not None else platform.load_settings()
     if "device" not in settings:
-        platform.log("settings.json has no device id; run `wren provision` first")
+        platform.log("settings.json has no device id; nothing to start")
         return
     platform.connect_wifi(settings)
     platform.asyncio.run(run_board(agent, settings))

@@ -372,9 +372,10 @@ class Encoder:
         self._depth = max_depth
         self.max_depth = max_depth
 
-    def pack(self, obj):
+    def pack(self, obj, limit=None):
         # The view is into the buffer: valid until the next pack, copy it to keep it.
-        return self._pack(obj, len(self._buf), self.max_depth)
+        # `limit` caps the output below the buffer size (a board's configured payload).
+        return self._pack(obj, len(self._buf) if limit is None else limit, self.max_depth)
 
     def _pack(self, obj, limit, max_depth):
         self._limit = min(limit, len(self._buf))

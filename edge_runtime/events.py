@@ -1,7 +1,8 @@
 # The event vocabulary of the wire contract and the per-run emitter.
-# TYPES is the one table of event type -> its `d` fields; the board builds events from
-# it and the bridge checks incoming events against it (server_bridge imports it), so a
-# new event type is one line here and one row in docs/PROTOCOL.md.
+# TYPES is the one table of event type -> its `d` fields (docs/PROTOCOL.md, "Event
+# types"): the emitter refuses a type not in it, and the bridge refuses incoming events
+# whose type is not in it (server_bridge imports this table), so a new event type is one
+# line here and one row in the protocol doc.
 from edge_runtime.ring import Ring
 
 try:
@@ -46,7 +47,7 @@ TYPES = {
     "usage": ("in", "out", "reason"),
     "budget": ("kind", "used", "limit", "level"),
     "guard": ("name", "action", "detail"),
-    "error": ("kind", "msg"),
+    "error": ("kind", "msg", "req", "from", "to"),
 }
 
 TERMINAL = ("run.done", "run.failed", "run.cancelled")
@@ -71,11 +72,14 @@ class Emitter:
         if etype not in TYPES:
             # A board-side bug, not wire input: fail loudly where it was written.
             raise ValueError("unknown event type " + etype)
-        self.last_id += 1
-        env = {"r": self.run_id, "i": self.last_id, "t": etype, "ts": self._clock(), "d": d or {}}
+        i = self.last_id + 1
+        env = {"r": self.run_id, "i": i, "t": etype, "ts": self._clock(), "d": d or {}}
         if node is not None:
             env["n"] = node
+        # Encoded before the id is spent: an event that cannot be encoded raises here
+        # and leaves no hole in the ids.
         data = self._encode(env)
+        self.last_id = i
         # The ring holds ids last_id-len+1 .. last_id in order, so no id is stored.
         self.ring.push(data)
         self._send(data)

@@ -292,7 +292,12 @@ class Link:
         while True:
             self._pid_next = self._pid_next % 0xFFFF + 1
             p = self._pid_next
-            if p != self._sub_pid and not [e for e in self._inflight if e[_PID] == p]:
+            if p == self._sub_pid:
+                continue
+            for e in self._inflight:
+                if e[_PID] == p:
+                    break
+            else:
                 return p
 
     async def _send_loop(self, conn):

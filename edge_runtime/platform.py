@@ -64,27 +64,9 @@ def read_file(path):
         return None
 
 
-def write_file_atomic(path, data):
-    # Write to a temporary file and rename over the target, so a reset mid-write
-    # leaves either the old contents or the new, never half of each.
-    import os
-
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if hasattr(f, "flush"):
-            f.flush()
-        if hasattr(os, "fsync"):
-            try:
-                os.fsync(f.fileno())
-            except (AttributeError, OSError):
-                pass
-    os.rename(tmp, path)
-
-
 def load_settings(path="settings.json"):
-    # Settings live on flash as JSON, written by `wren provision` for a real board or
-    # by `wren board --virtual` for the simulation.
+    # Settings live on flash as JSON (device, broker host/port, user, password, limits);
+    # `wren board --virtual` writes them for the simulation.
     import json
 
     raw = read_file(path)

@@ -23,17 +23,23 @@ class RpcError(Exception):
 
 
 class _Pending:
-    def __init__(self, on_chunk):
+    def __init__(self, on_chunk, epoch):
         self.on_chunk = on_chunk
+        self.epoch = epoch
         self.done = platform.asyncio.Event()
         self.result = None
         self.error = None
 
 
 class RpcClient:
-    def __init__(self, publish, topic, timeout_ms=_DEFAULT_TIMEOUT_MS):
-        # publish(topic, msg_dict, qos) encodes and queues on the link.
+    def __init__(self, publish, topic, online, timeout_ms=_DEFAULT_TIMEOUT_MS):
+        # publish(topic, msg_dict, qos) encodes and queues on the link, False when it
+        # cannot; online() says whether the link is up right now.
         self._publish = publish
+        self._online = online
+        # Connection count as the client sees it: a call belongs to the connection its
+        # request goes out on (the next one, when made while the link is down).
+        self.epoch = 0
         self._topic = topic
         self._timeout_ms = timeout_ms
         self._next_id = 0
@@ -43,13 +49,15 @@ class RpcClient:
     async def call(self, method, args, run_id=None, on_chunk=None, timeout_ms=None):
         self._next_id += 1
         cid = self._next_id
-        pending = _Pending(on_chunk)
+        pending = _Pending(on_chunk, self.epoch if self._online() else self.epoch + 1)
         self._pending[cid] = pending
         msg = {"c": cid, "m": method, "a": args}
         if run_id is not None:
             msg["r"] = run_id
         try:
-            self._publish(self._topic, msg, _QOS_CALL)
+            if not self._publish(self._topic, msg, _QOS_CALL):
+                # Too large to encode or send: waiting would only run out the timeout.
+                raise RpcError("unsendable", "the call to %s could not be sent" % method)
             try:
                 await platform.wait_for_ms(pending.done.wait(), timeout_ms or self._timeout_ms)
             except platform.asyncio.TimeoutError:
@@ -62,7 +70,8 @@ class RpcClient:
 
     def on_answer(self, msg):
         # Called by the runtime for each decoded rpc/res payload (already a dict).
-        pending = self._pending.get(msg.get("c"))
+        cid = msg.get("c")
+        pending = self._pending.get(cid) if isinstance(cid, int) else None
         if pending is None:
             self.late += 1
             return
@@ -83,9 +92,12 @@ class RpcClient:
             pending.result = msg.get("ok")
         pending.done.set()
 
-    def fail_all(self, kind, msg):
-        # A call whose bridge answer can no longer come (link torn down) fails now
-        # instead of waiting out its timeout.
+    def new_connection(self, kind, msg):
+        # The session is clean, so answers sent while the link was down are gone: a
+        # call sent on an earlier connection fails now (the caller may retry) instead
+        # of at its timeout. Calls queued while the link was down go out on this one.
+        self.epoch += 1
         for pending in self._pending.values():
-            pending.error = RpcError(kind, msg)
-            pending.done.set()
+            if pending.epoch < self.epoch:
+                pending.error = RpcError(kind, msg)
+                pending.done.set()

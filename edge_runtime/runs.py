@@ -20,7 +20,9 @@ FW_VERSION = "0.1.0"
 _QOS1 = const(1)
 _DEFAULT_CONCURRENCY = const(1)
 _DEFAULT_QUEUE = const(2)
-_DEFAULT_RING = const(32)
+_DEFAULT_RING = const(16)
+_DEVICE_RING = const(8)
+_MAX_ID = const(64)  # req, conv, usr, run and call ids: echoed and kept, so bounded
 _RECENT_RUNS = const(2)
 _SEEN_REQS = const(16)
 
@@ -62,6 +64,7 @@ class Run:
         self.emitter = Emitter(run_id, runtime.encode, runtime.send_event, platform.time_ms,
                                runtime.ring_size)
         self.task = None
+        self.started = False
         self.cancel_reason = None
 
     def emit(self, etype, d=None, node=None):
@@ -92,15 +95,15 @@ class Runtime:
         # One encode buffer for everything the board sends; the link copies out of it.
         self._encoder = codec.reserve(self.limits["payload"])
         self.link = None
-        self.rpc = RpcClient(self.publish_msg, self._base + "rpc")
-        self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms, 8)
+        self.rpc = RpcClient(self.publish_msg, self._base + "rpc", self._online)
+        self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms,
+                                     min(self.ring_size, _DEVICE_RING))
         self.active = {}
         self._recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
         self._boot = "%08x" % _random32()
         self._runs_started = 0
-        self._connects = 0
         self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0}
         self._routes = {"req": self._on_req, "ctl": self._on_ctl, "rpc/res": self.rpc.on_answer}
         self._ctl_ops = {"cancel": self._ctl_cancel, "replay": self._ctl_replay,
@@ -116,12 +119,11 @@ class Runtime:
     def will(self):
         return (self._base + "status", codec.encode({"st": "offline"}), _QOS1, True)
 
+    def _online(self):
+        return self.link is not None and self.link.connected
+
     def on_connect(self):
-        self._connects += 1
-        if self._connects > 1:
-            # The session is clean, so answers the bridge sent while the link was down
-            # are gone: a call waiting on one fails now (retryable), not at its timeout.
-            self.rpc.fail_all("link", "the link to the bridge dropped during the call")
+        self.rpc.new_connection("link", "the link to the bridge dropped during the call")
         # Presence first (retained, so a dashboard that connects later sees it), then
         # the capabilities the bridge needs to serve this board.
         self.publish_msg(self._base + "status", {
@@ -134,7 +136,7 @@ class Runtime:
 
     def encode(self, msg):
         # Through the one reserved buffer; the bytes copy is what the link keeps.
-        return bytes(self._encoder.pack(msg))
+        return bytes(self._encoder.pack(msg, self.limits["payload"]))
 
     def publish_msg(self, topic, msg, qos=0, retain=False):
         try:
@@ -192,31 +194,41 @@ class Runtime:
 
     def _on_req(self, msg):
         req = msg.get("req")
-        if not isinstance(req, str) or not isinstance(msg.get("input"), str):
-            self.refuse("bad_envelope", "req needs string fields req and input")
+        if not _is_id(req) or not isinstance(msg.get("input"), str):
+            self.refuse("bad_envelope", "req needs an id req (1-%d chars) and a string input" % _MAX_ID)
             return
+        for key in ("conv", "usr"):
+            if msg.get(key) is not None and not _is_id(msg[key]):
+                self.refuse("bad_envelope", "req field %s must be an id of 1-%d chars" % (key, _MAX_ID),
+                            {"req": req})
+                return
         if req in self._seen:
             # The idempotency key: a repeated request starts nothing new.
             self.stats["duplicate"] += 1
             return
-        self._seen.push(req)
         if len(self.active) < self.concurrency:
             self._start(msg)
         elif len(self._queue) < self.max_queue:
             self._queue.append(msg)
         else:
+            # Not remembered as seen: the same request may be sent again later.
             self.stats["busy"] += 1
             self.refuse("busy", "the board is running %d requests and has %d queued"
                         % (len(self.active), len(self._queue)), {"req": req})
+            return
+        self._seen.push(req)
 
     def _on_ctl(self, msg):
-        op = self._ctl_ops.get(msg.get("op"))
-        if op is None:
-            self.refuse("unknown_op", "unknown ctl op %r" % (msg.get("op"),))
+        op = msg.get("op")
+        handler = self._ctl_ops.get(op) if isinstance(op, str) else None
+        if handler is None:
+            self.refuse("unknown_op", "unknown ctl op %s" % _clip(op))
             return
-        op(msg)
+        handler(msg)
 
     def _find_emitter(self, run_id):
+        if not isinstance(run_id, str):
+            return None
         run = self.active.get(run_id)
         if run is not None:
             return run.emitter
@@ -226,12 +238,16 @@ class Runtime:
         return None
 
     def _ctl_cancel(self, msg):
-        run = self.active.get(msg.get("r"))
+        run_id = msg.get("r")
+        run = self.active.get(run_id) if isinstance(run_id, str) else None
         if run is None:
-            self.refuse("unknown_run", "no active run %r to cancel" % (msg.get("r"),))
+            self.refuse("unknown_run", "no active run %s to cancel" % _clip(run_id))
             return
-        run.cancel_reason = msg.get("reason") or "cancelled"
-        if run.task is not None:
+        reason = msg.get("reason")
+        run.cancel_reason = reason[:200] if isinstance(reason, str) and reason else "cancelled"
+        # A task that has not begun is never cancelled from outside: its body (and the
+        # clean-up in it) would not run at all. It sees cancel_reason when it begins.
+        if run.started and run.task is not None:
             run.task.cancel()
 
     def _ctl_replay(self, msg):
@@ -242,13 +258,14 @@ class Runtime:
         run_id = msg.get("r")
         emitter = self.device_stream if run_id == DEVICE_RUN else self._find_emitter(run_id)
         if emitter is None:
-            self.refuse("unknown_run", "run %r is no longer held" % (run_id,))
+            self.refuse("unknown_run", "run %s is no longer held" % _clip(run_id))
             return
         emitter.replay(after)
 
     def _ctl_not_waiting(self, msg):
         # No run pauses in this version, so no tool answer or approval can be expected.
-        self.refuse("not_waiting", "run %r is not waiting on call %r" % (msg.get("r"), msg.get("call")))
+        self.refuse("not_waiting", "run %s is not waiting on call %s"
+                    % (_clip(msg.get("r")), _clip(msg.get("call"))))
 
     # --- runs ---------------------------------------------------------------------
 
@@ -259,10 +276,29 @@ class Runtime:
         run.task = platform.asyncio.create_task(self._drive(run))
 
     async def _drive(self, run):
-        agent = self.agent
-        run.emit("run.started", {"agent": agent.name, "ver": agent.version, "req": run.req,
-                                 "conv": run.conv, "domain": "request", "input": run.input})
+        # Everything a run does happens inside this try, so its slot is always given
+        # back, whatever the handler or an emit raises.
         try:
+            run.started = True
+            await self._run_to_end(run)
+        finally:
+            self.active.pop(run.id, None)
+            # Only the event ring outlives a run (for replays), not its state.
+            self._recent.push(run.emitter)
+            run_id = run.id
+            run = None
+            collect()
+            # One console line per run: on a serial console this is how heap trouble shows.
+            platform.log("run", run_id, "ended; heap free", free_heap())
+            if self._queue and len(self.active) < self.concurrency:
+                self._start(self._queue.pop(0))
+
+    async def _run_to_end(self, run):
+        agent = self.agent
+        try:
+            run.emit("run.started", {"agent": agent.name, "ver": agent.version, "req": run.req,
+                                     "conv": run.conv, "domain": "request", "input": run.input})
+            run.check_cancelled()
             handler = agent.handler or model_loop
             usage = await handler(run)
             run.emit("run.done", {"usage": usage or {}})
@@ -275,17 +311,17 @@ class Runtime:
             platform.log("run", run.id, "crashed:", repr(e))
             run.emit("run.failed", {"err": {"kind": "internal", "msg": "the board hit an internal error"},
                                     "retryable": False})
-        finally:
-            self.active.pop(run.id, None)
-            # Only the event ring outlives a run (for replays), not its state.
-            self._recent.push(run.emitter)
-            run_id = run.id
-            run = None
-            collect()
-            # One console line per run: on a serial console this is how heap trouble shows.
-            platform.log("run", run_id, "ended; heap free", free_heap())
-            if self._queue and len(self.active) < self.concurrency:
-                self._start(self._queue.pop(0))
+
+
+def _is_id(value):
+    return isinstance(value, str) and 0 < len(value) <= _MAX_ID
+
+
+def _clip(value):
+    # Refusals name what was refused, but never echo more than a few bytes of it: an
+    # echo of hostile input could itself become an event too large to send.
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _random32():

@@ -5,6 +5,16 @@ import json
 
 from edge_runtime.rpc import RpcError
 
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+# A tool's output goes to the model and onto the event stream; past this many
+# characters it is cut, and the cut is stated in the output itself.
+_MAX_TOOL_OUTPUT = const(2048)
+
 
 class RunFailed(Exception):
     # Ends a run as run.failed with a customer-safe message.
@@ -18,12 +28,15 @@ class RunFailed(Exception):
 
 def _tool_output(value):
     # The model reads text; a number or a map from a sensor becomes its JSON text.
-    if isinstance(value, str):
-        return value
-    return json.dumps(value)
+    text = value if isinstance(value, str) else json.dumps(value)
+    if len(text) > _MAX_TOOL_OUTPUT:
+        text = text[:_MAX_TOOL_OUTPUT] + " [cut: %d more characters]" % (len(text) - _MAX_TOOL_OUTPUT)
+    return text
 
 
 async def _run_tool(tool, input_text):
+    if not isinstance(input_text, str):
+        return "arguments must be a JSON object in a string", True
     try:
         args = json.loads(input_text) if input_text else {}
     except ValueError:
@@ -52,13 +65,15 @@ async def model_loop(run):
         calls = []
 
         def on_chunk(ch):
+            if not isinstance(ch, dict):
+                return
             text = ch.get("text")
             if text:
                 parts.append(text)
                 run.emit("msg.delta", {"m": m, "text": text})
             elif ch.get("reason"):
                 run.emit("reason.delta", {"m": m, "text": ch["reason"]})
-            elif ch.get("tool"):
+            elif isinstance(ch.get("tool"), dict):
                 calls.append(ch["tool"])
 
         run.emit("msg.start", {"m": m, "role": "assistant"})
@@ -73,7 +88,11 @@ async def model_loop(run):
             run.emit("msg.end", {"m": m})
             raise RunFailed("llm", "the model is unavailable (%s)" % e.kind, True)
         run.emit("msg.end", {"m": m})
-        got = (final or {}).get("usage") or {}
+        if not isinstance(final, dict):
+            final = {}
+        got = final.get("usage")
+        if not isinstance(got, dict):
+            got = {}
         for key in usage:
             value = got.get(key)
             if isinstance(value, int):
@@ -83,13 +102,17 @@ async def model_loop(run):
             reply["tools"] = calls
         messages.append(reply)
         if not calls:
+            if final.get("finish") == "tool_calls":
+                # The model called a tool but no call reached the board: ending "done"
+                # would claim an answer that was never given.
+                raise RunFailed("llm", "the model's tool call was lost on the way", True)
             return usage
         for call in calls:
             run.check_cancelled()
             name = call.get("name")
             cid = call.get("call")
             input_text = call.get("input") or "{}"
-            tool = agent.tools.get(name)
+            tool = agent.tools.get(name) if isinstance(name, str) else None
             run.emit("tool.call", {"call": cid, "name": name, "input": input_text,
                                    "client": False})
             if tool is None:

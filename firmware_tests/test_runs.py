@@ -69,9 +69,12 @@ class ScriptedBridge:
         if turn >= len(self.script):
             self.link.publish(res, codec.encode({"c": call["c"], "err": {"kind": "llm", "msg": "script exhausted"}}), 1)
             return
-        for step in self.script[turn]:
-            self.link.publish(res, codec.encode({"c": call["c"], "ch": step}), 1)
         finish = "tool_calls" if any("tool" in s for s in self.script[turn]) else "stop"
+        for step in self.script[turn]:
+            if "finish" in step:  # a step that only sets the final answer's finish
+                finish = step["finish"]
+                continue
+            self.link.publish(res, codec.encode({"c": call["c"], "ch": step}), 1)
         self.link.publish(res, codec.encode({"c": call["c"], "ok": {"usage": {"in": 10, "out": 5, "reason": 0},
                                                                    "finish": finish}}), 1)
 
@@ -138,7 +141,8 @@ def test_one_request_runs_the_tool_loop_to_done():
         second = bridge.calls[1]["a"]["messages"]
         assert second[-1] == {"role": "tool", "call": "c1", "content": "21.5"}
         assert second[-2]["tools"][0]["name"] == "read_temperature"
-        assert bridge.hello["tools"][0]["name"] in ("read_temperature", "explode")
+        # MicroPython dicts keep no insertion order, so the tools are compared as a set.
+        assert sorted(t["name"] for t in bridge.hello["tools"]) == ["explode", "read_temperature"]
 
     run(_with_board("tb-loop", body))
 
@@ -294,3 +298,79 @@ def test_a_call_pending_when_the_link_drops_fails_at_once_and_retryable():
         assert "link" in failed["err"]["msg"]
 
     run(_with_board("tb-drop", body))
+
+
+def test_ids_over_64_chars_are_refused_and_echoes_are_clipped():
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "q" * 65, "input": "x"})
+        bridge.send("ctl", {"op": "cancel", "r": "r" * 3000})
+        await bridge.wait_for(lambda: len(_device_errors(bridge)) == 2)
+        first, second = _device_errors(bridge)
+        assert first["kind"] == "bad_envelope" and second["kind"] == "unknown_run"
+        # The refusal names the run, but never echoes 3000 characters back.
+        assert len(second["msg"]) < 100 and "rrr" in second["msg"]
+
+    run(_with_board("tb-ids", body))
+
+
+def test_a_request_refused_busy_can_be_sent_again_later():
+    async def body(bridge, runtime):
+        bridge.answer_rpc = False
+        for n in range(4):
+            bridge.send("req", {"req": "again%d" % n, "input": "x"})
+        await bridge.wait_for(lambda: len(_device_errors(bridge)) == 1)
+        assert _device_errors(bridge)[0]["req"] == "again3"
+        bridge.answer_rpc = True
+        for call in bridge.calls:
+            bridge.answer(call)
+        await bridge.wait_for(lambda: len([e for e in bridge.events if e["t"] == "run.done"]) == 3)
+        bridge.send("req", {"req": "again3", "input": "x"})
+        await bridge.wait_for(lambda: len([e for e in bridge.events if e["t"] == "run.done"]) == 4)
+        assert runtime.stats["duplicate"] == 0
+
+    run(_with_board("tb-retry", body))
+
+
+def test_a_tool_call_announced_but_never_received_fails_the_run():
+    # finish says tool_calls, but no tool chunk came: "done" would be a false answer.
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "lost", "input": "x"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.failed" for e in bridge.events))
+        failed = [e for e in bridge.events if e["t"] == "run.failed"][0]["d"]
+        assert failed["err"]["kind"] == "llm" and failed["retryable"] is True
+
+    run(_with_board("tb-lost", body, script=[[{"finish": "tool_calls"}]]))
+
+
+def test_a_call_too_large_to_send_fails_at_once():
+    # With a 600-byte payload limit the first llm.complete (instructions + input) cannot
+    # be encoded; the run fails without waiting for the call's timeout.
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "big", "input": "y" * 400})
+        await bridge.wait_for(lambda: any(e["t"] == "run.failed" for e in bridge.events), 5000)
+        assert bridge.calls == []
+        assert runtime.active == {}
+
+    run(_with_board("tb-big", body, settings={"max_payload": 600}))
+
+
+def test_cancel_before_the_run_begins_still_frees_its_slot():
+    # No link here: the runtime keeps its events in the run's ring all the same.
+    async def body():
+        runtime = Runtime(_agent(), "tb-local", {})
+        base = P + "tb-local/"
+        runtime.on_message(base + "req", codec.encode({"req": "early", "input": "x"}))
+        run_id = list(runtime.active)[0]
+        # The run's task has not had a turn yet when its cancel arrives.
+        runtime.on_message(base + "ctl", codec.encode({"op": "cancel", "r": run_id, "reason": "early"}))
+        for _ in range(100):
+            if not runtime.active:
+                break
+            await platform.sleep_ms(10)
+        assert runtime.active == {}
+        ring = list(runtime._recent)[-1].ring
+        got = [codec.decode(b) for b in ring]
+        assert [e["t"] for e in got] == ["run.started", "run.cancelled"]
+        assert got[1]["d"]["reason"] == "early"
+
+    run(body())

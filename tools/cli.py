@@ -1,4 +1,4 @@
-"""The `wren` command line: demo, bridge, virtual board, ask, bench.
+"""The `wren` command line: demo, bridge, virtual board, ask.
 
 wren demo [--once]                 broker + bridge + virtual board + terminal view
 wren bridge --broker HOST:PORT     the server bridge on its own
