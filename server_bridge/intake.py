@@ -13,8 +13,13 @@ to cover it.
 Hosts may ask for the recent events of a run (a bounded in-memory window per run). The
 durable event log is a later issue; until then a bridge restart forgets past events.
 
-Also kept here, in memory: each device's capabilities from P/d/D/hello and its presence
-from P/d/D/status.
+Run state is bounded twice: per device (`max_runs_per_device`), so a device that opens
+run after run only ever evicts its own oldest run states, never another tenant's; and in
+total (`max_runs`), the memory bound of the process.
+
+Also kept here, in memory: each device's capabilities from P/d/D/hello (and the decode
+limits they announce, which the RPC layer sizes its answers by) and its presence from
+P/d/D/status.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class EventIntake:
         keep: int = 256,
         hold: int = 64,
         max_runs: int = 1024,
+        max_runs_per_device: int = 16,
         replay_retry_s: float = 2.0,
         replay_max_attempts: int = 3,
         clock: Callable[[], float] = time.monotonic,
@@ -92,6 +98,7 @@ class EventIntake:
         self._keep = keep
         self._hold = hold
         self._max_runs = max_runs
+        self._max_runs_per_device = max_runs_per_device
         self._retry_s = replay_retry_s
         self._max_attempts = replay_max_attempts
         self._clock = clock
@@ -99,8 +106,11 @@ class EventIntake:
         # replay retries; hosts read. One lock guards all run state. Publishing happens
         # after it is released, so no paho lock is ever taken while holding it.
         self._lock = threading.Lock()
+        # Both in least-recently-used order: every event moves its run to the end.
         self._runs: OrderedDict[tuple[str, str], _Run] = OrderedDict()
+        self._by_device: dict[str, OrderedDict[str, _Run]] = {}
         self._hello: dict[str, dict[str, Any]] = {}
+        self._device_limits: dict[str, Limits] = {}
         self._presence: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ events
@@ -130,18 +140,16 @@ class EventIntake:
         st = self._run(device, env["r"])
         i: int = env["i"]
         d = env["d"]
+        if i < st.expected or i in st.held:
+            # A duplicate gap event among them was recorded when it first arrived.
+            self._count("evt.duplicate", 1)
+            self._advance(st, now, out)
+            return
         if env["t"] == "error" and d.get("kind") == "gap":
             # Recorded whatever the gap event's own id: the board emits it after it
             # resends what it still had, so it usually arrives past the hole it reports.
-            lo, hi = int(d["from"]), int(d["to"])
-            if hi >= st.expected:
-                st.lost.append((max(lo, st.expected), hi))
-                log.warning(
-                    "device %s run %s: board reports events %d..%d lost", st.device, st.run, lo, hi
-                )
-        if i < st.expected or i in st.held:
-            self._count("evt.duplicate", 1)
-        elif i == st.expected:
+            self._record_lost(st, int(d["from"]), int(d["to"]))
+        if i == st.expected:
             self._deliver(st, env, out)
         elif len(st.held) < self._hold:
             st.held[i] = env
@@ -154,6 +162,29 @@ class EventIntake:
         else:
             self._count("evt.hold_overflow", 1)
         self._advance(st, now, out)
+
+    def _record_lost(self, st: _Run, lo: int, hi: int) -> None:
+        """Add lo..hi (inclusive) to the run's lost ranges, merged with any it overlaps.
+
+        Merged, so the list stays a set of disjoint ranges however often the board
+        reports the same or overlapping holes, and bounded like the hold buffer: the
+        list only ever covers ids past `expected`, and a board reporting more separate
+        holes than it may hold events is not believed past that.
+        """
+        lo = max(lo, st.expected)
+        if hi < lo:
+            return  # all of it already passed
+        log.warning("device %s run %s: board reports events %d..%d lost", st.device, st.run, lo, hi)
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted([*st.lost, (lo, hi)]):
+            if merged and a <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        if len(merged) > self._hold:
+            self._count("evt.lost_ranges_dropped", len(merged) - self._hold)
+            merged = merged[: self._hold]
+        st.lost = merged
 
     def _advance(self, st: _Run, now: float, out: list[tuple[str, bytes]]) -> None:
         while True:
@@ -218,24 +249,49 @@ class EventIntake:
 
     def _run(self, device: DeviceRecord, run: str) -> _Run:
         key = (device.device, run)
+        own = self._by_device.setdefault(device.device, OrderedDict())
         st = self._runs.get(key)
         if st is not None:
             self._runs.move_to_end(key)
+            own.move_to_end(run)
             return st
         st = _Run(device.device, device.tenant, run, deque(maxlen=self._keep))
         self._runs[key] = st
+        own[run] = st
+        # A device over its own cap makes room among its own runs: a device that opens
+        # run after run (a bug, or a hostile board) cannot push out other tenants' state.
+        while len(own) > self._max_runs_per_device:
+            self._evict(self._oldest(own), f"over {self._max_runs_per_device} runs of one device")
+        # The process-wide memory bound; with the per-device cap it is reached only when
+        # many devices are busy at once.
         while len(self._runs) > self._max_runs:
-            (dev, rid), old = self._runs.popitem(last=False)
-            self._count("runs.evicted", 1)
-            if old.held or not old.finished:
-                log.warning(
-                    "forgetting unfinished run %s of %s (%d held events): over %d runs tracked",
-                    rid,
-                    dev,
-                    len(old.held),
-                    self._max_runs,
-                )
+            self._evict(next(iter(self._runs.values())), f"over {self._max_runs} runs tracked")
         return st
+
+    @staticmethod
+    def _oldest(own: OrderedDict[str, _Run]) -> _Run:
+        # A finished run with nothing held loses nothing when forgotten, so it goes
+        # first; only a device with no such run loses the state of a live one.
+        for st in own.values():
+            if st.finished and not st.held:
+                return st
+        return next(iter(own.values()))
+
+    def _evict(self, old: _Run, why: str) -> None:
+        del self._runs[(old.device, old.run)]
+        own = self._by_device[old.device]
+        del own[old.run]
+        if not own:
+            del self._by_device[old.device]
+        self._count("runs.evicted", 1)
+        if old.held or not old.finished:
+            log.warning(
+                "forgetting unfinished run %s of %s (%d held events): %s",
+                old.run,
+                old.device,
+                len(old.held),
+                why,
+            )
 
     def _send(self, out: list[tuple[str, bytes]]) -> int:
         forwarded = 0
@@ -274,9 +330,15 @@ class EventIntake:
             st = self._runs.get((device, run))
             return sorted(st.held) if st else []
 
+    def lost(self, device: str, run: str) -> list[tuple[int, int]]:
+        """The ranges the board reported lost that the run has not yet stepped past."""
+        with self._lock:
+            st = self._runs.get((device, run))
+            return list(st.lost) if st else []
+
     def runs(self, device: str) -> list[str]:
         with self._lock:
-            return [r for (d, r) in self._runs if d == device]
+            return list(self._by_device.get(device, ()))
 
     # ------------------------------------------------------------------ hello, status
 
@@ -292,6 +354,7 @@ class EventIntake:
                 raise BadEnvelope(f"hello {key} must be a list")
         if "limits" in obj and not isinstance(obj["limits"], dict):
             raise BadEnvelope("hello limits must be a map")
+        limits = Limits.from_hello(obj.get("limits") or {})
         if isinstance(obj.get("agent"), str) and obj["agent"] != device.agent:
             # The registry is the authority on which agent a device runs; a mismatch is
             # worth a log line, not a refusal (a re-flashed board says hello first).
@@ -303,6 +366,7 @@ class EventIntake:
             )
         with self._lock:
             self._hello[device.device] = obj
+            self._device_limits[device.device] = limits
         return obj
 
     def handle_status(self, device: DeviceRecord, payload: bytes) -> dict[str, Any] | None:
@@ -319,6 +383,11 @@ class EventIntake:
         with self._lock:
             self._presence[device.device] = presence
         return presence
+
+    def device_limits(self, device: str) -> Limits | None:
+        """The decode limits a device announced in its last hello (None before any)."""
+        with self._lock:
+            return self._device_limits.get(device)
 
     def capabilities(self, device: str) -> dict[str, Any] | None:
         with self._lock:

@@ -25,7 +25,8 @@ from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic
 
 __all__ = [
-    "KINDS",
+    "MAX_HOST_ID",
+    "MAX_REASON",
     "REFUSALS",
     "BadEnvelope",
     "BadTopic",
@@ -103,20 +104,6 @@ class UnknownDevice(WireError):
 # catches one tuple.
 REFUSALS: tuple[type[ValueError], ...] = (WireError, BadTopic, TokenError)
 
-KINDS: tuple[str, ...] = (
-    Truncated.kind,
-    TooLarge.kind,
-    TooDeep.kind,
-    BadType.kind,
-    BadEnvelope.kind,
-    UnknownType.kind,
-    UnknownOp.kind,
-    UnknownMethod.kind,
-    BadTopic.kind,
-    TokenError.kind,
-    UnknownDevice.kind,
-)
-
 
 # --------------------------------------------------------------------------- limits
 
@@ -136,6 +123,31 @@ class Limits:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive int, not {value!r}")
 
+    @classmethod
+    def from_hello(cls, limits: Mapping[str, Any]) -> Limits:
+        """The limits a board announced in its hello (`{payload, str, items, depth, ring}`).
+
+        A key the board left out keeps the contract's default; a value that is not a
+        positive int makes the hello malformed (BadEnvelope) rather than being guessed at.
+        `ring` is the board's replay window, not a decode limit, and is not kept here.
+        """
+        values: dict[str, int] = {}
+        for key, name in _HELLO_LIMIT_KEYS:
+            if key in limits:
+                value = limits[key]
+                if not _is_int(value) or value < 1:
+                    raise BadEnvelope(f"hello limits {key} must be an int >= 1")
+                values[name] = value
+        return cls(**values)
+
+
+# Hello's `limits` keys and the Limits fields they set.
+_HELLO_LIMIT_KEYS = (
+    ("payload", "max_payload"),
+    ("str", "max_str"),
+    ("items", "max_items"),
+    ("depth", "max_depth"),
+)
 
 DEFAULT_LIMITS = Limits()
 
@@ -201,8 +213,13 @@ def _opt_int(m: Mapping[str, Any], key: str, what: str) -> int | None:
 MAX_RUN_ID = 128
 
 
-def check_envelope(obj: object) -> dict[str, Any]:
-    """Check one event envelope (PROTOCOL.md "Event envelope") and return it."""
+def check_envelope(obj: object, *, strict_types: bool = True) -> dict[str, Any]:
+    """Check one event envelope (PROTOCOL.md "Event envelope") and return it.
+
+    `strict_types=False` accepts an event type this code does not know (hosts: a host
+    older than its bridge must still fold the stream; the bridge, which reads boards,
+    is the one that refuses unknown types). Every other rule is the same on both sides.
+    """
     env = _need_map(obj, "event envelope")
     r, i, t, ts, d = (env.get(k) for k in ("r", "i", "t", "ts", "d"))
     if not isinstance(r, str) or not 0 < len(r) <= MAX_RUN_ID:
@@ -211,7 +228,7 @@ def check_envelope(obj: object) -> dict[str, Any]:
         raise BadEnvelope("event needs an id i: an int >= 1")
     if not isinstance(t, str):
         raise BadEnvelope("event needs a type t: a str")
-    if t not in TYPES:
+    if strict_types and t not in TYPES:
         raise UnknownType(f"unknown event type {t[:64]!r}")
     if not _is_int(ts):
         raise BadEnvelope("event needs a board clock ts: an int")
@@ -228,13 +245,13 @@ def check_envelope(obj: object) -> dict[str, Any]:
     return env
 
 
-def check_events(obj: object) -> list[dict[str, Any]]:
+def check_events(obj: object, *, strict_types: bool = True) -> list[dict[str, Any]]:
     """An `evt` payload is one envelope or a non-empty list of them; return the list."""
     if isinstance(obj, list):
         if not obj:
             raise BadEnvelope("an empty event batch")
-        return [check_envelope(e) for e in obj]
-    return [check_envelope(obj)]
+        return [check_envelope(e, strict_types=strict_types) for e in obj]
+    return [check_envelope(obj, strict_types=strict_types)]
 
 
 @dataclass(frozen=True)
@@ -272,6 +289,27 @@ def check_call(obj: object) -> Call:
     return Call(c, method, args, _opt_str(m, "r", "rpc call"))
 
 
+# Id-like strings a host sends (req, conv, r, call) are echoed into events, kept as keys
+# (the board's idempotency ring, the bridge's refusal events) and matched on: they are
+# bounded like the board bounds them (edge_runtime/runs.py, 64), so a host cannot make
+# either side store or echo kilobytes per id. Free text (`input`, a tool `output`) is
+# bounded only by the decode limit on strings.
+MAX_HOST_ID = 64
+# A cancel's `reason` is free text the board puts into `run.cancelled`; kept short.
+MAX_REASON = 200
+
+
+def _host_id(m: Mapping[str, Any], key: str, what: str) -> str:
+    value = m.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_HOST_ID:
+        raise BadEnvelope(f"{what} needs {key}: a str of 1..{MAX_HOST_ID} chars")
+    return value
+
+
+def _opt_host_id(m: Mapping[str, Any], key: str, what: str) -> str | None:
+    return None if m.get(key) is None else _host_id(m, key, what)
+
+
 @dataclass(frozen=True)
 class HostReq:
     """A host's `P/h/T/D/req`; `tok` is still unverified here."""
@@ -285,16 +323,15 @@ class HostReq:
 
 def check_host_req(obj: object) -> HostReq:
     m = _need_map(obj, "host req")
-    req, text = m.get("req"), m.get("input")
-    if not isinstance(req, str) or not req:
-        raise BadEnvelope("host req needs a request id req: a non-empty str")
+    req = _host_id(m, "req", "host req")
+    text = m.get("input")
     if not isinstance(text, str):
         raise BadEnvelope("host req needs input: a str")
     return HostReq(
         req=req,
         input=text,
         tok=m.get("tok"),
-        conv=_opt_str(m, "conv", "host req"),
+        conv=_opt_host_id(m, "conv", "host req"),
         ttl=_opt_int(m, "ttl", "host req"),
     )
 
@@ -303,7 +340,7 @@ def check_host_req(obj: object) -> HostReq:
 # else in the payload (tok, usr, ten, device, ...) is dropped here, so nothing a host
 # writes can reach the board except these fields. `replay` is the bridge's own op.
 HOST_CTL_KEYS: dict[str, tuple[str, ...]] = {
-    "cancel": ("r",),
+    "cancel": ("r", "reason"),
     "tool": ("r", "call", "output", "failed"),
     "approve": ("r", "call", "ok"),
 }
@@ -324,12 +361,20 @@ def check_host_ctl(obj: object) -> HostCtl:
     keys = HOST_CTL_KEYS.get(op)
     if keys is None:
         raise UnknownOp(f"unknown ctl op {op[:64]!r}")
-    if not isinstance(m.get("r"), str):
-        raise BadEnvelope(f"ctl {op} needs a run id r: a str")
-    if op in ("tool", "approve") and not isinstance(m.get("call"), str):
-        raise BadEnvelope(f"ctl {op} needs a call id: a str")
+    _host_id(m, "r", f"ctl {op}")
+    if op in ("tool", "approve"):
+        _host_id(m, "call", f"ctl {op}")
     if op == "approve" and not isinstance(m.get("ok"), bool):
         raise BadEnvelope("ctl approve needs ok: a bool")
     fields = {"op": op}
     fields.update({k: m[k] for k in keys if k in m})
+    if op == "cancel" and "reason" in fields:
+        reason = fields["reason"]
+        if reason is None:
+            del fields["reason"]
+        elif not isinstance(reason, str):
+            raise BadEnvelope("ctl cancel reason must be a str")
+        else:
+            # Cut, not refused: a cancel must not fail over the length of its prose.
+            fields["reason"] = reason[:MAX_REASON]
     return HostCtl(op, fields, m.get("tok"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import secrets
 import sys
 import tempfile
@@ -181,8 +182,18 @@ def run_demo(args: argparse.Namespace) -> int:
         workdir = stack.enter_context(_workdir(args.workdir))
         if args.broker:
             host, port = args.broker
-            users = {BRIDGE_USER: args.password or "", device: "", f"host-{TENANT}": ""}
-            creds = {name: Credentials(args.user, args.password) for name in users}
+            # Each part logs in as itself: the bridge with --user/--password, the board
+            # as its device id and the host as the tenant's host user, each with its own
+            # password from the environment (none: the broker must allow anonymous).
+            creds = {
+                BRIDGE_USER: Credentials(args.user, args.password),
+                device: Credentials(
+                    os.environ.get("WREN_BOARD_USER", device), os.environ.get("WREN_BOARD_PASSWORD")
+                ),
+                f"host-{TENANT}": Credentials(
+                    os.environ.get("WREN_HOST_USER"), os.environ.get("WREN_HOST_PASSWORD")
+                ),
+            }
             print(f"broker: using {host}:{port}", file=out)
         else:
             users = _users(device)
