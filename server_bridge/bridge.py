@@ -7,10 +7,12 @@ its session token proves for tenant T. A `tenant`, `user`, `device`, `usr` or `t
 inside any payload is data and changes nothing.
 
 Every input the bridge refuses is counted by kind (`stats["refused.<kind>"]`), kept in
-a short list of recent refusals, logged with its kind, and answered with an RPC error
-where there is an rpc topic to answer on; then the bridge carries on with the next
-message. Every paho callback is wrapped so an exception in our code is logged with its
-traceback and the network thread keeps running.
+a short list of recent refusals, logged with its kind, and answered where there is
+someone to answer: a board's RPC call with an RPC error, a host's req or ctl with an
+`error` event `{kind, msg, req?}` on that host's own P/h/T/D/evt, in the bridge's stream
+for that tenant and device (run id "_b", ids 1, 2, 3 ... kept in memory). Then the
+bridge carries on with the next message. Every paho callback is wrapped so an exception
+in our code is logged with its traceback and the network thread keeps running.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections import Counter, deque
+import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -29,11 +32,13 @@ from server_bridge import tokens
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
 from server_bridge.models.base import Provider
+from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
 from server_bridge.tokens import TokenError
-from server_bridge.topics import BadTopic, Topic, device_topic, parse
+from server_bridge.topics import BadTopic, Topic, device_topic, host_topic, parse
 from server_bridge.wire import (
+    MAX_HOST_ID,
     REFUSALS,
     UnknownDevice,
     check_host_ctl,
@@ -42,7 +47,7 @@ from server_bridge.wire import (
     encode,
 )
 
-__all__ = ["Bridge", "BridgeError", "Refusal"]
+__all__ = ["BRIDGE_RUN", "Bridge", "BridgeError", "Refusal"]
 
 log = logging.getLogger("wren.bridge")
 
@@ -50,6 +55,35 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # How often the housekeeping thread retries replay requests and expires slow RPC calls.
 _TICK_S = 0.25
+# How long an RPC worker sleeps before trying again to queue an answer on a full queue.
+_QUEUE_WAIT_S = 0.01
+# The run id of the bridge's own event stream on P/h/T/D/evt: refusals of host input.
+BRIDGE_RUN = "_b"
+# A refusal message sent to a host is short and customer-safe.
+_MAX_HOST_MSG = 200
+
+
+class _BridgeStreams:
+    """The next event id of each (tenant, device) bridge stream `_b`.
+
+    In memory, like the board's device stream: a restart begins again at 1. Bounded,
+    least recently used first out, since a host may name any device id in its topic; a
+    stream pushed out also begins again at 1, as after a restart.
+    """
+
+    def __init__(self, max_streams: int = 4096) -> None:
+        self._max = max_streams
+        self._lock = threading.Lock()
+        self._last: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    def next_id(self, tenant: str, device: str) -> int:
+        key = (tenant, device)
+        with self._lock:
+            i = self._last.pop(key, 0) + 1
+            self._last[key] = i
+            while len(self._last) > self._max:
+                self._last.popitem(last=False)
+        return i
 
 
 class BridgeError(RuntimeError):
@@ -98,6 +132,9 @@ class Bridge:
         self._connected = False
         self._stopping = threading.Event()
         self._housekeeper: threading.Thread | None = None
+        self._streams = _BridgeStreams()
+        # Set while publishes are being refused on a full queue: one log line per episode.
+        self._queue_full = False
         self.intake = EventIntake(
             config.prefix,
             self._publish,
@@ -106,6 +143,7 @@ class Bridge:
             keep=config.events_per_run,
             hold=config.hold_per_run,
             max_runs=config.max_runs,
+            max_runs_per_device=config.max_runs_per_device,
             replay_retry_s=config.replay_retry_s,
             replay_max_attempts=config.replay_max_attempts,
         )
@@ -117,8 +155,10 @@ class Bridge:
             limits=config.limits,
             workers=config.rpc_workers,
             max_inflight=config.rpc_max_inflight,
+            max_inflight_per_device=config.rpc_max_inflight_per_device,
             llm_timeout_s=config.llm_timeout_s,
             rpc_timeout_s=config.rpc_timeout_s,
+            device_limits=self.intake.device_limits,
         )
 
     # ------------------------------------------------------------------ diagnostics
@@ -163,12 +203,18 @@ class Bridge:
 
     def subscriptions(self) -> list[str]:
         p = self.config.prefix
-        # With several bridge processes the broker spreads the board traffic among them;
-        # hello and status stay per process because each keeps its own presence table.
+        # With several bridge processes the broker spreads RPC calls among them: a call
+        # is complete in itself. Nothing else is shared. evt must reach one process per
+        # run in full, as each tracks the ids of its runs to find gaps (a run's events
+        # split over processes would be holes to each, and replay requests would follow);
+        # hello and status feed each process's presence table and the board limits its
+        # RPC answers are sized by. Host req and ctl are read by every process as well,
+        # so with several processes a request reaches the board once per process (the
+        # board starts one run per req id) and a ctl is applied once per process.
         share = "$share/bridge/" if self.config.shared_subscription else ""
         return [
             f"{share}{p}/d/+/rpc",
-            f"{share}{p}/d/+/evt",
+            f"{p}/d/+/evt",
             f"{p}/d/+/hello",
             f"{p}/d/+/status",
             f"{p}/h/+/+/req",
@@ -190,6 +236,8 @@ class Bridge:
             clean_session=True,
         )
         client.enable_logger(logging.getLogger("wren.bridge.paho"))
+        # Without a bound paho keeps every QoS 1 message while the broker is away.
+        client.max_queued_messages_set(cfg.max_queued_messages)
         if cfg.username is not None:
             client.username_pw_set(cfg.username, cfg.password)
         client.connect_timeout = cfg.connect_timeout_s
@@ -314,12 +362,9 @@ class Bridge:
     def _route(self, topic: str, payload: bytes) -> None:
         t = parse(self.config.prefix, topic)
         if t.side == "h":
-            if t.leaf == "req":
-                self._host_req(t, payload)
-            elif t.leaf == "ctl":
-                self._host_ctl(t, payload)
-            else:
+            if t.leaf not in ("req", "ctl"):
                 raise BadTopic(f"the bridge does not read host leaf {t.leaf!r}")
+            self._host_input(t, topic, payload)
             return
         if t.leaf not in ("rpc", "evt", "hello", "status"):
             raise BadTopic(f"the bridge does not read device leaf {t.leaf!r}")
@@ -354,8 +399,42 @@ class Bridge:
             raise UnknownDevice(f"device {t.device!r} is not tenant {t.tenant!r}'s")
         return record, session
 
-    def _host_req(self, t: Topic, payload: bytes) -> None:
-        req = check_host_req(decode(payload, self.config.limits))
+    def _host_input(self, t: Topic, topic: str, payload: bytes) -> None:
+        """A host's req or ctl; a refusal is also told to the host (see _tell_host)."""
+        obj: Any = None
+        try:
+            obj = decode(payload, self.config.limits)
+            if t.leaf == "req":
+                self._host_req(t, obj)
+            else:
+                self._host_ctl(t, obj)
+        except REFUSALS as e:
+            kind = getattr(e, "kind", "bad_envelope")
+            self._refuse(kind, topic, str(e))
+            self._tell_host(t, kind, _host_msg(e, obj), _req_of(obj))
+
+    def _tell_host(self, t: Topic, kind: str, msg: str, req: str | None) -> None:
+        """Publish a refusal as an `error` event of the bridge stream `_b` of T and D.
+
+        On the topic's own tenant and device only (parse() has checked both levels), so
+        it reaches the hosts of the tenant that sent the message, whoever owns D.
+        """
+        assert t.tenant is not None  # a host topic always has one
+        d: dict[str, Any] = {"kind": kind, "msg": msg}
+        if req is not None:
+            d["req"] = req
+        env = {
+            "r": BRIDGE_RUN,
+            "i": self._streams.next_id(t.tenant, t.device),
+            "t": "error",
+            "ts": int(time.time() * 1000),
+            "d": d,
+        }
+        self._publish(host_topic(self.config.prefix, t.tenant, t.device, "evt"), encode(env))
+        self._count("host.refusals_told")
+
+    def _host_req(self, t: Topic, obj: Any) -> None:
+        req = check_host_req(obj)
         record, session = self._session(t, req.tok)
         # Built from named fields only: the user is the token's, and no other key of the
         # host payload (usr, ten, device, tok ...) reaches the board.
@@ -367,8 +446,8 @@ class Bridge:
         self._publish(device_topic(self.config.prefix, record.device, "req"), encode(out))
         self._count("host.req")
 
-    def _host_ctl(self, t: Topic, payload: bytes) -> None:
-        ctl = check_host_ctl(decode(payload, self.config.limits))
+    def _host_ctl(self, t: Topic, obj: Any) -> None:
+        ctl = check_host_ctl(obj)
         record, session = self._session(t, ctl.tok)
         out = dict(ctl.fields)
         if ctl.op == "approve":
@@ -379,20 +458,69 @@ class Bridge:
 
     # ------------------------------------------------------------------ publishing
 
-    def _send_rpc(self, device: str, answer: dict[str, Any]) -> None:
-        self._publish(device_topic(self.config.prefix, device, "rpc/res"), encode(answer))
+    def _send_rpc(
+        self, device: str, answer: dict[str, Any], wait_until: float | None = None
+    ) -> None:
+        topic = device_topic(self.config.prefix, device, "rpc/res")
+        self._publish(topic, encode(answer), wait_until)
 
-    def _publish(self, topic: str, payload: bytes) -> None:
-        client = self._client
-        if client is None:
-            self._count("publish.dropped")
-            log.warning("not connected: dropped a message for %s", topic)
+    def _publish(self, topic: str, payload: bytes, wait_until: float | None = None) -> None:
+        """Publish at QoS 1. On a full outgoing queue (config.max_queued_messages) a caller
+        that may wait (an RPC worker: `wait_until`, a time.monotonic() value) retries
+        until then; everyone else's message is dropped and counted, since the one thread
+        that frees room — paho's network thread, reading PUBACKs — must never wait."""
+        while True:
+            client = self._client
+            if client is None:
+                self._count("publish.dropped")
+                log.warning("not connected: dropped a message for %s", topic)
+                return
+            info = client.publish(topic, payload, qos=1)
+            if info.rc == mqtt.MQTT_ERR_SUCCESS:
+                self._count("tx")
+                if self._queue_full:
+                    self._queue_full = False
+                    log.info("the outgoing queue has room again")
+                return
+            if info.rc != mqtt.MQTT_ERR_QUEUE_SIZE:
+                # paho keeps a QoS 1 message queued across a reconnect; anything else is
+                # lost and must be visible.
+                self._count("publish.not_sent")
+                log.warning("publish to %s returned %s", topic, mqtt.error_string(info.rc))
+                return
+            if (
+                wait_until is not None
+                and time.monotonic() < wait_until
+                and not self._stopping.is_set()
+            ):
+                time.sleep(_QUEUE_WAIT_S)
+                continue
+            self._count("publish.queue_full")
+            if not self._queue_full:
+                self._queue_full = True
+                log.warning(
+                    "outgoing queue full (%d messages): dropping messages, first for %s",
+                    self.config.max_queued_messages,
+                    topic,
+                )
             return
-        info = client.publish(topic, payload, qos=1)
-        if info.rc == mqtt.MQTT_ERR_SUCCESS:
-            self._count("tx")
-        else:
-            # paho keeps a QoS 1 message queued across a reconnect; anything else is lost
-            # and must be visible.
-            self._count("publish.not_sent")
-            log.warning("publish to %s returned %s", topic, mqtt.error_string(info.rc))
+
+
+def _req_of(obj: Any) -> str | None:
+    """The req id of a decoded host payload, if it has a usable one to name a refusal by."""
+    req = obj.get("req") if isinstance(obj, dict) else None
+    return req if isinstance(req, str) and 0 < len(req) <= MAX_HOST_ID else None
+
+
+def _host_msg(e: Exception, obj: Any) -> str:
+    """A refusal's message as a host may see it: short, and with nothing secret in it.
+
+    The messages are the bridge's own and name no secret, but some quote a piece of the
+    payload (an unknown op); the session token is cut out wherever it appears, and the
+    rest is scrubbed like a log line.
+    """
+    msg = str(e)
+    tok = obj.get("tok") if isinstance(obj, dict) else None
+    if isinstance(tok, str) and tok:
+        msg = msg.replace(tok, MASK)
+    return scrub(msg)[:_MAX_HOST_MSG]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from server_bridge.topics import DEFAULT_PREFIX
 from server_bridge.wire import Limits
@@ -35,7 +34,8 @@ class BridgeConfig:
     # each other off the broker.
     client_id: str = field(default_factory=lambda: f"wren-bridge-{uuid.uuid4().hex[:12]}")
     keepalive_s: int = 30
-    registry_path: Path = Path("wren-registry.json")
+    # What the bridge accepts from boards and hosts. What it sends a board is sized by the
+    # limits that board announced in its hello.
     limits: Limits = field(default_factory=Limits)
     # Bounded waits: connecting (start() raises past it), an llm.complete call, and any
     # other RPC method (answered with an error past it; the board has its own timeout).
@@ -43,23 +43,36 @@ class BridgeConfig:
     llm_timeout_s: float = 120.0
     rpc_timeout_s: float = 30.0
     # RPC work runs on a pool so paho's network thread never waits on a model; calls
-    # beyond max in flight are answered `busy` instead of queueing without bound.
+    # beyond max in flight — in total, or of one device — are answered `busy` instead of
+    # queueing without bound. The per-device cap keeps one device from taking the room
+    # every other tenant's calls need.
     rpc_workers: int = 8
     rpc_max_inflight: int = 64
-    # Several bridge processes share P/d/+/rpc and P/d/+/evt through $share/bridge/...
+    rpc_max_inflight_per_device: int = 4
+    # Several bridge processes share P/d/+/rpc through $share/bridge/...: an RPC call is
+    # answered by whichever process gets it. Events are not shared: each process tracks
+    # the ids of every run to find gaps, and events of one run spread over processes
+    # would look like holes to each of them. hello and status are not shared either (each
+    # process keeps its own presence table and the limits RPC answers are sized by).
     shared_subscription: bool = False
     # Event intake: events kept per run for hosts, out-of-order events held per run,
-    # runs tracked at once, and the replay request retry.
+    # runs tracked at once (in total and per device: a device over its own cap forgets
+    # its own oldest runs, never another device's), and the replay request retry.
     events_per_run: int = 256
     hold_per_run: int = 64
     max_runs: int = 1024
+    max_runs_per_device: int = 16
     replay_retry_s: float = 2.0
     replay_max_attempts: int = 3
     # Recent refusals kept for diagnostics.
     refusals_kept: int = 100
+    # Outgoing QoS 1 messages paho keeps (in flight and queued, e.g. while the broker is
+    # away); past it a publish is refused and counted (`publish.queue_full`) instead of
+    # growing memory without bound. RPC workers wait for room; the network thread
+    # cannot (it is the one that frees room) and drops.
+    max_queued_messages: int = 1000
 
     def __post_init__(self) -> None:
-        self.registry_path = Path(self.registry_path)
         if not self.prefix or any(ch in self.prefix for ch in "+#") or self.prefix.endswith("/"):
             raise ValueError(f"bad topic prefix {self.prefix!r}")
         if not 0 < self.port < 65536:
@@ -70,11 +83,14 @@ class BridgeConfig:
         for name in (
             "rpc_workers",
             "rpc_max_inflight",
+            "rpc_max_inflight_per_device",
             "events_per_run",
             "hold_per_run",
             "max_runs",
+            "max_runs_per_device",
             "replay_max_attempts",
             "refusals_kept",
+            "max_queued_messages",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

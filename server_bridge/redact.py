@@ -22,14 +22,15 @@ MASK = "***"
 _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     # user:password@ (or a token as the user) in any URL: //user:pass@host -> //***@host
     (re.compile(r"//[^\s/?#@]+@"), f"//{MASK}@"),
-    # Authorization header values, however they are quoted or cased.
-    (re.compile(r"(?i)\b(bearer|basic|token)(\s+|=|:\s*)[A-Za-z0-9._~+/=-]+"), rf"\1\2{MASK}"),
+    # Authorization header values.
+    (re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+"), rf"\1 {MASK}"),
+    (re.compile(r"(?i)\b(basic)\s+[A-Za-z0-9+/=]{8,}"), rf"\1 {MASK}"),
     # OpenAI-style keys (sk-..., sk-proj-...) and the similar prefixes others use.
     (re.compile(r"\b(sk|pk|rk)[-_][A-Za-z0-9_-]+"), rf"\1-{MASK}"),
-    # key=value pairs in query strings, form bodies, repr()s of settings.
+    # name=value / name: value pairs in query strings, form bodies, headers, reprs.
     (
         re.compile(
-            r"(?i)\b(api[_-]?key|access[_-]?token|auth[_-]?token|secret|password|passwd|pwd)"
+            r"(?i)\b(api[_-]?key|\w*token|secret|password|passwd|pwd|authorization)"
             r"(['\"]?\s*[=:]\s*['\"]?)[^\s&,;'\"]+"
         ),
         rf"\1\2{MASK}",

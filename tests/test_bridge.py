@@ -26,10 +26,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge import tokens
 from server_bridge.bridge import Bridge, BridgeError
 from server_bridge.config import BridgeConfig
+from server_bridge.host.client import HostClient, RequestRefused
 from server_bridge.intake import EventIntake
 from server_bridge.models.base import Chunk, Final, ModelError
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import DeviceRecord, Registry
+from server_bridge.wire import MAX_HOST_ID, MAX_REASON
 from tools.broker import MosquittoProcess, free_port, start_mosquitto
 
 SECRET = bytes(range(32))
@@ -115,7 +117,6 @@ class World:
             username=None,
             password=None,
             prefix=self.p,
-            registry_path=tmp / "registry.json",
             **config,
         )
         self.bridge = Bridge(cfg, self.registry, provider)
@@ -232,23 +233,40 @@ class LeakyProvider:
         emit: Callable[[Chunk], None],
         model: str | None = None,
         max_tokens: int | None = None,
+        *,
+        deadline: float | None = None,
     ) -> Final:
         emit({"text": "par"})
-        raise RuntimeError("POST http://10.0.0.7/v1 with key sk-secret failed")
+        raise LeakyError(
+            "POST http://admin:hunter2@10.0.0.7/v1 with key sk-secret and "
+            "Authorization: Bearer tok.en-42 failed"
+        )
 
 
-def test_unexpected_provider_exception_is_logged_and_not_leaked(
+class LeakyError(RuntimeError):
+    pass
+
+
+def test_unexpected_provider_exception_is_logged_without_its_secrets(
     broker: MosquittoProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     w = World(broker, tmp_path, LeakyProvider())
     try:
-        with caplog.at_level(logging.ERROR, logger="wren.bridge.rpc"):
+        # DEBUG: the traceback logged there is scrubbed too.
+        with caplog.at_level(logging.DEBUG, logger="wren.bridge.rpc"):
             w.call(4, "llm.complete", {"messages": [USER]})
             chunks, final = w.answers()
         assert [ch["ch"] for ch in chunks] == [{"text": "par"}]
         assert final == {"c": 4, "err": {"kind": "llm", "msg": "the model call failed"}}
-        assert "sk-secret" in caplog.text  # the operator sees it in the log ...
-        assert any(r.exc_info for r in caplog.records)  # ... with its traceback
+        for secret in ("sk-secret", "hunter2", "tok.en-42"):
+            assert secret not in caplog.text
+        # The operator still learns what failed, and where (at DEBUG) ...
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors and "LeakyError" in errors[0].getMessage()
+        assert "10.0.0.7" in errors[0].getMessage()
+        assert any("Traceback" in r.getMessage() for r in caplog.records if r.levelno == 10)
+        # ... and no record carries the raw exception for a handler to format.
+        assert not any(r.exc_info for r in caplog.records)
     finally:
         w.close()
 
@@ -268,6 +286,8 @@ class SlowProvider:
         emit: Callable[[Chunk], None],
         model: str | None = None,
         max_tokens: int | None = None,
+        *,
+        deadline: float | None = None,
     ) -> Final:
         if not self.release.wait(WAIT * 2):
             raise ModelError("never released")
@@ -370,15 +390,126 @@ def test_payload_identity_keys_change_nothing(world: World) -> None:
     assert got == ev(1)  # and the extra keys did not travel
 
 
-def test_shared_subscription(broker: MosquittoProcess, tmp_path: Path) -> None:
+def test_shared_subscription_shares_rpc_only(broker: MosquittoProcess, tmp_path: Path) -> None:
     w = World(broker, tmp_path, ScriptedProvider(), shared_subscription=True)
     try:
-        assert w.bridge.subscriptions()[0] == f"$share/bridge/{w.p}/d/+/rpc"
+        p = w.p
+        # RPC calls are spread over the processes; events stay whole per process (gap
+        # tracking needs every id of a run), and so do hello, status and host input.
+        assert w.bridge.subscriptions() == [
+            f"$share/bridge/{p}/d/+/rpc",
+            f"{p}/d/+/evt",
+            f"{p}/d/+/hello",
+            f"{p}/d/+/status",
+            f"{p}/h/+/+/req",
+            f"{p}/h/+/+/ctl",
+        ]
         check_valid_call_works(w, c=1)
         w.board.send(w.d("evt"), ev(1))
         assert w.host.get(w.h("evt"))["i"] == 1
     finally:
         w.close()
+
+
+def test_two_shared_bridges_each_see_every_event(broker: MosquittoProcess, tmp_path: Path) -> None:
+    # Two bridge processes, as in production: whichever gets a run's events must get
+    # all of them, or each would see holes, ask the board to replay, and give up.
+    w = World(broker, tmp_path, ScriptedProvider(), shared_subscription=True)
+    cfg = BridgeConfig(host=broker.host, port=broker.port, prefix=w.p, shared_subscription=True)
+    other = Bridge(cfg, w.registry, ScriptedProvider())
+    other.start()
+    try:
+        w.board.send(w.d("evt"), [ev(i) for i in range(1, 5)])
+        for i in range(5, 9):
+            w.board.send(w.d("evt"), ev(i))
+        bridges = (w.bridge, other)
+        wait_for(
+            lambda: all(b.intake.expected("dev1", "r1") == 9 for b in bridges),
+            "both bridges to see all 8 events",
+        )
+        assert [b.stats["replay.sent"] for b in bridges] == [0, 0]
+    finally:
+        other.stop()
+        w.close()
+
+
+# A long answer with 1-, 2-, 3- and 4-byte UTF-8 characters, so a cut at a byte budget
+# would land inside characters if the splitter did not look.
+LONG_TEXT = ("abc°€🙂" * 4000)[:20000]
+
+
+def long_text_world(broker: MosquittoProcess, tmp_path: Path, script: Any) -> World:
+    # chunk_chars larger than the text: the provider emits it as one chunk.
+    return World(broker, tmp_path, ScriptedProvider(script, chunk_chars=100_000))
+
+
+def test_a_long_text_chunk_is_split_to_the_default_limits(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    w = long_text_world(broker, tmp_path, [[{"text": LONG_TEXT}]])
+    try:
+        w.call(1, "llm.complete", {"messages": [USER]})  # no hello yet: the defaults
+        chunks, final = w.answers()
+        assert final["c"] == 1 and final["ok"]["finish"] == "stop"
+        texts = [ch["ch"]["text"] for ch in chunks]
+        assert len(texts) > 1 and "".join(texts) == LONG_TEXT
+        for piece in texts:
+            assert len(piece.encode()) <= 8192  # wire.Limits().max_str
+        for ch in chunks:
+            assert len(msgpack.packb(ch)) <= 16384  # wire.Limits().max_payload
+        assert w.bridge.stats["rpc.chunks_split"] == 1
+    finally:
+        w.close()
+
+
+def test_chunks_are_sized_by_the_boards_hello(broker: MosquittoProcess, tmp_path: Path) -> None:
+    w = long_text_world(broker, tmp_path, [[{"reason": LONG_TEXT}, {"text": "ok"}]])
+    try:
+        limits = {"payload": 4096, "str": 1024, "items": 64, "depth": 8, "ring": 8}
+        w.board.send(w.d("hello"), {"agent": "thermostat", "limits": limits})
+        wait_for(lambda: w.bridge.hello("dev1"), "hello")
+        w.call(2, "llm.complete", {"messages": [USER]})
+        chunks, final = w.answers()
+        assert final["c"] == 2 and "ok" in final
+        reasons = [ch["ch"]["reason"] for ch in chunks if "reason" in ch["ch"]]
+        assert "".join(reasons) == LONG_TEXT
+        assert max(len(r.encode()) for r in reasons) <= 1024
+        assert len(reasons) >= len(LONG_TEXT.encode()) // 1024
+        assert chunks[-1]["ch"] == {"text": "ok"}
+    finally:
+        w.close()
+
+
+def test_a_tool_call_the_board_cannot_decode_ends_the_call(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    script = [
+        [
+            {"text": "Saving."},
+            {"tool": {"name": "save", "input": {"blob": "x" * 9000}}},  # over 8 KiB
+            {"text": "never sent"},
+        ]
+    ]
+    w = long_text_world(broker, tmp_path, script)
+    try:
+        w.call(3, "llm.complete", {"messages": [USER]})
+        chunks, final = w.answers()
+        assert [ch["ch"] for ch in chunks] == [{"text": "Saving."}]
+        assert final["c"] == 3 and final["err"]["kind"] == "too_large"
+        assert "8192" in final["err"]["msg"]
+        wait_for(lambda: w.bridge.rpc.inflight == 0, "the worker to stop")
+        assert w.board.empty(w.d("rpc/res"))  # nothing after the answer
+        assert w.bridge.stats["rpc.too_large"] == 1
+    finally:
+        w.close()
+
+
+def test_bad_hello_limits_are_refused(world: World) -> None:
+    world.board.send(world.d("hello"), {"agent": "thermostat", "limits": {"str": 0}})
+    world.refused("bad_envelope")
+    world.board.send(world.d("hello"), {"agent": "thermostat", "limits": {"payload": "big"}})
+    world.refused("bad_envelope", 2)
+    assert world.bridge.intake.device_limits("dev1") is None
 
 
 # ---------------------------------------------------------------- events
@@ -590,6 +721,111 @@ def test_host_ctl(world: World) -> None:
     assert world.board.get(world.d("ctl")) == {"op": "cancel", "r": "r2"}
 
 
+def test_cancel_reason_reaches_the_board_cut_to_size(world: World) -> None:
+    tok = token("alice")
+    world.host.send(world.h("ctl"), {"op": "cancel", "r": "r1", "reason": "user left", "tok": tok})
+    assert world.board.get(world.d("ctl")) == {"op": "cancel", "r": "r1", "reason": "user left"}
+    world.host.send(world.h("ctl"), {"op": "cancel", "r": "r1", "reason": "z" * 5000, "tok": tok})
+    got = world.board.get(world.d("ctl"))
+    assert got == {"op": "cancel", "r": "r1", "reason": "z" * MAX_REASON}
+
+
+def test_overlong_host_ids_are_refused(world: World) -> None:
+    tok = token("alice")
+    long_id = "q" * (MAX_HOST_ID + 1)
+    world.host.send(world.h("req"), {"req": long_id, "input": "x", "tok": tok})
+    world.host.send(world.h("req"), {"req": "q", "conv": long_id, "input": "x", "tok": tok})
+    world.host.send(world.h("ctl"), {"op": "cancel", "r": long_id, "tok": tok})
+    world.host.send(world.h("ctl"), {"op": "tool", "r": "r1", "call": long_id, "tok": tok})
+    world.refused("bad_envelope", 4)
+    assert world.board.empty(world.d("req")) and world.board.empty(world.d("ctl"))
+    # Each refusal is told to the host on the bridge stream, ids 1, 2, 3, 4; the one
+    # whose req is usable names it, the one whose req was the problem does not.
+    told = [world.host.get(world.h("evt")) for _ in range(4)]
+    assert [(e["r"], e["i"], e["t"]) for e in told] == [("_b", i, "error") for i in (1, 2, 3, 4)]
+    assert [e["d"]["kind"] for e in told] == ["bad_envelope"] * 4
+    assert "req" not in told[0]["d"] and told[1]["d"]["req"] == "q"
+
+
+# ---------------------------------------------------------------- refusals told to hosts
+
+
+def test_refused_host_input_is_told_on_the_bridge_stream(
+    world: World, broker: MosquittoProcess
+) -> None:
+    forged = token("mallory", secret=OTHER_SECRET)
+    world.host.send(world.h("req"), {"req": "q1", "input": "x", "tok": forged})
+    world.host.send(world.h("req"), raw=b"\xdb\xff\xff\xff\xff")  # undecodable: no req
+    world.host.send(world.h("ctl"), {"op": "reboot", "r": "r1", "tok": forged})
+    world.host.send(world.h("req"), {"req": "q2", "tok": token("alice")})  # no input
+    told = [world.host.get(world.h("evt")) for _ in range(4)]
+    assert [e["r"] for e in told] == ["_b"] * 4 and [e["i"] for e in told] == [1, 2, 3, 4]
+    assert [(e["d"]["kind"], e["d"].get("req")) for e in told] == [
+        ("bad_token", "q1"),
+        ("too_large", None),
+        ("unknown_op", None),
+        ("bad_envelope", "q2"),
+    ]
+    for e in told:
+        assert e["t"] == "error" and isinstance(e["ts"], int) and e["d"]["msg"]
+        assert forged not in e["d"]["msg"] and forged.split(".")[1] not in e["d"]["msg"]
+    assert world.bridge.stats["host.refusals_told"] == 4
+
+
+def test_refusals_go_to_the_senders_tenant_only(world: World, broker: MosquittoProcess) -> None:
+    # acme asks for dev2, which is globex's: acme hears unknown_device on its own topic
+    # for dev2; globex's hosts hear nothing.
+    globex = Peer(broker, [world.h("evt", "globex", "dev2")])
+    acme_dev2 = Peer(broker, [world.h("evt", "acme", "dev2")])
+    try:
+        world.host.send(
+            world.h("req", "acme", "dev2"), {"req": "q", "input": "x", "tok": token("a")}
+        )
+        told = acme_dev2.get(world.h("evt", "acme", "dev2"))
+        assert told["r"] == "_b" and told["d"]["kind"] == "unknown_device"
+        assert told["d"]["req"] == "q"
+        # A marker on globex's topic, sent after the refusal: it is the first thing there.
+        world.board.send(world.d("evt", "dev2"), ev(1))
+        assert globex.get(world.h("evt", "globex", "dev2")) == ev(1)
+    finally:
+        globex.close()
+        acme_dev2.close()
+
+
+def host_client(w: World, broker: MosquittoProcess) -> HostClient:
+    client = HostClient(broker.host, broker.port, "acme", prefix=w.p)
+    client.connect(timeout=WAIT)
+    return client
+
+
+def test_host_client_fails_fast_on_a_forged_token(world: World, broker: MosquittoProcess) -> None:
+    with host_client(world, broker) as client:
+        forged = token("mallory", secret=OTHER_SECRET)
+        req = client.request("dev1", forged, "How warm is it?")
+        # Far longer than the refusal takes: the point is that it raises RequestRefused
+        # (at once, on the `_b` event), not TimeoutError at the end of the wait.
+        with pytest.raises(RequestRefused) as info:
+            client.wait_run(req, timeout=60)
+        assert (info.value.kind, info.value.req) == ("bad_token", req)
+        assert isinstance(info.value, RuntimeError)
+        assert forged not in str(info.value)
+
+
+def test_host_client_fails_fast_on_another_tenants_device(
+    world: World, broker: MosquittoProcess
+) -> None:
+    with host_client(world, broker) as client:
+        req = client.request("dev2", token("alice"), "hi")
+        with pytest.raises(RequestRefused) as info:
+            client.wait_run(req, timeout=60)
+        assert info.value.kind == "unknown_device"
+        # A valid request afterwards is not affected by the earlier refusal.
+        ok = client.request("dev1", token("alice"), "hi", req="ok-1")
+        assert world.board.get(world.d("req"))["req"] == ok
+        with pytest.raises(TimeoutError):
+            client.wait_run(ok, timeout=0.3)  # no board here: no run, but no refusal
+
+
 # ---------------------------------------------------------------- resilience, lifecycle
 
 
@@ -655,6 +891,55 @@ def test_busy_beyond_max_inflight(broker: MosquittoProcess, tmp_path: Path) -> N
     finally:
         provider.release.set()
         w.close()
+
+
+def test_busy_is_per_device(broker: MosquittoProcess, tmp_path: Path) -> None:
+    # dev1 at its own cap gets busy; dev2 (another tenant's board) still gets served.
+    provider = SlowProvider()
+    w = World(broker, tmp_path, provider, rpc_max_inflight_per_device=1, rpc_max_inflight=8)
+    dev2 = Peer(broker, [w.d("rpc/res", "dev2")])
+    try:
+        w.call(1, "llm.complete", {"messages": [USER]})
+        wait_for(lambda: w.bridge.rpc.inflight_of("dev1") == 1, "dev1's call to be running")
+        w.call(2, "llm.complete", {"messages": [USER]})
+        _, final = w.answers()
+        assert final["c"] == 2 and final["err"]["kind"] == "busy"
+        assert "dev1" in final["err"]["msg"]
+        dev2.send(w.d("rpc", "dev2"), {"c": 7, "m": "llm.complete", "a": {"messages": [USER]}})
+        wait_for(lambda: w.bridge.rpc.inflight_of("dev2") == 1, "dev2's call to be running")
+        provider.release.set()
+        _, final = w.answers()
+        assert final["c"] == 1 and "ok" in final
+        msg = dev2.get(w.d("rpc/res", "dev2"))
+        while "ch" in msg:
+            msg = dev2.get(w.d("rpc/res", "dev2"))
+        assert msg["c"] == 7 and "ok" in msg
+        wait_for(lambda: w.bridge.rpc.inflight == 0, "both calls to finish")
+        assert w.bridge.rpc.inflight_of("dev1") == w.bridge.rpc.inflight_of("dev2") == 0
+    finally:
+        provider.release.set()
+        dev2.close()
+        w.close()
+
+
+def test_outgoing_queue_is_bounded_while_the_broker_is_away(tmp_path: Path) -> None:
+    own = start_mosquitto(tmp_path / "own")
+    registry = Registry(tmp_path / "r.json")
+    cfg = BridgeConfig(host=own.host, port=own.port, max_queued_messages=3)
+    bridge = Bridge(cfg, registry, ScriptedProvider())
+    bridge.start()
+    try:
+        own.stop()
+        wait_for(lambda: not bridge.connected, "the bridge to notice")
+        for _ in range(5):
+            bridge._publish("p/h/acme/dev1/evt", b"x")
+        assert bridge.stats["publish.queue_full"] == 2
+        # An RPC worker waits for room (here until its deadline), then drops too.
+        bridge._send_rpc("dev1", {"c": 1, "ok": {}}, time.monotonic() + 0.2)
+        assert bridge.stats["publish.queue_full"] == 3
+    finally:
+        bridge.stop()
+        registry.close()
 
 
 def test_a_stopped_bridge_does_not_restart(world: World) -> None:
@@ -750,3 +1035,45 @@ def test_runs_tracked_are_bounded() -> None:
         it.accept(DEV, [ev(1, run=run), ev(2, run=run), ev(3, run=run)])
     assert sorted(it.runs("dev1")) == ["b", "c"]
     assert [e["i"] for e in it.events("dev1", "c")] == [2, 3]  # the window per run
+
+
+DEV2 = DeviceRecord("dev2", "globex", "kiosk")
+
+
+def test_a_device_over_its_run_cap_evicts_only_its_own_runs() -> None:
+    sink = Sink()
+    it = intake(sink, max_runs=4, max_runs_per_device=2)
+    it.accept(DEV2, [ev(1, run="x"), ev(2, run="x")])  # globex's run, mid-way
+    for run in ("a", "b", "c", "d", "e"):
+        it.accept(DEV, [ev(1, run=run)])
+    assert it.runs("dev2") == ["x"]
+    assert sorted(it.runs("dev1")) == ["d", "e"]
+    # dev2's run kept its place: its next event is in order, not a gap.
+    it.accept(DEV2, [ev(3, run="x")])
+    assert it.expected("dev2", "x") == 4 and sink.ctls() == []
+
+
+def test_a_device_forgets_its_finished_runs_first() -> None:
+    sink = Sink()
+    it = intake(sink, max_runs_per_device=2)
+    it.accept(DEV, [ev(1, run="live")])
+    it.accept(DEV, [ev(1, run="old"), ev(2, "run.done", run="old", usage={})])
+    it.accept(DEV, [ev(1, run="new")])
+    assert sorted(it.runs("dev1")) == ["live", "new"]
+
+
+def test_repeated_gap_reports_are_recorded_once() -> None:
+    sink = Sink()
+    it = intake(sink)
+    it.accept(DEV, [ev(1), ev(6)])  # 2..5 missing
+    gap = ev(7, "error", kind="gap", msg="lost")
+    gap["d"].update({"from": 4, "to": 5})
+    it.accept(DEV, [gap, gap, gap])  # the same report, delivered again (QoS 1, replay)
+    assert it.lost("dev1", "r1") == [(4, 5)]
+    wider = ev(8, "error", kind="gap", msg="lost")
+    wider["d"].update({"from": 3, "to": 5})
+    it.accept(DEV, [wider, wider])
+    assert it.lost("dev1", "r1") == [(3, 5)]  # merged, not listed twice
+    it.accept(DEV, [ev(2)])
+    assert sink.evts() == [1, 2, 6, 7, 8] and it.lost("dev1", "r1") == []
+    assert it.counts["evt.lost"] == 3  # type: ignore[attr-defined]

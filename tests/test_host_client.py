@@ -13,8 +13,14 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from server_bridge import tokens
-from server_bridge.host.client import HostClient, HostConnectError
+from server_bridge import tokens, wire
+from server_bridge.host.client import (
+    HOST_LIMITS,
+    HostClient,
+    HostConnectError,
+    RequestRefused,
+    decode_events,
+)
 from server_bridge.host.reducer import RunSnapshot
 from tools.broker import free_port
 
@@ -137,15 +143,34 @@ def test_malformed_payloads_are_counted_and_the_client_keeps_working(
     bridge.publish("dev", b"\x92\x01", raw=True)  # an array that ends early
     bridge.publish("dev", msgpack.packb({"r": "x"}) + b"\x00", raw=True)  # trailing bytes
     bridge.publish("dev", "just a string")  # msgpack, but not an envelope
-    bridge.publish("dev", {"r": "run-b", "i": "one", "t": "run.started", "d": {}})
-    # A batch (a list of envelopes) and duplicates are fine.
+    bridge.publish("dev", {"r": "run-b", "i": "one", "t": "run.started", "ts": 1, "d": {}})
+    bridge.publish("dev", b"\xd4\x01\x00", raw=True)  # an ext type, which the contract lacks
+    # A batch (a list of envelopes), duplicates and an unknown event type are fine.
     events = run_events("run-b", "req-b")
     bridge.publish("dev", events[:3])
     for e in events:
         bridge.publish("dev", e)
-    snap = host.wait_run("req-b", timeout=WAIT)
+    bridge.publish("dev", ev("run-b", 7, "hologram.beam"))  # a type newer than this host
+    snap = host.wait_for("req-b", lambda s: s.last_id == 7, timeout=WAIT)
     assert snap.status == "done" and snap.rows[1].text == "It is 21.5 °C."
-    assert host.malformed == 5
+    assert host.malformed == 6
+
+
+def test_the_host_decodes_with_the_bridges_codec_and_checks() -> None:
+    # The same refusals, with the same kinds, as the bridge's wire module.
+    cases = [
+        (b"\xc1", wire.BadType),
+        (b"\x92\x01", wire.Truncated),
+        (b"\x91" * 40 + b"\x01", wire.TooDeep),
+        (msgpack.packb({"r": "x", "i": 1, "t": "msg.delta", "d": {}}), wire.BadEnvelope),  # no ts
+        (msgpack.packb([]), wire.BadEnvelope),
+    ]
+    for payload, error in cases:
+        with pytest.raises(error):
+            decode_events(payload)
+    big = ev("r", 1, "msg.delta", m=1, text="x" * 100_000)  # over the bridge's 8 KiB
+    assert decode_events(msgpack.packb(big)) == [big]
+    assert HOST_LIMITS.max_str > wire.Limits().max_str
 
 
 def test_callback_errors_are_logged_and_do_not_stop_delivery(
@@ -182,6 +207,60 @@ def test_wait_run_times_out_with_what_was_seen(bridge: FakeBridge, host: HostCli
         host.wait_run("req-never", timeout=0.2)
     assert "no run started for request req-never" in str(info.value)
     assert "session token has expired" in str(info.value)
+
+
+def test_a_refusal_naming_the_request_ends_the_wait_at_once(
+    bridge: FakeBridge, host: HostClient
+) -> None:
+    req = host.request("dev", "stale-token", "hi")
+    bridge.requests.get(timeout=WAIT)
+    # Another request's refusal, and one naming no request, do not end this wait ...
+    bridge.publish("dev", ev("_b", 1, "error", kind="bad_token", msg="other", req="other-req"))
+    bridge.publish("dev", ev("_b", 2, "error", kind="bad_envelope", msg="no req"))
+    with pytest.raises(TimeoutError):
+        host.wait_run(req, timeout=0.3)
+    # ... this one does, as RequestRefused, well before the timeout.
+    bridge.publish(
+        "dev", ev("_b", 3, "error", kind="bad_token", msg="session token has expired", req=req)
+    )
+    with pytest.raises(RequestRefused) as info:
+        host.wait_run(req, timeout=60)
+    assert (info.value.kind, info.value.msg, info.value.req) == (
+        "bad_token",
+        "session token has expired",
+        req,
+    )
+
+
+def test_a_busy_board_refuses_on_its_device_stream(bridge: FakeBridge, host: HostClient) -> None:
+    req = host.request("dev", "tok", "hi")
+    bridge.publish("dev", ev("_", 1, "error", kind="busy", msg="the board is busy", req=req))
+    with pytest.raises(RequestRefused, match="busy"):
+        host.wait_run(req, timeout=60)
+
+
+def test_a_resent_request_forgets_the_old_refusal(bridge: FakeBridge, host: HostClient) -> None:
+    req = host.request("dev", "tok", "hi", req="again")
+    bridge.publish("dev", ev("_b", 1, "error", kind="bad_token", msg="expired", req=req))
+    with pytest.raises(RequestRefused):
+        host.wait_run(req, timeout=60)
+    host.request("dev", "fresh-tok", "hi", req="again")  # the same req, a new attempt
+    for e in run_events("run-again", "again"):
+        bridge.publish("dev", e)
+    assert host.wait_run("again", timeout=WAIT).status == "done"
+
+
+def test_a_refusal_after_the_run_started_does_not_end_the_wait(
+    bridge: FakeBridge, host: HostClient
+) -> None:
+    events = run_events("run-r", "req-r")
+    bridge.publish("dev", events[0])
+    host.wait_for("req-r", lambda s: True, timeout=WAIT)
+    # A repeat of req-r with a stale token was refused; the run it started goes on.
+    bridge.publish("dev", ev("_b", 1, "error", kind="bad_token", msg="expired", req="req-r"))
+    for e in events[1:]:
+        bridge.publish("dev", e)
+    assert host.wait_run("req-r", timeout=WAIT).status == "done"
 
 
 def test_wait_for_a_pause_on_a_client_tool(bridge: FakeBridge, host: HostClient) -> None:

@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +26,10 @@ class Reply:
     status: int = 200
     parts: list[bytes] = field(default_factory=list)
     content_type: str = "text/event-stream"
+    # After the parts: send this every 50 ms (None: send nothing) until the client goes
+    # away or the test ends; with `hold` the server keeps the response open meanwhile.
+    repeat: bytes | None = None
+    hold: bool = False
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Peer:
     def __init__(self) -> None:
         self.replies: list[Reply] = []
         self.seen: list[Seen] = []
+        self.done = threading.Event()
         peer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,6 +61,13 @@ class Peer:
                 for part in reply.parts:
                     self.wfile.write(part)
                     self.wfile.flush()
+                while reply.hold and not peer.done.wait(0.05):
+                    if reply.repeat is not None:
+                        try:
+                            self.wfile.write(reply.repeat)
+                            self.wfile.flush()
+                        except OSError:
+                            return  # the client hung up
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -70,6 +83,7 @@ class Peer:
         return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
     def close(self) -> None:
+        self.done.set()
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
@@ -410,3 +424,72 @@ def test_unsupported_role_is_a_model_error() -> None:
 def test_bad_base_url_is_refused() -> None:
     with pytest.raises(ValueError):
         OpenAIProvider("ftp://example.com", "m")
+
+
+def complete_in_thread(
+    provider: OpenAIProvider, deadline: float
+) -> tuple[threading.Thread, list[Any], list[dict[str, Any]]]:
+    """Run one call on a thread of its own; the outcome (final or exception) lands in
+    the first list, the chunks in the second."""
+    outcome: list[Any] = []
+    chunks: list[dict[str, Any]] = []
+
+    def call() -> None:
+        try:
+            outcome.append(provider.complete(MESSAGES, TOOLS, chunks.append, deadline=deadline))
+        except Exception as e:  # noqa: BLE001 - the test inspects whatever it was
+            outcome.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    return t, outcome, chunks
+
+
+def test_a_stream_that_never_finishes_ends_at_the_deadline(peer: Peer) -> None:
+    # Tokens, then keep-alive comments forever: every read succeeds, so no per-read
+    # timeout ever fires; only the call's deadline can end it.
+    peer.replies.append(
+        Reply(parts=[sse(chunk({"content": "Thinking"}))], repeat=b": keep-alive\n\n", hold=True)
+    )
+    provider = OpenAIProvider(peer.url, "m", api_key=KEY, timeout=60)
+    t, outcome, chunks = complete_in_thread(provider, time.monotonic() + 0.5)
+    t.join(timeout=10)  # a bound for the test, far past the deadline: not a timing claim
+    assert not t.is_alive(), "the call outlived its deadline: its worker is never released"
+    assert isinstance(outcome[0], ModelError) and "did not finish in time" in str(outcome[0])
+    assert chunks == [{"text": "Thinking"}]
+
+
+def test_a_stalled_stream_ends_at_the_deadline_not_the_read_timeout(peer: Peer) -> None:
+    # Headers, one token, then silence: a read blocks; the per-read timeout is 60 s.
+    peer.replies.append(Reply(parts=[sse(chunk({"content": "Hm"}))], hold=True))
+    provider = OpenAIProvider(peer.url, "m", api_key=KEY, timeout=60)
+    t, outcome, _ = complete_in_thread(provider, time.monotonic() + 0.5)
+    t.join(timeout=10)
+    assert not t.is_alive(), "the call waited for the 60 s read timeout"
+    assert isinstance(outcome[0], ModelError) and "did not finish in time" in str(outcome[0])
+
+
+def test_a_call_past_its_deadline_sends_nothing(peer: Peer) -> None:
+    provider = OpenAIProvider(peer.url, "m", api_key=KEY)
+    with pytest.raises(ModelError, match="did not finish in time"):
+        run(provider, deadline=time.monotonic() - 1)
+    assert peer.seen == []
+
+
+def test_a_deadline_far_off_changes_nothing(peer: Peer) -> None:
+    peer.replies += [Reply(parts=full_stream()), Reply(parts=full_stream())]
+    provider = OpenAIProvider(peer.url, "m", api_key=KEY)
+    with_deadline = run(provider, deadline=time.monotonic() + 60)
+    assert with_deadline == run(provider) and with_deadline[0]
+
+
+def test_other_credentials_in_server_errors_are_scrubbed_from_the_log(
+    peer: Peer, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = b"upstream https://svc:pa55word@10.1.1.1/ said: key sk-live-999 is revoked"
+    peer.replies.append(Reply(status=502, parts=[body], content_type="text/plain"))
+    with caplog.at_level(logging.WARNING, logger="server_bridge.models.openai"):
+        with pytest.raises(ModelError):
+            run(OpenAIProvider(peer.url, "m", api_key=KEY))
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "revoked" in logged and "pa55word" not in logged and "sk-live-999" not in logged

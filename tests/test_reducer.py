@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from edge_runtime.events import TYPES
-from server_bridge.host.reducer import HANDLERS, BadEnvelope, Reducer
+from server_bridge.host.reducer import HANDLERS, MAX_ERRORS, BadEnvelope, Reducer
 from tests.eventdata import ev, fold
 
 
@@ -268,13 +268,60 @@ def test_wrongly_typed_fields_do_not_crash() -> None:
             ev(2, "msg.delta", m=None, text=3),
             ev(3, "tool.call", call={"x": 1}, name=None, input=None, client="yes"),
             ev(4, "usage", **{"in": "many", "out": True}),
-            ev(5, "error", kind="gap", msg=None, **{"from": "a", "to": 3}),
+            ev(5, "error", kind=7, msg=None),
         ]
     )
     assert snap.req is None and snap.usage.tokens_in == 0 and snap.usage.tokens_out == 0
     assert [r.kind for r in snap.rows] == ["assistant", "tool_call"]
     assert snap.rows[1].client is False and snap.pending == {}
-    assert snap.gaps == [] and snap.errors == [{"kind": "gap", "msg": ""}]
+    assert snap.gaps == [] and snap.errors == [{"kind": "internal", "msg": ""}]
+
+
+def test_a_gap_without_a_usable_range_is_refused_like_the_bridge_does() -> None:
+    # The bridge would never forward it (wire.check_envelope), so the reducer, which
+    # uses that same check, refuses it too instead of folding a gap it cannot place.
+    reducer = Reducer()
+    with pytest.raises(BadEnvelope):
+        reducer.apply(ev(1, "error", kind="gap", msg="m", **{"from": "a", "to": 3}))
+
+
+def test_reducer_refuses_what_the_bridge_refuses() -> None:
+    reducer = Reducer()
+    for bad in (
+        {"r": "r1", "i": 1, "t": "run.started", "d": {}},  # no board clock ts
+        {"r": "x" * 129, "i": 1, "t": "run.started", "ts": 1, "d": {}},  # run id too long
+        {"r": "r1", "i": 1, "t": "run.started", "ts": 1, "d": {}, "n": 5},  # node not a str
+    ):
+        with pytest.raises(BadEnvelope):
+            reducer.apply(bad)
+    assert reducer.runs() == []
+
+
+def test_runs_kept_are_bounded_finished_runs_first() -> None:
+    reducer = Reducer(max_runs=3)
+    reducer.apply(ev(1, "run.started", "live", input="x"))
+    for run in ("a", "b"):
+        reducer.apply(ev(1, "run.started", run, input="x"))
+        reducer.apply(ev(2, "run.done", run, usage={}))
+    reducer.apply(ev(1, "run.started", "c", input="x"))  # over: "a" finished first
+    assert [s.run for s in reducer.runs()] == ["live", "b", "c"]
+    reducer.apply(ev(1, "run.started", "d", input="x"))  # then "b"
+    reducer.apply(ev(1, "run.started", "e", input="x"))  # none finished: the oldest
+    assert [s.run for s in reducer.runs()] == ["c", "d", "e"]
+    with pytest.raises(ValueError):
+        Reducer(max_runs=0)
+
+
+def test_errors_kept_per_snapshot_are_bounded() -> None:
+    reducer = Reducer()
+    for i in range(1, MAX_ERRORS + 51):
+        snap = reducer.apply(ev(i, "error", "_", kind="busy", msg=f"m{i}", req=f"q{i}"))
+    assert len(snap.errors) == MAX_ERRORS
+    assert snap.errors[0]["msg"] == "m51" and snap.errors[-1] == {
+        "kind": "busy",
+        "msg": f"m{MAX_ERRORS + 50}",
+        "req": f"q{MAX_ERRORS + 50}",
+    }
 
 
 def test_every_handled_type_is_in_the_contract() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,24 @@ def text_of(chunks: list[dict[str, Any]], key: str = "text") -> str:
 USER = {"role": "user", "content": "How warm is it?"}
 
 
-def test_is_a_provider() -> None:
-    provider: Provider = ScriptedProvider()
-    assert provider.name == "scripted"
+def test_stops_at_the_deadline() -> None:
+    # Called the way the RPC layer calls any Provider, deadline included.
+    provider: Provider = ScriptedProvider(chunk_chars=1)
+    chunks: list[dict[str, Any]] = []
+    final = provider.complete([USER], [], chunks.append, deadline=time.monotonic() + 60)
+    assert final["finish"] == "tool_calls" and chunks
+
+    def slow_emit(chunk: dict[str, Any]) -> None:
+        # An emit that blocks (a full outgoing queue, say) until past the deadline.
+        time.sleep(0.02)
+        chunks.append(chunk)
+
+    chunks.clear()
+    with pytest.raises(ModelError, match="did not finish in time"):
+        provider.complete([USER], [], slow_emit, deadline=time.monotonic() + 0.05)
+    assert 0 < len(chunks) < len("Let me check the sensor.")  # stopped part-way
+    with pytest.raises(ModelError, match="did not finish in time"):
+        provider.complete([USER], [], chunks.append, deadline=time.monotonic() - 1)
 
 
 def test_demo_turn_0_streams_text_then_calls_the_tool() -> None:

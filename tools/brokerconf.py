@@ -30,12 +30,12 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from server_bridge.topics import BadTopic, check_id, parse
+
 SALT_BYTES = 12
 HASH_BYTES = 64
 DEFAULT_ITERATIONS = 101  # mosquitto_passwd's default for $7$ (sha512-pbkdf2)
 
-# Device and tenant ids (docs/PROTOCOL.md, "Topics").
-_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 # A user name that fits on a password-file line and in an ACL `user` line.
 _USER = re.compile(r"[^\s:#+/]{1,128}")
 # A prefix of plain topic levels (no wildcards, no empty level).
@@ -120,8 +120,7 @@ def _check_prefix(prefix: str) -> None:
 def _check_tenants(bridge_user: str, tenants: dict[str, str]) -> None:
     _check_user(bridge_user)
     for tenant, host_user in tenants.items():
-        if not _ID.fullmatch(tenant):
-            raise ValueError(f"bad tenant id {tenant!r}")
+        check_id(tenant, "tenant")  # the contract's id rule, from topics.py; a ValueError
         _check_user(host_user)
         if host_user == bridge_user:
             raise ValueError("a host user cannot be the bridge user")
@@ -161,20 +160,22 @@ def acl_function(prefix: str, bridge_user: str, tenants: dict[str, str]) -> Acl:
     def allowed(user: str | None, topic: str, write: bool) -> bool:
         if user is None:
             return False
-        levels = topic.split("/")
-        if levels[:n] != base:
-            return False
-        rest = levels[n:]
         if user == bridge_user:
-            return True
-        leaf = "/".join(rest[2:])
-        # Device: P/d/<own user>/<leaf>; as with %u, a user name Mosquitto would not
-        # substitute (one holding + # or /) gets nothing from these rules.
-        if len(rest) >= 3 and rest[0] == "d" and rest[1] == user:
-            return leaf in (DEVICE_WRITE if write else DEVICE_READ)
+            # `P/#`: the prefix itself and everything under it, contract topic or not.
+            return topic.split("/")[:n] == base
+        try:
+            # The bridge's own parser: a topic of the wrong shape, or with a device or
+            # tenant level that is not a valid id, matches no device or host rule.
+            t = parse(prefix, topic)
+        except BadTopic:
+            return False
+        # Device: P/d/<own user>/<leaf>. Stricter than Mosquitto's %u only for a user
+        # name that is not a valid device id, which the registry never holds.
+        if t.side == "d" and t.device == user:
+            return t.leaf in (DEVICE_WRITE if write else DEVICE_READ)
         tenant = host_tenant.get(user)
-        if tenant is not None and len(rest) == 4 and rest[0] == "h" and rest[1] == tenant:
-            return rest[3] in (HOST_WRITE if write else HOST_READ)
+        if tenant is not None and t.side == "h" and t.tenant == tenant:
+            return t.leaf in (HOST_WRITE if write else HOST_READ)
         return False
 
     return allowed

@@ -1,6 +1,6 @@
 """The host side: the snapshot reducer, a terminal view and a Python host client."""
 
-from server_bridge.host.client import HostClient, HostConnectError, MalformedEvent
+from server_bridge.host.client import HostClient, HostConnectError, RequestRefused
 from server_bridge.host.reducer import BadEnvelope, Reducer, Row, RunSnapshot, Usage
 from server_bridge.host.terminal import LiveView, print_transcript, render
 
@@ -9,8 +9,8 @@ __all__ = [
     "HostClient",
     "HostConnectError",
     "LiveView",
-    "MalformedEvent",
     "Reducer",
+    "RequestRefused",
     "Row",
     "RunSnapshot",
     "Usage",

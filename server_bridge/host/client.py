@@ -3,7 +3,15 @@
 It is what scripts and hardware-in-loop tests use in place of a dashboard. It speaks the
 host side of the contract (docs/PROTOCOL.md): it publishes `{req, conv, input, ttl, tok}`
 on `P/h/T/D/req` and subscribes to `P/h/T/+/evt`, folding every event into one Reducer
-per device.
+per device. Payloads are decoded and checked by server_bridge.wire, the same code the
+bridge reads boards with, so a host accepts what the bridge accepts (with larger limits,
+see HOST_LIMITS, and any event type, see wire.check_envelope).
+
+A request that never becomes a run is refused somewhere, and said so: by the bridge on
+its stream `_b` (bad token, unknown device, malformed request) or by the board on its
+device stream `_` (busy), each as an `error` event naming the `req`. wait_run and
+wait_for raise RequestRefused as soon as one arrives instead of waiting out their
+timeout.
 
 Threading: paho's network thread delivers messages; every piece of shared state is
 guarded by one condition variable, and what is handed to callers (snapshots, events) is
@@ -17,25 +25,31 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from server_bridge.host.reducer import BadEnvelope, Reducer, RunSnapshot
+from server_bridge.host.reducer import Reducer, RunSnapshot
 from server_bridge.topics import DEFAULT_PREFIX, BadTopic, check_id, host_topic, parse
+from server_bridge.wire import Limits, WireError, check_events, decode, encode
 
 log = logging.getLogger(__name__)
 
-# Decode limits for events from the bridge. Events are redacted and small (the board's
-# own payload limit is 16 KiB); these bound what a misbehaving peer on the topic can make
-# this process allocate, checked by msgpack before it allocates.
-MAX_PAYLOAD = 1 << 20
-MAX_STR = 256 * 1024
-MAX_ITEMS = 4096
+# Decode limits for events from the bridge. A bridge forwards what it accepted from a
+# board under its own limits (16 KiB payloads by default, configurable), one envelope per
+# message; these are well above any of that, and still bound what a misbehaving peer on
+# the topic can make this process allocate (checked before allocating, as on the bridge).
+HOST_LIMITS = Limits(max_payload=1 << 20, max_str=256 * 1024, max_items=4096, max_depth=32)
+
+# The stream ids refusals of a request arrive on: the bridge's own ("_b", host input it
+# refused) and the board's device stream ("_", input the board refused, e.g. busy).
+BRIDGE_RUN = "_b"
+DEVICE_RUN = "_"
+# Refusals remembered by req id, for wait_run; the oldest are forgotten first.
+MAX_REFUSALS = 1000
 
 EventCallback = Callable[[dict[str, Any], RunSnapshot], None]
 
@@ -45,37 +59,33 @@ class HostConnectError(ConnectionError):
     subscription (an ACL that does not give this user the tenant's topics)."""
 
 
-class MalformedEvent(ValueError):
-    """A payload on an evt topic that is not msgpack within the limits, or not an
-    envelope (or a list of envelopes)."""
+class RequestRefused(RuntimeError):
+    """A request was refused before any run started for it: `kind` is the contract's
+    error kind (bad_token, unknown_device, bad_envelope, busy, ...), `msg` the
+    customer-safe text, `req` the request id."""
+
+    def __init__(self, kind: str, msg: str, req: str) -> None:
+        super().__init__(f"request {req} was refused: {kind}: {msg}")
+        self.kind = kind
+        self.msg = msg
+        self.req = req
 
 
 def decode_events(payload: bytes | bytearray) -> list[dict[str, Any]]:
-    """Decode one evt payload: one envelope or a list of them (a batch)."""
-    unpacker = msgpack.Unpacker(
-        raw=False,
-        max_buffer_size=MAX_PAYLOAD,
-        max_str_len=MAX_STR,
-        max_bin_len=MAX_STR,
-        max_array_len=MAX_ITEMS,
-        max_map_len=MAX_ITEMS,
-        # The contract uses no ext types; refuse them instead of handing out ExtType.
-        max_ext_len=0,
-        strict_map_key=True,
-    )
-    try:
-        unpacker.feed(payload)
-        obj = unpacker.unpack()
-    except msgpack.OutOfData as e:
-        raise MalformedEvent("truncated msgpack") from e
-    except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
-        raise MalformedEvent(f"undecodable msgpack ({type(e).__name__})") from e
-    if unpacker.tell() != len(payload):
-        raise MalformedEvent("trailing bytes after the msgpack value")
-    items = obj if isinstance(obj, list) else [obj]
-    if not items or not all(isinstance(item, dict) for item in items):
-        raise MalformedEvent("evt payload is not an envelope or a list of envelopes")
-    return items
+    """Decode one evt payload (one envelope or a batch) exactly as the bridge checks
+    board events, within HOST_LIMITS; raises wire.WireError naming the kind."""
+    return check_events(decode(payload, HOST_LIMITS), strict_types=False)
+
+
+def _refusal(event: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(req, kind, msg) of an error event that refuses a request, else None."""
+    if event["r"] not in (BRIDGE_RUN, DEVICE_RUN) or event["t"] != "error":
+        return None
+    d = event["d"]
+    req, kind, msg = d.get("req"), d.get("kind"), d.get("msg")
+    if not isinstance(req, str) or not isinstance(kind, str):
+        return None
+    return req, kind, msg if isinstance(msg, str) else ""
 
 
 class HostClient:
@@ -108,6 +118,10 @@ class HostClient:
         self.callback_errors = 0
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._reducers: dict[str, Reducer] = {}
+        # req id -> (kind, msg) of the refusal that named it. Kept apart from the
+        # reducers: it must survive a bridge restart, after which `_b` ids begin at 1
+        # again and the reducer would skip them as already seen.
+        self._refused: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._cond = threading.Condition()
         self._connected = False
         self._connect_error: str | None = None
@@ -242,7 +256,11 @@ class HostClient:
             body["conv"] = conv
         if ttl is not None:
             body["ttl"] = ttl
-        info = self._client.publish(topic, msgpack.packb(body), qos=1)
+        with self._cond:
+            # A new attempt (a resend with a fresh token, say, after a refusal): only a
+            # refusal of this attempt may end a wait on it.
+            self._refused.pop(req_id, None)
+        info = self._client.publish(topic, encode(body), qos=1)
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
             raise HostConnectError(f"could not publish the request: {mqtt.error_string(info.rc)}")
         info.wait_for_publish(timeout)
@@ -266,28 +284,28 @@ class HostClient:
             if topic.side != "h" or topic.leaf != "evt" or topic.tenant != self.tenant:
                 raise BadTopic(f"not this tenant's evt topic: {topic_name!r}")
             events = decode_events(payload)
-        except (BadTopic, MalformedEvent) as e:
+        except (BadTopic, WireError) as e:
             self._count_malformed(topic_name, e)
             return
         for event in events:
-            bad: Exception | None = None
             view: RunSnapshot | None = None
             with self._cond:
+                refusal = _refusal(event)
+                if refusal is not None:
+                    req, kind, msg = refusal
+                    self._refused[req] = (kind, msg)
+                    self._refused.move_to_end(req)
+                    while len(self._refused) > MAX_REFUSALS:
+                        self._refused.popitem(last=False)
                 reducer = self._reducers.get(topic.device)
                 if reducer is None:
                     reducer = self._reducers[topic.device] = Reducer(topic.device)
-                try:
-                    snap = reducer.apply(event)
-                except BadEnvelope as e:
-                    bad = e
-                else:
-                    self._events.append(event)
-                    # A copy for the callback, taken under the lock, so it is consistent.
-                    view = copy.deepcopy(snap) if self.on_event is not None else None
+                # Checked by decode_events already, so apply() cannot refuse it.
+                snap = reducer.apply(event)
+                self._events.append(event)
+                # A copy for the callback, taken under the lock, so it is consistent.
+                view = copy.deepcopy(snap) if self.on_event is not None else None
                 self._cond.notify_all()
-            if bad is not None:
-                self._count_malformed(topic_name, bad)
-                continue
             callback = self.on_event
             if callback is not None and view is not None:
                 try:
@@ -332,7 +350,8 @@ class HostClient:
 
     def wait_run(self, req_id: str, timeout: float) -> RunSnapshot:
         """Wait until the run started for `req_id` is done, failed or cancelled; return a
-        copy of its snapshot. Raises TimeoutError describing what was seen."""
+        copy of its snapshot. Raises RequestRefused as soon as the bridge or the board
+        refuses the request, TimeoutError (describing what was seen) past `timeout`."""
         return self.wait_for(req_id, lambda snap: snap.terminal, timeout)
 
     def wait_for(
@@ -340,14 +359,20 @@ class HostClient:
     ) -> RunSnapshot:
         """Wait until the run started for `req_id` satisfies `until` (called under the
         client's lock, with the live snapshot: keep it quick, do not keep the snapshot);
-        return a copy. Raises TimeoutError describing what was seen. Useful to wait for
-        a pause on a client tool, say."""
+        return a copy. Raises RequestRefused when the request was refused and no run
+        started for it, TimeoutError describing what was seen past `timeout`. Useful to
+        wait for a pause on a client tool, say."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 snap = self._find(req_id)
                 if snap is not None and until(snap):
                     return copy.deepcopy(snap)
+                refused = self._refused.get(req_id)
+                if snap is None and refused is not None:
+                    # Only while no run exists: a refusal of a repeat of a request that
+                    # did start a run (a resend with a stale token) does not end that run.
+                    raise RequestRefused(refused[0], refused[1], req_id)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(self._describe_wait(req_id, snap, timeout))
@@ -361,18 +386,21 @@ class HostClient:
                 f"pending client tools: {sorted(snap.pending) or 'none'})"
             )
         seen = sorted({f"{d}/{s.run}" for d, r in self._reducers.items() for s in r.runs()})
-        # Refusals that happen before a run exists (bad token, busy board) come on the
-        # device stream, run "_": they are usually the reason a run never started.
+        # Errors that belong to no run are usually why a run never started: the bridge's
+        # refusals of host input come on its stream "_b" (those naming this req have
+        # raised RequestRefused already; these name another req or none), the board's
+        # refusals (busy, bad input) on its device stream "_".
         refusals = [
-            f"{d}: {e.get('kind')}: {e.get('msg')}"
+            f"{d}/{run}: {e.get('kind')}: {e.get('msg')}"
             for d, r in self._reducers.items()
-            if (dev := r.get("_")) is not None
-            for e in dev.errors[-5:]
+            for run in (BRIDGE_RUN, DEVICE_RUN)
+            if (stream := r.get(run)) is not None
+            for e in stream.errors[-5:]
         ]
         return (
             f"no run started for request {req_id} within {timeout}s "
             f"(connected: {self._connected}; {len(self._events)} events received from "
             f"runs {seen or 'none'}; {self.malformed} malformed"
-            + (f"; device-stream errors: {refusals}" if refusals else "")
+            + (f"; errors outside runs: {refusals}" if refusals else "")
             + ")"
         )

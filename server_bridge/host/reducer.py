@@ -13,6 +13,10 @@ JavaScript folds by the same rules):
 * Unknown event types are ignored (forward compatible) but still advance `last_id`.
 * A terminal status (done, failed, cancelled) is final: nothing after it reopens the run.
 * `error` on a failed run is customer-safe: only the contract's `kind` and `msg` are kept.
+* An envelope is checked by server_bridge.wire.check_envelope, the bridge's own check
+  (any event type accepted), so the reducer folds exactly what a bridge forwards.
+* Bounded: a Reducer keeps at most `max_runs` snapshots (finished runs are forgotten
+  first), and a snapshot at most the last MAX_ERRORS errors and gaps.
 """
 
 from __future__ import annotations
@@ -22,6 +26,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from edge_runtime.events import TERMINAL
+from server_bridge.wire import BadEnvelope, check_envelope
+
+__all__ = [
+    "HANDLERS",
+    "MAX_ERRORS",
+    "BadEnvelope",
+    "Reducer",
+    "Row",
+    "RunSnapshot",
+    "Usage",
+    "apply_event",
+    "safe_error",
+]
 
 Status = Literal["running", "paused", "done", "failed", "cancelled"]
 RowKind = Literal["user", "assistant", "output", "tool_call", "tool_result"]
@@ -36,13 +53,9 @@ FAILURE_KINDS = frozenset({"llm", "tool", "condition", "internal"})
 # A customer-safe message is short; a board that sent a long one (a stack trace, say)
 # should not be able to fill a UI with it.
 _MAX_ERROR_MSG = 500
-
-
-class BadEnvelope(ValueError):
-    """An event that is not an envelope: not a map, or `r`, `i`, `t` or `d` missing or of
-    the wrong type. Named like the contract's error kind."""
-
-    kind = "bad_envelope"
+# Errors (and gaps) kept per snapshot: the device and bridge streams never end, and a
+# host that watches one for days must not keep every refusal it ever saw.
+MAX_ERRORS = 100
 
 
 @dataclass
@@ -300,8 +313,13 @@ def _error(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
         lo, hi = _int(d.get("from")), _int(d.get("to"))
         if lo and hi >= lo:
             snap.gaps.append((lo, hi))
+            del snap.gaps[:-MAX_ERRORS]
             entry["from"], entry["to"] = lo, hi
+    req = _str(d.get("req"))
+    if req is not None:
+        entry["req"] = req  # the request a refusal names (streams "_" and "_b")
     snap.errors.append(entry)
+    del snap.errors[:-MAX_ERRORS]
 
 
 Handler = Callable[[RunSnapshot, Mapping[str, Any]], None]
@@ -343,35 +361,25 @@ def safe_error(err: Any) -> dict[str, str]:
     }
 
 
-def check_envelope(event: Any) -> tuple[str, int, str, Mapping[str, Any]]:
-    """Return (run, id, type, d) of an envelope, or raise BadEnvelope."""
-    if not isinstance(event, Mapping):
-        raise BadEnvelope("event is not a map")
-    r, i, t = event.get("r"), event.get("i"), event.get("t")
-    d = event.get("d", {})
-    if not isinstance(r, str) or not r:
-        raise BadEnvelope("event lacks a run id 'r'")
-    if not isinstance(i, int) or isinstance(i, bool) or i < 1:
-        raise BadEnvelope("event lacks a positive integer id 'i'")
-    if not isinstance(t, str):
-        raise BadEnvelope("event lacks a type 't'")
-    if d is None:
-        d = {}
-    if not isinstance(d, Mapping):
-        raise BadEnvelope("event 'd' is not a map")
-    return r, i, t, d
+def _checked(event: Envelope) -> dict[str, Any]:
+    # The bridge's check, types unrestricted (see the module docstring). A Mapping that
+    # is not a dict is copied: the wire check takes what msgpack decodes to.
+    obj = dict(event) if isinstance(event, Mapping) and not isinstance(event, dict) else event
+    return check_envelope(obj, strict_types=False)
 
 
 def apply_event(snap: RunSnapshot, event: Envelope) -> bool:
-    """Fold one checked event into its run's snapshot; False if it was ignored as a
-    duplicate or replay (id at or below the last applied)."""
-    _, i, t, d = check_envelope(event)
+    """Fold one event into its run's snapshot; False if it was ignored as a duplicate
+    or replay (id at or below the last applied). Raises BadEnvelope for something that
+    is not an envelope."""
+    env = _checked(event)
+    i: int = env["i"]
     if i <= snap.last_id:
         return False
     snap.last_id = i
-    handler = HANDLERS.get(t)
+    handler = HANDLERS.get(env["t"])
     if handler is not None:
-        handler(snap, d)
+        handler(snap, env["d"])
     return True
 
 
@@ -380,21 +388,43 @@ class Reducer:
     from a network thread hold their own lock (HostClient does).
 
     Run ids are unique per board, so a host watching several boards keeps one Reducer
-    per device (`device` is copied into each snapshot)."""
+    per device (`device` is copied into each snapshot).
 
-    def __init__(self, device: str | None = None) -> None:
+    At most `max_runs` snapshots are kept: past it the run that finished first is
+    forgotten, or, when none has finished, the run seen first. A late event of a
+    forgotten run starts a new snapshot of it (from that event on)."""
+
+    def __init__(self, device: str | None = None, max_runs: int = 1000) -> None:
+        if max_runs < 1:
+            raise ValueError("max_runs must be >= 1")
         self.device = device
+        self.max_runs = max_runs
         self._runs: dict[str, RunSnapshot] = {}
+        # Terminal runs in the order they finished: the first to go when over max_runs.
+        self._finished: dict[str, None] = {}
 
     def apply(self, event: Envelope) -> RunSnapshot:
         """Fold one envelope; returns the run's snapshot (unchanged for a duplicate).
         Raises BadEnvelope for something that is not an envelope."""
-        r, _, _, _ = check_envelope(event)
+        env = _checked(event)
+        r: str = env["r"]
         snap = self._runs.get(r)
         if snap is None:
             snap = self._runs[r] = RunSnapshot(run=r, device=self.device)
-        apply_event(snap, event)
+            self._evict(keep=r)
+        apply_event(snap, env)
+        if snap.terminal and r not in self._finished:
+            self._finished[r] = None
         return snap
+
+    def _evict(self, keep: str) -> None:
+        while len(self._runs) > self.max_runs:
+            if self._finished:
+                old = next(iter(self._finished))
+                del self._finished[old]
+            else:
+                old = next(r for r in self._runs if r != keep)
+            del self._runs[old]
 
     def apply_all(self, events: Iterable[Envelope]) -> None:
         for event in events:

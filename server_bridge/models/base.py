@@ -9,6 +9,10 @@ shapes of the wire contract, so the RPC layer forwards them without translation:
 
 and then returns the final answer `{"usage": {"in", "out", "reason"}, "finish": str}`.
 
+`deadline`, when given, is a time.monotonic() value past which nobody waits for the
+answer any more (the RPC call has been answered with a timeout): a provider stops by
+then — raising ModelError — so a stream that never finishes does not hold a worker.
+
 Messages are the board's conversation, in the contract's shape:
     {"role": "system" | "user", "content": str}
     {"role": "assistant", "content": str, "tools": [{"call", "name", "input"}]}
@@ -41,6 +45,9 @@ class Provider(Protocol):
         emit: Callable[[Chunk], None],
         model: str | None = None,
         max_tokens: int | None = None,
+        *,
+        deadline: float | None = None,
     ) -> Final:
-        """Stream chunks through `emit` and return the final {usage, finish}."""
+        """Stream chunks through `emit` and return the final {usage, finish}; give up
+        with a ModelError once time.monotonic() passes `deadline`."""
         ...

@@ -6,6 +6,11 @@ parsed line by line and turned into the contract's chunks (see models/base.py).
 Errors: every failure becomes a ModelError whose message is safe to show a customer (it
 names no key, no URL, no server text); the detail goes to the log, with the key
 scrubbed from it.
+
+Time: `timeout` bounds each wait on the socket; the call's `deadline` bounds the whole
+call. A server that keeps a stream open without finishing it (keep-alive comments, a
+slow trickle of tokens) would pass every per-read timeout, so at the deadline a watchdog
+shuts the socket down and the call ends with a ModelError, releasing its worker.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import json
 import logging
 import os
 import re
+import socket
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -24,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server_bridge.models.base import Chunk, Final, ModelError
+from server_bridge.redact import scrub
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +90,53 @@ def _safe_url(url: str) -> str:
     if parts.port is not None:
         host = f"{host}:{parts.port}"
     return urllib.parse.urlunsplit(parts._replace(netloc=host))
+
+
+_TIMED_OUT = "the model server timed out"
+_TOO_SLOW = "the model server did not finish in time"
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _socket_of(response: Any) -> socket.socket | None:
+    """The socket under an http.client response, if it can be reached.
+
+    http.client reads through `sock.makefile("rb")`: a BufferedReader over a SocketIO
+    that keeps the socket as `_sock`. Reached by getattr, so another layout only loses
+    the watchdog (the deadline is still checked between lines), never the call.
+    """
+    raw = getattr(getattr(response, "fp", None), "raw", None)
+    sock = getattr(raw, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+class _Watchdog:
+    """Shuts a response's socket down at the deadline: a read blocked on a server that
+    stopped sending then returns at once instead of at the socket timeout, and one that
+    keeps sending is stopped too. `fired` says why the stream ended."""
+
+    def __init__(self, response: Any, deadline: float | None) -> None:
+        self.fired = False
+        self._sock = _socket_of(response)
+        self._timer: threading.Timer | None = None
+        if deadline is not None and self._sock is not None:
+            self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed: the call ended on its own
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def _text(value: Any) -> str:
@@ -212,9 +268,10 @@ class OpenAIProvider:
         return headers
 
     def _scrub(self, text: str) -> str:
+        # The key itself, whatever its shape, then anything else that looks like one.
         if self._api_key:
             text = text.replace(self._api_key, "***")
-        return text
+        return scrub(text)
 
     # --- the call -----------------------------------------------------------------
 
@@ -225,36 +282,57 @@ class OpenAIProvider:
         emit: Callable[[Chunk], None],
         model: str | None = None,
         max_tokens: int | None = None,
+        *,
+        deadline: float | None = None,
     ) -> Final:
         body, names = self.build_request(messages, tools, model, max_tokens)
         url = f"{self.base_url}/chat/completions"
         request = urllib.request.Request(
             url, data=json.dumps(body).encode(), headers=self._headers(), method="POST"
         )
+        timeout = self.timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ModelError(_TOO_SLOW)
+            # Connecting and waiting for the headers: no longer than the call has left.
+            timeout = min(timeout, left)
         try:
-            response = self._opener.open(request, timeout=self.timeout)
+            response = self._opener.open(request, timeout=timeout)
         except urllib.error.HTTPError as e:
             raise self._http_error(e) from None
         except TimeoutError as e:
             log.warning("model server %s timed out: %s", self.base_url, e)
-            raise ModelError("the model server timed out") from None
+            raise ModelError(_TIMED_OUT) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             if isinstance(getattr(e, "reason", None), TimeoutError):
                 log.warning("model server %s timed out: %s", self.base_url, e)
-                raise ModelError("the model server timed out") from None
+                raise ModelError(_TIMED_OUT) from None
             log.warning("model server %s unreachable: %s", self.base_url, self._scrub(str(e)))
             raise ModelError("could not reach the model server") from None
         with response:
+            watchdog = _Watchdog(response, deadline)
             try:
-                return self._read_stream(response, emit, names)
+                return self._read_stream(response, emit, names, deadline)
             except ModelError:
                 raise
-            except TimeoutError as e:
-                log.warning("model server %s timed out mid-stream: %s", self.base_url, e)
-                raise ModelError("the model server timed out") from None
-            except (OSError, http.client.HTTPException) as e:
-                log.warning("model stream from %s broke: %s", self.base_url, e)
+            except (OSError, ValueError, http.client.HTTPException) as e:
+                if watchdog.fired or _past(deadline):
+                    # The watchdog shut the socket: whatever the read raised, the reason
+                    # is the deadline.
+                    log.warning(
+                        "model stream from %s stopped at the call's deadline", self.base_url
+                    )
+                    raise ModelError(_TOO_SLOW) from None
+                if isinstance(e, TimeoutError):
+                    log.warning("model server %s timed out mid-stream: %s", self.base_url, e)
+                    raise ModelError(_TIMED_OUT) from None
+                if isinstance(e, ValueError):
+                    raise  # not a connection failure: a bug, reported as one
+                log.warning("model stream from %s broke: %s", self.base_url, self._scrub(str(e)))
                 raise ModelError("the connection to the model server broke") from None
+            finally:
+                watchdog.cancel()
 
     def _http_error(self, e: urllib.error.HTTPError) -> ModelError:
         try:
@@ -280,7 +358,11 @@ class OpenAIProvider:
         return ModelError(f"{msg} (HTTP {code})")
 
     def _read_stream(
-        self, response: Any, emit: Callable[[Chunk], None], names: _ToolNames
+        self,
+        response: Any,
+        emit: Callable[[Chunk], None],
+        names: _ToolNames,
+        deadline: float | None = None,
     ) -> Final:
         calls: dict[int, _CallParts] = {}
         usage = {"in": 0, "out": 0, "reason": 0}
@@ -310,6 +392,10 @@ class OpenAIProvider:
             finish = self._chunk(obj, emit, calls, usage) or finish
 
         while True:
+            if _past(deadline):
+                # Between lines, so a server that keeps sending is stopped even where
+                # the watchdog cannot reach the socket.
+                raise ModelError(_TOO_SLOW)
             raw = response.readline(MAX_LINE + 1)
             if not raw:
                 break
@@ -331,6 +417,10 @@ class OpenAIProvider:
                 done = True
                 break
             data.append(value)
+        if not done and _past(deadline):
+            # The end was (most likely) the watchdog's, not the server's; either way the
+            # call is over and whatever is left unread is cut mid-way.
+            raise ModelError(_TOO_SLOW)
         if data:
             dispatch()
         if not done and finish is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,8 @@ class ScriptedProvider:
         emit: Callable[[Chunk], None],
         model: str | None = None,
         max_tokens: int | None = None,
+        *,
+        deadline: float | None = None,
     ) -> Final:
         msgs = [m for m in messages if isinstance(m, Mapping)]
         turn = sum(1 for m in msgs if m.get("role") == "assistant")
@@ -133,21 +136,29 @@ class ScriptedProvider:
         usage_in += sum(_tokens(json.dumps(t, default=str)) for t in tools)
         out = reason = 0
         called = False
+
+        def send(chunk: Chunk) -> None:
+            # Checked per chunk like a real stream would be: a script is fast, but the
+            # emit it is given may block (a full outgoing queue) past the call's end.
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ModelError("the scripted model did not finish in time")
+            emit(chunk)
+
         for step in self.script[turn]:
             if "text" in step:
                 text = step["text"].replace(PLACEHOLDER, last_tool)
                 for k in range(0, len(text), self.chunk_chars):
-                    emit({"text": text[k : k + self.chunk_chars]})
+                    send({"text": text[k : k + self.chunk_chars]})
                 out += _tokens(text)
             elif "reason" in step:
                 text = step["reason"]
                 for k in range(0, len(text), self.chunk_chars):
-                    emit({"reason": text[k : k + self.chunk_chars]})
+                    send({"reason": text[k : k + self.chunk_chars]})
                 reason += _tokens(text)
             else:
                 calls_so_far += 1
                 args = json.dumps(step["tool"]["input"])
-                emit(
+                send(
                     {
                         "tool": {
                             "call": f"c{calls_so_far}",

@@ -1,0 +1,241 @@
+"""RpcServer without a broker: chunk sizing for the board, calls that expire before they
+run, the deadline a provider is given, and per-device caps."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from server_bridge.models.base import Chunk, Final
+from server_bridge.registry import DeviceRecord
+from server_bridge.rpc import RpcServer, chunk_budget, fit_chunk, split_utf8
+from server_bridge.wire import Limits, encode
+
+WAIT = 5.0
+DEV1 = DeviceRecord("dev1", "acme", "thermostat")
+DEV2 = DeviceRecord("dev2", "globex", "kiosk")
+FINAL: Final = {"usage": {"in": 0, "out": 0, "reason": 0}, "finish": "stop"}
+
+
+def wait_for(pred: Callable[[], Any], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def call(c: int, text: str = "hi") -> bytes:
+    return encode(
+        {"c": c, "m": "llm.complete", "a": {"messages": [{"role": "user", "content": text}]}}
+    )
+
+
+# ---------------------------------------------------------------- chunk sizing
+
+
+@pytest.mark.parametrize("budget", [4, 5, 7, 100, 8192])
+def test_split_utf8_never_cuts_a_character(budget: int) -> None:
+    text = "a°€🙂" * 500 + "end"
+    pieces = split_utf8(text, budget)
+    assert "".join(pieces) == text
+    assert all(0 < len(p.encode()) <= budget for p in pieces)
+
+
+def test_split_utf8_edges() -> None:
+    assert split_utf8("", 10) == [""]
+    assert split_utf8("short", 10) == ["short"]
+    assert split_utf8("ab\ud800cd", 100) == ["ab?cd"]  # a lone surrogate msgpack cannot send
+    with pytest.raises(ValueError):
+        split_utf8("abc", 3)
+
+
+def test_chunk_budget_follows_the_limits() -> None:
+    assert chunk_budget(1, Limits()) == 8192  # the str limit binds
+    assert chunk_budget(1, Limits(max_payload=4096, max_str=8192)) == 4096 - 512
+    long_id = "c" * 2000  # a long str call id takes its own room from the payload
+    room = chunk_budget(long_id, Limits(max_payload=4096, max_str=8192))
+    assert room < 4096 - 2000
+    piece = {"c": long_id, "ch": {"text": "x" * room}}
+    assert len(encode(piece)) <= 4096
+    assert chunk_budget(1, Limits(max_payload=100, max_str=100)) == 4  # still moves on
+
+
+def test_fit_chunk() -> None:
+    limits = Limits(max_payload=2048, max_str=1000)
+    assert fit_chunk(1, {"text": "x" * 2500}, limits) == [
+        {"text": "x" * 1000},
+        {"text": "x" * 1000},
+        {"text": "x" * 500},
+    ]
+    tool = {"tool": {"call": "c1", "name": "save", "input": '{"a": 1}'}}
+    assert fit_chunk(1, tool, limits) == [tool]
+    with pytest.raises(Exception, match="tool call"):
+        fit_chunk(1, {"tool": {"call": "c1", "name": "save", "input": "x" * 1001}}, limits)
+
+
+# ---------------------------------------------------------------- a server and providers
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.refused: list[str] = []
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+
+    def send(self, device: str, answer: dict[str, Any], wait_until: float | None) -> None:
+        with self.lock:
+            self.sent.append((device, answer))
+
+    def finals(self) -> dict[Any, dict[str, Any]]:
+        with self.lock:
+            return {a["c"]: a for _, a in self.sent if "ch" not in a}
+
+
+class GateProvider:
+    """Records every call (its user text and deadline); the first blocks until released."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float | None]] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def complete(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        emit: Callable[[Chunk], None],
+        model: str | None = None,
+        max_tokens: int | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Final:
+        self.calls.append((str(messages[0]["content"]), deadline))
+        self.started.set()
+        self.release.wait(WAIT)
+        return FINAL
+
+
+@pytest.fixture
+def rec() -> Recorder:
+    return Recorder()
+
+
+def server(rec: Recorder, provider: Any, **kw: Any) -> RpcServer:
+    return RpcServer(
+        provider,
+        send=rec.send,
+        refuse=lambda kind, topic, msg: rec.refused.append(kind),
+        count=lambda name, n: rec.counts.update({name: n}),
+        **kw,
+    )
+
+
+@pytest.fixture
+def gate() -> Iterator[GateProvider]:
+    g = GateProvider()
+    yield g
+    g.release.set()
+
+
+def test_a_call_that_expired_in_the_queue_never_reaches_the_provider(
+    rec: Recorder, gate: GateProvider
+) -> None:
+    now = [0.0]
+    rpc = server(rec, gate, workers=1, llm_timeout_s=10.0, clock=lambda: now[0])
+    try:
+        rpc.handle(DEV1, "t", call(1, "first"))
+        assert gate.started.wait(WAIT)
+        rpc.handle(DEV1, "t", call(2, "queued"))  # waits for the one worker
+        now[0] = 11.0  # both past their deadline; housekeeping has not run
+        gate.release.set()
+        wait_for(lambda: rpc.inflight == 0, "both calls to be done")
+        assert [text for text, _ in gate.calls] == ["first"]
+        assert rec.finals()[2]["err"] == {
+            "kind": "llm",
+            "msg": "llm.complete did not finish in time",
+        }
+        assert rec.counts["rpc.expired_queued"] == 1
+    finally:
+        rpc.close()
+
+
+def test_a_call_expire_answered_is_not_run_either(rec: Recorder, gate: GateProvider) -> None:
+    now = [0.0]
+    rpc = server(rec, gate, workers=1, llm_timeout_s=10.0, clock=lambda: now[0])
+    try:
+        rpc.handle(DEV1, "t", call(1, "first"))
+        assert gate.started.wait(WAIT)
+        rpc.handle(DEV1, "t", call(2, "queued"))
+        now[0] = 11.0
+        assert rpc.expire() == 2  # the housekeeping thread answers both
+        gate.release.set()
+        wait_for(lambda: rpc.inflight == 0, "both calls to be done")
+        assert [text for text, _ in gate.calls] == ["first"]
+        answers = [a for _, a in rec.sent if a["c"] == 2]
+        assert len(answers) == 1  # one answer per call, the timeout
+    finally:
+        rpc.close()
+
+
+def test_the_provider_gets_the_calls_deadline(rec: Recorder, gate: GateProvider) -> None:
+    gate.release.set()
+    rpc = server(rec, gate, llm_timeout_s=30.0)
+    try:
+        before = time.monotonic()
+        rpc.handle(DEV1, "t", call(1))
+        wait_for(lambda: 1 in rec.finals(), "the answer")
+        after = time.monotonic()
+        (_, deadline), *_ = gate.calls
+        assert deadline is not None and before + 30.0 <= deadline <= after + 30.0
+    finally:
+        rpc.close()
+
+
+def test_per_device_cap(rec: Recorder, gate: GateProvider) -> None:
+    rpc = server(rec, gate, workers=4, max_inflight=10, max_inflight_per_device=2)
+    try:
+        for c in (1, 2, 3):
+            rpc.handle(DEV1, "t", call(c))
+        assert rec.finals()[3]["err"]["kind"] == "busy" and rec.refused == ["busy"]
+        rpc.handle(DEV2, "t", call(4))  # another device is not held back by dev1
+        assert 4 not in rec.finals()
+        assert (rpc.inflight_of("dev1"), rpc.inflight_of("dev2")) == (2, 1)
+        gate.release.set()
+        wait_for(lambda: rpc.inflight == 0, "all calls to finish")
+        assert all("ok" in rec.finals()[c] for c in (1, 2, 4))
+    finally:
+        rpc.close()
+
+
+def test_chunks_are_sized_by_the_devices_limits(rec: Recorder) -> None:
+    class Long:
+        name = "long"
+
+        def complete(self, *args: Any, deadline: float | None = None, **kw: Any) -> Final:
+            emit = args[2]
+            emit({"text": "y" * 3000})
+            return FINAL
+
+    small = Limits(max_payload=2048, max_str=1000)
+    rpc = server(rec, Long(), device_limits=lambda d: small if d == "dev1" else None)
+    try:
+        rpc.handle(DEV1, "t", call(1))
+        rpc.handle(DEV2, "t", call(2))
+        wait_for(lambda: {1, 2} <= set(rec.finals()), "both answers")
+        by_dev = collections.defaultdict(list)
+        for device, a in rec.sent:
+            if "ch" in a:
+                by_dev[device].append(len(a["ch"]["text"]))
+        assert by_dev["dev1"] == [1000, 1000, 1000]
+        assert by_dev["dev2"] == [3000]  # the defaults (8 KiB strings) take it whole
+    finally:
+        rpc.close()
