@@ -21,21 +21,10 @@ async def run_board(agent, settings):
         on_connect=runtime.on_connect,
     )
     runtime.attach(link)
-    _collect_early()
+    platform.collect_often()
     platform.log("board", device, "agent", agent.name, agent.version, "broker",
                  settings.get("host", "127.0.0.1"), settings.get("port", 1883))
     await link.run()
-
-
-def _collect_early():
-    # Collect whenever a quarter of the free heap has been allocated (MicroPython only),
-    # rather than only when an allocation fails: small live sets stay unfragmented.
-    try:
-        import gc
-        gc.collect()
-        gc.threshold(gc.mem_free() // 4 + gc.mem_alloc())
-    except (ImportError, AttributeError):
-        pass
 
 
 def start(agent, settings=None):

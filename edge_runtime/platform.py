@@ -50,6 +50,24 @@ async def wait_for_ms(awaitable, ms):
     return await asyncio.wait_for(awaitable, ms / 1000)
 
 
+def collect():
+    # Collect at the board's quiet points (a run's step boundary, its end) while little
+    # is live: the small heap then stays in few large free blocks instead of fragments.
+    # CPython manages its own memory; a full collection there would only cost time.
+    if IS_MICROPYTHON:
+        import gc
+        gc.collect()
+
+
+def collect_often(fraction=8):
+    # Collect whenever 1/fraction of the free heap has been allocated since the last
+    # collection, rather than only when an allocation fails (MicroPython only).
+    if IS_MICROPYTHON:
+        import gc
+        gc.collect()
+        gc.threshold(gc.mem_free() // fraction)
+
+
 def log(*parts):
     # One line per event, prefixed so a serial console and the virtual board's
     # output read the same.

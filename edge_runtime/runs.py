@@ -40,15 +40,6 @@ def free_heap():
         return None
 
 
-def collect():
-    # A run's garbage is collected when it ends, while little else is live: this keeps
-    # the small board heap in few large free blocks instead of many fragments.
-    try:
-        import gc
-        gc.collect()
-    except ImportError:
-        pass
-
 
 class Run:
     # One request's run state: fresh per request, owned by one task.
@@ -287,7 +278,7 @@ class Runtime:
             self._recent.push(run.emitter)
             run_id = run.id
             run = None
-            collect()
+            platform.collect()
             # One console line per run: on a serial console this is how heap trouble shows.
             platform.log("run", run_id, "ended; heap free", free_heap())
             if self._queue and len(self.active) < self.concurrency:

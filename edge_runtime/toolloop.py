@@ -3,6 +3,7 @@
 # feed their results back, and stop when it answers without calling a tool.
 import json
 
+from edge_runtime import platform
 from edge_runtime.rpc import RpcError
 
 try:
@@ -60,6 +61,7 @@ async def model_loop(run):
     usage = {"in": 0, "out": 0, "reason": 0}
     for step in range(agent.max_steps):
         run.check_cancelled()
+        platform.collect()
         m = step + 1
         parts = []
         calls = []

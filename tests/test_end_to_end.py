@@ -277,6 +277,6 @@ def test_wren_demo_once_exits_zero_with_the_transcript() -> None:
 def test_a_128k_board_serves_run_after_run(stack: Stack) -> None:
     # Finished runs must give their memory back: only a couple of event rings of
     # encoded bytes outlive them. A leak shows up here as a MemoryError on the board.
-    for n in range(12):
+    for n in range(25):
         _ask(stack, f"Request {n}: how warm is it?")
     _assert_alive(stack)
