@@ -280,6 +280,10 @@ class Bridge:
         client, self._client = self._client, None
         if client is not None:
             client.disconnect()
+            # paho 2.2's network thread may wake once more after disconnect() closed the
+            # socket and log "Client is not connected" at ERROR: at shutdown that is the
+            # expected state, so paho's own log is detached before the thread is joined.
+            client.disable_logger()
             client.loop_stop()
         if self._housekeeper is not None:
             self._housekeeper.join(timeout=5)
