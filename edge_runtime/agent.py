@@ -2,6 +2,17 @@
 # An app on the board builds one Agent and hands it to edge_runtime.board.start().
 
 
+class RunFailed(Exception):
+    # Raised by a handler (the model loop, or an app's own) to end its run as
+    # run.failed with a customer-safe message.
+
+    def __init__(self, kind, msg, retryable=False):
+        super().__init__(msg)
+        self.kind = kind
+        self.msg = msg
+        self.retryable = retryable
+
+
 class Tool:
     # A local tool runs on the board: `fn(args) -> value`, sync or async. Client tools
     # (answered by the host app) need run pausing and arrive with checkpoints.

@@ -8,7 +8,7 @@ from edge_runtime import codec, platform
 from edge_runtime.events import DEVICE_RUN, Emitter
 from edge_runtime.ring import Ring
 from edge_runtime.rpc import RpcClient
-from edge_runtime.toolloop import RunFailed, model_loop
+from edge_runtime.agent import RunFailed
 
 try:
     from micropython import const
@@ -290,7 +290,11 @@ class Runtime:
             run.emit("run.started", {"agent": agent.name, "ver": agent.version, "req": run.req,
                                      "conv": run.conv, "domain": "request", "input": run.input})
             run.check_cancelled()
-            handler = agent.handler or model_loop
+            handler = agent.handler
+            if handler is None:
+                # The model loop is loaded when first needed: a device whose agent has a
+                # plain handler never spends heap on it.
+                from edge_runtime.toolloop import model_loop as handler
             usage = await handler(run)
             run.emit("run.done", {"usage": usage or {}})
         except platform.asyncio.CancelledError:

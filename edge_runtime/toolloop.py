@@ -4,6 +4,7 @@
 import json
 
 from edge_runtime import platform
+from edge_runtime.agent import RunFailed
 from edge_runtime.rpc import RpcError
 
 try:
@@ -15,16 +16,6 @@ except ImportError:
 # A tool's output goes to the model and onto the event stream; past this many
 # characters it is cut, and the cut is stated in the output itself.
 _MAX_TOOL_OUTPUT = const(2048)
-
-
-class RunFailed(Exception):
-    # Ends a run as run.failed with a customer-safe message.
-
-    def __init__(self, kind, msg, retryable=False):
-        super().__init__(msg)
-        self.kind = kind
-        self.msg = msg
-        self.retryable = retryable
 
 
 def _tool_output(value):
