@@ -303,11 +303,11 @@ def test_a_call_pending_when_the_link_drops_fails_at_once_and_retryable():
 def test_ids_over_64_chars_are_refused_and_echoes_are_clipped():
     async def body(bridge, runtime):
         bridge.send("req", {"req": "q" * 65, "input": "x"})
-        bridge.send("ctl", {"op": "cancel", "r": "r" * 3000})
+        bridge.send("ctl", {"op": "cancel", "r": "r" * 1000})
         await bridge.wait_for(lambda: len(_device_errors(bridge)) == 2)
         first, second = _device_errors(bridge)
         assert first["kind"] == "bad_envelope" and second["kind"] == "unknown_run"
-        # The refusal names the run, but never echoes 3000 characters back.
+        # The refusal names the run, but never echoes 1000 characters back.
         assert len(second["msg"]) < 100 and "rrr" in second["msg"]
 
     run(_with_board("tb-ids", body))
