@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--py",
         action="store_true",
-        help="run the board from .py sources instead of .mpy (needs ~140K heap)",
+        help="run the board from .py sources instead of .mpy (needs ~145K heap)",
     )
     d.add_argument("--cpython", action="store_true", help="run the virtual board on CPython")
     d.add_argument(
