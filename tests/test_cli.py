@@ -152,3 +152,31 @@ def test_demo_says_the_board_died_when_its_heap_is_too_small() -> None:
     assert proc.returncode == 1
     assert "the virtual board exited" in proc.stderr
     assert "MemoryError" in proc.stdout
+
+
+def test_hil_on_the_pty_runs_board_tests_through_the_raw_repl() -> None:
+    proc = subprocess.run(
+        wren("hil", "--pty", "test_ring", "test_events"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hil: test_ring: 3 passed, 0 failed" in proc.stdout
+    assert "hil: test_events: " in proc.stdout and " 0 failed" in proc.stdout
+
+
+def test_hil_fails_when_a_module_does_not_run_on_the_target() -> None:
+    proc = subprocess.run(
+        wren("hil", "--pty", "test_no_such_module"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1
+    assert "hil: test_no_such_module: no summary" in proc.stdout
+    assert "ImportError" in proc.stdout

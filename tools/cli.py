@@ -115,7 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--device", default="thermo1")
     a.add_argument("--user-id", default="cli-user", help="the end user the session token names")
     a.add_argument("--timeout", type=float, default=60.0)
+    h = sub.add_parser("hil", help="run the board tests on a target through its raw REPL")
+    target = h.add_mutually_exclusive_group(required=True)
+    target.add_argument("--pty", action="store_true", help="the unix port on a pseudo-terminal")
+    target.add_argument("--port", help="a real board's serial port, e.g. /dev/ttyACM0")
+    h.add_argument("--deploy", action="store_true", help="copy the files first (mpremote)")
+    h.add_argument("--heap", default="128K", help="unix port heap (with --pty)")
+    h.add_argument("--broker", type=broker_arg, metavar="HOST:PORT", help="for broker tests")
+    h.add_argument("module", nargs="*", help="test modules (default: all)")
     return parser
+
+
+def _run_hil(args: argparse.Namespace) -> int:
+    from tools import hil
+
+    try:
+        if args.deploy and args.port:
+            hil.deploy(args.port)
+        return hil.run(args.port, args.heap, args.module, args.broker)
+    except hil.HilError as e:
+        print(f"wren hil: {e}", file=sys.stderr)
+        return 1
 
 
 def _stop_on_sigterm(signum: int, frame: object) -> None:
@@ -140,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo_mod.run_board(args)
         if args.command == "ask":
             return demo_mod.run_ask(args)
+        if args.command == "hil":
+            return _run_hil(args)
     except KeyboardInterrupt:
         print("\nstopped", file=sys.stderr)
         return 130
