@@ -215,14 +215,19 @@ def test_bad_input_is_refused_by_name_and_the_board_keeps_serving():
     run(_with_board("tb-bad", body))
 
 
+async def _fill_until_busy(bridge, prefix):
+    # The model never answers, so the first run holds the only slot, two requests fill
+    # the queue and the fourth is refused busy; returns that refusal.
+    bridge.answer_rpc = False
+    for n in range(4):
+        bridge.send("req", {"req": "%s%d" % (prefix, n), "input": "x"})
+    await bridge.wait_for(lambda: len(_device_errors(bridge)) == 1)
+    return _device_errors(bridge)[0]
+
+
 def test_requests_beyond_concurrency_and_queue_are_refused_busy():
-    # The model never answers, so the first run holds the only slot and the queue fills.
     async def body(bridge, runtime):
-        bridge.answer_rpc = False
-        for n in range(4):
-            bridge.send("req", {"req": "b%d" % n, "input": "x"})
-        await bridge.wait_for(lambda: len(_device_errors(bridge)) == 1)
-        err = _device_errors(bridge)[0]
+        err = await _fill_until_busy(bridge, "b")
         assert err["kind"] == "busy" and err["req"] == "b3"
         assert len(runtime.active) == 1 and len(runtime._queue) == 2
         # Cancelling the running one admits the next from the queue.
@@ -315,11 +320,7 @@ def test_ids_over_64_chars_are_refused_and_echoes_are_clipped():
 
 def test_a_request_refused_busy_can_be_sent_again_later():
     async def body(bridge, runtime):
-        bridge.answer_rpc = False
-        for n in range(4):
-            bridge.send("req", {"req": "again%d" % n, "input": "x"})
-        await bridge.wait_for(lambda: len(_device_errors(bridge)) == 1)
-        assert _device_errors(bridge)[0]["req"] == "again3"
+        assert (await _fill_until_busy(bridge, "again"))["req"] == "again3"
         bridge.answer_rpc = True
         for call in bridge.calls:
             bridge.answer(call)

@@ -227,16 +227,8 @@ def normal(v):
     return v
 
 
-def same(a, b):
-    if type(a) is not type(b):
-        return False
-    if type(a) is list:
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        return len(a) == len(b) and all(k in b and same(a[k], b[k]) for k in a)
-    if type(a) is float:
-        return encode(a) == encode(b)
-    return a == b
+# The board suite's own strict equality (type-exact, -0.0 apart from 0.0).
+from firmware_tests.test_codec import same
 
 
 def ordered(v):
@@ -309,7 +301,7 @@ def test_vectors_on_the_unix_port(tmp_path: Path) -> None:
     vectors.write_text("".join(lines), encoding="utf-8")
     script = tmp_path / "check_vectors.py"
     script.write_text(BOARD_SCRIPT)
-    env = dict(os.environ, MICROPYPATH=str(ROOT))
+    env = dict(os.environ, MICROPYPATH=f"{ROOT}:.frozen")
     proc = subprocess.run(
         [exe, "-X", "heapsize=256K", str(script), str(vectors)],
         cwd=ROOT,
