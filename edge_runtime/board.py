@@ -8,6 +8,8 @@ from edge_runtime.runs import Runtime
 async def run_board(agent, settings):
     device = settings["device"]
     runtime = Runtime(agent, device, settings)
+    # A stable client id and a persistent session: what the bridge sends while the
+    # board is away waits for it at the broker.
     link = Link(
         settings.get("client_id", device),
         settings.get("host", "127.0.0.1"),
@@ -15,10 +17,8 @@ async def run_board(agent, settings):
         user=settings.get("user", device),
         password=settings.get("password"),
         keepalive=settings.get("keepalive", 30),
-        will=runtime.will(),
         outbox_size=settings.get("outbox", 16),
-        on_message=runtime.on_message,
-        on_connect=runtime.on_connect,
+        **runtime.link_settings()
     )
     runtime.attach(link)
     platform.collect_often()

@@ -1,8 +1,10 @@
 # The event vocabulary of the wire contract and the per-run emitter.
-# TYPES is the one table of event type -> its `d` fields (docs/PROTOCOL.md, "Event
-# types"): the emitter refuses a type not in it, and the bridge refuses incoming events
-# whose type is not in it (server_bridge imports this table), so a new event type is one
-# line here and one row in the protocol doc.
+# TYPES names every event type of docs/PROTOCOL.md ("Event types", where each type's
+# `d` fields are listed): the emitter refuses a type not in it, and the bridge refuses
+# incoming events whose type is not in it (server_bridge imports this tuple), so a new
+# event type is one name here and one row in the protocol doc. A tuple of names rather
+# than a table of fields: nothing on the board reads the fields, and on a 128 KiB heap
+# a dict of tuples costs kilobytes.
 from edge_runtime.ring import Ring
 
 try:
@@ -17,48 +19,29 @@ DEVICE_RUN = "_"
 
 _DEFAULT_RING = const(16)
 
-TYPES = {
-    "run.started": ("agent", "ver", "req", "conv", "domain", "input"),
-    "run.paused": ("reason", "calls"),
-    "run.resumed": ("ckpt",),
-    "run.done": ("usage",),
-    "run.failed": ("err", "retryable"),
-    "run.cancelled": ("reason",),
-    "msg.start": ("m", "role"),
-    "msg.end": ("m",),
-    "msg.delta": ("m", "text"),
-    "reason.delta": ("m", "text"),
-    "output": ("name", "value", "delta", "status", "format"),
-    "row": ("field", "row", "key", "status", "value", "delta", "links"),
-    "row.delete": ("field", "row", "key"),
-    "tool.call": ("call", "name", "input", "client"),
-    "tool.result": ("call", "output", "failed"),
-    "approval.request": ("call", "name", "by"),
-    "approval.granted": ("call", "name", "by"),
-    "approval.denied": ("call", "name", "by"),
-    "mem.recall": ("field", "query", "hits"),
-    "mem.write": ("op", "field", "key", "w"),
-    "citation": ("src", "ver", "chunk", "score"),
-    "skill": ("name",),
-    "state.patch": ("ops",),
-    "node.start": ("kind",),
-    "node.end": ("status", "port"),
-    "edge": ("from", "port", "to"),
-    "usage": ("in", "out", "reason"),
-    "budget": ("kind", "used", "limit", "level"),
-    "guard": ("name", "action", "detail"),
-    "error": ("kind", "msg", "req", "from", "to"),
-}
+TYPES = (
+    "run.started", "run.paused", "run.resumed", "run.done", "run.failed", "run.cancelled",
+    "msg.start", "msg.end", "msg.delta", "reason.delta", "output", "row", "row.delete",
+    "tool.call", "tool.result", "approval.request", "approval.granted", "approval.denied",
+    "mem.recall", "mem.write", "citation", "skill", "state.patch", "node.start", "node.end",
+    "edge", "usage", "budget", "guard", "error",
+)
 
 TERMINAL = ("run.done", "run.failed", "run.cancelled")
 
 
 class Emitter:
     # Stamps events of one run with ids 1, 2, 3... and keeps the last `ring_size` of
-    # them, encoded, so the bridge can ask for a resend after a gap. Encoded bytes are
-    # a fifth of the size of the envelope dicts on the board heap, and a resend needs
-    # no second encode. `encode(env) -> bytes` may raise; `send(data)` is the link's
-    # publish, which may drop (its outbox is a ring too) while the ring still holds it.
+    # them, encoded: a resend needs no second encode, and encoded bytes are a fifth of
+    # the size of the envelope dicts on the board heap.
+    #
+    # The ring, not the link, is where an event lives: `send(data) -> bool` is the
+    # link's publish, which says False when its outbox is full, and then the event
+    # simply waits in the ring; pump() hands the link what it has not had, oldest
+    # first, when there is room again. So the link never drops an event. Only the ring
+    # overwriting events the link never took loses anything (a run waits for room
+    # before it emits, so only a burst of device-stream refusals can), and that loss is
+    # reported as a gap, like ids a replay asks for that the ring no longer holds.
 
     def __init__(self, run_id, encode, send, clock, ring_size=_DEFAULT_RING):
         self.run_id = run_id
@@ -66,7 +49,14 @@ class Emitter:
         self._send = send
         self._clock = clock
         self.last_id = 0
+        self.sent = 0  # ids 1..sent have been handed to the link, in order
+        self.lost = 0  # events overwritten before the link took them
         self.ring = Ring(ring_size)
+        self._gaps = []  # (from, to) ranges to report once the backlog is sent
+
+    @property
+    def backlog(self):
+        return self.last_id - self.sent
 
     def emit(self, etype, d=None, node=None):
         if etype not in TYPES:
@@ -82,20 +72,41 @@ class Emitter:
         self.last_id = i
         # The ring holds ids last_id-len+1 .. last_id in order, so no id is stored.
         self.ring.push(data)
-        self._send(data)
-        return env
+        self.pump()
+
+    def pump(self):
+        # True when the link has had every event; False while it has no room.
+        first = self.last_id - len(self.ring) + 1
+        if self.sent < first - 1:
+            self.lost += first - 1 - self.sent
+            self._gap(self.sent + 1, first - 1)
+            self.sent = first - 1
+        while self.sent < self.last_id:
+            if not self._send(self.ring.at(self.sent + 1 - first)):
+                return False
+            self.sent += 1
+        # Reported only with nothing waiting: the report's own place in the ring then
+        # holds an event already sent, so reporting can never cost another event.
+        while self._gaps:
+            lo, hi = self._gaps.pop(0)
+            self.emit("error", {"kind": "gap", "msg": "events %d..%d are no longer held" % (lo, hi),
+                                "from": lo, "to": hi})
+        return self.sent == self.last_id
+
+    def _gap(self, lo, hi):
+        # One report for ids lost one after another, not one per event.
+        if self._gaps and self._gaps[-1][1] + 1 >= lo:
+            self._gaps[-1] = (min(self._gaps[-1][0], lo), max(self._gaps[-1][1], hi))
+        else:
+            self._gaps.append((lo, hi))
 
     def replay(self, after):
-        # Resend what the ring still holds past `after`; report the rest as a gap
-        # (an error event naming the ids that are gone), never pretend it was sent.
-        first_held = self.last_id - len(self.ring) + 1
-        n = 0
-        for data in self.ring:
-            if first_held + n > after:
-                self._send(data)
-            n += 1
-        if first_held > after + 1:
-            lost_to = first_held - 1
-            self.emit("error", {"kind": "gap", "msg": "events %d..%d are no longer held" % (after + 1, lost_to),
-                                "from": after + 1, "to": lost_to})
-        return max(0, self.last_id - max(after, first_held - 1))
+        # Send again what the ring still holds past `after`; what it no longer holds is
+        # reported as a gap, never pretended sent.
+        first = self.last_id - len(self.ring) + 1
+        if after >= self.last_id:
+            return
+        if after + 1 < first:
+            self._gap(after + 1, first - 1)
+        self.sent = min(self.sent, max(after, first - 1))
+        self.pump()

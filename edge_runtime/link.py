@@ -2,25 +2,32 @@
 # connects, starts three tasks per connection (reader, keepalive watchdog, sender)
 # and sleeps until one of them, or the application, calls reconnect(); then it
 # cancels them, closes the socket, waits out a bounded, jittered backoff and starts
-# over. publish() never blocks and never fails because the network is down:
-# messages wait in a bounded outbox that drops the oldest and counts what it
-# dropped, so memory stays fixed however long the broker is away.
+# over. Every task leaves through reconnect() however it ends — MemoryError and any
+# other exception included — so no task can die and leave a connection that looks
+# alive but reads or sends nothing.
+#
+# Memory: what arrives is read into one receive buffer allocated with the Link, so a
+# message costs no allocation of its size while it is read; a message larger than
+# that buffer is read past in buffer-sized pieces, acknowledged, and reported through
+# on_refused, and the connection stays up. What is sent waits in a bounded outbox:
+# publish() refuses (returns False) when it is full instead of dropping anything, and
+# callers that must not lose a message hold it and wait for room (wait_room).
 #
 # Delivery: QoS 0 is sent once. QoS 1 gets a packet id and stays in a bounded
 # in-flight list until its PUBACK; it goes again with DUP set after every reconnect,
 # and once on the same connection if its PUBACK is late (a second late PUBACK means
 # the connection is not working, whatever TCP says). At least once, then: the wire
-# contract's ids (req ids, run/event ids, write ids) make a repeat harmless.
+# contract's ids (req ids, run/event ids, call ids, chunk numbers) make a repeat
+# harmless. With clean_session=False the broker keeps our subscriptions and queues
+# QoS 1 messages for us while we are away; session_present says whether it did.
 #
 # Every wait on the network is bounded: connect, CONNACK and each write go through
 # platform.wait_for_ms; the reader's open-ended wait for the next packet is bounded
 # by the keepalive watchdog, which pings after half a keepalive of silence and calls
 # reconnect() when the ping goes unanswered.
-#
-# Heap: this module and mqtt.py are compiled on the board when shipped as source, and
-# the compiler's peak grows with the module, so the code is kept terse on purpose.
 from edge_runtime import mqtt
-from edge_runtime.platform import asyncio, log, sleep_ms, ticks_diff, ticks_ms, wait_for_ms
+from edge_runtime.platform import (asyncio, log, read_into, sleep_ms, ticks_diff, ticks_ms,
+                                   wait_for_ms)
 from edge_runtime.ring import Ring
 
 try:
@@ -34,11 +41,12 @@ _WRITE_MS = const(10000)  # one packet onto the socket
 _BYE_MS = const(1000)  # DISCONNECT and close on stop()
 _TICK_MS = const(500)  # watchdog period (shorter for tiny keepalives)
 _FAIL = const(0x80)  # SUBACK failure code
-
-# Whatever ends a connection. asyncio.TimeoutError is an OSError on CPython >= 3.11
-# but not on MicroPython; readexactly raises EOFError at end of stream (CPython's
-# IncompleteReadError derives from it); mqtt.MqttError is a peer breaking the protocol.
-_ENDS = (OSError, EOFError, asyncio.TimeoutError, mqtt.MqttError)
+# Receive buffer over the largest payload wanted: fixed header fields, the topic and
+# the packet id of a PUBLISH.
+_RX_HEAD = const(128)
+# A Link's receive buffer unless told otherwise: a small client's. The board runtime
+# passes the size its hello announces (runs.Runtime.link_settings).
+_RX_SIZE = const(2048)
 
 # In-flight entry: [pid, topic, payload, retain, sent_at or None (not yet sent on
 # this connection), resent on this connection already]
@@ -67,21 +75,35 @@ async def _close_late(t):
 
 class Link:
     def __init__(self, client_id, host, port, user=None, password=None, keepalive=30,
-                 will=None, outbox_size=16, max_packet=20000, on_message=None,
-                 on_connect=None, backoff_ms=(250, 8000), clean_session=True, inflight=8,
+                 will=None, outbox_size=16, max_packet=20000, rx_size=_RX_SIZE,
+                 on_message=None, on_connect=None, on_refused=None, on_room=None,
+                 backoff_ms=(250, 8000), clean_session=True, inflight=8,
                  ack_timeout_ms=10000):
         self.client_id = client_id
         self.host = host
         self.port = port
         self.keepalive = keepalive
-        self.max_packet = max_packet  # both ways: what we accept and what we send
+        self.max_packet = max_packet  # the largest packet we send
+        # on_message(topic, payload): payload is a memoryview into the receive buffer,
+        # valid only during the call; copy it (bytes(payload)) to keep it.
         self.on_message = on_message
         self.on_connect = on_connect
+        # on_refused(topic, size): a PUBLISH too large for the receive buffer was read
+        # past and acknowledged without being delivered.
+        self.on_refused = on_refused
+        # on_room(): the outbox has room again after a publish was refused.
+        self.on_room = on_room
         self.backoff_ms = backoff_ms
         self.ack_timeout_ms = ack_timeout_ms
         self.connected = False
-        self.stats = {"dropped": 0, "sent": 0, "received": 0, "retransmits": 0,
-                      "reconnects": 0, "connects": 0, "failures": 0}
+        self.session_present = False
+        # Test hook: the name of a task ("read", "watch", "send") that raises
+        # MemoryError at its next turn, to prove every task ends through reconnect().
+        self.fault = None
+        self.stats = {"refused": 0, "sent": 0, "received": 0, "retransmits": 0,
+                      "reconnects": 0, "connects": 0, "failures": 0, "oversized": 0}
+        self._rx = bytearray(rx_size)
+        self._rxv = memoryview(self._rx)
         self._outbox = Ring(outbox_size)
         self._inflight = []
         self._inflight_max = inflight
@@ -95,13 +117,21 @@ class Link:
         self._wake = asyncio.Event()  # the sender has work
         self._up = asyncio.Event()  # connected and subscribed
         self._down = asyncio.Event()  # this connection is over, or stop()
-        self._opened = self._rx = self._tx = 0
+        self._room = asyncio.Event()  # the sender took something out of the outbox
+        self._wanted_room = False  # a publish was refused since on_room last ran
+        self._opened = self._rx_at = self._tx_at = 0
         self._ping = None  # ticks_ms of an unanswered PINGREQ
+        self._skipped = None  # (topic, pid, qos, size) of the PUBLISH _skip read past
         # Built once: CONNECT is the same bytes on every attempt.
         self._connect_pkt = mqtt.encode_connect(client_id, clean_session, keepalive, user,
                                                 password, will)
 
     # --- application API ------------------------------------------------------------
+
+    @property
+    def max_payload(self):
+        # The largest payload a message to us may carry and still be delivered.
+        return len(self._rx) - _RX_HEAD
 
     def subscribe(self, topic, qos=1):
         # Recorded and re-applied on every connect; sent at once if connected. QoS is
@@ -109,19 +139,44 @@ class Link:
         self._subs.append((topic, 1 if qos else 0))
         self._wake.set()
 
-    def publish(self, topic, payload, qos=0, retain=False):
-        # Non-blocking. A message bigger than max_packet is refused here: sent, it
-        # would make the broker drop us, and as QoS 1 it would do so on every reconnect.
+    def room(self, spare=0):
+        # Whether a publish would be taken now, leaving `spare` slots for others.
+        return len(self._outbox) + spare < self._outbox.capacity
+
+    def publish(self, topic, payload, qos=0, retain=False, spare=0):
+        # Non-blocking: True when queued, False (counted) when the outbox lacks room
+        # for it and `spare` more. Nothing queued is ever dropped. A message bigger
+        # than max_packet raises ValueError: sent, it would make the broker drop us,
+        # and as QoS 1 it would do so on every reconnect.
         mqtt.check_topic(topic)
         if qos not in (0, 1):
             raise ValueError("qos")
-        if not isinstance(payload, bytes):
-            payload = bytes(payload)  # the caller reuses its memoryview/bytearray buffer
         if len(payload) + len(topic) + 9 > self.max_packet:
             raise ValueError("message over max_packet")
+        if not self.room(spare):
+            self.stats["refused"] += 1
+            self._wanted_room = True
+            return False
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)  # the caller reuses its memoryview/bytearray buffer
         self._outbox.push((topic, payload, qos, retain))
-        self.stats["dropped"] = self._outbox.dropped
         self._wake.set()
+        return True
+
+    async def wait_room(self, ms, spare=0):
+        # Wait (at most ms) until a publish leaving `spare` slots would be taken.
+        start = ticks_ms()
+        while not self.room(spare):
+            left = ms - ticks_diff(ticks_ms(), start)
+            if left <= 0:
+                return False
+            self._wanted_room = True
+            self._room.clear()
+            try:
+                await wait_for_ms(self._room.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True
 
     async def wait_connected(self, timeout_ms):
         try:
@@ -133,20 +188,29 @@ class Link:
     def reconnect(self, reason):
         # Idempotent: the first call per connection marks it down and wakes the
         # supervisor, which ends the connection's tasks and closes the socket. Later
-        # calls, and calls with no connection, do nothing.
+        # calls, and calls with no connection, do nothing. The flags go first: this may
+        # run out of memory, and the log line is the one part that allocates.
         if self._conn is None or self._down.is_set():
             return
-        log("link: down:", reason)
         self.connected = False
         self._up.clear()
         self.stats["reconnects"] += 1
         self._down.set()
+        try:
+            log("link: down:", reason)
+        except MemoryError:
+            pass
 
-    def _lost(self, conn, reason):
-        # A task's way to report its connection over; a task left over from an older
-        # connection must not take the current one down.
+    def _lost(self, conn, task, why):
+        # Every connection task ends here, whatever ended it; one left over from an
+        # older connection must not take the current one down.
         if conn is self._conn:
-            self.reconnect(reason)
+            self.reconnect(task if why is None else "%s: %r" % (task, why))
+
+    def _fault_point(self, task):
+        if self.fault == task:
+            self.fault = None
+            raise MemoryError("injected into " + task)
 
     def stop(self):
         self._stopping = True
@@ -168,8 +232,11 @@ class Link:
                     await self._open()
                     fails = 0
                     await self._down.wait()  # the connection's life: to reconnect()/stop()
-                except _ENDS as e:
-                    log("link: connect %s:%s failed: %r" % (self.host, self.port, e))
+                except Exception as e:  # the supervisor itself must never die
+                    try:
+                        log("link: connect %s:%s failed: %r" % (self.host, self.port, e))
+                    except MemoryError:
+                        pass
                     self.stats["failures"] += 1
                     fails += 1
                 await self._close()
@@ -211,13 +278,12 @@ class Link:
         # connection is no longer self._conn stops, whatever it was doing.
         conn = self._conn = (r, w, asyncio.Lock())
         await self._write(conn, self._connect_pkt)
-        t, _, body = await wait_for_ms(
-            mqtt.read_packet(r, self.max_packet, mqtt.FROM_SERVER), _OPEN_MS)
+        t, _, body = await wait_for_ms(self._read_packet(r), _OPEN_MS)
         if t != mqtt.CONNACK:
             raise mqtt.MalformedPacket("no CONNACK")
-        mqtt.parse_connack(body)
+        self.session_present = mqtt.parse_connack(body)
         self.stats["connects"] += 1
-        self._opened = self._rx = ticks_ms()
+        self._opened = self._rx_at = ticks_ms()
         self._ping = None
         self._nsubs = self._sub_pid = 0
         for e in self._inflight:
@@ -234,7 +300,8 @@ class Link:
         # "Up" includes the subscriptions: whoever waited for it can rely on receiving.
         self.connected = True
         self._up.set()
-        log("link: up %s:%s as %s" % (self.host, self.port, self.client_id))
+        log("link: up %s:%s as %s%s" % (self.host, self.port, self.client_id,
+                                        " (session kept)" if self.session_present else ""))
         if self.on_connect:
             try:
                 self.on_connect()
@@ -260,12 +327,12 @@ class Link:
             if self._stopping:
                 # A clean DISCONNECT tells the broker not to publish our will.
                 await wait_for_ms(self._write(conn, mqtt.DISCONNECT_PACKET), _BYE_MS)
-        except _ENDS:
+        except Exception:
             pass
         try:
             conn[1].close()
             await wait_for_ms(conn[1].wait_closed(), _BYE_MS)
-        except _ENDS:
+        except Exception:
             pass
 
     # --- sending --------------------------------------------------------------------
@@ -278,7 +345,7 @@ class Link:
             for p in parts:
                 w.write(p)
             await wait_for_ms(w.drain(), _WRITE_MS)
-        self._tx = ticks_ms()
+        self._tx_at = ticks_ms()
 
     async def _publish(self, conn, e, qos, dup):
         # e = (or starts like) [pid, topic, payload, retain]; the header is built apart
@@ -300,9 +367,22 @@ class Link:
             else:
                 return p
 
+    def _took(self):
+        # Something left the outbox: wake whoever waits for room.
+        self._room.set()
+        if self._wanted_room:
+            self._wanted_room = False
+            if self.on_room:
+                try:
+                    self.on_room()
+                except Exception as e:  # an application bug must not take the link down
+                    log("link: on_room:", repr(e))
+
     async def _send_loop(self, conn):
+        why = None
         try:
             while conn is self._conn:
+                self._fault_point("send")
                 self._wake.clear()
                 # Subscriptions first, then in-flight messages this connection has not
                 # carried (retransmits, DUP set), then the outbox while there is room.
@@ -325,33 +405,80 @@ class Link:
                          False]
                     if qos:
                         self._inflight.append(e)
+                    self._took()
                     await self._publish(conn, e, qos, False)
                 try:
                     await wait_for_ms(self._wake.wait(), 4 * _TICK_MS)
                 except asyncio.TimeoutError:
                     pass  # look again anyway: a missed wake-up costs at most this long
-        except _ENDS as e:
-            self._lost(conn, "send: %r" % (e,))
+        except Exception as e:
+            why = e
+        finally:
+            self._lost(conn, "send", why)
 
     # --- receiving ------------------------------------------------------------------
 
+    async def _read_packet(self, r):
+        # The next packet -> (type, flags, body), the body a view of the receive
+        # buffer, valid until the next read. A PUBLISH too large for the buffer comes
+        # back with body None, having been read past (see _skip).
+        t, flags, n = await mqtt.read_head(r, mqtt.FROM_SERVER)
+        if n > len(self._rx):
+            if t != mqtt.PUBLISH:
+                raise mqtt.PacketTooLarge("%s of %d bytes" % (mqtt.packet_name(t), n))
+            await self._skip(r, flags, n)
+            return t, flags, None
+        await read_into(r, self._rxv, n)
+        return t, flags, self._rxv[:n]
+
+    async def _skip(self, r, flags, n):
+        # Reads the topic and packet id of an oversized PUBLISH into the buffer, then
+        # the rest in buffer-sized pieces that are thrown away: the broker stops
+        # resending a message only once we acknowledge it, and an unread packet would
+        # leave the stream in the middle of it.
+        qos = flags >> 1 & 3
+        mv = self._rxv
+        await read_into(r, mv, 2)
+        head = 2 + (mv[0] << 8 | mv[1]) + (2 if qos else 0)
+        if head > n or head > len(mv):
+            raise mqtt.MalformedPacket("PUBLISH topic")
+        await read_into(r, mv[2:], head - 2)
+        topic, _, qos, _, _, pid = mqtt.parse_publish(flags, mv[:head])
+        left = n - head
+        while left:
+            k = min(left, len(mv))
+            await read_into(r, mv, k)
+            left -= k
+        self._skipped = (topic, pid, qos, n)
+
     async def _read_loop(self, conn):
         r = conn[0]
+        why = None
         try:
             while conn is self._conn:
-                t, flags, body = await mqtt.read_packet(r, self.max_packet, mqtt.FROM_SERVER)
-                self._rx = ticks_ms()
+                self._fault_point("read")
+                t, flags, body = await self._read_packet(r)
+                self._rx_at = ticks_ms()
                 self._ping = None  # any packet shows the broker is there
                 if t == mqtt.PUBLISH:
-                    topic, payload, qos, _, _, pid = mqtt.parse_publish(flags, body)
+                    if body is None:
+                        topic, pid, qos, size = self._skipped
+                        self.stats["oversized"] += 1
+                        if self.on_refused:
+                            try:
+                                self.on_refused(topic, size)
+                            except Exception as e:
+                                log("link: on_refused", topic, repr(e))
+                    else:
+                        topic, payload, qos, _, _, pid = mqtt.parse_publish(flags, body)
+                        self.stats["received"] += 1
+                        if self.on_message:
+                            try:
+                                self.on_message(topic, payload)
+                            except Exception as e:  # an application bug must not end the link
+                                log("link: on_message", topic, repr(e))
                     if qos > 1:
                         raise mqtt.MalformedPacket("QoS 2")  # we never subscribe with 2
-                    self.stats["received"] += 1
-                    if self.on_message:
-                        try:
-                            self.on_message(topic, payload)
-                        except Exception as e:  # an application bug must not end the link
-                            log("link: on_message", topic, repr(e))
                     if qos:
                         # After delivery: if we die first, the broker sends it again.
                         await self._write(conn, mqtt.encode_puback(pid))
@@ -374,8 +501,10 @@ class Link:
                     # A second CONNACK, a QoS 2 flow or an UNSUBACK we never caused:
                     # the broker and we disagree about the session.
                     raise mqtt.MalformedPacket(mqtt.packet_name(t))
-        except _ENDS as e:
-            self._lost(conn, "read: %r" % (e,))
+        except Exception as e:
+            why = e
+        finally:
+            self._lost(conn, "read", why)
 
     # --- watchdog -------------------------------------------------------------------
 
@@ -383,29 +512,36 @@ class Link:
         ka = self.keepalive * 1000
         half = ka // 2
         tick = min(_TICK_MS, max(ka // 4, 50)) if ka else _TICK_MS
+        why = None
         try:
             while conn is self._conn:
                 await sleep_ms(tick)
+                self._fault_point("watch")
                 now = ticks_ms()
                 if not self.connected and ticks_diff(now, self._opened) > _OPEN_MS:
-                    return self._lost(conn, "no SUBACK")
+                    why = "no SUBACK"
+                    return
                 if ka:
                     # Ping after half a keepalive of silence either way: silence out lets
                     # the broker drop us, silence in may be a dead half-open connection.
                     if self._ping is not None:
                         if ticks_diff(now, self._ping) > half:
-                            return self._lost(conn, "no PINGRESP")
-                    elif ticks_diff(now, self._tx) >= half or ticks_diff(now, self._rx) >= half:
+                            why = "no PINGRESP"
+                            return
+                    elif ticks_diff(now, self._tx_at) >= half or ticks_diff(now, self._rx_at) >= half:
                         self._ping = now
                         await self._write(conn, mqtt.PINGREQ_PACKET)
                 for e in self._inflight:
                     s = e[_SENT]
                     if s is not None and ticks_diff(now, s) > self.ack_timeout_ms:
                         if e[_RESENT]:
-                            return self._lost(conn, "no PUBACK")
+                            why = "no PUBACK"
+                            return
                         e[_SENT] = now
                         e[_RESENT] = True
                         self.stats["retransmits"] += 1
                         await self._publish(conn, e, 1, True)
-        except _ENDS as e:
-            self._lost(conn, "watch: %r" % (e,))
+        except Exception as e:
+            why = e
+        finally:
+            self._lost(conn, "watch", why)

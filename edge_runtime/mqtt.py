@@ -162,7 +162,7 @@ def read_bytes(buf, off):
 def read_text(buf, off):
     raw, off = read_bytes(buf, off)
     try:
-        s = raw.decode()
+        s = str(raw, "utf-8")  # raw may be a memoryview, which has no decode()
     except UnicodeError:
         raise MalformedPacket("not UTF-8")
     if "\x00" in s:
@@ -268,19 +268,18 @@ def encode_subscribe(pid, topics):
 def parse_suback(body):
     # Returns (pid, codes); code 0x80 refused that filter.
     pid, off = read_u16(body, 0)
-    codes = body[off:]
+    codes = bytes(body[off:])  # a body may be a memoryview, which has no `in` on MicroPython
     for c in codes:
         if c > 2 and c != 0x80:
             raise MalformedPacket("SUBACK code")
     return pid, codes
 
 
-async def read_packet(reader, max_size, sender="b"):
-    # One packet via reader.readexactly -> (type, flags, body). The table's checks and
-    # the size limit come before the body is read, so a peer announcing a huge or
-    # impossible packet costs us at most five bytes, never an allocation. `sender` is
-    # FROM_SERVER on a client (a broker never sends CONNECT...) and FROM_CLIENT on a
-    # broker.
+async def read_head(reader, sender="b"):
+    # The fixed header of the next packet -> (type, flags, remaining length). The
+    # table's checks come before a byte of the body is read, so a peer announcing an
+    # impossible packet costs us at most five bytes. `sender` is FROM_SERVER on a
+    # client (a broker never sends CONNECT...) and FROM_CLIENT on a broker.
     first = (await reader.readexactly(1))[0]
     t = first >> 4
     row = t * _ROW
@@ -302,6 +301,14 @@ async def read_packet(reader, max_size, sender="b"):
     want = _TABLE[row + 14]
     if want != "*" and n != ord(want) - 48:
         raise MalformedPacket(packet_name(t) + " length")
+    return t, first & 15, n
+
+
+async def read_packet(reader, max_size, sender="b"):
+    # One whole packet -> (type, flags, body), the body a new bytes object. A packet
+    # over max_size is refused before its body is read. (The board's Link reads bodies
+    # into its one receive buffer instead; this is for brokers and tests.)
+    t, flags, n = await read_head(reader, sender)
     if n > max_size:
         raise PacketTooLarge("%s of %d bytes" % (packet_name(t), n))
-    return t, first & 15, (await reader.readexactly(n) if n else b"")
+    return t, flags, (await reader.readexactly(n) if n else b"")

@@ -50,6 +50,23 @@ async def wait_for_ms(awaitable, ms):
     return await asyncio.wait_for(awaitable, ms / 1000)
 
 
+async def read_into(stream, mv, n):
+    # Fill mv[:n] from an asyncio stream. MicroPython's streams read straight into a
+    # buffer the caller allocated once; CPython's have no readinto, so there a read's
+    # bytes are copied in (CPython is the simulation, not where the heap is small).
+    got = 0
+    while got < n:
+        if IS_MICROPYTHON:
+            k = await stream.readinto(mv[got:n])
+        else:
+            data = await stream.read(n - got)
+            k = len(data)
+            mv[got:got + k] = data
+        if not k:
+            raise EOFError("stream ended")
+        got += k
+
+
 def collect():
     # Collect at the board's quiet points (a run's step boundary, its end) while little
     # is live: the small heap then stays in few large free blocks instead of fragments.

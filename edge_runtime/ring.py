@@ -44,6 +44,12 @@ class Ring:
             raise IndexError("peek into empty ring")
         return self._items[self._head]
 
+    def at(self, k):
+        # The k-th oldest item (0 is the oldest), without removing anything.
+        if not 0 <= k < self._len:
+            raise IndexError("ring index")
+        return self._items[(self._head + k) % len(self._items)]
+
     def clear(self):
         for i in range(len(self._items)):
             self._items[i] = None

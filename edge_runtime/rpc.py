@@ -1,6 +1,17 @@
 # Calls from the board to the bridge: `{c, m, a, r}` out on P/d/D/rpc, answers back on
-# P/d/D/rpc/res as `{c, ch}` stream chunks and then `{c, ok}` or `{c, err}`.
-# Each call waits a bounded time; a late answer for a call no one waits on is dropped.
+# P/d/D/rpc/res as `{c, s, ch}` stream chunks and then `{c, s, ok}` or `{c, s, err}`.
+#
+# The link's reader only queues what arrives (on_answer never waits); the run that made
+# the call takes the chunks from the call's queue in its own task (Call.next), where it
+# may wait for the outbox. It acknowledges what it took with `{c, ack: s}`, and the
+# bridge never sends more than `window` chunks past the last ack, so the queue is
+# bounded by the window, and a run that cannot send its events slows the model stream
+# down instead of piling its chunks up on the heap.
+#
+# Chunk numbers `s` make a chunk the broker delivers twice (resent after a reconnect)
+# harmless, and the final answer's `s` (how many chunks the bridge sent) shows when
+# one never arrived: the call then fails as retryable instead of ending with text
+# missing. Every wait is bounded: a call fails when nothing arrived for timeout_ms.
 from edge_runtime import platform
 
 try:
@@ -11,10 +22,12 @@ except ImportError:
 
 _QOS_CALL = const(1)
 _DEFAULT_TIMEOUT_MS = const(120000)
+_DEFAULT_WINDOW = const(8)
 
 
 class RpcError(Exception):
-    # The bridge answered with `err`, or no answer came in time (kind "timeout").
+    # The bridge answered with `err`, the call could not go on (kind "timeout", "gap",
+    # "link", "bridge_offline"), or could not be sent ("unsendable").
 
     def __init__(self, kind, msg):
         super().__init__("%s: %s" % (kind, msg))
@@ -22,82 +35,186 @@ class RpcError(Exception):
         self.msg = msg
 
 
-class _Pending:
-    def __init__(self, on_chunk, epoch):
-        self.on_chunk = on_chunk
+class Call:
+    # One call in flight: the chunks the reader queued, the final answer once it came.
+
+    def __init__(self, client, cid, epoch):
+        self._client = client
+        self.c = cid
         self.epoch = epoch
-        self.done = platform.asyncio.Event()
+        self.chunks = []
+        self.got = 0  # chunks received in order (the highest s)
+        self.taken = 0  # chunks the caller took
+        self.acked = 0  # the highest s acknowledged to the bridge
         self.result = None
         self.error = None
+        self.finished = False  # the final answer came (chunks may still be queued)
+        self.last = platform.ticks_ms()  # when the call was made or last heard of
+        self.ready = platform.asyncio.Event()
+
+    @property
+    def done(self):
+        # Answered and every chunk taken: result (or error) is final.
+        return self.finished and not self.chunks
+
+    def fail(self, error):
+        if not self.finished:
+            self.error = error
+            self.finished = True
+            self.chunks = []
+            self.ready.set()
+
+    async def next(self, wait_ms):
+        # The next chunk; None when nothing came within wait_ms (the caller's chance to
+        # do timed work) or once done. Raises the call's RpcError.
+        while True:
+            if self.chunks:
+                ch = self.chunks.pop(0)
+                self.taken += 1
+                self._client.ack(self)
+                return ch
+            if self.error is not None:
+                raise self.error
+            if self.finished:
+                return None
+            self._client.ack(self)  # one that could not be sent before, if any
+            idle = self._client.timeout_ms - platform.ticks_diff(platform.ticks_ms(), self.last)
+            if idle <= 0:
+                raise RpcError("timeout", "no answer within %d ms" % self._client.timeout_ms)
+            self.ready.clear()
+            try:
+                await platform.wait_for_ms(self.ready.wait(), min(wait_ms, idle))
+            except platform.asyncio.TimeoutError:
+                if wait_ms < idle:
+                    return None
 
 
 class RpcClient:
-    def __init__(self, publish, topic, online, timeout_ms=_DEFAULT_TIMEOUT_MS):
+    def __init__(self, publish, topic, online, timeout_ms=_DEFAULT_TIMEOUT_MS,
+                 window=_DEFAULT_WINDOW, room=None):
         # publish(topic, msg_dict, qos) encodes and queues on the link, False when it
-        # cannot; online() says whether the link is up right now.
+        # cannot; online() says whether the link is up right now; room(), when given,
+        # is awaited before a call is published (the run waits for outbox room).
         self._publish = publish
         self._online = online
+        self._room = room
         # Connection count as the client sees it: a call belongs to the connection its
         # request goes out on (the next one, when made while the link is down).
         self.epoch = 0
         self._topic = topic
-        self._timeout_ms = timeout_ms
-        self._next_id = 0
+        self.timeout_ms = timeout_ms
+        self.window = window
+        # Call ids start at a random number each boot: answers an older boot left in
+        # the broker's session for this board never match a call of this one.
+        self._next_id = _random30()
         self._pending = {}
         self.late = 0  # answers that arrived for no waiting call
+        self.duplicates = 0  # chunks that arrived twice
 
-    async def call(self, method, args, run_id=None, on_chunk=None, timeout_ms=None):
-        self._next_id += 1
+    async def start(self, method, args, run_id=None):
+        # Sends the call and returns its Call; the caller reads it with next() and must
+        # end() it. Raises RpcError("unsendable") when it cannot be sent.
+        if self._room is not None:
+            await self._room()
+        self._next_id = self._next_id % 0x3FFFFFFF + 1
         cid = self._next_id
-        pending = _Pending(on_chunk, self.epoch if self._online() else self.epoch + 1)
-        self._pending[cid] = pending
+        call = Call(self, cid, self.epoch if self._online() else self.epoch + 1)
         msg = {"c": cid, "m": method, "a": args}
         if run_id is not None:
             msg["r"] = run_id
+        if not self._publish(self._topic, msg, _QOS_CALL):
+            # Too large to encode, or no room: waiting would only run out the timeout.
+            raise RpcError("unsendable", "the call to %s could not be sent" % method)
+        self._pending[cid] = call
+        return call
+
+    def end(self, call):
+        self._pending.pop(call.c, None)
+
+    async def call(self, method, args, run_id=None, on_chunk=None):
+        # The whole call in one await, for callers that need no flow of their own.
+        call = await self.start(method, args, run_id)
         try:
-            if not self._publish(self._topic, msg, _QOS_CALL):
-                # Too large to encode or send: waiting would only run out the timeout.
-                raise RpcError("unsendable", "the call to %s could not be sent" % method)
-            try:
-                await platform.wait_for_ms(pending.done.wait(), timeout_ms or self._timeout_ms)
-            except platform.asyncio.TimeoutError:
-                raise RpcError("timeout", "no answer to %s within %d ms" % (method, timeout_ms or self._timeout_ms))
+            while True:
+                ch = await call.next(self.timeout_ms)
+                if ch is not None:
+                    if on_chunk is not None:
+                        on_chunk(ch)
+                elif call.done:
+                    return call.result
         finally:
-            self._pending.pop(cid, None)
-        if pending.error is not None:
-            raise pending.error
-        return pending.result
+            self.end(call)
+
+    def ack(self, call):
+        # At the latest when half the window is unacknowledged; an ack the outbox
+        # cannot take now goes with the next chunk taken or the next wait.
+        if call.taken - call.acked >= max(1, self.window // 2):
+            if self._publish(self._topic, {"c": call.c, "ack": call.taken}, _QOS_CALL):
+                call.acked = call.taken
 
     def on_answer(self, msg):
-        # Called by the runtime for each decoded rpc/res payload (already a dict).
+        # Called by the runtime for each decoded rpc/res payload (already a dict), on
+        # the link's reader: it only queues, never waits.
         cid = msg.get("c")
-        pending = self._pending.get(cid) if isinstance(cid, int) else None
-        if pending is None:
+        call = self._pending.get(cid) if isinstance(cid, int) else None
+        if call is None or call.finished:
             self.late += 1
             return
+        s = msg.get("s")
+        if not isinstance(s, int):
+            s = None
         if "ch" in msg:
-            if pending.on_chunk is not None:
-                try:
-                    pending.on_chunk(msg["ch"])
-                except Exception as e:  # a handler bug fails this call, not the link
-                    pending.error = RpcError("internal", "chunk handler failed: %r" % (e,))
-                    pending.done.set()
+            if s is not None and s <= call.got:
+                self.duplicates += 1
+                return
+            if s is not None and s != call.got + 1:
+                call.fail(RpcError("gap", "chunk %d came after chunk %d" % (s, call.got)))
+                return
+            if len(call.chunks) >= self.window:
+                # The bridge sent past the window it was given: the queue's bound.
+                call.fail(RpcError("overflow", "more chunks than the window of %d" % self.window))
+                return
+            call.got += 1
+            call.chunks.append(msg["ch"])
+            call.last = platform.ticks_ms()
+            call.ready.set()
+            return
+        if s is not None and s > call.got:
+            call.fail(RpcError("gap", "%d of %d chunks arrived" % (call.got, s)))
             return
         err = msg.get("err")
         if err is not None:
             kind = err.get("kind", "internal") if isinstance(err, dict) else "internal"
             text = err.get("msg", "") if isinstance(err, dict) else str(err)
-            pending.error = RpcError(kind, text)
-        else:
-            pending.result = msg.get("ok")
-        pending.done.set()
+            call.fail(RpcError(kind, text))
+            return
+        call.result = msg.get("ok")
+        call.finished = True
+        call.ready.set()
 
-    def new_connection(self, kind, msg):
-        # The session is clean, so answers sent while the link was down are gone: a
-        # call sent on an earlier connection fails now (the caller may retry) instead
-        # of at its timeout. Calls queued while the link was down go out on this one.
+    def new_connection(self, session_kept):
+        # Calls made on an earlier connection wait on when the broker kept our session
+        # (their answers were queued for us); otherwise those answers are gone and the
+        # calls fail now, as retryable, instead of at their timeout. Calls made while
+        # the link was down go out on this connection either way.
         self.epoch += 1
-        for pending in self._pending.values():
-            if pending.epoch < self.epoch:
-                pending.error = RpcError(kind, msg)
-                pending.done.set()
+        if session_kept:
+            return
+        for call in self._pending.values():
+            if call.epoch < self.epoch:
+                call.fail(RpcError("link", "the link to the bridge dropped during the call"))
+
+    def fail_all(self, kind, msg):
+        # The bridge went away: no call of ours will be answered.
+        for call in self._pending.values():
+            call.fail(RpcError(kind, msg))
+
+
+def _random30():
+    try:
+        import os
+        b = os.urandom(4)
+        return ((b[0] & 0x3F) << 24) | (b[1] << 16) | (b[2] << 8) | b[3]
+    except (ImportError, AttributeError, OSError):
+        import random
+        return random.getrandbits(30)

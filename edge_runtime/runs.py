@@ -1,7 +1,9 @@
 # Runs in the request domain: every request on P/d/D/req gets a fresh Run with its own
 # event ids. Admission is bounded (concurrency + a short queue); past that a request is
 # refused with a `busy` error event, never dropped silently. This module also routes
-# everything that arrives on the board's topics, so bad input is refused in one place.
+# everything that arrives on the board's topics, so bad input is refused in one place,
+# and keeps every event ring moving: an event the link could not take waits in its
+# run's ring and goes out when the link has room (pump_all).
 import sys
 
 from edge_runtime import codec, platform
@@ -22,6 +24,21 @@ _DEFAULT_CONCURRENCY = const(1)
 _DEFAULT_QUEUE = const(2)
 _DEFAULT_RING = const(16)
 _DEVICE_RING = const(8)
+# What the board receives: the receive buffer holds this much payload (hello `payload`).
+# 8 KiB fits a long request and a 2 KiB-heavy conversation turn while leaving a 128 KiB
+# board (a 96 KiB 32-bit one) room to run; settings `max_payload` changes it.
+_DEFAULT_RX = const(8192)
+# What the board sends: its encode buffer. An llm.complete call carries the whole
+# conversation, so it is larger than what the board receives.
+_DEFAULT_TX = const(16384)
+_DEFAULT_WINDOW = const(8)  # RPC chunks the bridge may send ahead of our acks
+_DEFAULT_CHUNK = const(512)  # text bytes per RPC chunk
+_DEFAULT_DELTA_CHARS = const(256)  # streamed text per msg.delta / reason.delta
+_DEFAULT_DELTA_MS = const(100)  # ...or after the oldest pending character waited this
+_DEFAULT_STALL_MS = const(30000)  # a run that cannot send its events this long fails
+# Outbox slots an event leaves free: room for RPC acks and calls, hello and status,
+# which keep the run and the link going while events wait.
+_EVENT_SPARE = const(4)
 _MAX_ID = const(64)  # req, conv, usr, run and call ids: echoed and kept, so bounded
 _RECENT_RUNS = const(2)
 _SEEN_REQS = const(16)
@@ -46,12 +63,15 @@ class Run:
 
     def __init__(self, runtime, run_id, msg):
         self.id = run_id
+        self.runtime = runtime
         self.agent = runtime.agent
         self.rpc = runtime.rpc
         self.req = msg["req"]
         self.input = msg["input"]
         self.conv = msg.get("conv")
         self.user = msg.get("usr")
+        self.delta_chars = runtime.delta_chars
+        self.delta_ms = runtime.delta_ms
         self.emitter = Emitter(run_id, runtime.encode, runtime.send_event, platform.time_ms,
                                runtime.ring_size)
         self.task = None
@@ -59,7 +79,16 @@ class Run:
         self.cancel_reason = None
 
     def emit(self, etype, d=None, node=None):
-        return self.emitter.emit(etype, d, node)
+        # Without waiting: a terminal event, say. What the link cannot take now waits
+        # in the ring and goes out later.
+        self.emitter.emit(etype, d, node)
+
+    async def event(self, etype, d=None, node=None):
+        # The way a run reports progress: wait (bounded) until the link can take the
+        # event and nothing of this run waits ahead of it, then emit. Back-pressure
+        # instead of loss: a slow link slows the run down.
+        await self.runtime.flow(self.emitter)
+        self.emitter.emit(etype, d, node)
 
     def check_cancelled(self):
         if self.cancel_reason is not None:
@@ -73,29 +102,41 @@ class Runtime:
         self.device = device
         prefix = settings.get("prefix", "wren/v1")
         self._base = "%s/d/%s/" % (prefix, device)
+        self._bridge_status = prefix + "/b/status"
+        rx = settings.get("max_payload", _DEFAULT_RX)
+        # What the board can receive (hello `limits`): the payload its receive buffer
+        # holds (the Link allocates it from this figure) and never a string longer.
         self.limits = {
-            "payload": settings.get("max_payload", codec.MAX_PAYLOAD),
-            "str": settings.get("max_str", codec.MAX_STR),
+            "payload": rx,
+            "str": min(rx, settings.get("max_str", codec.MAX_STR)),
             "items": settings.get("max_items", codec.MAX_ITEMS),
             "depth": settings.get("max_depth", codec.MAX_DEPTH),
             "ring": settings.get("ring", _DEFAULT_RING),
+            "window": settings.get("window", _DEFAULT_WINDOW),
+            "chunk": settings.get("chunk", _DEFAULT_CHUNK),
         }
+        self.max_send = settings.get("max_send", _DEFAULT_TX)
         self.ring_size = self.limits["ring"]
         self.concurrency = settings.get("concurrency", _DEFAULT_CONCURRENCY)
         self.max_queue = settings.get("queue", _DEFAULT_QUEUE)
+        self.delta_chars = max(1, settings.get("delta_chars", _DEFAULT_DELTA_CHARS))
+        self.delta_ms = max(1, settings.get("delta_ms", _DEFAULT_DELTA_MS))
+        self.stall_ms = settings.get("stall_ms", _DEFAULT_STALL_MS)
         # One encode buffer for everything the board sends; the link copies out of it.
-        self._encoder = codec.reserve(self.limits["payload"])
+        self._encoder = codec.reserve(self.max_send)
         self.link = None
-        self.rpc = RpcClient(self.publish_msg, self._base + "rpc", self._online)
+        self.rpc = RpcClient(self.publish_msg, self._base + "rpc", self._online,
+                             window=self.limits["window"], room=self._call_room)
         self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms,
                                      min(self.ring_size, _DEVICE_RING))
         self.active = {}
         self._recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
-        self._boot = "%08x" % _random32()
+        self.boot = "%08x" % _random32()
+        self._bridge_up = None  # the bridge's presence as last heard: None, True, False
         self._runs_started = 0
-        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0}
+        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0}
         self._routes = {"req": self._on_req, "ctl": self._on_ctl, "rpc/res": self.rpc.on_answer}
         self._ctl_ops = {"cancel": self._ctl_cancel, "replay": self._ctl_replay,
                          "tool": self._ctl_not_waiting, "approve": self._ctl_not_waiting}
@@ -106,28 +147,44 @@ class Runtime:
         self.link = link
         for leaf in ("req", "ctl", "rpc/res"):
             link.subscribe(self._base + leaf, _QOS1)
+        link.subscribe(self._bridge_status, _QOS1)
+
+    def link_settings(self):
+        # What the Link needs from the runtime: its receive buffer holds the payload
+        # announced in hello, and the outbox callbacks keep the rings moving.
+        return {"rx_size": self.limits["payload"] + 128, "max_packet": self.max_send + 128,
+                "on_message": self.on_message, "on_connect": self.on_connect,
+                "on_refused": self.on_refused, "on_room": self.pump_all,
+                "will": self.will(), "clean_session": False}
 
     def will(self):
-        return (self._base + "status", codec.encode({"st": "offline"}), _QOS1, True)
+        return (self._base + "status", codec.encode({"st": "offline", "boot": self.boot}),
+                _QOS1, True)
 
     def _online(self):
         return self.link is not None and self.link.connected
 
     def on_connect(self):
-        self.rpc.new_connection("link", "the link to the bridge dropped during the call")
+        self.rpc.new_connection(self.link.session_present)
         # Presence first (retained, so a dashboard that connects later sees it), then
         # the capabilities the bridge needs to serve this board.
         self.publish_msg(self._base + "status", {
             "st": "online", "fw": firmware(), "agent": self.agent.name,
-            "ver": self.agent.version, "heap": free_heap()}, _QOS1, True)
+            "ver": self.agent.version, "heap": free_heap(), "boot": self.boot}, _QOS1, True)
+        self.say_hello()
+        # The bridge's presence is heard again from its retained status.
+        self._bridge_up = None
+        self.pump_all()
+
+    def say_hello(self):
         self.publish_msg(self._base + "hello", {
             "agent": self.agent.name, "ver": self.agent.version, "fw": firmware(),
-            "fields": self.agent.fields, "tools": self.agent.describe(),
+            "boot": self.boot, "fields": self.agent.fields, "tools": self.agent.describe(),
             "limits": self.limits}, _QOS1)
 
     def encode(self, msg):
         # Through the one reserved buffer; the bytes copy is what the link keeps.
-        return bytes(self._encoder.pack(msg, self.limits["payload"]))
+        return bytes(self._encoder.pack(msg, self.max_send))
 
     def publish_msg(self, topic, msg, qos=0, retain=False):
         try:
@@ -138,23 +195,62 @@ class Runtime:
             return False
         return self._publish(topic, data, qos, retain)
 
-    def _publish(self, topic, data, qos, retain=False):
+    def _publish(self, topic, data, qos, retain=False, spare=0):
         if self.link is None:
             return False
         try:
-            self.link.publish(topic, data, qos, retain)
+            return self.link.publish(topic, data, qos, retain, spare)
         except ValueError as e:  # over the link's packet limit
             self.stats["unsendable"] += 1
             platform.log("cannot publish on", topic, e)
             return False
-        return True
 
     def send_event(self, data):
-        self._publish(self._base + "evt", data, _QOS1)
+        # The emitters' way out; False leaves the event waiting in its ring.
+        return self._publish(self._base + "evt", data, _QOS1, False, _EVENT_SPARE)
+
+    def pump_all(self):
+        # The link has room again (or a new connection): every ring with events the
+        # link has not taken sends them, oldest run first.
+        if not self.device_stream.pump():
+            return
+        for run in self.active.values():
+            if not run.emitter.pump():
+                return
+        for emitter in self._recent:
+            if not emitter.pump():
+                return
+
+    async def flow(self, emitter):
+        # A run waits here before each event until its ring has nothing waiting and the
+        # link can take one more. Bounded: a board that cannot publish for stall_ms
+        # fails the run (retryable), and its run.failed waits in the ring.
+        link = self.link
+        if link is None:
+            return
+        start = platform.ticks_ms()
+        while emitter.backlog or not link.room(_EVENT_SPARE):
+            if emitter.backlog and emitter.pump() and link.room(_EVENT_SPARE):
+                return
+            left = self.stall_ms - platform.ticks_diff(platform.ticks_ms(), start)
+            if left <= 0:
+                self.stats["stalled"] += 1
+                raise RunFailed("link", "the board could not send its events for %d s"
+                                % (self.stall_ms // 1000), True)
+            await link.wait_room(left, _EVENT_SPARE)
+
+    async def _call_room(self):
+        # An RPC call waits for outbox room like an event does (its own slots, though).
+        link = self.link
+        if link is not None and not link.room():
+            await link.wait_room(self.stall_ms)
 
     # --- input --------------------------------------------------------------------
 
     def on_message(self, topic, payload):
+        if topic == self._bridge_status:
+            self._on_bridge_status(payload)
+            return
         if not topic.startswith(self._base):
             self.refuse("bad_topic", "not this board's topic")
             return
@@ -165,14 +261,48 @@ class Runtime:
             return
         lim = self.limits
         try:
-            msg = codec.decode(payload, lim["payload"], lim["str"], lim["items"], lim["depth"])
+            try:
+                msg = codec.decode(payload, lim["payload"], lim["str"], lim["items"],
+                                   lim["depth"])
+            except MemoryError:
+                # Within the limits, so the heap is fragmented rather than short: one
+                # collection usually gives back a block of the size the decode needs.
+                platform.collect()
+                msg = codec.decode(payload, lim["payload"], lim["str"], lim["items"],
+                                   lim["depth"])
         except codec.CodecError as e:
             self.refuse(e.kind, "%s on %s" % (e, leaf))
+            return
+        except MemoryError:
+            self.refuse("no_memory", "no free heap to decode %d bytes on %s" % (len(payload), leaf))
             return
         if not isinstance(msg, dict):
             self.refuse("bad_envelope", "payload on %s is not a map" % leaf)
             return
         route(msg)
+
+    def on_refused(self, topic, size):
+        # The link read past a message too large for its receive buffer.
+        leaf = topic[len(self._base):] if topic.startswith(self._base) else topic
+        self.refuse("too_large", "a message of %d bytes on %s is over the %d-byte limit"
+                    % (size, _clip(leaf), self.limits["payload"]))
+
+    def _on_bridge_status(self, payload):
+        try:
+            msg = codec.decode(payload, 256)
+        except codec.CodecError:
+            return  # not ours to refuse: the bridge writes this topic, not a host
+        up = isinstance(msg, dict) and msg.get("st") == "online"
+        was = self._bridge_up
+        self._bridge_up = up
+        if not up and was is not False:
+            # Nobody will answer the calls in flight: fail them now (retryable) and let
+            # their runs end and free their slots, not wait out a timeout.
+            platform.log("bridge offline")
+            self.rpc.fail_all("bridge_offline", "the bridge went offline")
+        elif up and was is False:
+            # The bridge keeps what a board said in hello in memory: say it again.
+            self.say_hello()
 
     def refuse(self, kind, msg, extra=None):
         # Refused input becomes an error event on the device stream; the board goes on.
@@ -262,7 +392,7 @@ class Runtime:
 
     def _start(self, msg):
         self._runs_started += 1
-        run = Run(self, "%s.%d" % (self._boot, self._runs_started), msg)
+        run = Run(self, "%s.%d" % (self.boot, self._runs_started), msg)
         self.active[run.id] = run
         run.task = platform.asyncio.create_task(self._drive(run))
 

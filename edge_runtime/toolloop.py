@@ -44,6 +44,64 @@ async def _run_tool(tool, input_text):
         return "%s: %s" % (type(e).__name__, e), True
 
 
+class _Deltas:
+    # One assistant turn's streamed text and reasoning, coalesced into msg.delta and
+    # reason.delta events: sent when delta_chars are pending (in pieces of that size)
+    # or once the oldest pending character has waited delta_ms, and before any other
+    # event. A model streams tokens of a few characters; an event per token would be
+    # hundreds of events (and ring slots, and MQTT messages) per answer.
+
+    def __init__(self, run, m):
+        self.run = run
+        self.m = m
+        self.kind = None  # "msg.delta" or "reason.delta" while something is pending
+        self.parts = []
+        self.n = 0
+        self.since = 0
+        self.text = []  # the turn's assistant text, in sent pieces, for the conversation
+
+    def wait_ms(self, idle_ms):
+        # How long the caller may wait for the next chunk before pending text is due.
+        if not self.n:
+            return idle_ms
+        return max(1, self.run.delta_ms - platform.ticks_diff(platform.ticks_ms(), self.since))
+
+    async def add(self, kind, text):
+        if kind != self.kind:
+            await self.flush()
+            self.kind = kind
+        if not self.n:
+            self.since = platform.ticks_ms()
+        self.parts.append(text)
+        self.n += len(text)
+        if self.n >= self.run.delta_chars:
+            await self.flush(False)
+        elif platform.ticks_diff(platform.ticks_ms(), self.since) >= self.run.delta_ms:
+            await self.flush()
+
+    async def flush(self, everything=True):
+        # Full pieces of delta_chars go out; the rest too unless more may come soon.
+        if not self.n:
+            return
+        size = self.run.delta_chars
+        text = "".join(self.parts) if len(self.parts) > 1 else self.parts[0]
+        end = len(text) if everything else len(text) - len(text) % size
+        self.parts = [text[end:]] if end < len(text) else []
+        self.n = len(text) - end
+        for k in range(0, end, size):
+            piece = text[k:k + size]
+            if self.kind == "msg.delta":
+                self.text.append(piece)
+            await self.run.event(self.kind, {"m": self.m, "text": piece})
+        if self.n:
+            self.since = platform.ticks_ms()
+
+
+# How long the loop waits for a chunk when no text is pending (the call's own timeout
+# bounds the whole wait; this only paces checks for a cancel).
+_IDLE_MS = const(1000)
+
+
 async def model_loop(run):
     agent = run.agent
     messages = [{"role": "system", "content": agent.instructions},
@@ -54,33 +112,43 @@ async def model_loop(run):
         run.check_cancelled()
         platform.collect()
         m = step + 1
-        parts = []
         calls = []
-
-        def on_chunk(ch):
-            if not isinstance(ch, dict):
-                return
-            text = ch.get("text")
-            if text:
-                parts.append(text)
-                run.emit("msg.delta", {"m": m, "text": text})
-            elif ch.get("reason"):
-                run.emit("reason.delta", {"m": m, "text": ch["reason"]})
-            elif isinstance(ch.get("tool"), dict):
-                calls.append(ch["tool"])
-
-        run.emit("msg.start", {"m": m, "role": "assistant"})
+        await run.event("msg.start", {"m": m, "role": "assistant"})
         args = {"messages": messages, "tools": specs}
         if agent.model:
             args["model"] = agent.model
         if agent.max_tokens:
             args["max_tokens"] = agent.max_tokens
+        deltas = _Deltas(run, m)
         try:
-            final = await run.rpc.call("llm.complete", args, run.id, on_chunk)
+            call = await run.rpc.start("llm.complete", args, run.id)
+            try:
+                while True:
+                    ch = await call.next(deltas.wait_ms(_IDLE_MS))
+                    if ch is None:
+                        if call.done:
+                            break
+                        if deltas.n:
+                            await deltas.flush()
+                        continue
+                    if not isinstance(ch, dict):
+                        continue
+                    if isinstance(ch.get("text"), str) and ch["text"]:
+                        await deltas.add("msg.delta", ch["text"])
+                    elif isinstance(ch.get("reason"), str) and ch["reason"]:
+                        await deltas.add("reason.delta", ch["reason"])
+                    elif isinstance(ch.get("tool"), dict):
+                        await deltas.flush()
+                        calls.append(ch["tool"])
+                await deltas.flush()
+                final = call.result
+            finally:
+                run.rpc.end(call)
         except RpcError as e:
+            await deltas.flush()
             run.emit("msg.end", {"m": m})
             raise RunFailed("llm", "the model is unavailable (%s)" % e.kind, True)
-        run.emit("msg.end", {"m": m})
+        await run.event("msg.end", {"m": m})
         if not isinstance(final, dict):
             final = {}
         got = final.get("usage")
@@ -90,7 +158,8 @@ async def model_loop(run):
             value = got.get(key)
             if isinstance(value, int):
                 usage[key] += value
-        reply = {"role": "assistant", "content": "".join(parts)}
+        reply = {"role": "assistant", "content": "".join(deltas.text)}
+        deltas = None
         if calls:
             reply["tools"] = calls
         messages.append(reply)
@@ -106,12 +175,12 @@ async def model_loop(run):
             cid = call.get("call")
             input_text = call.get("input") or "{}"
             tool = agent.tools.get(name) if isinstance(name, str) else None
-            run.emit("tool.call", {"call": cid, "name": name, "input": input_text,
-                                   "client": False})
+            await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
+                                          "client": False})
             if tool is None:
                 output, failed = "no tool named %s" % name, True
             else:
                 output, failed = await _run_tool(tool, input_text)
-            run.emit("tool.result", {"call": cid, "output": output, "failed": failed})
+            await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
             messages.append({"role": "tool", "call": cid, "content": output})
     raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)

@@ -3,50 +3,66 @@ from edge_runtime.events import Emitter
 from firmware_tests.support import raises
 
 
-def _emitter(ring=3):
-    sent = []
+class Outbox:
+    # The link's side of an emitter: takes events while it has room, like Link.publish.
+    def __init__(self, room=1000):
+        self.sent = []
+        self.room = room
+
+    def send(self, data):
+        if len(self.sent) >= self.room:
+            return False
+        self.sent.append(data)
+        return True
+
+    def ids(self):
+        return [codec.decode(b)["i"] for b in self.sent]
+
+
+def _emitter(ring=3, room=1000):
+    out = Outbox(room)
     clock = [1000]
 
     def tick():
         clock[0] += 1
         return clock[0]
 
-    return Emitter("b00t.1", codec.encode, sent.append, tick, ring), sent
+    return Emitter("b00t.1", codec.encode, out.send, tick, ring), out
 
 
 def test_ids_count_from_one_without_gaps_and_go_out_encoded():
-    em, sent = _emitter()
+    em, out = _emitter()
     em.emit("run.started", {"agent": "a"})
     em.emit("msg.delta", {"m": 1, "text": "hi"}, node="plan")
-    got = [codec.decode(b) for b in sent]
+    got = [codec.decode(b) for b in out.sent]
     assert [e["i"] for e in got] == [1, 2]
     assert got[1] == {"r": "b00t.1", "i": 2, "t": "msg.delta", "ts": 1002, "d": {"m": 1, "text": "hi"},
                       "n": "plan"}
 
 
 def test_unknown_type_is_a_programming_error():
-    em, sent = _emitter()
+    em, out = _emitter()
     raises(ValueError, em.emit, "msg.teleport")
-    assert sent == [] and em.last_id == 0
+    assert out.sent == [] and em.last_id == 0
 
 
 def test_replay_within_the_ring_resends_exact_bytes():
-    em, sent = _emitter(ring=3)
+    em, out = _emitter(ring=3)
     for n in range(3):
         em.emit("msg.delta", {"m": 1, "text": str(n)})
-    first = list(sent)
-    del sent[:]
+    first = list(out.sent)
+    del out.sent[:]
     em.replay(1)
-    assert sent == first[1:]
+    assert out.sent == first[1:]
 
 
 def test_replay_past_the_ring_reports_the_lost_ids_as_a_gap():
-    em, sent = _emitter(ring=3)
+    em, out = _emitter(ring=3)
     for n in range(6):
         em.emit("msg.delta", {"m": 1, "text": str(n)})
-    del sent[:]
+    del out.sent[:]
     em.replay(0)
-    got = [codec.decode(b) for b in sent]
+    got = [codec.decode(b) for b in out.sent]
     assert [e["i"] for e in got] == [4, 5, 6, 7]
     gap = got[-1]
     assert gap["t"] == "error" and gap["d"]["kind"] == "gap"
@@ -54,19 +70,59 @@ def test_replay_past_the_ring_reports_the_lost_ids_as_a_gap():
 
 
 def test_replay_after_the_last_id_sends_nothing():
-    em, sent = _emitter()
+    em, out = _emitter()
     em.emit("run.done", {"usage": {}})
-    del sent[:]
+    del out.sent[:]
     em.replay(1)
-    assert sent == []
+    assert out.sent == []
 
 
 def test_an_event_that_cannot_be_encoded_spends_no_id():
-    em, sent = _emitter()
+    em, out = _emitter()
     em.emit("msg.delta", {"m": 1, "text": "ok"})
     raises(codec.TooLarge, em.emit, "tool.result", {"call": "c", "output": "x" * 20000})
     em.emit("run.done", {"usage": {}})
-    assert [codec.decode(b)["i"] for b in sent] == [1, 2]
-    del sent[:]
+    assert out.ids() == [1, 2]
+    del out.sent[:]
     em.replay(0)
-    assert [codec.decode(b)["t"] for b in sent] == ["msg.delta", "run.done"]
+    assert [codec.decode(b)["t"] for b in out.sent] == ["msg.delta", "run.done"]
+
+
+def test_an_event_the_link_cannot_take_waits_in_the_ring_and_goes_out_in_order():
+    em, out = _emitter(ring=4, room=1)
+    for n in range(3):
+        em.emit("msg.delta", {"m": 1, "text": str(n)})
+    assert out.ids() == [1] and em.backlog == 2 and em.lost == 0
+    assert not em.pump()  # still no room: nothing moves, nothing is lost
+    out.room = 10
+    assert em.pump()
+    assert out.ids() == [1, 2, 3] and em.backlog == 0
+
+
+def test_events_overwritten_before_the_link_took_them_are_reported_as_a_gap():
+    em, out = _emitter(ring=2, room=1)
+    for n in range(5):
+        em.emit("msg.delta", {"m": 1, "text": str(n)})
+    # Ids 2 and 3 were overwritten in the ring before the link had room for them.
+    assert em.lost == 2
+    out.room = 10
+    assert em.pump()
+    got = [codec.decode(b) for b in out.sent]
+    assert [e["i"] for e in got] == [1, 4, 5, 6]
+    assert got[-1]["t"] == "error" and (got[-1]["d"]["from"], got[-1]["d"]["to"]) == (2, 3)
+
+
+def test_a_gap_report_waits_until_nothing_else_does():
+    # The report goes out only once nothing waits, so its ring slot held a sent event.
+    em, out = _emitter(ring=2, room=1)
+    for n in range(4):
+        em.emit("msg.delta", {"m": 1, "text": str(n)})
+    assert em.lost == 1  # id 2, overwritten by id 4
+    out.room = 2  # room for one more event: the waiting id 3, not yet the report
+    em.pump()
+    assert out.ids() == [1, 3] and em.backlog == 1
+    out.room = 10
+    assert em.pump()
+    got = [codec.decode(b) for b in out.sent]
+    assert [e["i"] for e in got] == [1, 3, 4, 5] and em.lost == 1
+    assert got[-1]["t"] == "error" and (got[-1]["d"]["from"], got[-1]["d"]["to"]) == (2, 2)

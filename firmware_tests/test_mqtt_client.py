@@ -1,7 +1,8 @@
 # The Link against a real broker (the session's Mosquitto, address from
 # WREN_TEST_BROKER): publish/subscribe, QoS 1 redelivery across a cut connection,
-# the last will, and outbox overflow. The other MQTT clients here are Links too, so
-# the module runs unchanged on the MicroPython unix port.
+# the last will, a full outbox, messages over the receive buffer, a persistent
+# session, and a MemoryError in each of the link's tasks. The other MQTT clients here
+# are Links too, so the module runs unchanged on the MicroPython unix port.
 import random
 import sys
 
@@ -60,7 +61,7 @@ def _collector():
     got = []
 
     def on_message(topic, payload):
-        got.append((topic, payload))
+        got.append((topic, bytes(payload)))  # a view of the receive buffer: copied
 
     return got, on_message
 
@@ -224,7 +225,7 @@ def test_last_will_is_published_when_the_connection_drops():
     run(main())
 
 
-def test_outbox_overflow_drops_the_oldest_and_counts_it():
+def test_a_full_outbox_refuses_and_loses_nothing_it_took():
     base = _base()
     topic = base + "/evt"
 
@@ -233,15 +234,21 @@ def test_outbox_overflow_drops_the_oldest_and_counts_it():
         sub = _link("sub", on_message=on_message)
         sub.subscribe(topic, 1)
         dev = _link("dev", outbox_size=4)
-        for i in range(10):  # while the link is not running: all of it waits
-            dev.publish(topic, ("m%d" % i).encode(), 1)
-        assert dev.stats["dropped"] == 6 and dev.pending == 4
+        # While the link is not running, four wait; the rest are refused, not dropped
+        # in place of older ones. `spare` keeps slots for others.
+        taken = [dev.publish(topic, ("m%d" % i).encode(), 1) for i in range(6)]
+        assert taken == [True, True, True, True, False, False]
+        assert dev.stats["refused"] == 2 and dev.pending == 4
+        assert not dev.room() and not dev.publish(topic, b"x", 1, spare=2)
+        rooms = []
+        dev.on_room = lambda: rooms.append(1)
 
         async def body():
+            assert await dev.wait_room(WAIT_MS, spare=3)  # the sender empties it
             await _until(lambda: len(got) == 4, "four messages")
-            assert [p for _, p in got] == [b"m6", b"m7", b"m8", b"m9"]
+            assert [p for _, p in got] == [b"m0", b"m1", b"m2", b"m3"]
+            assert rooms, "on_room was not called after a refusal"
             await _until(lambda: dev.pending == 0, "PUBACKs")
-            assert dev.stats["dropped"] == 6
 
         sub_task = asyncio.create_task(sub.run())
         try:
@@ -250,5 +257,96 @@ def test_outbox_overflow_drops_the_oldest_and_counts_it():
         finally:
             sub.stop()
             await wait_for_ms(sub_task, WAIT_MS)
+
+    run(main())
+
+
+def test_a_message_over_the_receive_buffer_is_read_past_and_the_link_stays_up():
+    base = _base()
+    topic = base + "/req"
+
+    async def main():
+        got, on_message = _collector()
+        refused = []
+        small = _link("small", rx_size=1024, on_message=on_message,
+                      on_refused=lambda t, n: refused.append((t, n)))
+        small.subscribe(topic, 1)
+        pub = _link("pub", max_packet=40000)
+
+        async def body():
+            pub.publish(topic, b"A" * 20000, 1)
+            pub.publish(topic, b"after", 1)
+            await _until(lambda: got, "the message after the oversized one")
+            assert got == [(topic, b"after")]
+            assert len(refused) == 1 and refused[0][0] == topic and refused[0][1] > 20000
+            assert small.stats["oversized"] == 1 and small.stats["reconnects"] == 0
+            assert small.max_payload < 1024
+
+        await _with([small, pub], body)
+
+    run(main())
+
+
+def test_a_persistent_session_keeps_what_was_sent_while_away():
+    base = _base()
+    topic = base + "/req"
+    cid = "persist-%06x" % random.getrandbits(24)
+
+    async def main():
+        host, port = _broker()
+        got, on_message = _collector()
+        first = Link(cid, host, port, clean_session=False, on_message=on_message)
+        first.subscribe(topic, 1)
+        pub = _link("pub")
+        await _with([first], _nothing)
+        # `first` is gone (its session kept by the broker); this waits for it there.
+        await _with([pub], lambda: _publish_acked(pub, topic, b"while away"))
+        again = Link(cid, host, port, clean_session=False, on_message=on_message)
+        again.subscribe(topic, 1)
+
+        async def body():
+            assert again.session_present
+            await _until(lambda: got, "the message queued while away")
+            assert got == [(topic, b"while away")]
+
+        await _with([again], body)
+        # Leave no session behind on the shared test broker.
+        await _with([Link(cid, host, port, clean_session=True)], _nothing)
+
+    run(main())
+
+
+async def _nothing():
+    pass
+
+
+async def _publish_acked(link, topic, payload):
+    link.publish(topic, payload, 1)
+    await _until(lambda: link.pending == 0, "the PUBACK")
+
+
+def test_a_memory_error_in_any_link_task_ends_the_connection_and_it_comes_back():
+    base = _base()
+    topic = base + "/x"
+
+    async def main():
+        got, on_message = _collector()
+        dev = _link("dev", keepalive=1, on_message=on_message)
+        dev.subscribe(topic, 1)
+
+        async def body():
+            for n, task in enumerate(("read", "watch", "send")):
+                dev.fault = task
+                # The reader meets its fault at the next packet: a PINGRESP within a
+                # keepalive, or this message; the sender at its next wake-up.
+                dev.publish(topic, ("before %s" % task).encode(), 1)
+                await _until(lambda: dev.stats["reconnects"] == n + 1, "a reconnect after " + task)
+                assert dev.fault is None
+                assert await dev.wait_connected(WAIT_MS), "no reconnect after " + task
+                dev.publish(topic, ("after %s" % task).encode(), 1)
+                await _until(lambda: (topic, ("after %s" % task).encode()) in got,
+                             "a round trip after " + task)
+
+        await _with([dev], body)
 
     run(main())

@@ -297,7 +297,7 @@ def test_link_session_byte_for_byte_with_a_reconnect():
         ups = []
         link = Link("wren-1", "127.0.0.1", peer.port, user="dev1", password="s3cret",
                     keepalive=30, will=WILL, backoff_ms=(10, 40),
-                    on_message=lambda t, p: got.append((t, p)),
+                    on_message=lambda t, p: got.append((t, bytes(p))),
                     on_connect=lambda: ups.append(1))
         link.subscribe("a/b", 1)
         task = asyncio.create_task(link.run())
@@ -375,12 +375,15 @@ def test_refusal_and_protocol_errors_lead_to_reconnect():
         got = []
 
         def on_message(topic, payload):
+            payload = bytes(payload)  # a view of the receive buffer until copied
             got.append(payload)
             if payload == b"boom":
                 raise ValueError("application bug")  # logged; the link carries on
 
+        refused = []
         link = Link("r", "127.0.0.1", peer.port, keepalive=0, backoff_ms=(10, 40),
-                    max_packet=100, on_message=on_message)
+                    rx_size=64, on_message=on_message,
+                    on_refused=lambda t, n: refused.append((t, n)))
         hello = "10 0d 00 04 4d 51 54 54 04 02 00 00 00 01 72"
         task = asyncio.create_task(link.run())
         try:
@@ -400,7 +403,14 @@ def test_refusal_and_protocol_errors_lead_to_reconnect():
             await c.expect(hello)
             await c.send("20 02 00 00")
             assert await link.wait_connected(WAIT_MS)
-            await c.send("30 65")                             # 101 bytes > max_packet 100
+            # A PUBLISH over the 64-byte receive buffer: read past, acknowledged,
+            # reported; the connection stays.
+            await c.send("32 50 00 01 61 00 07" + " 78" * 75)   # QoS 1 id 7, 80 bytes
+            await c.expect("40 02 00 07")
+            assert refused == [("a", 80)] and link.connected
+            await c.send("30 03 00 01 61")                    # and the stream is in step
+            await _until(lambda: got[-1] == b"")
+            await c.send("90 c8 01")                          # any other packet over it
             c = await peer.accept()
             await c.expect(hello)
             await c.send("20 02 00 00")
@@ -419,15 +429,18 @@ def test_refusal_and_protocol_errors_lead_to_reconnect():
     run(main())
 
 
-def test_outbox_keeps_the_newest_and_copies_reused_buffers():
+def test_a_full_outbox_refuses_and_copies_reused_buffers():
     async def main():
         peer = await Peer().start()
         link = Link("o", "127.0.0.1", peer.port, keepalive=0, outbox_size=3, backoff_ms=(10, 40))
         buf = bytearray(b"m0")
+        taken = []
         for i in range(5):
             buf[1] = 0x30 + i
-            link.publish("q", memoryview(buf))  # the same buffer every time, as runs.py does
-        assert link.stats["dropped"] == 2 and link.pending == 3
+            # The same buffer every time, as runs.py does.
+            taken.append(link.publish("q", memoryview(buf)))
+        assert taken == [True, True, True, False, False]
+        assert link.stats["refused"] == 2 and link.pending == 3
         raises(ValueError, link.publish, "a/+", b"")
         raises(ValueError, Link("s", "127.0.0.1", 1, max_packet=64).publish, "q", b"x" * 64)
         task = asyncio.create_task(link.run())
@@ -435,7 +448,7 @@ def test_outbox_keeps_the_newest_and_copies_reused_buffers():
             c = await peer.accept()
             await c.expect("10 0d 00 04 4d 51 54 54 04 02 00 00 00 01 6f")
             await c.send("20 02 00 00")
-            for i in (2, 3, 4):  # the oldest two were dropped, the rest go in order
+            for i in (0, 1, 2):  # what was taken goes, in order; nothing was replaced
                 await c.expect("30 05 00 01 71 6d 3%d" % i)
             await _stop(link, task, c)
             assert link.stats["sent"] == 3

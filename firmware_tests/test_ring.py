@@ -23,3 +23,12 @@ def test_ring_pops_oldest_first_and_empties():
 
 def test_ring_rejects_zero_capacity():
     raises(ValueError, Ring, 0)
+
+
+def test_ring_at_indexes_from_the_oldest():
+    r = Ring(3)
+    for i in range(4):
+        r.push(i)
+    assert [r.at(k) for k in range(3)] == [1, 2, 3]
+    raises(IndexError, r.at, 3)
+    raises(IndexError, r.at, -1)

@@ -39,6 +39,8 @@ SCRIPT = [
 
 
 class ScriptedBridge:
+    # Plays the bridge's side of the contract: numbered chunks, never more than the
+    # board's window past its acks, the final answer counting the chunks.
     def __init__(self, device, script, answer_rpc=True):
         host, port = broker_address()
         self.base = P + device + "/"
@@ -46,50 +48,81 @@ class ScriptedBridge:
         self.answer_rpc = answer_rpc
         self.events = []
         self.calls = []
-        self.link = Link("bridge-" + device, host, port, on_message=self.on_message)
+        self.acks = {}  # call id -> the highest chunk the board acknowledged
+        self.sent = {}  # call id -> chunks sent
+        self.link = Link("bridge-" + device, host, port, on_message=self.on_message,
+                         rx_size=10240, outbox_size=32, max_packet=40000)
         self.link.subscribe(self.base + "evt", 1)
         self.link.subscribe(self.base + "rpc", 1)
         self.link.subscribe(self.base + "hello", 1)
-        self.hello = None
+        self.hellos = []
+
+    @property
+    def hello(self):
+        return self.hellos[-1] if self.hellos else None
 
     def on_message(self, topic, payload):
         msg = codec.decode(payload)
         if topic.endswith("/evt"):
             self.events.extend(msg if isinstance(msg, list) else [msg])
         elif topic.endswith("/hello"):
-            self.hello = msg
+            self.hellos.append(msg)
         elif topic.endswith("/rpc"):
+            if "ack" in msg and "m" not in msg:
+                self.acks[msg["c"]] = max(self.acks.get(msg["c"], 0), msg["ack"])
+                return
             self.calls.append(msg)
             if self.answer_rpc:
                 self.answer(msg)
 
     def answer(self, call):
+        platform.asyncio.create_task(self._answer(call))
+
+    async def _answer(self, call):
         turn = sum(1 for m in call["a"]["messages"] if m["role"] == "assistant")
-        res = self.base + "rpc/res"
+        c = call["c"]
         if turn >= len(self.script):
-            self.link.publish(res, codec.encode({"c": call["c"], "err": {"kind": "llm", "msg": "script exhausted"}}), 1)
+            await self.put("rpc/res", {"c": c, "s": 0, "err": {"kind": "llm", "msg": "script exhausted"}})
             return
         finish = "tool_calls" if any("tool" in s for s in self.script[turn]) else "stop"
+        window = self.hello["limits"]["window"]
+        n = 0
         for step in self.script[turn]:
             if "finish" in step:  # a step that only sets the final answer's finish
                 finish = step["finish"]
                 continue
-            self.link.publish(res, codec.encode({"c": call["c"], "ch": step}), 1)
-        self.link.publish(res, codec.encode({"c": call["c"], "ok": {"usage": {"in": 10, "out": 5, "reason": 0},
-                                                                   "finish": finish}}), 1)
+            n += 1
+            await self.wait_for(lambda: n - self.acks.get(c, 0) <= window)
+            await self.put("rpc/res", {"c": c, "s": n, "ch": step})
+            self.sent[c] = n
+        await self.put("rpc/res", {"c": c, "s": n, "ok": {"usage": {"in": 10, "out": 5, "reason": 0},
+                                                         "finish": finish}})
+
+    async def put(self, leaf, msg_or_bytes):
+        # Waits for room in the outbox: a long script is more than it holds.
+        assert await self.link.wait_room(10000), "the scripted bridge's outbox stayed full"
+        self.send(leaf, msg_or_bytes)
 
     def send(self, leaf, msg_or_bytes):
         data = msg_or_bytes if isinstance(msg_or_bytes, bytes) else codec.encode(msg_or_bytes)
-        self.link.publish(self.base + leaf, data, 1)
+        assert self.link.publish(self.base + leaf, data, 1), "the scripted bridge's outbox is full"
 
     def of_run(self, run_id):
-        return sorted((e for e in self.events if e["r"] == run_id), key=lambda e: e["i"])
+        # By id, each once: a resend after a reconnect may deliver an event twice.
+        seen = {}
+        for e in self.events:
+            if e["r"] == run_id:
+                seen[e["i"]] = e
+        return [seen[i] for i in sorted(seen)]
+
+    def ended(self, t="run.done"):
+        return [e for e in self.events if e["t"] == t]
 
     async def wait_for(self, pred, ms=10000):
         waited = 0
         while not pred():
             if waited >= ms:
-                raise AssertionError("timed out; events: %r" % (self.events,))
+                raise AssertionError("timed out; events: %r" % (self.events[-20:],))
             await platform.sleep_ms(20)
             waited += 20
 
@@ -98,8 +131,9 @@ async def _with_board(device, body, script=SCRIPT, settings=None, agent=None):
     host, port = broker_address()
     bridge = ScriptedBridge(device, script)
     runtime = Runtime(agent or _agent(), device, settings or {})
-    link = Link(device, host, port, will=runtime.will(), on_message=runtime.on_message,
-                on_connect=runtime.on_connect)
+    # Wired as board.py wires a board: the runtime's receive buffer, callbacks, last will
+    # and persistent session.
+    link = Link(device, host, port, backoff_ms=(50, 200), **runtime.link_settings())
     runtime.attach(link)
     tasks = [platform.asyncio.create_task(bridge.link.run()), platform.asyncio.create_task(link.run())]
     try:
@@ -115,6 +149,12 @@ async def _with_board(device, body, script=SCRIPT, settings=None, agent=None):
                 await platform.wait_for_ms(t, 3000)
             except Exception:
                 t.cancel()
+        # The board's session is persistent: leave none behind on the shared broker.
+        clean = Link(device, host, port, clean_session=True)
+        t = platform.asyncio.create_task(clean.run())
+        await clean.wait_connected(5000)
+        clean.stop()
+        await platform.wait_for_ms(t, 3000)
 
 
 def _types(events):
@@ -128,14 +168,16 @@ def test_one_request_runs_the_tool_loop_to_done():
         run_id = bridge.events[0]["r"]
         events = bridge.of_run(run_id)
         assert [e["i"] for e in events] == list(range(1, len(events) + 1))
-        assert _types(events) == ["run.started", "msg.start", "msg.delta", "msg.delta", "msg.end",
+        # The two text chunks of the first turn are coalesced into one msg.delta.
+        assert _types(events) == ["run.started", "msg.start", "msg.delta", "msg.end",
                                   "tool.call", "tool.result", "msg.start", "msg.delta", "msg.end",
                                   "run.done"]
         started = events[0]["d"]
         assert started["req"] == "q1" and started["input"] == "How warm is it?"
         assert started["domain"] == "request" and started["agent"] == "thermostat"
-        assert events[5]["d"] == {"call": "c1", "name": "read_temperature", "input": "{}", "client": False}
-        assert events[6]["d"] == {"call": "c1", "output": "21.5", "failed": False}
+        assert events[2]["d"] == {"m": 1, "text": "Let me check."}
+        assert events[4]["d"] == {"call": "c1", "name": "read_temperature", "input": "{}", "client": False}
+        assert events[5]["d"] == {"call": "c1", "output": "21.5", "failed": False}
         assert events[-1]["d"]["usage"] == {"in": 20, "out": 10, "reason": 0}
         # The second model call carried the tool result back in the conversation.
         second = bridge.calls[1]["a"]["messages"]
@@ -143,6 +185,11 @@ def test_one_request_runs_the_tool_loop_to_done():
         assert second[-2]["tools"][0]["name"] == "read_temperature"
         # MicroPython dicts keep no insertion order, so the tools are compared as a set.
         assert sorted(t["name"] for t in bridge.hello["tools"]) == ["explode", "read_temperature"]
+        # Hello says what the board can receive and its boot, which run ids begin with.
+        limits = bridge.hello["limits"]
+        assert limits["payload"] == 8192 and limits["str"] == 8192
+        assert limits["window"] == 8 and limits["chunk"] == 512
+        assert run_id.split(".")[0] == bridge.hello["boot"] == runtime.boot
 
     run(_with_board("tb-loop", body))
 
@@ -290,17 +337,41 @@ def test_tool_input_must_be_a_json_object():
     run(_with_board("tb-json", body, script))
 
 
-def test_a_call_pending_when_the_link_drops_fails_at_once_and_retryable():
+def test_a_call_waits_across_a_reconnect_when_the_broker_kept_the_session():
+    async def body(bridge, runtime):
+        bridge.answer_rpc = False
+        bridge.send("req", {"req": "keep1", "input": "x"})
+        await bridge.wait_for(lambda: len(bridge.calls) == 1)
+        runtime.link.reconnect("test cuts the link")
+        # The answer is sent while the board may be away: it waits in its session.
+        bridge.answer_rpc = True
+        bridge.answer(bridge.calls[0])
+        await bridge.wait_for(lambda: bridge.ended() or bridge.ended("run.failed"), 15000)
+        assert bridge.ended() and not bridge.ended("run.failed")
+        assert runtime.link.session_present
+
+    run(_with_board("tb-keep", body))
+
+
+def test_a_call_fails_at_once_and_retryable_when_the_session_was_lost():
     async def body(bridge, runtime):
         bridge.answer_rpc = False
         bridge.send("req", {"req": "drop1", "input": "x"})
         await bridge.wait_for(lambda: len(bridge.calls) == 1)
-        runtime.link.reconnect("test cuts the link")
+        # Another client with the board's id and a clean session takes the connection
+        # over and wipes the session: the answers the call waits for can never come.
+        host, port = broker_address()
+        thief = Link(runtime.device, host, port, clean_session=True)
+        t = platform.asyncio.create_task(thief.run())
+        assert await thief.wait_connected(5000)
+        thief.stop()
+        await platform.wait_for_ms(t, 3000)
         # Far sooner than the 120 s call timeout: the reconnect itself fails the call.
-        await bridge.wait_for(lambda: any(e["t"] == "run.failed" for e in bridge.events), 15000)
-        failed = [e for e in bridge.events if e["t"] == "run.failed"][0]["d"]
+        await bridge.wait_for(lambda: bridge.ended("run.failed"), 15000)
+        failed = bridge.ended("run.failed")[0]["d"]
         assert failed["err"]["kind"] == "llm" and failed["retryable"] is True
         assert "link" in failed["err"]["msg"]
+        assert not runtime.link.session_present and runtime.active == {}
 
     run(_with_board("tb-drop", body))
 
@@ -352,7 +423,7 @@ def test_a_call_too_large_to_send_fails_at_once():
         assert bridge.calls == []
         assert runtime.active == {}
 
-    run(_with_board("tb-big", body, settings={"max_payload": 600}))
+    run(_with_board("tb-big", body, settings={"max_send": 600}))
 
 
 def test_cancel_before_the_run_begins_still_frees_its_slot():
