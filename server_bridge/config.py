@@ -49,6 +49,11 @@ class BridgeConfig:
     rpc_workers: int = 8
     rpc_max_inflight: int = 64
     rpc_max_inflight_per_device: int = 4
+    # A provider's tiny text and reasoning chunks are merged before they go to a board:
+    # held until the board's `chunk` bytes are pending or the oldest has waited this
+    # long (PROTOCOL.md "RPC", merge_ms). Fewer, fuller messages for the board to read;
+    # the wait is what a reader of a live stream does not notice.
+    rpc_merge_s: float = 0.05
     # Several bridge processes share P/d/+/rpc through $share/bridge/...: an RPC call is
     # answered by whichever process gets it. Events are not shared: each process tracks
     # the ids of every run to find gaps, and events of one run spread over processes
@@ -80,6 +85,8 @@ class BridgeConfig:
         for name in ("connect_timeout_s", "llm_timeout_s", "rpc_timeout_s", "replay_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.rpc_merge_s < 0:
+            raise ValueError("rpc_merge_s must be >= 0")
         for name in (
             "rpc_workers",
             "rpc_max_inflight",

@@ -6,17 +6,39 @@ and a refusal is answered at once); the handler runs on a worker pool, because a
 call can take a minute and paho's network thread must keep reading the socket — keepalive,
 other boards' events and other calls all depend on it.
 
-A handler streams chunks through `emit` (each sent as `{c, ch}`) and returns the final
-answer (sent as `{c, ok}`); it raises `RpcError(kind, msg)` for an answer `{c, err}`.
-Each call gets exactly one final answer: the handler's, or a timeout error if it is too
-slow, never both — and no chunk is sent after the final answer. A call that waited in the
-pool's queue past its deadline is answered with the timeout error without running: its
-board has given up on it, and running the model would only spend money and a worker.
+A handler streams chunks through `emit` (each sent as `{c, s, ch}`, s = 1, 2, 3 ... per
+call) and returns the final answer (sent as `{c, s, ok}`, s = the chunks sent before it);
+it raises `RpcError(kind, msg)` for an answer `{c, s, err}`. Each call gets exactly one
+final answer: the handler's, or a timeout error if it is too slow, never both — and no
+chunk is sent after the final answer. A call that waited in the pool's queue past its
+deadline is answered with the timeout error without running: its board has given up on
+it, and running the model would only spend money and a worker. Refusals before a call
+starts (undecodable, unknown method, bad arguments, `busy`) carry no `s`.
+
+Pacing (PROTOCOL.md "RPC"). A provider may stream thousands of one-token chunks faster
+than a board reads them; sent as they come, they pile up in the broker's queue for the
+board until it drops some. So:
+- The board acknowledges what it has consumed with `{c, ack: s}`, and a call never has
+  more than the board's `window` chunks beyond the last acknowledged one: the worker
+  waits (bounded by the call's deadline) and the board sets the pace.
+- Text and reasoning are merged: held per call, one kind at a time, and sent when the
+  board's `chunk` bytes are pending, when the oldest held piece has waited `merge_s`,
+  before any other chunk and before the final answer. `tick()` does the time-based flush
+  for a provider that has gone quiet; it runs on the housekeeping thread and so never
+  waits — held text that finds the window full waits for the worker's next emit or end.
+Only workers ever wait for the window. Paho's network thread (acks, calls, device_gone)
+and the housekeeping thread (expire, tick) only take short locks.
+
+A QoS 1 call may arrive twice (resent with DUP after a reconnect). A call id of a device
+that is in flight or finished recently is ignored, not run twice — a second model call
+would cost money and answer a call nobody waits for. `device_gone` ends a device's calls
+when it restarts or goes offline, and forgets its call ids on a new boot.
 
 Every chunk is sized for the board that receives it: the limits from the device's hello
-(the contract's defaults before one arrives). A `text` or `reason` chunk longer than the
-board can decode is split into several; a tool call whose input the board could not
-decode ends the call with `too_large`, since splitting it would change its meaning.
+(the contract's defaults before one arrives). Text is cut at the board's `chunk` bytes or
+what its payload and string limits allow, whichever is less; a tool call whose input the
+board could not decode ends the call with `too_large`, since splitting it would change its
+meaning.
 
 Calls in flight are bounded in total and per device: a device that floods the bridge
 with calls gets `busy`, while the other devices' calls still find room.
@@ -31,7 +53,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,9 +70,11 @@ from server_bridge.wire import (
     UnknownMethod,
     WireError,
     call_id,
+    check_ack,
     check_call,
     decode,
     encode,
+    is_ack,
 )
 
 __all__ = [
@@ -62,6 +86,7 @@ __all__ = [
     "err",
     "fit_chunk",
     "split_utf8",
+    "text_budget",
 ]
 
 log = logging.getLogger("wren.bridge.rpc")
@@ -81,6 +106,13 @@ LimitsOf = Callable[[str], "Limits | None"]  # device -> limits from its hello, 
 _MAX_ERR_MSG = 200
 _LLM_FAILED = "the model call failed"
 
+# Call ids remembered to spot a repeated call (QoS 1 resends it with DUP after a
+# reconnect, seconds later, not hours): the last ones of each device, and the devices
+# that called most recently. Beyond these a repeat would run again — the board's answer
+# matching then drops the extra answer — so the bounds cost money at worst, never memory.
+_RECENT_CALLS_PER_DEVICE = 64
+_RECENT_DEVICES = 1024
+
 
 class RpcError(Exception):
     """Raised by a handler: the call is answered `{c, err:{kind, msg}}`; msg is customer-safe."""
@@ -92,8 +124,13 @@ class RpcError(Exception):
 
 
 class _CallOver(Exception):
-    """Raised into a handler's emit once its call has been answered (timed out, or ended
-    by a chunk the board could not accept): the handler stops streaming."""
+    """Raised into a handler's emit once its call has ended (answered — timed out, or a
+    chunk the board could not accept — or ended unanswered by device_gone or close):
+    the handler stops streaming."""
+
+
+class _Late(Exception):
+    """A worker waited for the board's acks until the call's deadline."""
 
 
 def err(c: int | str | None, kind: str, msg: str) -> dict[str, Any]:
@@ -165,13 +202,31 @@ def _strings_fit(value: Any, max_str: int, depth: int = 0) -> bool:
     return True
 
 
-def fit_chunk(c: int | str, chunk: Chunk, limits: Limits) -> list[Chunk]:
-    """The chunk as pieces a board with `limits` can decode; raises _TooLarge if it has
-    no such form (a tool call whose input is over the limit)."""
+def text_budget(c: int | str, limits: Limits) -> int:
+    """Bytes of text one `text` or `reason` chunk of call `c` carries for a board with
+    `limits`: its `chunk`, and never more than chunk_budget (what it can decode).
+
+    At least 4 bytes, like chunk_budget: a board announcing a smaller `chunk` still gets
+    whole characters, one at a time, rather than none.
+    """
+    return max(_MIN_BUDGET, min(limits.chunk, chunk_budget(c, limits)))
+
+
+def _text_kind(chunk: Chunk) -> str | None:
+    """The kind, text or reason, of a chunk the bridge may merge and cut; else None."""
     if len(chunk) == 1:
         ((key, value),) = chunk.items()
         if key in ("text", "reason") and isinstance(value, str):
-            return [{key: piece} for piece in split_utf8(value, chunk_budget(c, limits))]
+            return key
+    return None
+
+
+def fit_chunk(c: int | str, chunk: Chunk, limits: Limits) -> list[Chunk]:
+    """The chunk as pieces a board with `limits` can decode; raises _TooLarge if it has
+    no such form (a tool call whose input is over the limit)."""
+    kind = _text_kind(chunk)
+    if kind is not None:
+        return [{kind: piece} for piece in split_utf8(chunk[kind], text_budget(c, limits))]
     # Anything else goes whole or not at all: a tool call's input is a JSON document,
     # and half of one is not a smaller tool call.
     size = len(encode({"c": c, "ch": chunk}))
@@ -209,15 +264,43 @@ class Method:
 
 @dataclass(eq=False)  # identity hashing: kept in a set while in flight
 class _Call:
+    """One call in flight and its stream.
+
+    Two locks, so that nobody but a worker ever waits on a call:
+    - `flow` (a Condition) guards `done`, `sent` and `acked`: short sections, never held
+      across a publish. Paho's network thread takes it to record an ack, device_gone to
+      end the call; a worker waits on it for room in the window.
+    - `send_lock` serialises what goes out for the call — chunks in `s` order, then the
+      final answer — and guards the held text. A worker holds it while it sends, and
+      across a window wait; tick() only tries it; expire() takes it after marking the
+      call done (which wakes a waiting worker, who then lets go).
+    A chunk's `s` is taken under `flow` while `send_lock` is held and only if the call is
+    not done; the final answer goes out under `send_lock` after `done` is set. So every
+    chunk numbered goes out before the final, none after, and the final's `s` counts them.
+    """
+
     device: str
     c: int | str
     method: str
     deadline: float  # in the server's clock
     fail_kind: str
+    wait_until: float  # time.monotonic() twin of deadline: bounds every wait of the call
     limits: Limits = DEFAULT_LIMITS  # the board's, as known when the call arrived
-    wait_until: float | None = None  # time.monotonic() twin of deadline, for the queue
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    piece: int = DEFAULT_LIMITS.chunk  # text bytes per chunk (text_budget)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    flow: threading.Condition = field(default_factory=threading.Condition)
     done: bool = False
+    sent: int = 0  # chunks numbered so far: the `s` of the last one
+    acked: int = 0  # the board's highest ack, never above `sent`
+    # Text held for merging (under send_lock): one kind at a time, since when.
+    held: list[str] = field(default_factory=list)
+    held_kind: str = "text"
+    held_bytes: int = 0
+    held_since: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, int | str]:
+        return (self.device, self.c)
 
 
 # --------------------------------------------------------------------------- llm.complete
@@ -307,6 +390,7 @@ class RpcServer:
         rpc_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         device_limits: LimitsOf | None = None,
+        merge_s: float = 0.05,
     ) -> None:
         self._send = send
         self._refuse = refuse
@@ -318,11 +402,15 @@ class RpcServer:
         self._max_inflight = max_inflight
         self._max_per_device = max_inflight_per_device
         self._clock = clock
+        self._merge_s = merge_s
         self.rpc_timeout_s = rpc_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wren-rpc")
         self._lock = threading.Lock()
         self._inflight: set[_Call] = set()
+        self._calls: dict[tuple[str, int | str], _Call] = {}  # the same calls, by key
         self._per_device: Counter[str] = Counter()
+        # Recently finished call ids per device, least recently calling device first.
+        self._recent: OrderedDict[str, OrderedDict[int | str, None]] = OrderedDict()
         self._closed = False
         self.methods: dict[str, Method] = {
             "llm.complete": Method(
@@ -360,8 +448,12 @@ class RpcServer:
     def handle(self, device: DeviceRecord, topic: str, payload: bytes) -> None:
         """Handle one payload from P/d/D/rpc (paho's network thread; never blocks)."""
         c: int | str | None = None
+        obj: Any = None
         try:
             obj = decode(payload, self._limits)
+            if is_ack(obj):
+                self._ack(device.device, obj)
+                return
             c = call_id(obj)
             call = check_call(obj)
             method = self.methods.get(call.m)
@@ -369,8 +461,10 @@ class RpcServer:
                 raise UnknownMethod(f"unknown rpc method {call.m[:64]!r}")
             args = method.check(call.a)
         except WireError as e:
-            # The contract: a payload we cannot read is answered with c = nil.
-            self.answer(device.device, err(c, e.kind, str(e)))
+            if not is_ack(obj):
+                # A call is answered (with c = nil when it has no readable id); an ack is
+                # not a call, so a malformed one is refused and counted, never answered.
+                self.answer(device.device, err(c, e.kind, str(e)))
             self._refuse(e.kind, topic, str(e))
             return
         self._start(device, call, method, args, topic)
@@ -380,22 +474,48 @@ class RpcServer:
         self.answer(device, err(None, kind, msg))
         self._refuse(kind, topic, msg)
 
+    def _ack(self, device: str, obj: object) -> None:
+        """Record a board's `{c, ack}` and wake the worker waiting on that call's window."""
+        ack = check_ack(obj)  # a malformed ack raises BadEnvelope: refused, not answered
+        with self._lock:
+            state = self._calls.get((device, ack.c))
+        if state is None:
+            # Late: the final answer crossed it, or device_gone() ended the call.
+            self._count("rpc.ack_unknown", 1)
+            return
+        ahead = False
+        with state.flow:
+            if ack.s > state.sent:
+                # The board cannot have consumed a chunk not yet numbered: believing it
+                # would let the window run past what the board can hold.
+                ahead = True
+            state.acked = max(state.acked, min(ack.s, state.sent))
+            state.flow.notify_all()
+        if ahead:
+            self._count("rpc.ack_ahead", 1)
+
     def _start(
         self, device: DeviceRecord, call: Call, method: Method, args: dict[str, Any], topic: str
     ) -> None:
-        wait_until = time.monotonic() + method.timeout_s
+        limits = self._device_limits(device.device) or DEFAULT_LIMITS
         state = _Call(
             device.device,
             call.c,
             call.m,
             self._clock() + method.timeout_s,
             method.fail_kind,
-            limits=self._device_limits(device.device) or DEFAULT_LIMITS,
-            wait_until=wait_until,
+            wait_until=time.monotonic() + method.timeout_s,
+            limits=limits,
+            piece=text_budget(call.c, limits),
         )
         msg: str | None = None
+        repeat = False
         with self._lock:
-            if self._closed:
+            if state.key in self._calls or call.c in self._recent.get(device.device, ()):
+                # A repeat (QoS 1 resends after a reconnect): the first one is answered
+                # or being answered, and the board drops answers it has had.
+                repeat = True
+            elif self._closed:
                 msg = "the bridge is shutting down"
             elif self._per_device[device.device] >= self._max_per_device:
                 # Checked before the total: a device at its own cap is told so, and its
@@ -405,48 +525,55 @@ class RpcServer:
                 msg = f"the bridge has {self._max_inflight} calls in flight"
             else:
                 self._inflight.add(state)
+                self._calls[state.key] = state
                 self._per_device[device.device] += 1
+        if repeat:
+            self._count("rpc.duplicate", 1)
+            return
         if msg is not None:
             self.answer(device.device, err(call.c, "busy", msg))
             self._refuse("busy", topic, msg)
             return
         self._count("rpc.calls", 1)
-        ctx = CallContext(device, call, deadline=wait_until)
+        ctx = CallContext(device, call, deadline=state.wait_until)
         try:
             self._pool.submit(self._run, state, method, ctx, args)
         except RuntimeError:  # the pool was shut down between the check and here
-            self._release(state)
-            self._finish(state, err(call.c, "busy", "the bridge is shutting down"))
+            # Not started: refused `busy` like the others (no `s`, not remembered), so
+            # the board may send it again.
+            self._release(state, remember=False)
+            with state.flow:
+                state.done = True
+            self.answer(device.device, err(call.c, "busy", "the bridge is shutting down"))
 
     # ------------------------------------------------------------------ worker
 
     def _run(self, state: _Call, method: Method, ctx: CallContext, args: dict[str, Any]) -> None:
         try:
-            if state.done or self._clock() >= state.deadline:
-                # Expired while queued behind other calls (expire() may have answered it
-                # already): the board has stopped waiting, so the handler never runs.
+            if state.done:
+                return  # answered by expire(), or ended by device_gone(), while queued
+            if self._clock() >= state.deadline:
+                # Expired while queued behind other calls: the board has stopped
+                # waiting, so the handler never runs.
                 self._count("rpc.expired_queued", 1)
-                if self._finish(state, self._timeout_answer(state), on_worker=True):
-                    self._count("rpc.timeout", 1)
+                self._time_out(state)
                 return
             try:
-                result = method.handler(ctx, args, lambda ch: self._chunk(state, ch))
+                result = method.handler(ctx, args, lambda ch: self._emit(state, ch))
             except _CallOver:
-                return  # already answered (a timeout, or a chunk the board cannot take)
+                return  # already ended (a timeout, a chunk the board cannot take, gone)
             except RpcError as e:
                 self._count("rpc.err", 1)
-                self._finish(state, err(state.c, e.kind, e.msg), on_worker=True)
+                self._end(state, err(state.c, e.kind, e.msg))
                 return
             except Exception as e:
                 _log_failure(
                     logging.ERROR, f"rpc {state.method} for {state.device} (call {state.c!r})", e
                 )
                 self._count("rpc.err", 1)
-                self._finish(
-                    state, err(state.c, method.fail_kind, f"{state.method} failed"), on_worker=True
-                )
+                self._end(state, err(state.c, method.fail_kind, f"{state.method} failed"))
                 return
-            if self._finish(state, {"c": state.c, "ok": result}, on_worker=True):
+            if self._end(state, {"c": state.c, "ok": result}):
                 self._count("rpc.ok", 1)
         except Exception as e:
             # Only reached if even the error answer could not be sent. The pool would
@@ -460,17 +587,51 @@ class RpcServer:
         finally:
             self._release(state)
 
-    def _release(self, state: _Call) -> None:
+    def _release(self, state: _Call, remember: bool = True) -> None:
+        """Free the call's slot (if device_gone has not already) and remember its id."""
         with self._lock:
             if state in self._inflight:
-                self._inflight.discard(state)
-                self._per_device[state.device] -= 1
-                if self._per_device[state.device] <= 0:
-                    del self._per_device[state.device]
+                self._forget_call(state)
+                if remember:
+                    self._remember(state)
 
-    def _chunk(self, state: _Call, chunk: Chunk) -> None:
+    def _forget_call(self, state: _Call) -> None:  # under self._lock
+        self._inflight.discard(state)
+        if self._calls.get(state.key) is state:
+            del self._calls[state.key]
+        self._per_device[state.device] -= 1
+        if self._per_device[state.device] <= 0:
+            del self._per_device[state.device]
+
+    def _remember(self, state: _Call) -> None:  # under self._lock
+        ids = self._recent.pop(state.device, None)
+        if ids is None:
+            ids = OrderedDict()
+        self._recent[state.device] = ids  # now the most recent device
+        ids[state.c] = None
+        while len(ids) > _RECENT_CALLS_PER_DEVICE:
+            ids.popitem(last=False)
+        while len(self._recent) > _RECENT_DEVICES:
+            self._recent.popitem(last=False)
+
+    def _emit(self, state: _Call, chunk: Chunk) -> None:
+        """The handler's emit (worker thread): merge, pace and send one provider chunk."""
         try:
-            pieces = fit_chunk(state.c, chunk, state.limits)
+            with state.send_lock:
+                with state.flow:
+                    if state.done:
+                        raise _CallOver()
+                kind = _text_kind(chunk)
+                if kind is not None:
+                    self._hold(state, kind, chunk[kind])
+                    return
+                # A tool call (or anything else) goes whole, after the text before it.
+                self._flush(state, wait=True)
+                for piece in fit_chunk(state.c, chunk, state.limits):
+                    self._send_chunk(state, piece, wait=True)
+        except _Late:
+            self._time_out(state)
+            raise _CallOver() from None
         except _TooLarge as e:
             # The board would refuse the chunk and then wait out its timeout for a call
             # that can no longer succeed; tell it now and stop the handler.
@@ -478,29 +639,123 @@ class RpcServer:
                 log.warning("rpc %s for %s (call %r): %s", state.method, state.device, state.c, e)
                 self._count("rpc.too_large", 1)
             raise _CallOver() from None
-        # Under the call's lock so a chunk can never follow the final answer.
-        with state.lock:
+
+    def _hold(self, state: _Call, kind: str, text: str) -> None:
+        """Add provider text to what the call holds, and send what is due (send_lock held)."""
+        if not text:
+            return
+        if state.held and state.held_kind != kind:
+            self._flush(state, wait=True)  # one kind at a time, in the provider's order
+        now = self._clock()
+        if state.held:
+            self._count("rpc.chunks_merged", 1)
+        else:
+            state.held_kind = kind
+            state.held_since = now
+        size = len(text.encode("utf-8", "replace"))
+        if size > state.piece:
+            self._count("rpc.chunks_split", 1)
+        state.held.append(text)
+        state.held_bytes += size
+        if state.held_bytes >= state.piece:
+            self._flush(state, wait=True, full_only=True)
+        if state.held and now - state.held_since >= self._merge_s:
+            self._flush(state, wait=True)
+
+    def _flush(self, state: _Call, wait: bool, full_only: bool = False) -> int:
+        """Send held text as chunks of at most `piece` bytes (send_lock held); returns how
+        many went out.
+
+        `full_only` keeps a last piece shorter than `piece` held for more text to join.
+        Without `wait` (housekeeping) it stops where the window is full and keeps the rest.
+        """
+        if not state.held:
+            return 0
+        kind = state.held_kind
+        pieces = split_utf8("".join(state.held), state.piece)
+        keep = ""
+        if full_only and len(pieces[-1].encode("utf-8", "replace")) < state.piece:
+            keep = pieces.pop()
+        n = 0
+        for piece in pieces:
+            if not self._send_chunk(state, {kind: piece}, wait=wait):
+                break
+            n += 1
+        rest = "".join(pieces[n:]) + keep
+        state.held = [rest] if rest else []
+        state.held_bytes = len(rest.encode("utf-8", "replace"))
+        if rest and n:
+            # A remainder after a chunk went out starts its own wait: the board has just
+            # had text. Kept from the first piece, the clock would run out mid-stream and
+            # every later emit would go out alone (a cut at a character boundary leaves a
+            # remainder almost every time in non-ASCII text).
+            state.held_since = self._clock()
+        return n
+
+    def _send_chunk(self, state: _Call, chunk: Chunk, wait: bool) -> bool:
+        """Number and send one chunk (send_lock held).
+
+        With `wait` (a worker) it waits for room in the window, raising _CallOver if the
+        call ends meanwhile and _Late at its deadline; without, it returns False at once
+        when the window is full.
+        """
+        with state.flow:
+            if state.sent - state.acked >= state.limits.window and not state.done:
+                if not wait:
+                    return False
+                # Counted as the wait begins, so a wait that never ends is seen too.
+                self._count("rpc.window_waits", 1)
+            while state.sent - state.acked >= state.limits.window and not state.done:
+                remaining = state.wait_until - time.monotonic()
+                if remaining <= 0:
+                    raise _Late()
+                state.flow.wait(remaining)
             if state.done:
                 raise _CallOver()
-            for piece in pieces:
-                self.answer(state.device, {"c": state.c, "ch": piece}, state.wait_until)
-        self._count("rpc.chunks", len(pieces))
-        if len(pieces) > 1:
-            self._count("rpc.chunks_split", 1)
+            state.sent += 1
+            s = state.sent
+        wait_until = state.wait_until if wait else None
+        self.answer(state.device, {"c": state.c, "s": s, "ch": chunk}, wait_until)
+        self._count("rpc.chunks", 1)
+        return True
+
+    def _end(self, state: _Call, answer: dict[str, Any]) -> bool:
+        """The worker's final answer, after the text still held; True if it went out."""
+        try:
+            with state.send_lock:
+                self._flush(state, wait=True)
+        except _CallOver:
+            return False
+        except _Late:
+            self._time_out(state)
+            return False
+        return self._finish(state, answer, on_worker=True)
+
+    def _time_out(self, state: _Call) -> None:
+        if self._finish(state, self._timeout_answer(state), on_worker=True):
+            log.warning("rpc %s for %s (call %r) timed out", state.method, state.device, state.c)
+            self._count("rpc.timeout", 1)
 
     def _timeout_answer(self, state: _Call) -> dict[str, Any]:
         return err(state.c, state.fail_kind, f"{state.method} did not finish in time")
 
     def _finish(self, state: _Call, answer: dict[str, Any], on_worker: bool = False) -> bool:
-        # Only a worker may wait for room in the outgoing queue (on_worker); expire()
-        # runs on the housekeeping thread and _start on paho's network thread.
-        wait_until = state.wait_until if on_worker else None
-        with state.lock:
+        """Send the call's one final answer, with `s`; False if it had one already."""
+        with state.flow:
             if state.done:
                 return False
+            # Done first: a worker waiting for the window (holding send_lock) wakes up,
+            # sees it, and lets go of send_lock for the answer below.
             state.done = True
+            state.flow.notify_all()
+        # Only a worker may wait for room in the outgoing queue (on_worker); expire()
+        # runs on the housekeeping thread.
+        wait_until = state.wait_until if on_worker else None
+        with state.send_lock:
+            out = {"c": state.c, "s": state.sent}
+            out.update(answer)
             try:
-                self.answer(state.device, answer, wait_until)
+                self.answer(state.device, out, wait_until)
             except Exception as e:
                 # An answer that cannot be encoded (a handler returned something msgpack
                 # cannot carry) still must not leave the board waiting.
@@ -508,11 +763,45 @@ class RpcServer:
                     logging.ERROR, f"rpc {state.method} answer for {state.device} unsendable", e
                 )
                 failed = err(state.c, state.fail_kind, f"{state.method} failed")
-                self.answer(state.device, failed, wait_until)
+                self.answer(state.device, {"c": state.c, "s": state.sent, **failed}, wait_until)
         return True
 
     def answer(self, device: str, obj: Mapping[str, Any], wait_until: float | None = None) -> None:
         self._send(device, dict(obj), wait_until)
+
+    # ------------------------------------------------------------------ devices
+
+    def device_gone(self, device: str, msg: str, *, new_boot: bool) -> int:
+        """End every call in flight of `device` without answering it; return how many.
+
+        For a device that restarted (`new_boot`: nobody waits for the answers) or went
+        offline (the bridge cancels its runs separately). Each call's slot is free at
+        once; its handler stops at its next emit, a worker waiting for its window wakes
+        up, and nothing more is sent for it. `msg` says why, for the log. With
+        `new_boot` the device's recent call ids are forgotten too, since a new boot
+        numbers its calls afresh; otherwise they are kept, so a call the board resends
+        when it comes back is not run a second time.
+        """
+        with self._lock:
+            gone = [s for s in self._inflight if s.device == device]
+            for s in gone:
+                self._forget_call(s)
+                if not new_boot:
+                    self._remember(s)
+            if new_boot:
+                self._recent.pop(device, None)
+        n = 0
+        for s in gone:
+            with s.flow:
+                if s.done:
+                    continue  # answered already (a timeout); its worker is still busy
+                s.done = True
+                s.flow.notify_all()
+            n += 1
+        if n:
+            log.info("rpc: ended %d call(s) of %s unanswered: %s", n, device, msg)
+            self._count("rpc.device_gone", n)
+        return n
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -529,7 +818,40 @@ class RpcServer:
                 n += 1
         return n
 
+    def tick(self, now: float | None = None) -> int:
+        """Send text held past merge_s whose window has room now; returns the chunks sent.
+
+        For the housekeeping thread, and so it never waits: a call whose worker is
+        sending (or waiting for the window) is skipped — that worker flushes on its next
+        emit or at the end — and so is held text that finds the window full.
+        """
+        now = self._clock() if now is None else now
+        with self._lock:
+            # `held` read without send_lock: only a hint, checked again under it.
+            due = [s for s in self._inflight if s.held and now - s.held_since >= self._merge_s]
+        n = 0
+        for s in due:
+            if not s.send_lock.acquire(blocking=False):
+                continue
+            try:
+                if s.held and now - s.held_since >= self._merge_s:
+                    n += self._flush(s, wait=False)
+            except _CallOver:
+                s.held = []  # ended meanwhile: nobody reads it now
+            finally:
+                s.send_lock.release()
+        return n
+
     def close(self, wait: bool = True) -> None:
+        """Refuse new calls and end the ones in flight without answers (the bridge is
+        going away); `wait` waits for the workers to return."""
         with self._lock:
             self._closed = True
+            running = list(self._inflight)
+        for s in running:
+            # A worker waiting for a board's acks would otherwise hold its thread (and
+            # the interpreter's exit) until the call's deadline.
+            with s.flow:
+                s.done = True
+                s.flow.notify_all()
         self._pool.shutdown(wait=wait, cancel_futures=True)

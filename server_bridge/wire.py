@@ -25,9 +25,11 @@ from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic
 
 __all__ = [
+    "MAX_CALL_ID",
     "MAX_HOST_ID",
     "MAX_REASON",
     "REFUSALS",
+    "Ack",
     "BadEnvelope",
     "BadTopic",
     "BadType",
@@ -44,6 +46,8 @@ __all__ = [
     "UnknownOp",
     "UnknownType",
     "WireError",
+    "call_id",
+    "check_ack",
     "check_call",
     "check_envelope",
     "check_events",
@@ -51,6 +55,7 @@ __all__ = [
     "check_host_req",
     "decode",
     "encode",
+    "is_ack",
 ]
 
 
@@ -110,22 +115,31 @@ REFUSALS: tuple[type[ValueError], ...] = (WireError, BadTopic, TokenError)
 
 @dataclass(frozen=True)
 class Limits:
-    """Decode limits (PROTOCOL.md "Limits"); the same numbers a board sends in hello."""
+    """Decode limits (PROTOCOL.md "Limits"); the same numbers a board sends in hello.
+
+    `window` and `chunk` are not decode limits but how a board takes an RPC stream
+    (PROTOCOL.md "RPC"): how many chunks of one call the bridge may have unacknowledged,
+    and the most text bytes one chunk carries. They ride here because they come from the
+    same hello and reach the RPC layer by the same path; decoding ignores them.
+    """
 
     max_payload: int = 16384
     max_str: int = 8192
     max_items: int = 256
     max_depth: int = 16
+    window: int = 8
+    chunk: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("max_payload", "max_str", "max_items", "max_depth"):
+        for name in ("max_payload", "max_str", "max_items", "max_depth", "window", "chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive int, not {value!r}")
 
     @classmethod
     def from_hello(cls, limits: Mapping[str, Any]) -> Limits:
-        """The limits a board announced in its hello (`{payload, str, items, depth, ring}`).
+        """The limits a board announced in its hello
+        (`{payload, str, items, depth, ring, window, chunk}`).
 
         A key the board left out keeps the contract's default; a value that is not a
         positive int makes the hello malformed (BadEnvelope) rather than being guessed at.
@@ -147,6 +161,8 @@ _HELLO_LIMIT_KEYS = (
     ("str", "max_str"),
     ("items", "max_items"),
     ("depth", "max_depth"),
+    ("window", "window"),
+    ("chunk", "chunk"),
 )
 
 DEFAULT_LIMITS = Limits()
@@ -264,11 +280,17 @@ class Call:
     r: str | None
 
 
+# A call id is kept as a key while its call is in flight and, for spotting a repeated
+# call, some time after (server_bridge/rpc.py): bounded like the other ids (PROTOCOL.md
+# "Requests and control"), so a board cannot make the bridge keep kilobytes per call.
+MAX_CALL_ID = 64
+
+
 def call_id(obj: object) -> int | str | None:
     """The call id of a payload, if it has a usable one (for answering a refusal)."""
     if isinstance(obj, dict):
         c = obj.get("c")
-        if (_is_int(c) or isinstance(c, str)) and c is not None:
+        if _is_int(c) or (isinstance(c, str) and 0 < len(c) <= MAX_CALL_ID):
             return c
     return None
 
@@ -277,7 +299,7 @@ def check_call(obj: object) -> Call:
     m = _need_map(obj, "rpc call")
     c = call_id(m)
     if c is None:
-        raise BadEnvelope("rpc call needs a call id c: an int or str")
+        raise BadEnvelope(f"rpc call needs a call id c: an int or a str of 1..{MAX_CALL_ID} chars")
     method = m.get("m")
     if not isinstance(method, str):
         raise BadEnvelope("rpc call needs a method m: a str")
@@ -287,6 +309,34 @@ def check_call(obj: object) -> Call:
     if not isinstance(args, dict):
         raise BadEnvelope("rpc call arguments a must be a map")
     return Call(c, method, args, _opt_str(m, "r", "rpc call"))
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A board's `{c, ack}` on P/d/D/rpc: it has consumed chunks 1..s of call c."""
+
+    c: int | str
+    s: int
+
+
+def is_ack(obj: object) -> bool:
+    """Whether a decoded rpc payload is meant as an ack: an `ack` key and no method.
+
+    Said before it is checked, so a malformed ack is refused as one (never answered:
+    an ack is not a call, and answering it would be a message no call waits for).
+    """
+    return isinstance(obj, dict) and "ack" in obj and "m" not in obj
+
+
+def check_ack(obj: object) -> Ack:
+    m = _need_map(obj, "rpc ack")
+    c = call_id(m)
+    if c is None:
+        raise BadEnvelope(f"rpc ack needs a call id c: an int or a str of 1..{MAX_CALL_ID} chars")
+    s = m.get("ack")
+    if not _is_int(s) or s < 0:
+        raise BadEnvelope("rpc ack needs ack: an int >= 0")
+    return Ack(c, s)
 
 
 # Id-like strings a host sends (req, conv, r, call) are echoed into events, kept as keys

@@ -136,12 +136,17 @@ class World:
         self.board.send(self.d("rpc"), {"c": c, "m": method, "a": dict(args), "r": run})
 
     def answers(self, device: str = "dev1") -> tuple[list[Any], dict[str, Any]]:
-        """Chunks then the final answer of the next call on rpc/res."""
+        """Chunks then the final answer of the next call on rpc/res.
+
+        Acknowledges each chunk as a board does once it has consumed it: the bridge
+        sends no more than the board's window of chunks beyond the last ack.
+        """
         chunks = []
         while True:
             msg = self.board.get(self.d("rpc/res", device))
             if "ch" in msg:
                 chunks.append(msg)
+                self.board.send(self.d("rpc", device), {"c": msg["c"], "ack": msg["s"]})
             else:
                 return chunks, msg
 
@@ -186,10 +191,13 @@ def test_llm_complete_streams_chunks_then_the_final(world: World) -> None:
     world.call(1, "llm.complete", {"messages": [USER], "tools": [], "max_tokens": 100})
     chunks, final = world.answers()
     assert all(ch["c"] == 1 for ch in chunks)
+    assert [ch["s"] for ch in chunks] == list(range(1, len(chunks) + 1))
     texts = [ch["ch"]["text"] for ch in chunks if "text" in ch["ch"]]
-    assert len(texts) > 1 and "".join(texts) == "Let me check the sensor."
+    # The provider's 6-character chunks, merged: the bridge holds text until the board's
+    # `chunk` bytes are pending, a tool call comes, or merge_s has passed.
+    assert "".join(texts) == "Let me check the sensor."
     assert chunks[-1]["ch"] == {"tool": {"call": "c1", "name": "read_temperature", "input": "{}"}}
-    assert final["c"] == 1 and "err" not in final
+    assert final["c"] == 1 and final["s"] == len(chunks) and "err" not in final
     assert final["ok"]["finish"] == "tool_calls"
     assert set(final["ok"]["usage"]) == {"in", "out", "reason"}
 
@@ -208,7 +216,8 @@ def test_llm_complete_streams_chunks_then_the_final(world: World) -> None:
     )  # fmt: skip
     chunks, final = world.answers()
     assert "".join(ch["ch"]["text"] for ch in chunks) == "It is 21.5 °C in here."
-    assert final == {"c": 2, "ok": final["ok"]} and final["ok"]["finish"] == "stop"
+    assert final == {"c": 2, "s": len(chunks), "ok": final["ok"]}
+    assert final["ok"]["finish"] == "stop"
     assert world.bridge.stats["rpc.ok"] == 2
 
 
@@ -217,7 +226,7 @@ def test_provider_error_is_an_llm_error(world: World) -> None:
     world.call(3, "llm.complete", {"messages": done})
     chunks, final = world.answers()
     assert chunks == []
-    assert final == {"c": 3, "err": {"kind": "llm", "msg": "script exhausted"}}
+    assert final == {"c": 3, "s": 0, "err": {"kind": "llm", "msg": "script exhausted"}}
     check_valid_call_works(world)
 
 
@@ -257,7 +266,7 @@ def test_unexpected_provider_exception_is_logged_without_its_secrets(
             w.call(4, "llm.complete", {"messages": [USER]})
             chunks, final = w.answers()
         assert [ch["ch"] for ch in chunks] == [{"text": "par"}]
-        assert final == {"c": 4, "err": {"kind": "llm", "msg": "the model call failed"}}
+        assert final == {"c": 4, "s": 1, "err": {"kind": "llm", "msg": "the model call failed"}}
         for secret in ("sk-secret", "hunter2", "tok.en-42"):
             assert secret not in caplog.text
         # The operator still learns what failed, and where (at DEBUG) ...

@@ -131,14 +131,14 @@ def test_demo_on_the_embedded_broker() -> None:
     proc = _demo("--embedded-broker")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "broker: embedded Python broker" in proc.stdout
-    assert "events: 14 " in proc.stdout
+    assert "events: 10 " in proc.stdout
 
 
 def test_demo_with_the_board_on_cpython() -> None:
     proc = _demo("--cpython")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "on CPython" in proc.stdout and ".py files" in proc.stdout
-    assert "events: 14 " in proc.stdout
+    assert "events: 10 " in proc.stdout
 
 
 def test_demo_says_which_part_failed_when_the_broker_is_unreachable() -> None:

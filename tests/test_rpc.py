@@ -67,11 +67,18 @@ def test_chunk_budget_follows_the_limits() -> None:
 
 
 def test_fit_chunk() -> None:
-    limits = Limits(max_payload=2048, max_str=1000)
+    # A board's `chunk` above its string limit: the string limit binds.
+    limits = Limits(max_payload=2048, max_str=1000, chunk=4096)
     assert fit_chunk(1, {"text": "x" * 2500}, limits) == [
         {"text": "x" * 1000},
         {"text": "x" * 1000},
         {"text": "x" * 500},
+    ]
+    # Below it, `chunk` does (512 by default).
+    assert fit_chunk(1, {"reason": "x" * 1100}, Limits(max_str=1000)) == [
+        {"reason": "x" * 512},
+        {"reason": "x" * 512},
+        {"reason": "x" * 76},
     ]
     tool = {"tool": {"call": "c1", "name": "save", "input": '{"a": 1}'}}
     assert fit_chunk(1, tool, limits) == [tool]
@@ -225,7 +232,7 @@ def test_chunks_are_sized_by_the_devices_limits(rec: Recorder) -> None:
             emit({"text": "y" * 3000})
             return FINAL
 
-    small = Limits(max_payload=2048, max_str=1000)
+    small = Limits(max_payload=2048, max_str=1000, chunk=4096)
     rpc = server(rec, Long(), device_limits=lambda d: small if d == "dev1" else None)
     try:
         rpc.handle(DEV1, "t", call(1))
@@ -236,6 +243,7 @@ def test_chunks_are_sized_by_the_devices_limits(rec: Recorder) -> None:
             if "ch" in a:
                 by_dev[device].append(len(a["ch"]["text"]))
         assert by_dev["dev1"] == [1000, 1000, 1000]
-        assert by_dev["dev2"] == [3000]  # the defaults (8 KiB strings) take it whole
+        # The defaults: 8 KiB strings, but the contract's `chunk` of 512 bytes.
+        assert by_dev["dev2"] == [512] * 5 + [440]
     finally:
         rpc.close()

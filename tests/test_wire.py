@@ -255,7 +255,16 @@ def test_call() -> None:
 
 
 @pytest.mark.parametrize(
-    "obj", [[1], {"m": "x"}, {"c": True, "m": "x"}, {"c": 1}, {"c": 1, "m": "x", "a": [1]}]
+    "obj",
+    [
+        [1],
+        {"m": "x"},
+        {"c": True, "m": "x"},
+        {"c": 1},
+        {"c": 1, "m": "x", "a": [1]},
+        {"c": "", "m": "x"},
+        {"c": "k" * (wire.MAX_CALL_ID + 1), "m": "x"},
+    ],
 )
 def test_bad_call(obj: object) -> None:
     with pytest.raises(wire.BadEnvelope):
@@ -264,8 +273,36 @@ def test_bad_call(obj: object) -> None:
 
 def test_call_id_of_unreadable_calls() -> None:
     assert wire.call_id({"c": 4}) == 4
+    assert wire.call_id({"c": "k" * wire.MAX_CALL_ID}) == "k" * wire.MAX_CALL_ID
     assert wire.call_id({"c": True}) is None
+    assert wire.call_id({"c": "k" * (wire.MAX_CALL_ID + 1)}) is None  # kept as a key: bounded
     assert wire.call_id([4]) is None
+
+
+def test_ack() -> None:
+    assert wire.check_ack({"c": 3, "ack": 0}) == wire.Ack(3, 0)
+    assert wire.check_ack({"c": "k", "ack": 12, "extra": 1}) == wire.Ack("k", 12)
+    # An ack is a map with `ack` and no method; a call with a stray `ack` key is a call.
+    assert wire.is_ack({"c": 3, "ack": "x"}) and wire.is_ack({"ack": 1})
+    assert not wire.is_ack({"c": 3, "m": "llm.complete", "ack": 1})
+    assert not wire.is_ack({"c": 3}) and not wire.is_ack([3])
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"ack": 1},
+        {"c": None, "ack": 1},
+        {"c": 1, "ack": -1},
+        {"c": 1, "ack": True},
+        {"c": 1, "ack": "3"},
+        {"c": 1, "ack": 1.0},
+        {"c": 1, "ack": None},
+    ],
+)
+def test_bad_ack(obj: object) -> None:
+    with pytest.raises(wire.BadEnvelope):
+        wire.check_ack(obj)
 
 
 def test_host_req_keeps_only_its_fields() -> None:
@@ -324,7 +361,18 @@ def test_limits_from_hello() -> None:
     assert wire.Limits.from_hello({}) == wire.Limits()
     got = wire.Limits.from_hello({"payload": 4096, "str": 1024, "items": 32, "depth": 8, "ring": 4})
     assert got == wire.Limits(max_payload=4096, max_str=1024, max_items=32, max_depth=8)
-    for bad in ({"str": 0}, {"payload": "16k"}, {"depth": True}, {"items": -1}):
+    assert (got.window, got.chunk) == (8, 512)  # the contract's defaults when absent
+    flow = wire.Limits.from_hello({"window": 2, "chunk": 64})
+    assert (flow.window, flow.chunk, flow.max_str) == (2, 64, 8192)
+    for bad in (
+        {"str": 0},
+        {"payload": "16k"},
+        {"depth": True},
+        {"items": -1},
+        {"window": 0},
+        {"chunk": "512"},
+        {"window": False},
+    ):
         with pytest.raises(wire.BadEnvelope):
             wire.Limits.from_hello(bad)
 
