@@ -38,6 +38,7 @@ from server_bridge.rpc import RpcServer
 from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic, Topic, device_topic, host_topic, parse
 from server_bridge.wire import (
+    BRIDGE_RUN,
     MAX_HOST_ID,
     REFUSALS,
     UnknownDevice,
@@ -57,8 +58,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 _TICK_S = 0.25
 # How long an RPC worker sleeps before trying again to queue an answer on a full queue.
 _QUEUE_WAIT_S = 0.01
-# The run id of the bridge's own event stream on P/h/T/D/evt: refusals of host input.
-BRIDGE_RUN = "_b"
+# BRIDGE_RUN ("_b", from wire.py): the bridge's own event stream on P/h/T/D/evt, for
+# refusals of host input.
 # A refusal message sent to a host is short and customer-safe.
 _MAX_HOST_MSG = 200
 
@@ -145,7 +146,8 @@ class Bridge:
             max_runs=config.max_runs,
             max_runs_per_device=config.max_runs_per_device,
             replay_retry_s=config.replay_retry_s,
-            replay_max_attempts=config.replay_max_attempts,
+            replay_retry_max_s=config.replay_retry_max_s,
+            on_device_reset=self._device_reset,
         )
         self.rpc = RpcServer(
             provider,
@@ -186,6 +188,13 @@ class Bridge:
     def presence(self, device: str) -> dict[str, Any] | None:
         """A device's last P/d/D/status (`st` online/offline), None when unknown."""
         return self.intake.presence(device)
+
+    def _device_reset(self, device: str, msg: str, new_boot: bool) -> None:
+        """A device restarted or went offline (the intake ended its open runs)."""
+        # RpcServer.device_gone is written on another branch; made a direct call at merge.
+        gone = getattr(self.rpc, "device_gone", None)
+        if gone is not None:
+            gone(device, msg, new_boot=new_boot)
 
     def _count(self, name: str, n: int = 1) -> None:
         if n:

@@ -57,13 +57,15 @@ class BridgeConfig:
     shared_subscription: bool = False
     # Event intake: events kept per run for hosts, out-of-order events held per run,
     # runs tracked at once (in total and per device: a device over its own cap forgets
-    # its own oldest runs, never another device's), and the replay request retry.
+    # its own oldest runs, never another device's), and the replay request retry: asked
+    # at once, again after replay_retry_s, then with the wait doubling up to
+    # replay_retry_max_s, for as long as an id below the highest seen is missing.
     events_per_run: int = 256
     hold_per_run: int = 64
     max_runs: int = 1024
     max_runs_per_device: int = 16
     replay_retry_s: float = 2.0
-    replay_max_attempts: int = 3
+    replay_retry_max_s: float = 30.0
     # Recent refusals kept for diagnostics.
     refusals_kept: int = 100
     # Outgoing QoS 1 messages paho keeps (in flight and queued, e.g. while the broker is
@@ -80,6 +82,8 @@ class BridgeConfig:
         for name in ("connect_timeout_s", "llm_timeout_s", "rpc_timeout_s", "replay_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.replay_retry_max_s < self.replay_retry_s:
+            raise ValueError("replay_retry_max_s must be >= replay_retry_s")
         for name in (
             "rpc_workers",
             "rpc_max_inflight",
@@ -88,7 +92,6 @@ class BridgeConfig:
             "hold_per_run",
             "max_runs",
             "max_runs_per_device",
-            "replay_max_attempts",
             "refusals_kept",
             "max_queued_messages",
         ):

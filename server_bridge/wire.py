@@ -13,6 +13,7 @@ bound nesting depth below its stack size and reports a 4 GiB declared string as
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard, cast
@@ -20,11 +21,14 @@ from typing import Any, TypeGuard, cast
 import msgpack
 
 from edge_runtime import codec
-from edge_runtime.events import TYPES
+from edge_runtime.events import DEVICE_RUN, TYPES
 from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic
 
 __all__ = [
+    "BRIDGE_RUN",
+    "DEVICE_RUN",
+    "MAX_BOOT",
     "MAX_HOST_ID",
     "MAX_REASON",
     "REFUSALS",
@@ -44,6 +48,7 @@ __all__ = [
     "UnknownOp",
     "UnknownType",
     "WireError",
+    "check_boot",
     "check_call",
     "check_envelope",
     "check_events",
@@ -211,6 +216,9 @@ def _opt_int(m: Mapping[str, Any], key: str, what: str) -> int | None:
 
 
 MAX_RUN_ID = 128
+# The streams that are not runs: the board's device stream (DEVICE_RUN, "_", from
+# edge_runtime.events) and the bridge's own stream of answers to hosts on P/h/T/D/evt.
+BRIDGE_RUN = "_b"
 
 
 def check_envelope(obj: object, *, strict_types: bool = True) -> dict[str, Any]:
@@ -287,6 +295,22 @@ def check_call(obj: object) -> Call:
     if not isinstance(args, dict):
         raise BadEnvelope("rpc call arguments a must be a map")
     return Call(c, method, args, _opt_str(m, "r", "rpc call"))
+
+
+# A board's boot id (PROTOCOL.md "Boot id"): 8 hex digits drawn at each boot; up to 16
+# accepted, lower case, so it can stay a plain string key and prefix of run ids.
+MAX_BOOT = 16
+_BOOT = re.compile(rf"[0-9a-f]{{1,{MAX_BOOT}}}\Z")
+
+
+def check_boot(m: Mapping[str, Any], what: str) -> str | None:
+    """The `boot` of a status or hello map: None when absent, else 1..16 chars [0-9a-f]."""
+    boot = m.get("boot")
+    if boot is None:
+        return None
+    if not isinstance(boot, str) or not _BOOT.match(boot):
+        raise BadEnvelope(f"{what} boot must be a str of 1..{MAX_BOOT} chars [0-9a-f]")
+    return boot
 
 
 # Id-like strings a host sends (req, conv, r, call) are echoed into events, kept as keys

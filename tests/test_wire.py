@@ -329,6 +329,15 @@ def test_limits_from_hello() -> None:
             wire.Limits.from_hello(bad)
 
 
+def test_boot_ids() -> None:
+    assert wire.check_boot({"boot": "0a1b2c3d"}, "hello") == "0a1b2c3d"
+    assert wire.check_boot({"boot": "f" * wire.MAX_BOOT}, "status") == "f" * 16
+    assert wire.check_boot({"st": "online"}, "status") is None
+    for bad in ("", "0A1B2C3D", "0a1b2c3g", "f" * 17, 12345678, b"0a1b2c3d", "0a1b 2c3", "0a\n"):
+        with pytest.raises(wire.BadEnvelope):
+            wire.check_boot({"boot": bad}, "hello")
+
+
 def test_host_ctl_refusals() -> None:
     with pytest.raises(wire.UnknownOp):
         wire.check_host_ctl({"op": "replay", "r": "r", "after": 0})
