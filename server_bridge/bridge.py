@@ -13,6 +13,13 @@ someone to answer: a board's RPC call with an RPC error, a host's req or ctl wit
 for that tenant and device (run id "_b", ids 1, 2, 3 ... kept in memory). Then the
 bridge carries on with the next message. Every paho callback is wrapped so an exception
 in our code is logged with its traceback and the network thread keeps running.
+
+Nothing is lost while the bridge or the broker is away. The bridge's MQTT session is
+persistent (clean session off, a stable client id): what boards send while it is
+stopped waits at the broker, and what it publishes while the broker is away paho keeps
+and sends after reconnecting. It announces itself on P/b/status, retained — online on
+every connect, offline as its last will and on a clean stop — so a board fails the RPC
+calls it waits on at once instead of at their timeout.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
 from server_bridge.tokens import TokenError
-from server_bridge.topics import BadTopic, Topic, device_topic, host_topic, parse
+from server_bridge.topics import BadTopic, Topic, bridge_topic, device_topic, host_topic, parse
 from server_bridge.wire import (
     BRIDGE_RUN,
     MAX_HOST_ID,
@@ -62,6 +69,8 @@ _QUEUE_WAIT_S = 0.01
 # refusals of host input.
 # A refusal message sent to a host is short and customer-safe.
 _MAX_HOST_MSG = 200
+# How long a clean stop waits for the broker to take its offline status.
+_STOP_STATUS_WAIT_S = 5.0
 
 
 class _BridgeStreams:
@@ -136,6 +145,8 @@ class Bridge:
         self._streams = _BridgeStreams()
         # Set while publishes are being refused on a full queue: one log line per episode.
         self._queue_full = False
+        # Set while publishes wait in paho for the broker to come back: likewise.
+        self._queued_offline = False
         self.intake = EventIntake(
             config.prefix,
             self._publish,
@@ -238,11 +249,13 @@ class Bridge:
             # stop() shut the RPC worker pool down; a restart is a new Bridge.
             raise BridgeError("a stopped bridge cannot be started again")
         cfg = self.config
+        # A persistent session: what boards send while this bridge is away waits at the
+        # broker for its client id, and the broker keeps its subscriptions.
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
             client_id=cfg.client_id,
             protocol=mqtt.MQTTv311,
-            clean_session=True,
+            clean_session=False,
         )
         client.enable_logger(logging.getLogger("wren.bridge.paho"))
         # Without a bound paho keeps every QoS 1 message while the broker is away.
@@ -251,6 +264,10 @@ class Bridge:
             client.username_pw_set(cfg.username, cfg.password)
         client.connect_timeout = cfg.connect_timeout_s
         client.reconnect_delay_set(1, 30)
+        # Set before connecting: the broker publishes it if the bridge vanishes.
+        client.will_set(
+            bridge_topic(cfg.prefix), self._status_payload("offline"), qos=1, retain=True
+        )
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
@@ -284,10 +301,17 @@ class Bridge:
         )
 
     def stop(self) -> None:
-        """Disconnect and stop the threads; calls still running get no answer."""
+        """Say offline, disconnect and stop the threads; calls still running get no answer.
+
+        The session stays at the broker (it is persistent): a bridge started again with
+        the same client id gets what boards sent in between.
+        """
         self._stopping.set()
         client, self._client = self._client, None
         if client is not None:
+            if self._connected:
+                # A clean DISCONNECT suppresses the last will, so the bridge says it itself.
+                self._say_offline(client)
             client.disconnect()
             # paho 2.2's network thread may wake once more after disconnect() closed the
             # socket and log "Client is not connected" at ERROR: at shutdown that is the
@@ -317,6 +341,20 @@ class Bridge:
                 log.exception("bridge housekeeping failed")
                 self._count("callback_errors")
 
+    def _status_payload(self, st: str) -> bytes:
+        return encode({"st": st, "id": self.config.client_id})
+
+    def _say_offline(self, client: mqtt.Client) -> None:
+        info = client.publish(
+            bridge_topic(self.config.prefix), self._status_payload("offline"), qos=1, retain=True
+        )
+        try:
+            info.wait_for_publish(_STOP_STATUS_WAIT_S)
+        except (RuntimeError, ValueError):
+            pass  # not queued (the connection just dropped): the will says it instead
+        if not info.is_published():
+            log.warning("the broker did not take the bridge's offline status before the stop")
+
     # ------------------------------------------------------------------ paho callbacks
 
     @_guarded
@@ -330,13 +368,25 @@ class Bridge:
             return
         self._connected = True
         self._count("connects")
-        # Subscribe on every connect: a clean session forgets subscriptions on reconnect.
+        if flags.session_present:
+            self._count("session.resumed")
+        if self._queued_offline:
+            self._queued_offline = False
+            log.info("reconnected: paho sends the messages it kept while the broker was away")
+        # Subscribe on every connect: the session keeps the subscriptions, but a broker
+        # that lost it (no persistence, or a first connect) must hear them again, and
+        # the SUBACK is what start() waits for.
         rc, mid = client.subscribe([(topic, 1) for topic in self.subscriptions()])
         if rc != mqtt.MQTT_ERR_SUCCESS:
             self._start_error = f"subscribe failed: {mqtt.error_string(rc)}"
             self._ready.set()
             return
         self._sub_mid = mid
+        # On every connect: after the will fired (a dropped connection) the retained
+        # status says offline until the bridge says otherwise.
+        client.publish(
+            bridge_topic(self.config.prefix), self._status_payload("online"), qos=1, retain=True
+        )
 
     @_guarded
     def _on_subscribe(
@@ -495,9 +545,19 @@ class Bridge:
                     self._queue_full = False
                     log.info("the outgoing queue has room again")
                 return
+            if info.rc == mqtt.MQTT_ERR_NO_CONN:
+                # Not lost: paho keeps a QoS 1 message made while disconnected and sends
+                # it once it is connected again (counted; logged once per episode).
+                self._count("publish.queued_offline")
+                if not self._queued_offline:
+                    self._queued_offline = True
+                    log.warning(
+                        "the broker is away: keeping messages until it is back, first for %s",
+                        topic,
+                    )
+                return
             if info.rc != mqtt.MQTT_ERR_QUEUE_SIZE:
-                # paho keeps a QoS 1 message queued across a reconnect; anything else is
-                # lost and must be visible.
+                # Anything else is lost and must be visible.
                 self._count("publish.not_sent")
                 log.warning("publish to %s returned %s", topic, mqtt.error_string(info.rc))
                 return

@@ -123,6 +123,9 @@ class World:
         self.registry.add_tenant("globex", OTHER_SECRET)
         self.registry.add_device("dev1", "acme", "thermostat")
         self.registry.add_device("dev2", "globex", "kiosk")
+        # Each World's bridge its own client id: its session is persistent, and bridges
+        # of earlier tests (other prefixes) left theirs on the shared broker.
+        config.setdefault("client_id", f"wren-bridge-{uuid.uuid4().hex[:8]}")
         cfg = BridgeConfig(
             host=broker.host,
             port=broker.port,
@@ -433,7 +436,13 @@ def test_two_shared_bridges_each_see_every_event(broker: MosquittoProcess, tmp_p
     # Two bridge processes, as in production: whichever gets a run's events must get
     # all of them, or each would see holes, ask the board to replay, and give up.
     w = World(broker, tmp_path, ScriptedProvider(), shared_subscription=True)
-    cfg = BridgeConfig(host=broker.host, port=broker.port, prefix=w.p, shared_subscription=True)
+    cfg = BridgeConfig(
+        host=broker.host,
+        port=broker.port,
+        prefix=w.p,
+        shared_subscription=True,
+        client_id=f"{w.bridge.config.client_id}-2",  # a second process: an id of its own
+    )
     other = Bridge(cfg, w.registry, ScriptedProvider())
     other.start()
     try:
@@ -882,10 +891,12 @@ def test_config_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     cfg = BridgeConfig()
     assert (cfg.username, cfg.password, cfg.prefix) == ("bridge", "pw", "wren/v1")
     assert cfg.shared_subscription is False
-    assert BridgeConfig().client_id != cfg.client_id
+    # Stable: the bridge's session is persistent and found again by this id.
+    assert cfg.client_id == BridgeConfig().client_id == "wren-bridge"
     assert (cfg.replay_retry_s, cfg.replay_retry_max_s) == (2.0, 30.0)
     for bad in (
         {"prefix": "wren/#"},
+        {"client_id": ""},
         {"replay_retry_s": 0},
         {"replay_retry_s": 5, "replay_retry_max_s": 4},
     ):
@@ -962,7 +973,10 @@ def test_outgoing_queue_is_bounded_while_the_broker_is_away(tmp_path: Path) -> N
         wait_for(lambda: not bridge.connected, "the bridge to notice")
         for _ in range(5):
             bridge._publish("p/h/acme/dev1/evt", b"x")
+        # Three kept by paho for the reconnect, two refused on the full queue.
+        assert bridge.stats["publish.queued_offline"] == 3
         assert bridge.stats["publish.queue_full"] == 2
+        assert bridge.stats["publish.not_sent"] == 0
         # An RPC worker waits for room (here until its deadline), then drops too.
         bridge._send_rpc("dev1", {"c": 1, "ok": {}}, time.monotonic() + 0.2)
         assert bridge.stats["publish.queue_full"] == 3

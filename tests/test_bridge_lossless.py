@@ -12,6 +12,9 @@ something took.
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +23,14 @@ from typing import Any
 import msgpack
 import pytest
 
+from server_bridge.bridge import Bridge
+from server_bridge.config import BridgeConfig
 from server_bridge.intake import DEVICE_OFFLINE, DEVICE_RESTARTED
 from server_bridge.models.scripted import ScriptedProvider
+from server_bridge.registry import Registry
 from tests.test_bridge import (
     DEV,
+    USER,
     Peer,
     Sink,
     World,
@@ -31,8 +38,12 @@ from tests.test_bridge import (
     intake,
     wait_for,
 )
-from tools.broker import MosquittoProcess
+from tools.broker import MosquittoProcess, start_mosquitto
 
+ROOT = Path(__file__).resolve().parents[1]
+# Long enough for a bridge process to start, or for paho to reconnect (its backoff
+# reaches a few seconds while the broker is away).
+SLOW = 40.0
 OLD_BOOT, NEW_BOOT = "0a1b2c3d", "99887766"
 
 
@@ -378,3 +389,177 @@ def test_a_terminal_event_held_behind_a_hole_is_not_failed_again() -> None:
     ]
     # The board ended that run itself: no cancel for it.
     assert [c["op"] for c in sink.ctls()] == ["replay"]
+
+
+# ---------------------------------------------------------------- bridge presence
+
+
+def status_of(peer: Peer, p: str) -> Any:
+    return peer.get(f"{p}/b/status", timeout=SLOW)
+
+
+def test_presence_online_retained_and_offline_on_a_clean_stop(
+    world: World, broker: MosquittoProcess
+) -> None:
+    w = world
+    me = w.bridge.config.client_id
+    first = Peer(broker, [f"{w.p}/b/status"])
+    try:
+        assert status_of(first, w.p) == {"st": "online", "id": me}  # retained
+        w.bridge.stop()
+        assert status_of(first, w.p) == {"st": "offline", "id": me}
+    finally:
+        first.close()
+    later = Peer(broker, [f"{w.p}/b/status"])
+    try:
+        assert status_of(later, w.p) == {"st": "offline", "id": me}  # retained
+    finally:
+        later.close()
+
+
+class BridgeProcess:
+    """`wren bridge` in a process of its own (prefix wren/v1, tenant acme, device dev1)."""
+
+    P = "wren/v1"
+
+    def __init__(self, broker: MosquittoProcess, tmp: Path, client_id: str) -> None:
+        self.log = tmp / f"bridge-{uuid.uuid4().hex[:6]}.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tools.cli", "bridge", "--broker", broker.address,
+                 "--registry", str(tmp / "registry.json"), "--tenant", "acme",
+                 "--device", "dev1:thermostat", "--client-id", client_id],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=SLOW)
+
+    def wait_online(self, watcher: Peer) -> None:
+        try:
+            got = status_of(watcher, self.P)
+        except AssertionError:
+            raise AssertionError(f"the bridge did not start:\n{self.output()}") from None
+        assert got["st"] == "online", got
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[MosquittoProcess]:
+    """A broker of the test's own, with persistence: a CLI bridge uses the prefix wren/v1,
+    and restarting the shared one would disturb every other test."""
+    b = start_mosquitto(tmp_path / "mosquitto", persistence=True)
+    yield b
+    b.stop()
+
+
+def test_a_killed_bridge_process_leaves_offline_retained(
+    own_broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    p = BridgeProcess.P
+    watcher = Peer(own_broker, [f"{p}/b/status"])
+    bridge = BridgeProcess(own_broker, tmp_path, "wren-bridge-a")
+    try:
+        bridge.wait_online(watcher)
+        bridge.kill()
+        assert status_of(watcher, p) == {"st": "offline", "id": "wren-bridge-a"}  # its will
+        later = Peer(own_broker, [f"{p}/b/status"])
+        try:
+            assert status_of(later, p) == {"st": "offline", "id": "wren-bridge-a"}  # retained
+        finally:
+            later.close()
+    finally:
+        bridge.kill()
+        watcher.close()
+
+
+# ---------------------------------------------------------------- persistent session
+
+
+def test_what_boards_send_while_the_bridge_is_dead_is_forwarded_when_it_is_back(
+    own_broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    p = BridgeProcess.P
+    evt, host_evt = f"{p}/d/dev1/evt", f"{p}/h/acme/dev1/evt"
+    watcher = Peer(own_broker, [f"{p}/b/status"])
+    host = Peer(own_broker, [host_evt])
+    board = Peer(own_broker)
+    bridge = BridgeProcess(own_broker, tmp_path, "wren-bridge")
+    again: Bridge | None = None
+    registry: Registry | None = None
+    try:
+        bridge.wait_online(watcher)
+        board.send(evt, ev(1, run="before"))
+        assert host.get(host_evt, timeout=SLOW) == ev(1, run="before")
+        bridge.kill()
+        assert status_of(watcher, p)["st"] == "offline"
+        board.send(evt, [ev(1), ev(2)])
+        board.send(evt, ev(3, "run.done", usage={}))
+        # A bridge with the same client id: the broker kept what came in between.
+        registry = Registry(tmp_path / "registry.json")
+        cfg = BridgeConfig(
+            host=own_broker.host, port=own_broker.port, username=None, password=None,
+            prefix=p, client_id="wren-bridge",
+        )  # fmt: skip
+        again = Bridge(cfg, registry, ScriptedProvider())
+        again.start()
+        got: list[Any] = []
+        while len([e for e in got if e["r"] == "r1"]) < 3 and len(got) < 10:
+            got.append(host.get(host_evt, timeout=SLOW))
+        # At least once: the killed bridge may have died before it acknowledged "before";
+        # then the broker delivers it again (hosts drop the repeat by id).
+        assert [e for e in got if e["r"] != "r1"] in ([], [ev(1, run="before")])
+        assert [e for e in got if e["r"] == "r1"] == [ev(1), ev(2), ev(3, "run.done", usage={})]
+        assert again.stats["session.resumed"] == 1
+        assert status_of(watcher, p) == {"st": "online", "id": "wren-bridge"}
+    finally:
+        if again is not None:
+            again.stop()
+        if registry is not None:
+            registry.close()
+        bridge.kill()
+        for peer in (watcher, host, board):
+            peer.close()
+
+
+def test_the_bridge_rides_out_a_broker_restart(
+    own_broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    w = World(own_broker, tmp_path, ScriptedProvider(), replay_retry_s=60, replay_retry_max_s=60)
+    # Board and host with persistent sessions, which the broker saves and restores.
+    tag = uuid.uuid4().hex[:6]
+    board = Peer(own_broker, [w.d("rpc/res")], client_id=f"board-{tag}", clean_session=False)
+    host = Peer(own_broker, [w.h("evt")], client_id=f"host-{tag}", clean_session=False)
+    try:
+        board.send(w.d("evt"), ev(1, run="x"))
+        assert host.get(w.h("evt")) == ev(1, run="x")
+
+        def while_down() -> None:
+            wait_for(lambda: not w.bridge.connected, "the bridge to notice", SLOW)
+            wait_for(lambda: not (board.connected or host.connected), "the peers to notice", SLOW)
+            # Forwarding an event while the broker is away: paho keeps it.
+            w.bridge.intake.accept(DEV, [ev(2, run="x")])
+            assert w.bridge.stats["publish.queued_offline"] == 1
+            assert w.bridge.stats["publish.not_sent"] == 0
+
+        own_broker.restart(down=while_down)
+        assert host.get(w.h("evt"), timeout=SLOW) == ev(2, run="x")
+        wait_for(lambda: w.bridge.connected, "the bridge to reconnect", SLOW)
+        assert w.bridge.stats["session.resumed"] >= 1  # the broker restored its session
+        wait_for(lambda: board.connected and host.connected, "the peers to reconnect", SLOW)
+        # The next RPC call and the next event are served.
+        board.send(w.d("rpc"), {"c": 7, "m": "llm.complete", "a": {"messages": [USER]}})
+        msg = board.get(w.d("rpc/res"))
+        while "ch" in msg:
+            msg = board.get(w.d("rpc/res"))
+        assert msg["c"] == 7 and msg["ok"]["finish"] == "tool_calls"
+        board.send(w.d("evt"), ev(3, run="x"))
+        assert host.get(w.h("evt")) == ev(3, run="x")
+    finally:
+        board.close()
+        host.close()
+        w.close()

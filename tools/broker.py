@@ -18,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,12 +81,18 @@ class MosquittoProcess:
             self._owned_dir.cleanup()
             self._owned_dir = None
 
-    def restart(self, timeout_s: float = 10.0) -> None:
+    def restart(self, timeout_s: float = 10.0, down: Callable[[], None] | None = None) -> None:
         """Stop the broker (SIGTERM, so it saves its sessions when persistence is on) and
-        start it again on the same port and config; return once it accepts connections."""
+        start it again on the same port and config; return once it accepts connections.
+
+        `down`, if given, is called while the broker is stopped (a test's chance to make
+        its clients act while the broker is away).
+        """
         if not self.argv:
             raise BrokerError("this broker was not started by start_mosquitto")
         self._terminate()
+        if down is not None:
+            down()
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
