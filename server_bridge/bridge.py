@@ -19,7 +19,8 @@ persistent (clean session off, a stable client id): what boards send while it is
 stopped waits at the broker, and what it publishes while the broker is away paho keeps
 and sends after reconnecting. It announces itself on P/b/status, retained — online on
 every connect, offline as its last will and on a clean stop — so a board fails the RPC
-calls it waits on at once instead of at their timeout.
+calls it waits on at once instead of at their timeout. A host's `ctl replay` is
+answered here, from the intake's window of the run's events, never by the board.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ _TICK_S = 0.25
 # How long an RPC worker sleeps before trying again to queue an answer on a full queue.
 _QUEUE_WAIT_S = 0.01
 # BRIDGE_RUN ("_b", from wire.py): the bridge's own event stream on P/h/T/D/evt, for
-# refusals of host input.
+# refusals of host input and answers to a host's replay.
 # A refusal message sent to a host is short and customer-safe.
 _MAX_HOST_MSG = 200
 # How long a clean stop waits for the broker to take its offline status.
@@ -482,10 +483,15 @@ class Bridge:
         On the topic's own tenant and device only (parse() has checked both levels), so
         it reaches the hosts of the tenant that sent the message, whoever owns D.
         """
-        assert t.tenant is not None  # a host topic always has one
         d: dict[str, Any] = {"kind": kind, "msg": msg}
         if req is not None:
             d["req"] = req
+        self._bridge_error(t, d)
+        self._count("host.refusals_told")
+
+    def _bridge_error(self, t: Topic, d: dict[str, Any]) -> None:
+        """An `error` event `d` on the bridge stream `_b` of the topic's T and D."""
+        assert t.tenant is not None  # a host topic always has one
         env = {
             "r": BRIDGE_RUN,
             "i": self._streams.next_id(t.tenant, t.device),
@@ -494,7 +500,6 @@ class Bridge:
             "d": d,
         }
         self._publish(host_topic(self.config.prefix, t.tenant, t.device, "evt"), encode(env))
-        self._count("host.refusals_told")
 
     def _host_req(self, t: Topic, obj: Any) -> None:
         req = check_host_req(obj)
@@ -512,12 +517,43 @@ class Bridge:
     def _host_ctl(self, t: Topic, obj: Any) -> None:
         ctl = check_host_ctl(obj)
         record, session = self._session(t, ctl.tok)
+        if ctl.op == "replay":
+            self._host_replay(t, record, ctl.fields["r"], ctl.fields["after"])
+            return
         out = dict(ctl.fields)
         if ctl.op == "approve":
             # Who approved is whoever the token proves, not what the payload claims.
             out["by"] = session.user
         self._publish(device_topic(self.config.prefix, record.device, "ctl"), encode(out))
         self._count("host.ctl")
+
+    def _host_replay(self, t: Topic, record: DeviceRecord, run: str, after: int) -> None:
+        """Answer a host's replay from the intake's window; the board is not asked.
+
+        The events go out on P/h/T/D/evt like the first time (hosts drop ids they have);
+        ids past `after` that the window no longer holds are one `gap` error on `_b`,
+        before them; a run the intake does not know is `unknown_run` on `_b`.
+        """
+        self._count("host.replay")
+        window = self.intake.window(record.device, run, after)
+        if window is None:
+            msg = "the bridge holds no events of this run"
+            self._refuse("unknown_run", host_topic(self.config.prefix, *_levels(t), "ctl"), msg)
+            self._bridge_error(t, {"kind": "unknown_run", "r": run, "msg": msg})
+            return
+        held_from = window.first if window.first is not None else window.next
+        if after + 1 < held_from:
+            lo, hi = after + 1, held_from - 1
+            self._bridge_error(
+                t,
+                {"kind": "gap", "r": run, "from": lo, "to": hi,
+                 "msg": f"events {lo}..{hi} are no longer held by the bridge"},
+            )  # fmt: skip
+            self._count("host.replay_gap")
+        topic = host_topic(self.config.prefix, *_levels(t), "evt")
+        for env in window.events:
+            self._publish(topic, encode(env))
+        self._count("host.replay_events", len(window.events))
 
     # ------------------------------------------------------------------ publishing
 
@@ -577,6 +613,12 @@ class Bridge:
                     topic,
                 )
             return
+
+
+def _levels(t: Topic) -> tuple[str, str]:
+    """The tenant and device levels of a host topic."""
+    assert t.tenant is not None  # a host topic always has one
+    return t.tenant, t.device
 
 
 def _req_of(obj: Any) -> str | None:

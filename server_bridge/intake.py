@@ -48,7 +48,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from edge_runtime.events import TERMINAL
 from server_bridge.registry import DeviceRecord
@@ -65,7 +65,7 @@ from server_bridge.wire import (
     encode,
 )
 
-__all__ = ["DEVICE_OFFLINE", "DEVICE_RESTARTED", "EventIntake"]
+__all__ = ["DEVICE_OFFLINE", "DEVICE_RESTARTED", "EventIntake", "Window"]
 
 log = logging.getLogger("wren.bridge.intake")
 
@@ -82,6 +82,14 @@ _STREAMS = (DEVICE_RUN, BRIDGE_RUN)
 # The `run.failed` messages of runs the bridge ends (customer-safe, PROTOCOL.md).
 DEVICE_RESTARTED = "the device restarted"
 DEVICE_OFFLINE = "the device went offline"
+
+
+class Window(NamedTuple):
+    """What the intake still holds of a run, for a host's replay."""
+
+    events: list[dict[str, Any]]  # the forwarded events with id > after, in id order
+    first: int | None  # the lowest id still held (None: nothing forwarded yet)
+    next: int  # the next id the run will forward
 
 
 @dataclass(eq=False)
@@ -436,6 +444,16 @@ class EventIntake:
         with self._lock:
             st = self._runs.get((device, run))
             return [dict(e) for e in st.recent if e["i"] > after] if st else []
+
+    def window(self, device: str, run: str, after: int = 0) -> Window | None:
+        """What a host's replay of a run can get: None when the run is unknown here."""
+        with self._lock:
+            st = self._runs.get((device, run))
+            if st is None:
+                return None
+            events = [dict(e) for e in st.recent if e["i"] > after]
+            first = st.recent[0]["i"] if st.recent else None
+            return Window(events, first, st.expected)
 
     def highest(self, device: str, run: str) -> int | None:
         """The highest event id seen of a run (0 before any), None when unknown."""

@@ -360,13 +360,15 @@ def check_host_req(obj: object) -> HostReq:
     )
 
 
-# The ctl ops a host may send and the keys each carries on to the board. Everything
-# else in the payload (tok, usr, ten, device, ...) is dropped here, so nothing a host
-# writes can reach the board except these fields. `replay` is the bridge's own op.
+# The ctl ops a host may send and the keys each keeps. Everything else in the payload
+# (tok, usr, ten, device, ...) is dropped here, so nothing a host writes can reach the
+# board except these fields. `replay` never reaches the board: the bridge answers it
+# from its own window of the run's events (PROTOCOL.md "Replay").
 HOST_CTL_KEYS: dict[str, tuple[str, ...]] = {
     "cancel": ("r", "reason"),
     "tool": ("r", "call", "output", "failed"),
     "approve": ("r", "call", "ok"),
+    "replay": ("r", "after"),
 }
 
 
@@ -390,6 +392,10 @@ def check_host_ctl(obj: object) -> HostCtl:
         _host_id(m, "call", f"ctl {op}")
     if op == "approve" and not isinstance(m.get("ok"), bool):
         raise BadEnvelope("ctl approve needs ok: a bool")
+    if op == "replay":
+        after = m.get("after")
+        if not _is_int(after) or after < 0:
+            raise BadEnvelope("ctl replay needs after: an int >= 0")
     fields = {"op": op}
     fields.update({k: m[k] for k in keys if k in m})
     if op == "cancel" and "reason" in fields:

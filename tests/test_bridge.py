@@ -742,9 +742,8 @@ def test_host_ctl(world: World) -> None:
     assert world.board.get(world.d("ctl")) == {
         "op": "tool", "r": "r1", "call": "c2", "output": "yes", "failed": False
     }  # fmt: skip
-    world.host.send(world.h("ctl"), {"op": "replay", "r": "r1", "after": 0, "tok": tok})
     world.host.send(world.h("ctl"), {"op": "reboot", "r": "r1", "tok": tok})
-    world.refused("unknown_op", 2)
+    world.refused("unknown_op")
     world.host.send(
         world.h("ctl"), {"op": "cancel", "r": "r1", "tok": token("x", secret=OTHER_SECRET)}
     )

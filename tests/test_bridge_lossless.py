@@ -30,12 +30,14 @@ from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from tests.test_bridge import (
     DEV,
+    OTHER_SECRET,
     USER,
     Peer,
     Sink,
     World,
     ev,
     intake,
+    token,
     wait_for,
 )
 from tools.broker import MosquittoProcess, start_mosquitto
@@ -563,3 +565,77 @@ def test_the_bridge_rides_out_a_broker_restart(
         board.close()
         host.close()
         w.close()
+
+
+# ---------------------------------------------------------------- host replay
+
+
+def test_a_host_replay_is_answered_from_the_bridges_window(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    w = World(
+        broker,
+        tmp_path,
+        ScriptedProvider(),
+        events_per_run=3,
+        replay_retry_s=60,
+        replay_retry_max_s=60,
+    )
+    try:
+        tok = token("alice")
+        w.board.send(w.d("evt"), [ev(i) for i in range(1, 6)])
+        assert [e["i"] for e in host_events(w, 5)] == [1, 2, 3, 4, 5]
+
+        w.host.send(w.h("ctl"), {"op": "replay", "r": "r1", "after": 0, "tok": tok})
+        told, *again = host_events(w, 4)
+        assert (told["r"], told["i"], told["t"]) == ("_b", 1, "error")
+        assert {k: told["d"][k] for k in ("kind", "r", "from", "to")} == {
+            "kind": "gap", "r": "r1", "from": 1, "to": 2
+        }  # fmt: skip
+        assert told["d"]["msg"]
+        assert again == [ev(3), ev(4), ev(5)]
+
+        w.host.send(w.h("ctl"), {"op": "replay", "r": "r1", "after": 3, "tok": tok})
+        assert host_events(w, 2) == [ev(4), ev(5)]  # all held: no gap
+        w.host.send(w.h("ctl"), {"op": "replay", "r": "r1", "after": 5, "tok": tok})
+        w.host.send(w.h("ctl"), {"op": "replay", "r": "nope", "after": 0, "tok": tok})
+        unknown = w.host.get(w.h("evt"))  # nothing came for after=5
+        assert (unknown["r"], unknown["i"]) == ("_b", 2)
+        assert unknown["d"]["kind"] == "unknown_run" and unknown["d"]["r"] == "nope"
+
+        forged = token("mallory", secret=OTHER_SECRET)
+        w.host.send(w.h("ctl"), {"op": "replay", "r": "r1", "after": 0, "tok": forged})
+        w.host.send(w.h("ctl"), {"op": "replay", "r": "r1", "after": -1, "tok": tok})
+        refused = host_events(w, 2)
+        assert [(e["r"], e["i"], e["d"]["kind"]) for e in refused] == [
+            ("_b", 3, "bad_token"),
+            ("_b", 4, "bad_envelope"),
+        ]
+        assert forged not in refused[0]["d"]["msg"]
+        # Another tenant's device: refused like any host ctl.
+        w.host.send(w.h("ctl", "acme", "dev2"), {"op": "replay", "r": "r1", "after": 0, "tok": tok})
+        w.refused("unknown_device")
+
+        # None of it reached the board: the first ctl it gets is the cancel sent after.
+        w.host.send(w.h("ctl"), {"op": "cancel", "r": "r1", "tok": tok})
+        assert w.board.get(w.d("ctl")) == {"op": "cancel", "r": "r1"}
+        stats = w.bridge.stats
+        assert (stats["host.replay"], stats["host.replay_events"], stats["host.replay_gap"]) == (
+            4, 5, 1
+        )  # fmt: skip
+        assert stats["refused.unknown_run"] == 1
+    finally:
+        w.close()
+
+
+def test_the_window_reader() -> None:
+    sink = Sink()
+    it = intake(sink, keep=2)
+    assert it.window("dev1", "r1") is None
+    it.accept(DEV, [ev(2)])  # held: nothing forwarded yet
+    assert it.window("dev1", "r1") == ([], None, 1)
+    it.accept(DEV, [ev(1), ev(3)])
+    window = it.window("dev1", "r1", after=1)
+    assert window is not None
+    assert (window.events, window.first, window.next) == ([ev(2), ev(3)], 2, 4)
+    assert [e["i"] for e in it.events("dev1", "r1")] == [2, 3]  # events() unchanged
