@@ -383,11 +383,6 @@ class Bridge:
             self._ready.set()
             return
         self._sub_mid = mid
-        # On every connect: after the will fired (a dropped connection) the retained
-        # status says offline until the bridge says otherwise.
-        client.publish(
-            bridge_topic(self.config.prefix), self._status_payload("online"), qos=1, retain=True
-        )
 
     @_guarded
     def _on_subscribe(
@@ -401,6 +396,15 @@ class Bridge:
             # half the topics would look healthy and lose messages.
             self._start_error = f"broker refused subscriptions: {', '.join(refused)}"
             log.error("broker refused bridge subscriptions: %s", refused)
+        else:
+            # Online once it serves, on every (re)connect: after a dropped connection the
+            # will left "offline" retained until the bridge says otherwise.
+            client.publish(
+                bridge_topic(self.config.prefix),
+                self._status_payload("online"),
+                qos=1,
+                retain=True,
+            )
         self._ready.set()
 
     @_guarded
