@@ -5,14 +5,14 @@ Per (device, run) the intake tracks the next id it expects and the highest id it
 to P/h/T/D/evt (one envelope per message); an event past a hole is held (a bounded buffer
 per run). While any id below the highest seen is missing, the board is asked to resend,
 `ctl {op:"replay", r, after}` on P/d/D/ctl: at once, then after replay_retry_s, the wait
-doubling up to replay_retry_max_s, for as long as it takes. It never gives up: a run whose
-events stop short of what the board sent would look finished to nobody and unfinished
-forever to hosts. The asking ends when the events arrive, when the board reports them
-lost (an `error` event of kind "gap" naming `from`..`to`: the intake steps past those ids
-and releases what it held; the report itself is forwarded, so hosts see the hole), or
-when the run ends or is forgotten. A full hold buffer drops its highest ids — the next
-resend brings them again — and the highest-seen id keeps the asking going even when
-nothing is held. A duplicate (an id already passed) is dropped and counted.
+doubling up to replay_retry_max_s, for as long as it takes. It never gives up: a hole
+left open would keep the run unfinished for its hosts forever. The asking ends when the
+events arrive, when the board reports them lost (an `error` event of kind "gap" naming
+`from`..`to`: the intake steps past those ids and releases what it held; the report
+itself is forwarded, so hosts see the hole), or when the run ends or is forgotten. A
+full hold buffer drops its highest ids — the next resend brings them again — and the
+highest-seen id keeps the asking going even when nothing is held. A duplicate (an id
+already passed) is dropped and counted.
 
 A run whose board is gone is ended here, since nobody else will: when a device's
 `status` or `hello` carries a boot id other than the one last known (the board
