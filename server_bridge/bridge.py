@@ -13,6 +13,14 @@ someone to answer: a board's RPC call with an RPC error, a host's req or ctl wit
 for that tenant and device (run id "_b", ids 1, 2, 3 ... kept in memory). Then the
 bridge carries on with the next message. Every paho callback is wrapped so an exception
 in our code is logged with its traceback and the network thread keeps running.
+
+Nothing is lost while the bridge or the broker is away. The bridge's MQTT session is
+persistent (clean session off, a stable client id): what boards send while it is
+stopped waits at the broker, and what it publishes while the broker is away paho keeps
+and sends after reconnecting. It announces itself on P/b/status, retained — online on
+every connect, offline as its last will and on a clean stop — so a board fails the RPC
+calls it waits on at once instead of at their timeout. A host's `ctl replay` is
+answered here, from the intake's window of the run's events, never by the board.
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
 from server_bridge.tokens import TokenError
-from server_bridge.topics import BadTopic, Topic, device_topic, host_topic, parse
+from server_bridge.topics import BadTopic, Topic, bridge_topic, device_topic, host_topic, parse
 from server_bridge.wire import (
+    BRIDGE_RUN,
     MAX_HOST_ID,
     REFUSALS,
     UnknownDevice,
@@ -60,10 +69,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 _TICK_S = 0.05
 # How long an RPC worker sleeps before trying again to queue an answer on a full queue.
 _QUEUE_WAIT_S = 0.01
-# The run id of the bridge's own event stream on P/h/T/D/evt: refusals of host input.
-BRIDGE_RUN = "_b"
+# BRIDGE_RUN ("_b", from wire.py): the bridge's own event stream on P/h/T/D/evt, for
+# refusals of host input and answers to a host's replay.
 # A refusal message sent to a host is short and customer-safe.
 _MAX_HOST_MSG = 200
+# How long a clean stop waits for the broker to take its offline status.
+_STOP_STATUS_WAIT_S = 5.0
 
 
 class _BridgeStreams:
@@ -138,6 +149,8 @@ class Bridge:
         self._streams = _BridgeStreams()
         # Set while publishes are being refused on a full queue: one log line per episode.
         self._queue_full = False
+        # Set while publishes wait in paho for the broker to come back: likewise.
+        self._queued_offline = False
         self.intake = EventIntake(
             config.prefix,
             self._publish,
@@ -148,7 +161,8 @@ class Bridge:
             max_runs=config.max_runs,
             max_runs_per_device=config.max_runs_per_device,
             replay_retry_s=config.replay_retry_s,
-            replay_max_attempts=config.replay_max_attempts,
+            replay_retry_max_s=config.replay_retry_max_s,
+            on_device_reset=self._device_reset,
         )
         self.rpc = RpcServer(
             provider,
@@ -190,6 +204,11 @@ class Bridge:
     def presence(self, device: str) -> dict[str, Any] | None:
         """A device's last P/d/D/status (`st` online/offline), None when unknown."""
         return self.intake.presence(device)
+
+    def _device_reset(self, device: str, msg: str, new_boot: bool) -> None:
+        """A device restarted or went offline (the intake ended its open runs): its
+        calls in flight end, and after a reboot its call ids may be used again."""
+        self.rpc.device_gone(device, msg, new_boot=new_boot)
 
     def _count(self, name: str, n: int = 1) -> None:
         if n:
@@ -233,11 +252,13 @@ class Bridge:
             # stop() shut the RPC worker pool down; a restart is a new Bridge.
             raise BridgeError("a stopped bridge cannot be started again")
         cfg = self.config
+        # A persistent session: what boards send while this bridge is away waits at the
+        # broker for its client id, and the broker keeps its subscriptions.
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
             client_id=cfg.client_id,
             protocol=mqtt.MQTTv311,
-            clean_session=True,
+            clean_session=False,
         )
         client.enable_logger(logging.getLogger("wren.bridge.paho"))
         # Without a bound paho keeps every QoS 1 message while the broker is away.
@@ -246,6 +267,10 @@ class Bridge:
             client.username_pw_set(cfg.username, cfg.password)
         client.connect_timeout = cfg.connect_timeout_s
         client.reconnect_delay_set(1, 30)
+        # Set before connecting: the broker publishes it if the bridge vanishes.
+        client.will_set(
+            bridge_topic(cfg.prefix), self._status_payload("offline"), qos=1, retain=True
+        )
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
@@ -279,10 +304,17 @@ class Bridge:
         )
 
     def stop(self) -> None:
-        """Disconnect and stop the threads; calls still running get no answer."""
+        """Say offline, disconnect and stop the threads; calls still running get no answer.
+
+        The session stays at the broker (it is persistent): a bridge started again with
+        the same client id gets what boards sent in between.
+        """
         self._stopping.set()
         client, self._client = self._client, None
         if client is not None:
+            if self._connected:
+                # A clean DISCONNECT suppresses the last will, so the bridge says it itself.
+                self._say_offline(client)
             client.disconnect()
             # paho 2.2's network thread may wake once more after disconnect() closed the
             # socket and log "Client is not connected" at ERROR: at shutdown that is the
@@ -313,6 +345,20 @@ class Bridge:
                 log.exception("bridge housekeeping failed")
                 self._count("callback_errors")
 
+    def _status_payload(self, st: str) -> bytes:
+        return encode({"st": st, "id": self.config.client_id})
+
+    def _say_offline(self, client: mqtt.Client) -> None:
+        info = client.publish(
+            bridge_topic(self.config.prefix), self._status_payload("offline"), qos=1, retain=True
+        )
+        try:
+            info.wait_for_publish(_STOP_STATUS_WAIT_S)
+        except (RuntimeError, ValueError):
+            pass  # not queued (the connection just dropped): the will says it instead
+        if not info.is_published():
+            log.warning("the broker did not take the bridge's offline status before the stop")
+
     # ------------------------------------------------------------------ paho callbacks
 
     @_guarded
@@ -326,7 +372,14 @@ class Bridge:
             return
         self._connected = True
         self._count("connects")
-        # Subscribe on every connect: a clean session forgets subscriptions on reconnect.
+        if flags.session_present:
+            self._count("session.resumed")
+        if self._queued_offline:
+            self._queued_offline = False
+            log.info("reconnected: paho sends the messages it kept while the broker was away")
+        # Subscribe on every connect: the session keeps the subscriptions, but a broker
+        # that lost it (no persistence, or a first connect) must hear them again, and
+        # the SUBACK is what start() waits for.
         rc, mid = client.subscribe([(topic, 1) for topic in self.subscriptions()])
         if rc != mqtt.MQTT_ERR_SUCCESS:
             self._start_error = f"subscribe failed: {mqtt.error_string(rc)}"
@@ -346,6 +399,15 @@ class Bridge:
             # half the topics would look healthy and lose messages.
             self._start_error = f"broker refused subscriptions: {', '.join(refused)}"
             log.error("broker refused bridge subscriptions: %s", refused)
+        else:
+            # Online once it serves, on every (re)connect: after a dropped connection the
+            # will left "offline" retained until the bridge says otherwise.
+            client.publish(
+                bridge_topic(self.config.prefix),
+                self._status_payload("online"),
+                qos=1,
+                retain=True,
+            )
         self._ready.set()
 
     @_guarded
@@ -428,10 +490,15 @@ class Bridge:
         On the topic's own tenant and device only (parse() has checked both levels), so
         it reaches the hosts of the tenant that sent the message, whoever owns D.
         """
-        assert t.tenant is not None  # a host topic always has one
         d: dict[str, Any] = {"kind": kind, "msg": msg}
         if req is not None:
             d["req"] = req
+        self._bridge_error(t, d)
+        self._count("host.refusals_told")
+
+    def _bridge_error(self, t: Topic, d: dict[str, Any]) -> None:
+        """An `error` event `d` on the bridge stream `_b` of the topic's T and D."""
+        assert t.tenant is not None  # a host topic always has one
         env = {
             "r": BRIDGE_RUN,
             "i": self._streams.next_id(t.tenant, t.device),
@@ -440,7 +507,6 @@ class Bridge:
             "d": d,
         }
         self._publish(host_topic(self.config.prefix, t.tenant, t.device, "evt"), encode(env))
-        self._count("host.refusals_told")
 
     def _host_req(self, t: Topic, obj: Any) -> None:
         req = check_host_req(obj)
@@ -458,12 +524,43 @@ class Bridge:
     def _host_ctl(self, t: Topic, obj: Any) -> None:
         ctl = check_host_ctl(obj)
         record, session = self._session(t, ctl.tok)
+        if ctl.op == "replay":
+            self._host_replay(t, record, ctl.fields["r"], ctl.fields["after"])
+            return
         out = dict(ctl.fields)
         if ctl.op == "approve":
             # Who approved is whoever the token proves, not what the payload claims.
             out["by"] = session.user
         self._publish(device_topic(self.config.prefix, record.device, "ctl"), encode(out))
         self._count("host.ctl")
+
+    def _host_replay(self, t: Topic, record: DeviceRecord, run: str, after: int) -> None:
+        """Answer a host's replay from the intake's window; the board is not asked.
+
+        The events go out on P/h/T/D/evt like the first time (hosts drop ids they have);
+        ids past `after` that the window no longer holds are one `gap` error on `_b`,
+        before them; a run the intake does not know is `unknown_run` on `_b`.
+        """
+        self._count("host.replay")
+        window = self.intake.window(record.device, run, after)
+        if window is None:
+            msg = "the bridge holds no events of this run"
+            self._refuse("unknown_run", host_topic(self.config.prefix, *_levels(t), "ctl"), msg)
+            self._bridge_error(t, {"kind": "unknown_run", "r": run, "msg": msg})
+            return
+        held_from = window.first if window.first is not None else window.next
+        if after + 1 < held_from:
+            lo, hi = after + 1, held_from - 1
+            self._bridge_error(
+                t,
+                {"kind": "gap", "r": run, "from": lo, "to": hi,
+                 "msg": f"events {lo}..{hi} are no longer held by the bridge"},
+            )  # fmt: skip
+            self._count("host.replay_gap")
+        topic = host_topic(self.config.prefix, *_levels(t), "evt")
+        for env in window.events:
+            self._publish(topic, encode(env))
+        self._count("host.replay_events", len(window.events))
 
     # ------------------------------------------------------------------ publishing
 
@@ -491,9 +588,19 @@ class Bridge:
                     self._queue_full = False
                     log.info("the outgoing queue has room again")
                 return
+            if info.rc == mqtt.MQTT_ERR_NO_CONN:
+                # Not lost: paho keeps a QoS 1 message made while disconnected and sends
+                # it once it is connected again (counted; logged once per episode).
+                self._count("publish.queued_offline")
+                if not self._queued_offline:
+                    self._queued_offline = True
+                    log.warning(
+                        "the broker is away: keeping messages until it is back, first for %s",
+                        topic,
+                    )
+                return
             if info.rc != mqtt.MQTT_ERR_QUEUE_SIZE:
-                # paho keeps a QoS 1 message queued across a reconnect; anything else is
-                # lost and must be visible.
+                # Anything else is lost and must be visible.
                 self._count("publish.not_sent")
                 log.warning("publish to %s returned %s", topic, mqtt.error_string(info.rc))
                 return
@@ -513,6 +620,12 @@ class Bridge:
                     topic,
                 )
             return
+
+
+def _levels(t: Topic) -> tuple[str, str]:
+    """The tenant and device levels of a host topic."""
+    assert t.tenant is not None  # a host topic always has one
+    return t.tenant, t.device
 
 
 def _req_of(obj: Any) -> str | None:

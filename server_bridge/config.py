@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass, field
 
 from server_bridge.topics import DEFAULT_PREFIX
@@ -30,9 +29,12 @@ class BridgeConfig:
     username: str | None = field(default_factory=lambda: _env("WREN_BRIDGE_USER"))
     password: str | None = field(default_factory=lambda: _env("WREN_BRIDGE_PASSWORD"))
     prefix: str = DEFAULT_PREFIX
-    # Unique per process by default: two bridges with one client id would keep kicking
-    # each other off the broker.
-    client_id: str = field(default_factory=lambda: f"wren-bridge-{uuid.uuid4().hex[:12]}")
+    # Stable, because the bridge's MQTT session is persistent (clean session off): what
+    # boards send while the bridge is away waits at the broker under this id, and a
+    # restarted bridge with the same id receives it. A second bridge process on the same
+    # broker needs an id of its own: two with one id keep kicking each other off the
+    # broker (and would share one session's queue).
+    client_id: str = "wren-bridge"
     keepalive_s: int = 30
     # What the bridge accepts from boards and hosts. What it sends a board is sized by the
     # limits that board announced in its hello.
@@ -62,13 +64,15 @@ class BridgeConfig:
     shared_subscription: bool = False
     # Event intake: events kept per run for hosts, out-of-order events held per run,
     # runs tracked at once (in total and per device: a device over its own cap forgets
-    # its own oldest runs, never another device's), and the replay request retry.
+    # its own oldest runs, never another device's), and the replay request retry: asked
+    # at once, again after replay_retry_s, then with the wait doubling up to
+    # replay_retry_max_s, for as long as an id below the highest seen is missing.
     events_per_run: int = 256
     hold_per_run: int = 64
     max_runs: int = 1024
     max_runs_per_device: int = 16
     replay_retry_s: float = 2.0
-    replay_max_attempts: int = 3
+    replay_retry_max_s: float = 30.0
     # Recent refusals kept for diagnostics.
     refusals_kept: int = 100
     # Outgoing QoS 1 messages paho keeps (in flight and queued, e.g. while the broker is
@@ -82,11 +86,16 @@ class BridgeConfig:
             raise ValueError(f"bad topic prefix {self.prefix!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"bad broker port {self.port}")
+        if not isinstance(self.client_id, str) or not self.client_id:
+            # A persistent session needs an id of its own (MQTT 3.1.1 refuses an empty one).
+            raise ValueError("client_id must be a non-empty str")
         for name in ("connect_timeout_s", "llm_timeout_s", "rpc_timeout_s", "replay_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.rpc_merge_s < 0:
             raise ValueError("rpc_merge_s must be >= 0")
+        if self.replay_retry_max_s < self.replay_retry_s:
+            raise ValueError("replay_retry_max_s must be >= replay_retry_s")
         for name in (
             "rpc_workers",
             "rpc_max_inflight",
@@ -95,7 +104,6 @@ class BridgeConfig:
             "hold_per_run",
             "max_runs",
             "max_runs_per_device",
-            "replay_max_attempts",
             "refusals_kept",
             "max_queued_messages",
         ):

@@ -1,14 +1,32 @@
-"""Event intake from boards: validation, gap detection, replay requests, fan-out to hosts.
+"""Event intake from boards: validation, gap repair, fan-out to hosts, runs whose board is gone.
 
-Per (device, run) the intake tracks the next id it expects. An in-order event goes out
-at once to P/h/T/D/evt (one envelope per message); an event past a hole is held (a
-bounded buffer per run) and the board is asked once — then, with no progress, a bounded
-number of times more — to resend: `ctl {op:"replay", r, after}` on P/d/D/ctl. A duplicate
-(an id already passed) is dropped and counted. When the board's ring no longer holds
-the missing events it says so with an `error` event of kind "gap" naming `from`..`to`;
-the intake then marks those ids lost, steps past them and releases what it held. The
-gap event itself is forwarded like any event, so hosts see the hole; nothing is made up
-to cover it.
+Per (device, run) the intake tracks the next id it expects and the highest id it has seen
+(delivered, held, or dropped from a full hold buffer). An in-order event goes out at once
+to P/h/T/D/evt (one envelope per message); an event past a hole is held (a bounded buffer
+per run). While any id below the highest seen is missing, the board is asked to resend,
+`ctl {op:"replay", r, after}` on P/d/D/ctl: at once, then after replay_retry_s, the wait
+doubling up to replay_retry_max_s, for as long as it takes. It never gives up: a hole
+left open would keep the run unfinished for its hosts forever. The asking ends when the
+events arrive, when the board reports them lost (an `error` event of kind "gap" naming
+`from`..`to`: the intake steps past those ids and releases what it held; the report
+itself is forwarded, so hosts see the hole), or when the run ends or is forgotten. A
+full hold buffer drops its highest ids — the next resend brings them again — and the
+highest-seen id keeps the asking going even when nothing is held. A duplicate (an id
+already passed) is dropped and counted.
+
+A run whose board is gone is ended here, since nobody else will: when a device's
+`status` or `hello` carries a boot id other than the one last known (the board
+restarted), or its `status` turns offline (its last will), every run of that device
+still open ends for hosts. The bridge owns the ids past the highest it has seen of such
+a run, and forwards with them an `error` of kind "gap" for each hole no event filled
+and no report covered, then `run.failed` (kind "device", retryable), so every id a host
+waits for is accounted for. Later events of that run are dropped. On offline the board
+is also sent `ctl cancel` for each such run (it waits in the board's persistent session);
+on a restart the device stream "_" starts again at 1. Nothing is ever made up for the
+streams "_" and "_b". Whoever else keeps per-device state (the RPC server) is told
+through `on_device_reset`. An offline status naming a boot older than the one known is
+the late will of an earlier connection and changes nothing: taken as news, it would end
+the runs of the boot that is alive.
 
 Hosts may ask for the recent events of a run (a bounded in-memory window per run). The
 durable event log is a later issue; until then a bridge restart forgets past events.
@@ -18,8 +36,8 @@ run after run only ever evicts its own oldest run states, never another tenant's
 total (`max_runs`), the memory bound of the process.
 
 Also kept here, in memory: each device's capabilities from P/d/D/hello (and the decode
-limits they announce, which the RPC layer sizes its answers by) and its presence from
-P/d/D/status.
+limits they announce, which the RPC layer sizes its answers by), its presence from
+P/d/D/status and its last known boot id.
 """
 
 from __future__ import annotations
@@ -30,30 +48,48 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from edge_runtime.events import TERMINAL
 from server_bridge.registry import DeviceRecord
 from server_bridge.topics import device_topic, host_topic
 from server_bridge.wire import (
+    BRIDGE_RUN,
     DEFAULT_LIMITS,
+    DEVICE_RUN,
     BadEnvelope,
     Limits,
+    check_boot,
     check_events,
     decode,
     encode,
 )
 
-__all__ = ["EventIntake"]
+__all__ = ["DEVICE_OFFLINE", "DEVICE_RESTARTED", "EventIntake", "Window"]
 
 log = logging.getLogger("wren.bridge.intake")
 
 Publish = Callable[[str, bytes], None]  # (topic, payload), QoS 1
 Count = Callable[[str, int], None]
+# (device, customer-safe message, new boot?): a device restarted or went offline.
+DeviceReset = Callable[[str, str, bool], None]
 
 # Only the contract's envelope keys cross to hosts; anything else a board adds stays here.
 _ENVELOPE_KEYS = ("r", "i", "t", "ts", "n", "a", "k", "d")
 _PRESENCE = ("online", "offline")
+# Streams that are not runs: nothing is synthesized for them, they never "end".
+_STREAMS = (DEVICE_RUN, BRIDGE_RUN)
+# The `run.failed` messages of runs the bridge ends (customer-safe, PROTOCOL.md).
+DEVICE_RESTARTED = "the device restarted"
+DEVICE_OFFLINE = "the device went offline"
+
+
+class Window(NamedTuple):
+    """What the intake still holds of a run, for a host's replay."""
+
+    events: list[dict[str, Any]]  # the forwarded events with id > after, in id order
+    first: int | None  # the lowest id still held (None: nothing forwarded yet)
+    next: int  # the next id the run will forward
 
 
 @dataclass(eq=False)
@@ -63,19 +99,36 @@ class _Run:
     run: str
     recent: deque[dict[str, Any]]
     expected: int = 1
+    # The highest id seen (delivered, held or dropped): while expected <= highest, ids
+    # are missing and the board is asked for them.
+    highest: int = 0
+    # The board clock of that event: the events the bridge makes for the run carry it,
+    # so `ts` never runs backwards within a run.
+    last_ts: int = 0
     held: dict[int, dict[str, Any]] = field(default_factory=dict)
     # Ranges the board reported lost (inclusive), only those not yet passed.
     lost: list[tuple[int, int]] = field(default_factory=list)
-    # The pending replay request: the expected id it asked from, when, how often.
+    # The replay request in progress: the expected id it last asked from (None: not
+    # asking), when, the wait before asking again, and how often it asked for this hole.
     replay_for: int | None = None
     replay_sent: float = 0.0
-    replay_attempts: int = 0
-    gave_up: bool = False
+    replay_wait: float = 0.0
+    replay_asks: int = 0
+    replay_capped: bool = False
+    # A terminal event went out (the board's, or the bridge's run.failed).
     finished: bool = False
+    # The bridge ended the run (its device restarted or went offline): later events of
+    # it are dropped.
+    ended: bool = False
+
+    @property
+    def missing(self) -> bool:
+        return self.expected <= self.highest
 
 
 class EventIntake:
-    """Accepts board events and hello/status; publishes host fan-out and replay requests."""
+    """Accepts board events and hello/status; publishes host fan-out, replay requests, and
+    the end of the runs of a board that restarted or went offline."""
 
     def __init__(
         self,
@@ -88,8 +141,9 @@ class EventIntake:
         max_runs: int = 1024,
         max_runs_per_device: int = 16,
         replay_retry_s: float = 2.0,
-        replay_max_attempts: int = 3,
+        replay_retry_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        on_device_reset: DeviceReset | None = None,
     ) -> None:
         self.prefix = prefix
         self._publish = publish
@@ -100,8 +154,10 @@ class EventIntake:
         self._max_runs = max_runs
         self._max_runs_per_device = max_runs_per_device
         self._retry_s = replay_retry_s
-        self._max_attempts = replay_max_attempts
+        self._retry_max_s = max(replay_retry_max_s, replay_retry_s)
         self._clock = clock
+        # Called outside the lock, after what the reset published is on its way.
+        self.on_device_reset = on_device_reset
         # paho's network thread feeds events; the bridge's housekeeping thread ticks
         # replay retries; hosts read. One lock guards all run state. Publishing happens
         # after it is released, so no paho lock is ever taken while holding it.
@@ -112,6 +168,7 @@ class EventIntake:
         self._hello: dict[str, dict[str, Any]] = {}
         self._device_limits: dict[str, Limits] = {}
         self._presence: dict[str, dict[str, Any]] = {}
+        self._boot: dict[str, str] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -138,6 +195,10 @@ class EventIntake:
         self, device: DeviceRecord, env: dict[str, Any], now: float, out: list[tuple[str, bytes]]
     ) -> None:
         st = self._run(device, env["r"])
+        if st.ended:
+            # The bridge ended this run for hosts and took the ids past what it had seen.
+            self._count("evt.after_end", 1)
+            return
         i: int = env["i"]
         d = env["d"]
         if i < st.expected or i in st.held:
@@ -149,13 +210,16 @@ class EventIntake:
             # Recorded whatever the gap event's own id: the board emits it after it
             # resends what it still had, so it usually arrives past the hole it reports.
             self._record_lost(st, int(d["from"]), int(d["to"]))
+        if i > st.highest:
+            st.highest, st.last_ts = i, env["ts"]
         if i == st.expected:
             self._deliver(st, env, out)
         elif len(st.held) < self._hold:
             st.held[i] = env
             self._count("evt.held", 1)
         elif i < max(st.held):
-            # Full: keep the ids nearest the hole; the one dropped is resent by the replay.
+            # Full: keep the ids nearest the hole; the one dropped is resent by the replay
+            # (st.highest remembers it was sent, so the asking goes on until it is back).
             st.held.pop(max(st.held))
             st.held[i] = env
             self._count("evt.hold_overflow", 1)
@@ -201,10 +265,10 @@ class EventIntake:
             self._count("evt.lost", target - st.expected)
             st.expected = target
         st.lost = [r for r in st.lost if r[1] >= st.expected]
-        if st.held:
+        if st.missing:
             self._maybe_replay(st, now, out)
         else:
-            st.replay_for, st.replay_attempts, st.gave_up = None, 0, False
+            st.replay_for, st.replay_asks, st.replay_capped = None, 0, False
 
     def _deliver(self, st: _Run, env: dict[str, Any], out: list[tuple[str, bytes]]) -> None:
         clean = {k: env[k] for k in _ENVELOPE_KEYS if k in env}
@@ -215,37 +279,95 @@ class EventIntake:
         out.append((host_topic(self.prefix, st.tenant, st.device, "evt"), encode(clean)))
 
     def _maybe_replay(self, st: _Run, now: float, out: list[tuple[str, bytes]]) -> None:
-        # One request per hole. The board answers a request by resending its whole ring
-        # past `after`, usually one message per event, so while that resend is arriving
-        # the hole shrinks step by step: asking again at every step would only multiply
-        # resends. So a pending request is left alone for replay_retry_s; past that it
-        # is repeated — with a fresh count if the hole moved since (the board is
-        # answering, just not all of it yet), up to replay_max_attempts if it did not.
-        if st.replay_for is not None:
-            if now - st.replay_sent < self._retry_s:
-                return
-            if st.expected > st.replay_for:
-                st.replay_attempts, st.gave_up = 0, False
-            elif st.replay_attempts >= self._max_attempts:
-                if not st.gave_up:
-                    st.gave_up = True
-                    self._count("replay.gave_up", 1)
-                    log.warning(
-                        "device %s run %s: no resend of events from %d after %d replay "
-                        "requests; holding %d later events",
-                        st.device,
-                        st.run,
-                        st.expected,
-                        st.replay_attempts,
-                        len(st.held),
-                    )
-                return
+        # One request per hole at a time. The board answers a request by resending its
+        # whole ring past `after`, usually one message per event, so while that resend is
+        # arriving the hole shrinks step by step: asking again at every step would only
+        # multiply resends. So a pending request is left alone for its wait; past that it
+        # is repeated, the wait doubling up to replay_retry_max_s — or back to
+        # replay_retry_s if the hole moved since (the board is answering, just not all of
+        # it yet). Never abandoned: the board may be away for minutes and then answer.
+        if st.replay_for is None:
+            wait = self._retry_s
+        elif now - st.replay_sent < st.replay_wait:
+            return
+        elif st.expected > st.replay_for:
+            wait = self._retry_s
+            st.replay_asks, st.replay_capped = 0, False
+        else:
+            wait = min(st.replay_wait * 2, self._retry_max_s)
         st.replay_for = st.expected
-        st.replay_attempts += 1
         st.replay_sent = now
+        st.replay_wait = wait
+        st.replay_asks += 1
         self._count("replay.sent", 1)
+        if wait >= self._retry_max_s and st.replay_asks > 1 and not st.replay_capped:
+            st.replay_capped = True
+            log.warning(
+                "device %s run %s: events from %d (of %d seen) still missing after %d "
+                "replay requests; asking every %gs until they arrive or are reported lost",
+                st.device,
+                st.run,
+                st.expected,
+                st.highest,
+                st.replay_asks,
+                wait,
+            )
         ctl = {"op": "replay", "r": st.run, "after": st.expected - 1}
         out.append((device_topic(self.prefix, st.device, "ctl"), encode(ctl)))
+
+    def _end(self, st: _Run, msg: str, out: list[tuple[str, bytes]]) -> bool:
+        """End an open run for hosts: its board restarted or went offline.
+
+        What is held goes out in order; each hole below the highest id seen that no event
+        filled and no gap report covered is told with an `error` of kind "gap", and the
+        run fails with kind "device", retryable — each with the next id after the
+        highest seen, which the bridge owns from now on. A run whose own terminal event
+        was among the held ones is finished by it and gets no run.failed. Returns
+        whether the bridge failed the run (rather than the board's own end).
+        """
+        holes: list[tuple[int, int]] = []
+        failed = False
+        while st.missing:
+            nxt = st.held.pop(st.expected, None)
+            if nxt is not None:
+                self._deliver(st, nxt, out)
+                continue
+            rng = next((r for r in st.lost if r[0] <= st.expected <= r[1]), None)
+            if rng is not None:
+                # Reported lost by the board: its own report is (or will be) forwarded.
+                target = min((h for h in st.held if st.expected < h <= rng[1]), default=rng[1] + 1)
+                self._count("evt.lost", target - st.expected)
+                st.expected = target
+                continue
+            # A hole up to the next id held, or reported lost, or the highest seen.
+            end = min([*st.held, *(a for a, _ in st.lost if a > st.expected), st.highest + 1])
+            holes.append((st.expected, end - 1))
+            self._count("evt.lost", end - st.expected)
+            st.expected = end
+        st.held.clear()
+        st.lost.clear()
+        for lo, hi in holes:
+            d = {
+                "kind": "gap",
+                "from": lo,
+                "to": hi,
+                "msg": f"events {lo}..{hi} never arrived: {msg}",
+            }
+            self._deliver(st, self._made(st, "error", d), out)
+        if not st.finished:
+            d = {"err": {"kind": "device", "msg": msg}, "retryable": True}
+            self._deliver(st, self._made(st, "run.failed", d), out)
+            failed = True
+        st.highest = st.expected - 1
+        st.finished = st.ended = True
+        st.replay_for, st.replay_asks, st.replay_capped = None, 0, False
+        self._count("runs.ended_by_bridge", 1)
+        return failed
+
+    def _made(self, st: _Run, t: str, d: dict[str, Any]) -> dict[str, Any]:
+        """An event the bridge makes for a run: the run's next id, its board clock."""
+        self._count("evt.made", 1)
+        return {"r": st.run, "i": st.expected, "t": t, "ts": st.last_ts, "d": d}
 
     def _run(self, device: DeviceRecord, run: str) -> _Run:
         key = (device.device, run)
@@ -277,14 +399,17 @@ class EventIntake:
                 return st
         return next(iter(own.values()))
 
-    def _evict(self, old: _Run, why: str) -> None:
+    def _forget(self, old: _Run) -> None:
         del self._runs[(old.device, old.run)]
         own = self._by_device[old.device]
         del own[old.run]
         if not own:
             del self._by_device[old.device]
+
+    def _evict(self, old: _Run, why: str) -> None:
+        self._forget(old)
         self._count("runs.evicted", 1)
-        if old.held or not old.finished:
+        if old.held or old.missing or not old.finished:
             log.warning(
                 "forgetting unfinished run %s of %s (%d held events): %s",
                 old.run,
@@ -308,7 +433,7 @@ class EventIntake:
         out: list[tuple[str, bytes]] = []
         with self._lock:
             for st in self._runs.values():
-                if st.held:
+                if st.missing:
                     self._maybe_replay(st, now, out)
         self._send(out)
 
@@ -319,6 +444,27 @@ class EventIntake:
         with self._lock:
             st = self._runs.get((device, run))
             return [dict(e) for e in st.recent if e["i"] > after] if st else []
+
+    def window(self, device: str, run: str, after: int = 0) -> Window | None:
+        """What a host's replay of a run can get: None when the run is unknown here."""
+        with self._lock:
+            st = self._runs.get((device, run))
+            if st is None:
+                return None
+            events = [dict(e) for e in st.recent if e["i"] > after]
+            first = st.recent[0]["i"] if st.recent else None
+            return Window(events, first, st.expected)
+
+    def highest(self, device: str, run: str) -> int | None:
+        """The highest event id seen of a run (0 before any), None when unknown."""
+        with self._lock:
+            st = self._runs.get((device, run))
+            return st.highest if st else None
+
+    def boot(self, device: str) -> str | None:
+        """The device's last known boot id (from status or hello), None before any."""
+        with self._lock:
+            return self._boot.get(device)
 
     def expected(self, device: str, run: str) -> int | None:
         with self._lock:
@@ -354,6 +500,7 @@ class EventIntake:
                 raise BadEnvelope(f"hello {key} must be a list")
         if "limits" in obj and not isinstance(obj["limits"], dict):
             raise BadEnvelope("hello limits must be a map")
+        boot = check_boot(obj, "hello")
         limits = Limits.from_hello(obj.get("limits") or {})
         if isinstance(obj.get("agent"), str) and obj["agent"] != device.agent:
             # The registry is the authority on which agent a device runs; a mismatch is
@@ -367,6 +514,7 @@ class EventIntake:
         with self._lock:
             self._hello[device.device] = obj
             self._device_limits[device.device] = limits
+        self._presence_changed(device.device, boot, None)
         return obj
 
     def handle_status(self, device: DeviceRecord, payload: bytes) -> dict[str, Any] | None:
@@ -380,9 +528,74 @@ class EventIntake:
             raise BadEnvelope('status must be a map with st "online" or "offline"')
         presence = dict(obj)
         presence["seen"] = time.time()
-        with self._lock:
-            self._presence[device.device] = presence
+        if not self._presence_changed(device.device, check_boot(obj, "status"), presence):
+            return None
         return presence
+
+    def _presence_changed(
+        self, device: str, boot: str | None, presence: dict[str, Any] | None
+    ) -> bool:
+        """Take a hello's boot (presence None) or a status; end the device's open runs if
+        it restarted (a new boot) or went offline. False for a status ignored as stale."""
+        out: list[tuple[str, bytes]] = []
+        offline = presence is not None and presence["st"] == "offline"
+        with self._lock:
+            known = self._boot.get(device)
+            if offline and boot is not None and known is not None and boot != known:
+                # The last will of a connection older than the boot already seen (a will
+                # can only arrive late): neither that boot nor its absence is news.
+                stale = True
+            else:
+                stale = False
+                if presence is not None:
+                    self._presence[device] = presence
+                if boot is not None:
+                    self._boot[device] = boot
+            restarted = not stale and known is not None and boot is not None and boot != known
+            if stale or not (restarted or offline):
+                ended: list[str] = []
+            else:
+                ended = self._end_runs(device, restarted, out)
+        if stale:
+            self._count("status.stale_offline", 1)
+            log.info("device %s: ignoring the offline status of its older boot %s", device, boot)
+            return False
+        if not (restarted or offline):
+            return True
+        msg = DEVICE_RESTARTED if restarted else DEVICE_OFFLINE
+        self._count("device.restarted" if restarted else "device.offline", 1)
+        if ended:
+            log.warning("device %s: %s; ended its runs %s", device, msg, ", ".join(ended))
+        self._send(out)
+        hook = self.on_device_reset
+        if hook is not None:
+            hook(device, msg, restarted)
+        return True
+
+    def _end_runs(self, device: str, restarted: bool, out: list[tuple[str, bytes]]) -> list[str]:
+        """End every open run of the device (the caller holds the lock); returns them."""
+        msg = DEVICE_RESTARTED if restarted else DEVICE_OFFLINE
+        ended, failed = [], []
+        for st in list(self._by_device.get(device, {}).values()):
+            if st.run in _STREAMS or st.finished:
+                continue
+            ended.append(st.run)
+            if self._end(st, msg, out):
+                failed.append(st.run)
+        if restarted:
+            # The new boot's device stream starts again at 1.
+            stream = self._runs.get((device, DEVICE_RUN))
+            if stream is not None:
+                self._forget(stream)
+        else:
+            # A board that was only cut off stops these runs when it is back: the cancel
+            # waits for it in its persistent session. (A run whose own end was held
+            # behind a hole has stopped already.)
+            for run in failed:
+                ctl = {"op": "cancel", "r": run, "reason": msg}
+                out.append((device_topic(self.prefix, device, "ctl"), encode(ctl)))
+            self._count("ctl.cancel_sent", len(failed))
+        return ended
 
     def device_limits(self, device: str) -> Limits | None:
         """The decode limits a device announced in its last hello (None before any)."""

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "wren/v1"
 _ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}\Z")
 
-# Board-side leaves (after P/d/D/) and host-side leaves (after P/h/T/D/).
+# Board-side leaves (after P/d/D/), host-side leaves (after P/h/T/D/) and the bridge's
+# own (after P/b/: its presence, which boards and hosts read).
 DEVICE_LEAVES = ("status", "hello", "req", "ctl", "evt", "rpc", "rpc/res")
 HOST_LEAVES = ("evt", "req", "ctl")
+BRIDGE_LEAVES = ("status",)
 
 
 class BadTopic(ValueError):
@@ -52,6 +54,13 @@ def host_topic(prefix: str, tenant: str, device: str, leaf: str) -> str:
     if leaf not in HOST_LEAVES:
         raise BadTopic(f"unknown host topic leaf {leaf!r}")
     return f"{prefix}/h/{tenant}/{device}/{leaf}"
+
+
+def bridge_topic(prefix: str, leaf: str = "status") -> str:
+    """P/b/<leaf>: the bridge's presence, `{st:"online"/"offline", id}`, retained."""
+    if leaf not in BRIDGE_LEAVES:
+        raise BadTopic(f"unknown bridge topic leaf {leaf!r}")
+    return f"{prefix}/b/{leaf}"
 
 
 def parse(prefix: str, topic: str) -> Topic:

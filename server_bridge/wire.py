@@ -13,6 +13,7 @@ bound nesting depth below its stack size and reports a 4 GiB declared string as
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard, cast
@@ -20,12 +21,15 @@ from typing import Any, TypeGuard, cast
 import msgpack
 
 from edge_runtime import codec
-from edge_runtime.events import TYPES
+from edge_runtime.events import DEVICE_RUN, TYPES
 from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic
 
 __all__ = [
     "MAX_CALL_ID",
+    "BRIDGE_RUN",
+    "DEVICE_RUN",
+    "MAX_BOOT",
     "MAX_HOST_ID",
     "MAX_REASON",
     "REFUSALS",
@@ -48,6 +52,7 @@ __all__ = [
     "WireError",
     "call_id",
     "check_ack",
+    "check_boot",
     "check_call",
     "check_envelope",
     "check_events",
@@ -227,6 +232,9 @@ def _opt_int(m: Mapping[str, Any], key: str, what: str) -> int | None:
 
 
 MAX_RUN_ID = 128
+# The streams that are not runs: the board's device stream (DEVICE_RUN, "_", from
+# edge_runtime.events) and the bridge's own stream of answers to hosts on P/h/T/D/evt.
+BRIDGE_RUN = "_b"
 
 
 def check_envelope(obj: object, *, strict_types: bool = True) -> dict[str, Any]:
@@ -339,6 +347,22 @@ def check_ack(obj: object) -> Ack:
     return Ack(c, s)
 
 
+# A board's boot id (PROTOCOL.md "Boot id"): 8 hex digits drawn at each boot; up to 16
+# accepted, lower case, so it can stay a plain string key and prefix of run ids.
+MAX_BOOT = 16
+_BOOT = re.compile(rf"[0-9a-f]{{1,{MAX_BOOT}}}\Z")
+
+
+def check_boot(m: Mapping[str, Any], what: str) -> str | None:
+    """The `boot` of a status or hello map: None when absent, else 1..16 chars [0-9a-f]."""
+    boot = m.get("boot")
+    if boot is None:
+        return None
+    if not isinstance(boot, str) or not _BOOT.match(boot):
+        raise BadEnvelope(f"{what} boot must be a str of 1..{MAX_BOOT} chars [0-9a-f]")
+    return boot
+
+
 # Id-like strings a host sends (req, conv, r, call) are echoed into events, kept as keys
 # (the board's idempotency ring, the bridge's refusal events) and matched on: they are
 # bounded like the board bounds them (edge_runtime/runs.py, 64), so a host cannot make
@@ -386,13 +410,15 @@ def check_host_req(obj: object) -> HostReq:
     )
 
 
-# The ctl ops a host may send and the keys each carries on to the board. Everything
-# else in the payload (tok, usr, ten, device, ...) is dropped here, so nothing a host
-# writes can reach the board except these fields. `replay` is the bridge's own op.
+# The ctl ops a host may send and the keys each keeps. Everything else in the payload
+# (tok, usr, ten, device, ...) is dropped here, so nothing a host writes can reach the
+# board except these fields. `replay` never reaches the board: the bridge answers it
+# from its own window of the run's events (PROTOCOL.md "Replay").
 HOST_CTL_KEYS: dict[str, tuple[str, ...]] = {
     "cancel": ("r", "reason"),
     "tool": ("r", "call", "output", "failed"),
     "approve": ("r", "call", "ok"),
+    "replay": ("r", "after"),
 }
 
 
@@ -416,6 +442,10 @@ def check_host_ctl(obj: object) -> HostCtl:
         _host_id(m, "call", f"ctl {op}")
     if op == "approve" and not isinstance(m.get("ok"), bool):
         raise BadEnvelope("ctl approve needs ok: a bool")
+    if op == "replay":
+        after = m.get("after")
+        if not _is_int(after) or after < 0:
+            raise BadEnvelope("ctl replay needs after: an int >= 0")
     fields = {"op": op}
     fields.update({k: m[k] for k in keys if k in m})
     if op == "cancel" and "reason" in fields:

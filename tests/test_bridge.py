@@ -54,7 +54,13 @@ def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
 class Peer:
     """A paho client playing a board or a host: per-topic queues of decoded payloads."""
 
-    def __init__(self, broker: MosquittoProcess, subscribe: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        broker: MosquittoProcess,
+        subscribe: Sequence[str] = (),
+        client_id: str | None = None,
+        clean_session: bool = True,
+    ) -> None:
         # A plain dict behind a lock, not a defaultdict: paho's thread and the test's
         # thread may both be first to touch a topic, and must not get two queues.
         self._queues: dict[str, queue.Queue[Any]] = {}
@@ -63,11 +69,13 @@ class Peer:
         self._connected = threading.Event()
         self.client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=f"peer-{uuid.uuid4().hex[:10]}",
+            client_id=client_id or f"peer-{uuid.uuid4().hex[:10]}",
             protocol=mqtt.MQTTv311,
+            clean_session=clean_session,
         )
         self.client.on_message = self._on_message
         self.client.on_connect = lambda *a: self._connected.set()
+        self.client.on_disconnect = lambda *a: self._connected.clear()
         self.client.on_subscribe = lambda *a: self._subscribed.set()
         self.client.connect(broker.host, broker.port)
         self.client.loop_start()
@@ -75,6 +83,10 @@ class Peer:
         if subscribe:
             self.client.subscribe([(t, 1) for t in subscribe])
             assert self._subscribed.wait(WAIT), "peer subscription not acknowledged"
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
 
     def inbox(self, topic: str) -> queue.Queue[Any]:
         with self._queues_lock:
@@ -111,6 +123,9 @@ class World:
         self.registry.add_tenant("globex", OTHER_SECRET)
         self.registry.add_device("dev1", "acme", "thermostat")
         self.registry.add_device("dev2", "globex", "kiosk")
+        # Each World's bridge its own client id: its session is persistent, and bridges
+        # of earlier tests (other prefixes) left theirs on the shared broker.
+        config.setdefault("client_id", f"wren-bridge-{uuid.uuid4().hex[:8]}")
         cfg = BridgeConfig(
             host=broker.host,
             port=broker.port,
@@ -163,8 +178,14 @@ class World:
 @pytest.fixture
 def world(broker: MosquittoProcess, tmp_path: Path) -> Iterator[World]:
     # A long replay retry: on a slow machine a retry must not add a replay request that
-    # a test counting them does not expect (test_replay_retry_is_bounded sets its own).
-    w = World(broker, tmp_path, ScriptedProvider(chunk_chars=6), replay_retry_s=60)
+    # a test counting them does not expect (test_replay_keeps_asking sets its own).
+    w = World(
+        broker,
+        tmp_path,
+        ScriptedProvider(chunk_chars=6),
+        replay_retry_s=60,
+        replay_retry_max_s=60,
+    )
     yield w
     w.close()
 
@@ -424,7 +445,13 @@ def test_two_shared_bridges_each_see_every_event(broker: MosquittoProcess, tmp_p
     # Two bridge processes, as in production: whichever gets a run's events must get
     # all of them, or each would see holes, ask the board to replay, and give up.
     w = World(broker, tmp_path, ScriptedProvider(), shared_subscription=True)
-    cfg = BridgeConfig(host=broker.host, port=broker.port, prefix=w.p, shared_subscription=True)
+    cfg = BridgeConfig(
+        host=broker.host,
+        port=broker.port,
+        prefix=w.p,
+        shared_subscription=True,
+        client_id=f"{w.bridge.config.client_id}-2",  # a second process: an id of its own
+    )
     other = Bridge(cfg, w.registry, ScriptedProvider())
     other.start()
     try:
@@ -578,18 +605,23 @@ def test_lost_events_are_reported_not_papered_over(world: World) -> None:
     assert world.host.get(world.h("evt"))["i"] == 8
 
 
-def test_replay_retry_is_bounded(broker: MosquittoProcess, tmp_path: Path) -> None:
-    w = World(broker, tmp_path, ScriptedProvider(), replay_retry_s=0.1, replay_max_attempts=2)
+def test_replay_keeps_asking(broker: MosquittoProcess, tmp_path: Path) -> None:
+    # The old contract gave up after replay_max_attempts; now the bridge asks for as long
+    # as an id below the highest seen is missing (tests/test_bridge_lossless.py has more).
+    w = World(broker, tmp_path, ScriptedProvider(), replay_retry_s=0.05, replay_retry_max_s=0.1)
     try:
         w.board.send(w.d("evt"), ev(3, run="r9"))
-        first = w.board.get(w.d("ctl"))
-        second = w.board.get(w.d("ctl"))
-        assert first == second == {"op": "replay", "r": "r9", "after": 0}
-        wait_for(lambda: w.bridge.stats["replay.gave_up"] == 1, "the bridge to give up")
-        assert w.bridge.stats["replay.sent"] == 2
-        # A late resend still completes the run in order.
+        asks = [w.board.get(w.d("ctl")) for _ in range(5)]
+        assert asks == [{"op": "replay", "r": "r9", "after": 0}] * 5
+        # A late resend completes the run in order, and the asking stops.
         w.board.send(w.d("evt"), [ev(1, run="r9"), ev(2, run="r9"), ev(3, run="r9")])
         assert [w.host.get(w.h("evt"))["i"] for _ in range(3)] == [1, 2, 3]
+        sent = w.bridge.stats["replay.sent"]
+        # Every request sent reaches the board; none follows once the hole is closed.
+        wait_for(lambda: w.board.inbox(w.d("ctl")).qsize() == sent - 5, "the last requests")
+        w.board.send(w.d("evt"), ev(4, run="r9"))  # a marker: the hole closed before it
+        assert w.host.get(w.h("evt"))["i"] == 4
+        assert w.bridge.stats["replay.sent"] == sent
     finally:
         w.close()
 
@@ -719,9 +751,8 @@ def test_host_ctl(world: World) -> None:
     assert world.board.get(world.d("ctl")) == {
         "op": "tool", "r": "r1", "call": "c2", "output": "yes", "failed": False
     }  # fmt: skip
-    world.host.send(world.h("ctl"), {"op": "replay", "r": "r1", "after": 0, "tok": tok})
     world.host.send(world.h("ctl"), {"op": "reboot", "r": "r1", "tok": tok})
-    world.refused("unknown_op", 2)
+    world.refused("unknown_op")
     world.host.send(
         world.h("ctl"), {"op": "cancel", "r": "r1", "tok": token("x", secret=OTHER_SECRET)}
     )
@@ -868,9 +899,17 @@ def test_config_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     cfg = BridgeConfig()
     assert (cfg.username, cfg.password, cfg.prefix) == ("bridge", "pw", "wren/v1")
     assert cfg.shared_subscription is False
-    assert BridgeConfig().client_id != cfg.client_id
-    with pytest.raises(ValueError):
-        BridgeConfig(prefix="wren/#")
+    # Stable: the bridge's session is persistent and found again by this id.
+    assert cfg.client_id == BridgeConfig().client_id == "wren-bridge"
+    assert (cfg.replay_retry_s, cfg.replay_retry_max_s) == (2.0, 30.0)
+    for bad in (
+        {"prefix": "wren/#"},
+        {"client_id": ""},
+        {"replay_retry_s": 0},
+        {"replay_retry_s": 5, "replay_retry_max_s": 4},
+    ):
+        with pytest.raises(ValueError):
+            BridgeConfig(**bad)  # type: ignore[arg-type]
 
 
 def test_broker_refusing_the_bridge_is_a_clear_error(tmp_path: Path) -> None:
@@ -942,7 +981,10 @@ def test_outgoing_queue_is_bounded_while_the_broker_is_away(tmp_path: Path) -> N
         wait_for(lambda: not bridge.connected, "the bridge to notice")
         for _ in range(5):
             bridge._publish("p/h/acme/dev1/evt", b"x")
+        # Three kept by paho for the reconnect, two refused on the full queue.
+        assert bridge.stats["publish.queued_offline"] == 3
         assert bridge.stats["publish.queue_full"] == 2
+        assert bridge.stats["publish.not_sent"] == 0
         # An RPC worker waits for room (here until its deadline), then drops too.
         bridge._send_rpc("dev1", {"c": 1, "ok": {}}, time.monotonic() + 0.2)
         assert bridge.stats["publish.queue_full"] == 3
@@ -1008,33 +1050,30 @@ def test_an_event_reported_lost_but_then_resent_is_delivered() -> None:
     assert it.counts["evt.lost"] == 3  # type: ignore[attr-defined]
 
 
-def test_retry_counts_restart_when_the_hole_moves() -> None:
+def test_retry_wait_restarts_when_the_hole_moves() -> None:
+    # Was test_retry_counts_restart_when_the_hole_moves, under the bounded-retry contract
+    # (give up after replay_max_attempts). Now: the wait doubles up to its cap while the
+    # hole stays, and is short again once the hole moved (the board is answering).
     sink = Sink()
-    it = intake(sink, replay_retry_s=1.0, replay_max_attempts=2)
+    it = intake(sink, replay_retry_s=1.0, replay_retry_max_s=4.0)
+
+    def asks_at(*times: float) -> list[int]:
+        for t in times:
+            sink.now = t
+            it.tick()
+        return [c["after"] for c in sink.ctls()]
+
     it.accept(DEV, [ev(1), ev(5)])
-    it.tick()
-    assert len(sink.ctls()) == 1  # not yet due
-    sink.now = 1.0
-    it.tick()
-    sink.now = 2.0
-    it.tick()
-    sink.now = 3.0
-    it.tick()
-    assert [c["after"] for c in sink.ctls()] == [1, 1]
-    assert it.counts["replay.gave_up"] == 1  # type: ignore[attr-defined]
-    it.accept(DEV, [ev(2)])  # progress: the board is answering after all; ask again
-    assert [c["after"] for c in sink.ctls()] == [1, 1, 2]
-    sink.now = 3.5
-    it.tick()
-    assert len(sink.ctls()) == 3
-    sink.now = 4.0
-    it.tick()
-    assert [c["after"] for c in sink.ctls()] == [1, 1, 2, 2]
+    assert asks_at(0.5) == [1]  # at once, then not yet due
+    # Waits 1, 2, 4, 4, 4 ...: asked again at 1, 3, 7, 11, 15; never given up.
+    assert asks_at(1.0, 2.9, 3.0, 6.9, 7.0, 10.9, 11.0, 15.0) == [1] * 6
+    it.accept(DEV, [ev(2)])  # progress, but the retry is not yet due: no extra request
+    assert asks_at(18.9) == [1] * 6
+    assert asks_at(19.0, 19.9, 20.0) == [1] * 6 + [2, 2]  # the short wait again
     it.accept(DEV, [ev(3), ev(4)])
     assert sink.evts() == [1, 2, 3, 4, 5] and it.held("dev1", "r1") == []
-    sink.now = 10.0
-    it.tick()
-    assert len(sink.ctls()) == 4  # the hole is closed: nothing more to ask
+    assert asks_at(100.0) == [1] * 6 + [2, 2]  # the hole is closed: nothing more to ask
+    assert it.counts["replay.sent"] == 8  # type: ignore[attr-defined]
 
 
 def test_runs_tracked_are_bounded() -> None:

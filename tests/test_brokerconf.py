@@ -88,6 +88,9 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         "pattern write wren/v1/d/%u/evt\n"
         "pattern write wren/v1/d/%u/rpc\n"
         "\n"
+        "# Devices and hosts: the bridge's presence.\n"
+        "pattern read wren/v1/b/status\n"
+        "\n"
         "# The bridge.\n"
         "user bridge\n"
         "topic readwrite wren/v1/#\n"
@@ -121,6 +124,10 @@ def test_acl_function_mirrors_the_file() -> None:
         ("host-acme", "wren/v1/h/acme/dev1/evt", False),
         ("host-acme", "wren/v1/h/acme/dev1/req", True),
         ("host-acme", "wren/v1/h/acme/dev1/ctl", True),
+        ("bridge", "wren/v1/b/status", True),
+        ("bridge", "wren/v1/b/status", False),
+        ("dev1", "wren/v1/b/status", False),
+        ("host-acme", "wren/v1/b/status", False),
     ]
     for user, topic, write in allowed:
         assert acl(user, topic, write), (user, topic, write)
@@ -136,6 +143,11 @@ def test_acl_function_mirrors_the_file() -> None:
         ("host-acme", "wren/v1/d/dev1/req", True),
         (None, "wren/v1/d/dev1/evt", True),
         ("bridge", "elsewhere/x", True),
+        ("dev1", "wren/v1/b/status", True),
+        ("host-acme", "wren/v1/b/status", True),
+        (None, "wren/v1/b/status", False),
+        ("dev1", "wren/v1/b/other", False),
+        ("host-acme", "wren/v1/b/status/x", False),
     ]
     for who, where, writes in denied:
         assert not acl(who, where, writes), (who, where, writes)
@@ -269,3 +281,24 @@ def test_host_users_stay_in_their_tenant(secured: Secured) -> None:
     host.publish(f"{P}/d/dev1/req", b"straight to the device")
     host.publish(f"{P}/h/acme/dev1/req", b"acme request")
     assert bridge.until(b"acme request") == [(f"{P}/h/acme/dev1/req", b"acme request")]
+
+
+def test_everyone_reads_the_bridge_presence_and_only_the_bridge_writes_it(
+    secured: Secured,
+) -> None:
+    status = f"{P}/b/status"
+    bridge = secured.login("bridge")
+    # Retained, and sent before anyone subscribed: readers get it when they subscribe.
+    bridge.c.publish(status, b"retained online", 1, retain=True).wait_for_publish(TIMEOUT_S)
+    dev1 = secured.login("dev1")
+    host = secured.login("host-acme")
+    for reader in (dev1, host):
+        reader.subscribe(status)
+        assert reader.until(b"retained online") == [(status, b"retained online")]
+    # Neither a device nor a host may speak for the bridge: the bridge's marker is the
+    # first thing that reaches the readers after their attempts.
+    dev1.publish(status, b"forged by a device")
+    host.publish(status, b"forged by a host")
+    bridge.publish(status, b"marker")
+    for reader in (dev1, host):
+        assert reader.until(b"marker") == [(status, b"marker")]

@@ -377,9 +377,27 @@ def test_limits_from_hello() -> None:
             wire.Limits.from_hello(bad)
 
 
+def test_host_replay_ctl() -> None:
+    ctl = wire.check_host_ctl({"op": "replay", "r": "r1", "after": 3, "tok": "t", "usr": "x"})
+    assert (ctl.op, ctl.fields, ctl.tok) == ("replay", {"op": "replay", "r": "r1", "after": 3}, "t")
+    assert wire.check_host_ctl({"op": "replay", "r": "r1", "after": 0}).fields["after"] == 0
+    for bad in ({"r": "r1"}, {"r": "r1", "after": -1}, {"r": "r1", "after": "2"},
+                {"r": "r1", "after": True}, {"r": "r1", "after": 1.5}, {"after": 0},
+                {"r": "r" * 65, "after": 0}):  # fmt: skip
+        with pytest.raises(wire.BadEnvelope):
+            wire.check_host_ctl({"op": "replay", **bad})
+
+
+def test_boot_ids() -> None:
+    assert wire.check_boot({"boot": "0a1b2c3d"}, "hello") == "0a1b2c3d"
+    assert wire.check_boot({"boot": "f" * wire.MAX_BOOT}, "status") == "f" * 16
+    assert wire.check_boot({"st": "online"}, "status") is None
+    for bad in ("", "0A1B2C3D", "0a1b2c3g", "f" * 17, 12345678, b"0a1b2c3d", "0a1b 2c3", "0a\n"):
+        with pytest.raises(wire.BadEnvelope):
+            wire.check_boot({"boot": bad}, "hello")
+
+
 def test_host_ctl_refusals() -> None:
-    with pytest.raises(wire.UnknownOp):
-        wire.check_host_ctl({"op": "replay", "r": "r", "after": 0})
     with pytest.raises(wire.UnknownOp):
         wire.check_host_ctl({"op": "reboot", "r": "r"})
     with pytest.raises(wire.BadEnvelope):

@@ -2,15 +2,23 @@
 
 Mosquitto on a free loopback port with a config of our own when the binary exists;
 `tools/embedded_broker.py` (a small MQTT 3.1.1 broker in Python) otherwise.
+
+With `persistence=True` Mosquitto keeps its sessions, retained messages and queued QoS 1
+messages in its work directory and saves them when it is stopped with SIGTERM, so
+`MosquittoProcess.restart()` stands for a broker restart as production sees one: the
+persistent sessions of the bridge and the boards survive it.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +52,8 @@ class MosquittoProcess:
     proc: subprocess.Popen[bytes]
     log_path: Path
     _owned_dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    # The command line that started it, so restart() runs the same config on the same port.
+    argv: list[str] = field(default_factory=list, repr=False)
 
     @property
     def address(self) -> str:
@@ -55,7 +65,8 @@ class MosquittoProcess:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def _terminate(self) -> None:
+        # SIGTERM, not SIGKILL: Mosquitto saves its persistence file on the way out.
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -63,9 +74,37 @@ class MosquittoProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def stop(self) -> None:
+        self._terminate()
         if self._owned_dir is not None:
             self._owned_dir.cleanup()
             self._owned_dir = None
+
+    def restart(self, timeout_s: float = 10.0, down: Callable[[], None] | None = None) -> None:
+        """Stop the broker (SIGTERM, so it saves its sessions when persistence is on) and
+        start it again on the same port and config; return once it accepts connections.
+
+        `down`, if given, is called while the broker is stopped (a test's chance to make
+        its clients act while the broker is away).
+        """
+        if not self.argv:
+            raise BrokerError("this broker was not started by start_mosquitto")
+        self._terminate()
+        if down is not None:
+            down()
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_for_port(self.host, self.port, timeout_s)
+        except BrokerError:
+            self._terminate()
+            raise BrokerError(
+                f"mosquitto did not come back on {self.address}: {self.log()}"
+            ) from None
+        if self.proc.poll() is not None:
+            raise BrokerError(f"mosquitto exited at restart: {self.log()}")
 
 
 def mosquitto_binary() -> str | None:
@@ -80,11 +119,14 @@ def start_mosquitto(
     host: str = "127.0.0.1",
     extra_conf: str = "",
     allow_anonymous: bool = True,
+    persistence: bool = False,
 ) -> MosquittoProcess:
     """Run Mosquitto in the foreground on host:port with its own config and log.
 
     `extra_conf` is appended (e.g. password_file / acl_file lines); with it,
     pass allow_anonymous=False to make the broker authenticate every client.
+    `persistence` keeps sessions, retained and queued messages in `workdir` across
+    `restart()`.
     """
     exe = mosquitto_binary()
     if exe is None:
@@ -97,18 +139,29 @@ def start_mosquitto(
     port = port or free_port(host)
     log_path = workdir / "mosquitto.log"
     conf = workdir / "mosquitto.conf"
+    if persistence:
+        # The database file lives in the work directory; it is written on SIGTERM (and
+        # not on a timer: autosave_interval's default is half an hour).
+        saved = f"persistence true\npersistence_location {workdir.resolve()}/\n"
+    else:
+        saved = "persistence false\n"
+    # Started as root, Mosquitto switches to the `mosquitto` user, which can neither
+    # write its log nor its database into our private work directory: keep root, unless
+    # the caller's configuration already names the user (a duplicate is an error).
+    as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    user = "user root\n" if as_root and not re.search(r"^user\s", extra_conf, re.M) else ""
     conf.write_text(
         f"listener {port} {host}\n"
         f"allow_anonymous {'true' if allow_anonymous else 'false'}\n"
-        "persistence false\n"
-        f"log_dest file {log_path}\n"
+        + saved
+        + user
+        + f"log_dest file {log_path}\n"
         "log_type error\nlog_type warning\nlog_type notice\nlog_type information\n"
         "max_packet_size 1048576\n" + extra_conf
     )
-    proc = subprocess.Popen(
-        [exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    broker = MosquittoProcess(host, port, workdir, proc, log_path, owned)
+    argv = [exe, "-c", str(conf)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    broker = MosquittoProcess(host, port, workdir, proc, log_path, owned, argv)
     try:
         wait_for_port(host, port)
     except BrokerError:

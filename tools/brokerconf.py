@@ -9,11 +9,15 @@ The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
   `P/d/<id>/status`, `hello`, `evt` and `rpc` (so only the bridge can publish the
   requests, control messages and RPC answers a board acts on);
 - a tenant's host user reads `P/h/<tenant>/+/evt` and writes `P/h/<tenant>/+/req` and
-  `P/h/<tenant>/+/ctl`, for that tenant only.
+  `P/h/<tenant>/+/ctl`, for that tenant only;
+- devices and host users read `P/b/status`, the bridge's presence (a board fails its
+  waiting RPC calls when the bridge goes offline); only the bridge writes it.
 
 Device rules are Mosquitto `pattern` lines with `%u`, which apply to every user: a
 bridge or host user name that is also a registered device id would share that
-device's rights, so keep the names apart (e.g. `bridge`, `host-<tenant>`).
+device's rights, so keep the names apart (e.g. `bridge`, `host-<tenant>`). The read of
+`P/b/status` is a `pattern` line too (without `%u`), so it reaches devices and host
+users alike.
 
 Passwords are stored the way `mosquitto_passwd` (Mosquitto 2.x) stores them:
 `$7$<iterations>$<base64 salt>$<base64 hash>`, PBKDF2-HMAC-SHA512 over the raw
@@ -30,7 +34,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from server_bridge.topics import BadTopic, check_id, parse
+from server_bridge.topics import BadTopic, bridge_topic, check_id, parse
 
 SALT_BYTES = 12
 HASH_BYTES = 64
@@ -141,6 +145,11 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
     ]
     out += [f"pattern read {prefix}/d/%u/{leaf}" for leaf in DEVICE_READ]
     out += [f"pattern write {prefix}/d/%u/{leaf}" for leaf in DEVICE_WRITE]
+    out += [
+        "",
+        "# Devices and hosts: the bridge's presence.",
+        f"pattern read {bridge_topic(prefix)}",
+    ]
     out += ["", "# The bridge.", f"user {bridge_user}", f"topic readwrite {prefix}/#"]
     for tenant, host_user in sorted(tenants.items()):
         out += ["", f"# Hosts of tenant {tenant}.", f"user {host_user}"]
@@ -156,6 +165,7 @@ def acl_function(prefix: str, bridge_user: str, tenants: dict[str, str]) -> Acl:
     host_tenant = {host_user: tenant for tenant, host_user in tenants.items()}
     base = prefix.split("/")
     n = len(base)
+    presence = bridge_topic(prefix)
 
     def allowed(user: str | None, topic: str, write: bool) -> bool:
         if user is None:
@@ -163,6 +173,9 @@ def acl_function(prefix: str, bridge_user: str, tenants: dict[str, str]) -> Acl:
         if user == bridge_user:
             # `P/#`: the prefix itself and everything under it, contract topic or not.
             return topic.split("/")[:n] == base
+        if topic == presence:
+            # Like the `pattern read` line: every authenticated user, read only.
+            return not write
         try:
             # The bridge's own parser: a topic of the wrong shape, or with a device or
             # tenant level that is not a valid id, matches no device or host rule.

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bridge", help="run the server bridge")
     _add_broker_options(b, "WREN_BRIDGE_USER", "WREN_BRIDGE_PASSWORD")
     b.add_argument("--registry", type=Path, default=Path(".wren/registry.json"))
+    b.add_argument(
+        "--client-id",
+        default="wren-bridge",
+        help="MQTT client id of this bridge's persistent session (a second bridge process "
+        "on the same broker needs its own)",
+    )
     b.add_argument("--tenant", default="demo", help="tenant to create when the registry is new")
     b.add_argument(
         "--device", action="append", default=[], help="register DEVICE[:AGENT] in --tenant"

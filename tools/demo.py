@@ -344,6 +344,7 @@ def run_bridge(args: argparse.Namespace) -> int:
         username=args.user,
         password=args.password,
         prefix=PREFIX,
+        client_id=args.client_id,
     )
     bridge = Bridge(config, registry, provider)
     try:
