@@ -542,9 +542,7 @@ def _record_lost(snap: RunSnapshot, lo: int, hi: int) -> None:
     snap._lost = merged
 
 
-def _advance(
-    snap: RunSnapshot, applied: list[dict[str, Any]], on_apply: OnApply | None
-) -> None:
+def _advance(snap: RunSnapshot, applied: list[dict[str, Any]], on_apply: OnApply | None) -> None:
     """Apply held events and step over lost ids for as long as the next id is either."""
     while True:
         nxt = snap.last_id + 1
