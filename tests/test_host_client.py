@@ -536,3 +536,47 @@ def test_replay_pace_must_be_sane() -> None:
         HostClient("127.0.0.1", 1, "acme", replay_after_s=0)
     with pytest.raises(ValueError):
         HostClient("127.0.0.1", 1, "acme", replay_after_s=40, max_replay_wait_s=30)
+
+
+def test_wren_ask_exits_non_zero_for_an_incomplete_run(
+    broker: Any,
+    bridge: FakeBridge,
+    tenant: str,
+    tmp_path: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tools import demo
+    from tools.cli import build_parser
+
+    monkeypatch.delenv("WREN_HOST_USER", raising=False)
+    monkeypatch.delenv("WREN_HOST_PASSWORD", raising=False)
+    registry = tmp_path / "registry.json"
+    demo.make_registry(registry, tenant, [("dev", "thermostat")])
+
+    def play_the_board() -> None:
+        _, body = bridge.requests.get(timeout=WAIT)
+        for e in run_events("run-cli", body["req"]):
+            if e["i"] != 4:  # lost before it reached the bridge
+                bridge.publish("dev", e)
+
+    board = threading.Thread(target=play_the_board, daemon=True)
+    board.start()
+    args = build_parser().parse_args(
+        ["ask", "--broker", broker.address, "--registry", str(registry), "--tenant", tenant,
+         "--device", "dev", "--timeout", str(WAIT), "How warm is it?"]
+    )  # fmt: skip
+    code = demo.run_ask(args)
+    board.join(WAIT)
+    out, err = capsys.readouterr()
+    assert code == 1
+    status = "status: done (in 12, out 8 tokens) (incomplete: events 4..4 missing)"
+    lines = out.splitlines()
+    # The bridge's answer ("error gap: ...", on its stream _b) may be printed in between.
+    assert [x for x in lines if not x.startswith("error ")][:4] == [
+        "you: How warm is it?",
+        "assistant: It is ",
+        "[missing: events 4..4]",
+        status,
+    ]
+    assert f"wren ask: {status}" in err

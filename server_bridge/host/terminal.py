@@ -122,7 +122,8 @@ class _Printed:
 class LiveView:
     """Feed events one by one (`feed`); new and changed rows are written to `stream` as
     they happen. Owns its own Reducer, so it can be fed the raw stream, duplicates and
-    replays included."""
+    replays included. Or show it snapshots folded elsewhere (`show`): a HostClient's
+    on_event snapshot, which has the holes the client declared lost stepped over."""
 
     def __init__(self, stream: TextIO, reducer: Reducer | None = None) -> None:
         self.stream = stream
