@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from server_bridge.host.client import (
     decode_events,
 )
 from server_bridge.host.reducer import RunSnapshot
+from server_bridge.host.terminal import render
 from tools.broker import free_port
 
 PREFIX = "wren/v1"
@@ -29,11 +31,21 @@ WAIT = 10.0  # every wait is bounded by this; none of them asserts on how long i
 
 
 class FakeBridge:
-    """The bridge's side of the host topics: reads P/h/T/+/req, publishes P/h/T/D/evt."""
+    """The bridge's side of the host topics: reads P/h/T/+/req and P/h/T/+/ctl,
+    publishes P/h/T/D/evt, and answers a host's replay like the bridge: the events of
+    the run past `after` from what it published (its window), a gap on its stream `_b`
+    for ids it never had, `unknown_run` for the runs in `unknown`."""
 
     def __init__(self, host: str, port: int, tenant: str) -> None:
         self.tenant = tenant
         self.requests: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.ctls: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.unknown: set[str] = set()
+        self.answer_replays = True
+        # (device, run) -> id -> envelope: every event published, or withheld.
+        self.window: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+        self._bridge_ids: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._subscribed: queue.Queue[bool] = queue.Queue()
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
         self.client.on_connect = self._on_connect
@@ -44,16 +56,70 @@ class FakeBridge:
         assert self._subscribed.get(timeout=WAIT)
 
     def _on_connect(self, client: mqtt.Client, *args: Any) -> None:
-        client.subscribe(f"{PREFIX}/h/{self.tenant}/+/req", qos=1)
+        client.subscribe(
+            [(f"{PREFIX}/h/{self.tenant}/+/req", 1), (f"{PREFIX}/h/{self.tenant}/+/ctl", 1)]
+        )
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        self.requests.put((msg.topic, msgpack.unpackb(msg.payload)))
+        body = msgpack.unpackb(msg.payload)
+        if msg.topic.endswith("/req"):
+            self.requests.put((msg.topic, body))
+            return
+        self.ctls.put((msg.topic, body))
+        if body.get("op") == "replay" and self.answer_replays:
+            self._replay(msg.topic.split("/")[-2], body["r"], body["after"])
 
-    def publish(self, device: str, payload: Any, raw: bool = False) -> None:
+    def _replay(self, device: str, run: str, after: int) -> None:
+        # On paho's network thread: publish without waiting for the acknowledgement.
+        topic = f"{PREFIX}/h/{self.tenant}/{device}/evt"
+        if run in self.unknown:
+            self._publish_bridge_error(device, {"kind": "unknown_run", "r": run, "msg": "?"})
+            return
+        with self._lock:
+            held = dict(self.window.get((device, run), {}))
+        start = None
+        for i in range(after + 1, max(held, default=after) + 1):
+            if i in held:
+                self.client.publish(topic, msgpack.packb(held[i]), qos=1)
+                if start is not None:
+                    self._publish_gap(device, run, start, i - 1)
+                    start = None
+            elif start is None:
+                start = i
+
+    def _publish_gap(self, device: str, run: str, lo: int, hi: int) -> None:
+        d = {"kind": "gap", "r": run, "from": lo, "to": hi, "msg": "no longer held"}
+        self._publish_bridge_error(device, d)
+
+    def _publish_bridge_error(self, device: str, d: dict[str, Any]) -> None:
+        with self._lock:
+            i = self._bridge_ids[device] = self._bridge_ids.get(device, 0) + 1
+        envelope = {"r": "_b", "i": i, "t": "error", "ts": 0, "d": d}
+        self.client.publish(
+            f"{PREFIX}/h/{self.tenant}/{device}/evt", msgpack.packb(envelope), qos=1
+        )
+
+    def publish(self, device: str, payload: Any, raw: bool = False, withhold: bool = False) -> None:
+        """Publish an event (or a batch, or raw bytes) on the device's evt topic. With
+        `withhold` it is only kept for a replay, as if a host had missed it."""
+        if not raw:
+            with self._lock:
+                for e in payload if isinstance(payload, list) else [payload]:
+                    if isinstance(e, dict) and isinstance(e.get("i"), int):
+                        self.window.setdefault((device, str(e.get("r"))), {})[e["i"]] = e
+        if withhold:
+            return
         data = payload if raw else msgpack.packb(payload)
         info = self.client.publish(f"{PREFIX}/h/{self.tenant}/{device}/evt", data, qos=1)
         info.wait_for_publish(WAIT)
         assert info.is_published()
+
+    def next_replay(self) -> tuple[str, dict[str, Any]]:
+        """The next replay request a host sent (other ctl ops are skipped)."""
+        while True:
+            topic, body = self.ctls.get(timeout=WAIT)
+            if body.get("op") == "replay":
+                return topic, body
 
     def close(self) -> None:
         self.client.disconnect()
@@ -313,3 +379,204 @@ def test_refused_credentials_raise_a_clear_error(tmp_path: Any) -> None:
         client.close()
     finally:
         locked.stop()
+
+
+# --- holes: the client asks the bridge to replay ----------------------------------------
+
+
+@pytest.fixture
+def repairing(broker: Any, tenant: str) -> Iterator[HostClient]:
+    """A host client that asks for a replay soon after a hole appears (the pace is not
+    what these tests check; every wait is still bounded)."""
+    with HostClient(broker.host, broker.port, tenant, replay_after_s=0.1) as client:
+        client.connect(timeout=WAIT)
+        yield client
+
+
+def test_a_hole_is_repaired_by_the_clients_replay_request(
+    bridge: FakeBridge, repairing: HostClient, tenant: str
+) -> None:
+    seen: list[tuple[int, str]] = []
+    repairing.on_event = lambda e, snap: seen.append((e["i"], snap.rows[-1].text))
+    token = tokens.sign(b"secret", tenant, "alice")
+    req = repairing.request("dev", token, "How warm is it?")
+    for e in run_events("run-h", req):
+        bridge.publish("dev", e, withhold=e["i"] == 3)  # "It is " stays with the bridge
+    topic, body = bridge.next_replay()
+    assert topic == f"{PREFIX}/h/{tenant}/dev/ctl"
+    assert body == {"op": "replay", "r": "run-h", "after": 2, "tok": token}
+    snap = repairing.wait_run(req, timeout=WAIT)
+    assert snap.status == "done" and snap.complete and snap.gaps == [] and snap.held == []
+    assert snap.rows[1].text == "It is 21.5 °C."
+    # The callback saw every event once, in order, each with the snapshot as of it.
+    assert seen == [
+        (1, "How warm is it?"),
+        (2, ""),
+        (3, "It is "),
+        (4, "It is 21.5 °C."),
+        (5, "It is 21.5 °C."),
+        (6, "It is 21.5 °C."),
+    ]
+
+
+def test_after_a_reconnect_the_open_runs_are_replayed(
+    broker: Any, bridge: FakeBridge, tenant: str
+) -> None:
+    client_id = "host-" + uuid.uuid4().hex[:8]
+    token = tokens.sign(b"secret", tenant, "bob")
+    with HostClient(broker.host, broker.port, tenant, client_id=client_id, token=token) as host:
+        host.connect(timeout=WAIT)
+        bridge.publish("dev", ev("_", 1, "error", kind="busy", msg="busy", req="other"))
+        for e in run_events("run-finished", "req-f"):
+            bridge.publish("dev", e)
+        for e in run_events("run-open", "req-o"):
+            bridge.publish("dev", e, withhold=e["i"] > 3)  # published while it is away
+        host.wait_for("req-o", lambda s: s.last_id == 3, timeout=WAIT)
+        assert host.wait_run("req-f", timeout=WAIT).complete
+        assert bridge.ctls.empty()  # no hole it knows of: nothing asked yet
+
+        # Another client with the same id takes the session over: the broker closes
+        # this one's connection, and paho connects it again.
+        kicked = threading.Event()
+        kicker = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311
+        )
+        kicker.on_connect = lambda *a: kicked.set()
+        kicker.connect(broker.host, broker.port)
+        kicker.loop_start()
+        assert kicked.wait(WAIT)
+        kicker.disconnect()
+        kicker.loop_stop()
+
+        # The first ask after the reconnect is for the open run: not for the finished
+        # one, nor the device stream, which it saw first.
+        topic, body = bridge.next_replay()
+        assert body == {"op": "replay", "r": "run-open", "after": 3, "tok": token}
+        snap = host.wait_run("req-o", timeout=WAIT)
+        assert snap.complete and snap.rows[1].text == "It is 21.5 °C."
+
+
+def test_a_gap_answer_declares_the_hole_lost_and_the_run_ends_incomplete(
+    bridge: FakeBridge, repairing: HostClient
+) -> None:
+    repairing.set_token("watch-token")  # this client only watches the device
+    for e in run_events("run-g", "req-g"):
+        if e["i"] != 4:  # "21.5 °C." never reached the bridge's window
+            bridge.publish("dev", e)
+    _, body = bridge.next_replay()
+    assert (body["r"], body["after"], body["tok"]) == ("run-g", 3, "watch-token")
+    snap = repairing.wait_run("req-g", timeout=WAIT)
+    assert snap.status == "done" and not snap.complete and snap.gaps == [(4, 4)]
+    assert render(snap) == [
+        "you: How warm is it?",
+        "assistant: It is ",
+        "[missing: events 4..4]",
+        "status: done (in 12, out 8 tokens) (incomplete: events 4..4 missing)",
+    ]
+
+
+def test_unknown_run_with_events_held_declares_the_hole_lost(
+    bridge: FakeBridge, repairing: HostClient
+) -> None:
+    repairing.set_token("tok", device="dev")
+    bridge.unknown.add("run-u")
+    for e in run_events("run-u", "req-u"):
+        bridge.publish("dev", e, withhold=e["i"] in (2, 3))
+    snap = repairing.wait_run("req-u", timeout=WAIT)
+    assert snap.status == "done" and not snap.complete and snap.gaps == [(2, 3)]
+    assert [(r.kind, r.text) for r in snap.rows] == [
+        ("user", "How warm is it?"),
+        ("missing", "[missing: events 2..3]"),
+        ("assistant", "21.5 °C."),
+    ]
+
+
+def test_unknown_run_without_events_held_changes_nothing(
+    bridge: FakeBridge, host: HostClient
+) -> None:
+    events = run_events("run-n", "req-n")
+    bridge.publish("dev", events[0])
+    bridge.publish("dev", ev("_b", 1, "error", kind="unknown_run", r="run-n", msg="?"))
+    bridge.publish("dev", events[1])  # after the answer on the same topic: it was read
+    snap = host.wait_for("req-n", lambda s: s.last_id == 2, timeout=WAIT)
+    assert snap.status == "running" and snap.gaps == [] and snap.held == []
+
+
+def test_wait_run_times_out_naming_the_held_and_missing_ids(
+    bridge: FakeBridge, repairing: HostClient
+) -> None:
+    bridge.answer_replays = False  # a bridge that never answers
+    repairing.set_token("tok")
+    events = run_events("run-w", "req-w")
+    for e in events[:1] + events[3:]:
+        bridge.publish("dev", e)
+    repairing.wait_for("req-w", lambda s: s.held == [4, 5, 6], timeout=WAIT)
+    with pytest.raises(TimeoutError) as info:
+        repairing.wait_run("req-w", timeout=0.2)
+    message = str(info.value)
+    assert "run run-w for request req-w is still running" in message
+    assert "ids 4..6 held waiting on ids 2..3" in message
+    # It keeps asking while the hole stays (then with doubling waits, up to 30 s).
+    assert bridge.next_replay()[1]["after"] == 1
+    assert bridge.next_replay()[1]["after"] == 1
+
+
+def test_a_replay_needs_a_token(bridge: FakeBridge, repairing: HostClient) -> None:
+    for e in run_events("run-t", "req-t"):
+        bridge.publish("dev", e, withhold=e["i"] == 2)
+    repairing.wait_for("req-t", lambda s: s.held == [3, 4, 5, 6], timeout=WAIT)
+    repairing.set_token("late-token", device="dev")
+    _, body = bridge.next_replay()
+    assert body["tok"] == "late-token"
+    assert repairing.wait_run("req-t", timeout=WAIT).complete
+
+
+def test_replay_pace_must_be_sane() -> None:
+    with pytest.raises(ValueError):
+        HostClient("127.0.0.1", 1, "acme", replay_after_s=0)
+    with pytest.raises(ValueError):
+        HostClient("127.0.0.1", 1, "acme", replay_after_s=40, max_replay_wait_s=30)
+
+
+def test_wren_ask_exits_non_zero_for_an_incomplete_run(
+    broker: Any,
+    bridge: FakeBridge,
+    tenant: str,
+    tmp_path: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tools import demo
+    from tools.cli import build_parser
+
+    monkeypatch.delenv("WREN_HOST_USER", raising=False)
+    monkeypatch.delenv("WREN_HOST_PASSWORD", raising=False)
+    registry = tmp_path / "registry.json"
+    demo.make_registry(registry, tenant, [("dev", "thermostat")])
+
+    def play_the_board() -> None:
+        _, body = bridge.requests.get(timeout=WAIT)
+        for e in run_events("run-cli", body["req"]):
+            if e["i"] != 4:  # lost before it reached the bridge
+                bridge.publish("dev", e)
+
+    board = threading.Thread(target=play_the_board, daemon=True)
+    board.start()
+    args = build_parser().parse_args(
+        ["ask", "--broker", broker.address, "--registry", str(registry), "--tenant", tenant,
+         "--device", "dev", "--timeout", str(WAIT), "How warm is it?"]
+    )  # fmt: skip
+    code = demo.run_ask(args)
+    board.join(WAIT)
+    out, err = capsys.readouterr()
+    assert code == 1
+    status = "status: done (in 12, out 8 tokens) (incomplete: events 4..4 missing)"
+    lines = out.splitlines()
+    # The bridge's answer ("error gap: ...", on its stream _b) may be printed in between.
+    assert [x for x in lines if not x.startswith("error ")][:4] == [
+        "you: How warm is it?",
+        "assistant: It is ",
+        "[missing: events 4..4]",
+        status,
+    ]
+    assert f"wren ask: {status}" in err

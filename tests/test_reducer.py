@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
 
 from edge_runtime.events import TYPES
-from server_bridge.host.reducer import HANDLERS, MAX_ERRORS, BadEnvelope, Reducer
+from server_bridge.host.reducer import (
+    BRIDGE_RUN,
+    HANDLERS,
+    MAX_ERRORS,
+    MAX_HELD,
+    BadEnvelope,
+    Reducer,
+    RunSnapshot,
+    apply_event,
+)
 from tests.eventdata import ev, fold
 
 
@@ -137,6 +147,7 @@ def test_delta_without_start_creates_the_row() -> None:
     snap = reducer.apply(ev(5, "msg.end", m="a"))
     assert [(r.kind, r.text, r.status) for r in snap.rows] == [
         ("user", "hi", "done"),
+        ("missing", "[missing: events 2..2]", None),
         ("assistant", "hello", "done"),
     ]
     assert snap.gaps == [(2, 2)]
@@ -326,3 +337,252 @@ def test_errors_kept_per_snapshot_are_bounded() -> None:
 
 def test_every_handled_type_is_in_the_contract() -> None:
     assert set(HANDLERS) <= set(TYPES)
+
+
+# --- in-order folding, holes and gap reports --------------------------------------------
+
+
+def texts(snap: RunSnapshot) -> list[tuple[str, str]]:
+    return [(r.kind, r.text) for r in snap.rows if r.kind in ("user", "assistant", "missing")]
+
+
+def gap(i: int, lo: int, hi: int, run: str = "r1") -> dict[str, Any]:
+    return ev(
+        i,
+        "error",
+        run,
+        kind="gap",
+        msg=f"events {lo}..{hi} are no longer held",
+        **{
+            "from": lo,
+            "to": hi,
+        },
+    )
+
+
+def test_events_out_of_order_are_applied_in_order() -> None:
+    events = full_run()
+    reducer = Reducer()
+    reducer.apply(events[0])
+    reducer.apply(events[1])
+    snap = reducer.apply(events[3])  # "check." (id 4) before "Let me " (id 3)
+    assert snap.last_id == 2 and snap.held == [4] and snap.rows[1].text == ""
+    snap, applied = reducer.fold(events[2])
+    assert [e["i"] for e in applied] == [3, 4] and snap.held == []
+    assert snap.rows[1].text == "Let me check." and snap.last_id == 4
+    for e in reversed(events[4:]):  # the rest backwards: applied when 5 comes, last
+        snap = reducer.apply(e)
+    assert texts(snap) == texts(fold(events)) and snap.complete and snap.held == []
+
+
+def test_a_done_held_behind_a_hole_keeps_the_run_open_until_the_hole_fills() -> None:
+    events = full_run()
+    reducer = Reducer()
+    for e in events[:9] + events[10:]:  # all but id 10, the second answer's text
+        snap = reducer.apply(e)
+    assert snap.status == "running" and not snap.terminal and not snap.complete
+    assert snap.last_id == 9 and snap.held == [11, 12, 13]
+    assert texts(snap)[-1] == ("assistant", "")
+    snap = reducer.apply(events[9])
+    assert snap.status == "done" and snap.complete and snap.held == [] and snap.gaps == []
+    assert texts(snap)[-1] == ("assistant", "It is 21.5 °C.")
+
+
+def answer_with_a_hole() -> list[dict[str, Any]]:
+    """Ids 1..8 of a run whose id 4 is lost, with the gap report (id 7) that says so."""
+    return [
+        ev(1, "run.started", input="Say hello"),
+        ev(2, "msg.start", m=1, role="assistant"),
+        ev(3, "msg.delta", m=1, text="Hello "),
+        ev(4, "msg.delta", m=1, text="big "),
+        ev(5, "msg.delta", m=1, text="world."),
+        ev(6, "msg.end", m=1),
+        gap(7, 4, 4),
+        ev(8, "run.done", usage={"in": 3, "out": 3}),
+    ]
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        [1, 2, 3, 5, 6, 7, 8],  # the report after the hole, as it usually comes
+        [1, 7, 3, 2, 8, 6, 5],  # the report before the ids below the hole
+        [8, 7, 6, 5, 3, 2, 1],  # everything backwards
+    ],
+)
+def test_a_gap_report_steps_over_the_hole_with_a_missing_row_in_place(order: list[int]) -> None:
+    events = {e["i"]: e for e in answer_with_a_hole()}
+    reducer = Reducer()
+    for i in order:
+        snap = reducer.apply(events[i])
+    assert texts(snap) == [
+        ("user", "Say hello"),
+        ("assistant", "Hello "),
+        ("missing", "[missing: events 4..4]"),
+        ("assistant", "world."),
+    ]
+    assert snap.rows[-1].status == "done"  # msg.end found the row the text went on in
+    assert snap.status == "done" and snap.terminal and not snap.complete
+    assert snap.gaps == [(4, 4)] and snap.missing == [(4, 4)]
+    assert snap.held == [] and snap.last_id == 8
+    # The report itself is recorded, in its place, like any error.
+    assert snap.errors == [
+        {"kind": "gap", "msg": "events 4..4 are no longer held", "from": 4, "to": 4}
+    ]
+
+
+def test_the_run_stays_open_while_ids_below_a_reported_range_are_missing() -> None:
+    events = answer_with_a_hole()
+    reducer = Reducer()
+    for e in events[:2] + events[4:]:  # 3 is not lost, only late; 4 is lost
+        snap = reducer.apply(e)
+    assert not snap.terminal and snap.last_id == 2 and snap.held == [5, 6, 7, 8]
+    assert snap.gaps == []
+    snap = reducer.apply(events[2])
+    assert snap.status == "done" and snap.gaps == [(4, 4)]
+
+
+def test_an_id_of_a_reported_range_that_arrives_after_all_is_applied() -> None:
+    events = answer_with_a_hole()
+    wide = gap(7, 3, 5)  # the report says 3..5, but 5 will arrive
+    reducer = Reducer()
+    reducer.apply(events[0])  # 2 is still to come: nothing is stepped over yet
+    reducer.apply(wide)
+    reducer.apply(events[4])  # id 5, reported lost, arrives
+    snap = reducer.apply(events[5])
+    assert snap.last_id == 1 and snap.held == [5, 6, 7]
+    snap = reducer.apply(events[1])  # id 2
+    snap = reducer.apply(events[7])
+    assert texts(snap) == [
+        ("user", "Say hello"),
+        ("assistant", ""),
+        ("missing", "[missing: events 3..4]"),
+        ("assistant", "world."),
+    ]
+    assert snap.gaps == [(3, 4)] and snap.status == "done" and not snap.complete
+    # An id stepped over that arrives later still is a repeat, and changes nothing.
+    before = texts(snap)
+    assert reducer.fold(events[2])[1] == []
+    assert texts(snap) == before and snap.last_id == 8
+
+
+def test_mark_lost_releases_what_was_held_and_counts_as_missing() -> None:
+    events = answer_with_a_hole()
+    reducer = Reducer()
+    for e in events[:3] + events[4:6]:  # 4 never comes, and no report says so
+        reducer.apply(e)
+    assert reducer.mark_lost("nope", 1, 9) == []  # a run it does not hold
+    seen: list[tuple[int, int]] = []
+    applied = reducer.mark_lost("r1", 2, 4, on_apply=lambda e, s: seen.append((e["i"], s.last_id)))
+    assert [e["i"] for e in applied] == [5, 6] and seen == [(5, 5), (6, 6)]
+    snap = reducer.get("r1")
+    assert snap is not None and snap.gaps == [(4, 4)] and snap.last_id == 6
+    assert texts(snap)[-2:] == [("missing", "[missing: events 4..4]"), ("assistant", "world.")]
+    # Declared ahead of the next id: stepped over when reached.
+    reducer.mark_lost("r1", 7, 7)
+    snap = reducer.apply(events[7])
+    assert snap.gaps == [(4, 4), (7, 7)] and snap.status == "done" and not snap.complete
+    assert snap.errors == []  # the report (id 7) itself was lost
+    assert reducer.mark_lost("r1", 9, 8) == []  # an empty range
+
+
+def test_adjacent_lost_ranges_are_one_missing_row() -> None:
+    reducer = Reducer()
+    reducer.apply(ev(1, "run.started", input="x"))
+    reducer.mark_lost("r1", 4, 5)
+    reducer.mark_lost("r1", 2, 3)
+    snap = reducer.apply(ev(6, "run.done", usage={}))
+    assert snap.gaps == [(2, 5)] and [r.text for r in snap.rows][-1] == "[missing: events 2..5]"
+
+
+def test_held_events_are_bounded_and_the_dropped_come_again() -> None:
+    reducer = Reducer()
+    over = 10
+    for i in range(2, MAX_HELD + 2 + over):
+        snap = reducer.apply(ev(i, "msg.delta", m=1, text="x"))
+    assert snap.held == list(range(2, MAX_HELD + 2)) and snap.dropped == over
+    snap = reducer.apply(ev(1, "msg.start", m=1, role="assistant"))
+    assert snap.last_id == MAX_HELD + 1 and snap.held == []
+    for i in range(MAX_HELD + 2, MAX_HELD + 2 + over):  # the replay brings them again
+        snap = reducer.apply(ev(i, "msg.delta", m=1, text="x"))
+    assert snap.rows[0].text == "x" * (MAX_HELD + over) and snap.dropped == over
+
+
+def test_duplicates_of_held_events_and_gap_reports_change_nothing() -> None:
+    events = answer_with_a_hole()
+    once = fold(events[:3] + events[4:])
+    reducer = Reducer()
+    for e in events[:2]:
+        reducer.apply(e)
+    for e in events[4:] + events[4:]:  # held twice, the report twice
+        assert reducer.fold(e)[1] == []
+    for e in [events[2]] + events:
+        snap = reducer.apply(e)
+    assert texts(snap) == texts(once) and snap.gaps == once.gaps == [(4, 4)]
+    assert len(snap.errors) == 1
+
+
+def test_a_long_answer_shuffled_folds_to_exactly_its_text() -> None:
+    rng = random.Random(20240611)
+    text = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz.,") for _ in range(2000))
+    pieces = [text[k : k + 20] for k in range(0, 2000, 20)]
+    events = [
+        ev(1, "run.started", input="Tell me a long story"),
+        ev(2, "msg.start", m=1, role="assistant"),
+        *[ev(3 + n, "msg.delta", m=1, text=p) for n, p in enumerate(pieces)],
+        ev(103, "msg.end", m=1),
+        ev(104, "run.done", usage={"in": 5, "out": 500}),
+    ]
+    assert len(pieces) == 100
+    order = list(range(len(events)))
+    rng.shuffle(order)
+    reducer = Reducer()
+    for n, k in enumerate(order):
+        snap = reducer.apply(events[k])
+        # Terminal exactly when the last missing event arrives, never with text missing.
+        assert snap.terminal == (n == len(order) - 1)
+    assert snap.rows[1].text == text and snap.complete and snap.held == [] and snap.gaps == []
+
+
+def test_on_apply_sees_each_event_with_the_snapshot_as_of_it() -> None:
+    events = full_run()
+    snap = RunSnapshot(run="r1")
+    seen: list[tuple[int, int]] = []
+
+    def note(e: dict[str, Any], s: RunSnapshot) -> None:
+        seen.append((e["i"], s.last_id))
+
+    for e in events[:2] + events[3:5]:
+        apply_event(snap, e, note)
+    assert seen == [(1, 1), (2, 2)]
+    assert [e["i"] for e in apply_event(snap, events[2], note)] == [3, 4, 5]
+    assert seen[2:] == [(3, 3), (4, 4), (5, 5)]
+
+
+def test_streams_that_are_not_runs_fold_as_they_arrive() -> None:
+    reducer = Reducer()
+    for run in ("_", BRIDGE_RUN):
+        reducer.apply(ev(3, "error", run, kind="busy", msg="three", req="q3"))
+        reducer.apply(ev(1, "error", run, kind="busy", msg="one", req="q1"))
+        reducer.apply(ev(3, "error", run, kind="busy", msg="three", req="q3"))  # a repeat
+        snap = reducer.get(run)
+        assert snap is not None and [e["msg"] for e in snap.errors] == ["three", "one"]
+        assert snap.held == [] and snap.last_id == 3
+    # The bridge's answer to a replay names the run it is about; it is not a hole of _b.
+    answer = ev(4, "error", BRIDGE_RUN, kind="gap", r="x", msg="gone", **{"from": 1, "to": 2})
+    snap = reducer.apply(answer)
+    assert snap.gaps == [] and snap.held == []
+    assert snap.errors[-1] == {"kind": "gap", "msg": "gone", "from": 1, "to": 2, "r": "x"}
+    assert reducer.mark_lost(BRIDGE_RUN, 1, 9) == [] and snap.gaps == []
+
+
+@pytest.mark.parametrize("kind", ["link", "device"])
+def test_link_and_device_failures_keep_their_kind(kind: str) -> None:
+    snap = fold([ev(1, "run.failed", err={"kind": kind, "msg": "gone"}, retryable=True)])
+    assert snap.error == {"kind": kind, "msg": "gone"} and snap.complete
+
+
+def test_the_bridge_stream_id_is_the_bridges() -> None:
+    from server_bridge.bridge import BRIDGE_RUN as BRIDGES
+
+    assert BRIDGE_RUN == BRIDGES

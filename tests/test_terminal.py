@@ -93,9 +93,10 @@ def test_live_view_pause_failure_and_errors() -> None:
         ev(3, "run.paused", reason="client", calls=["k1"]),
         ev(4, "run.resumed", ckpt=2),
         ev(5, "tool.result", call="k1", output="yes", failed=False),
-        ev(6, "error", kind="gap", msg="events 6..7 are no longer held", **{"from": 6, "to": 7}),
+        # Ids 6 and 7 are lost; the report of it comes after them, numbered past them.
+        ev(8, "error", kind="gap", msg="events 6..7 are no longer held", **{"from": 6, "to": 7}),
         ev(
-            8,
+            9,
             "run.failed",
             err={"kind": "llm", "msg": "the model server failed", "detail": "secret"},
             retryable=True,
@@ -109,8 +110,10 @@ def test_live_view_pause_failure_and_errors() -> None:
         "status: paused (waiting on confirm)",
         "status: running",
         "tool result: yes",
+        "[missing: events 6..7]",
         "error gap: events 6..7 are no longer held",
-        "status: failed: llm: the model server failed (retryable)",
+        "status: failed: llm: the model server failed (retryable)"
+        " (incomplete: events 6..7 missing)",
     ]
 
 
@@ -151,3 +154,73 @@ def test_render_paused_and_running_status_lines() -> None:
     assert render(snap) == ["you: x", "status: paused"]
     snap = fold([ev(1, "run.started", input="x")])
     assert render(snap) == ["you: x", "status: running"]
+
+
+def run_with_lost_text(end: dict[str, Any]) -> list[dict[str, Any]]:
+    """full_run's first answer with its second delta (id 4) lost, reported at id 6."""
+    return [
+        *full_run()[:3],
+        ev(5, "msg.end", m=1),
+        ev(6, "error", kind="gap", msg="events 4..4 are no longer held", **{"from": 4, "to": 4}),
+        end | {"i": 7},
+    ]
+
+
+def test_render_marks_missing_text_and_an_incomplete_run() -> None:
+    snap = fold(run_with_lost_text(ev(7, "run.done", usage={"in": 1, "out": 2})))
+    assert render(snap) == [
+        "you: How warm is it?",
+        "assistant: Let me ",
+        "[missing: events 4..4]",
+        "error gap: events 4..4 are no longer held",
+        "status: done (in 1, out 2 tokens) (incomplete: events 4..4 missing)",
+    ]
+
+
+def test_incomplete_status_lines_of_failed_and_cancelled_runs() -> None:
+    failed = ev(7, "run.failed", err={"kind": "device", "msg": "the device restarted"})
+    cancelled = ev(7, "run.cancelled", reason="user")
+    assert render(fold(run_with_lost_text(failed)))[-1] == (
+        "status: failed: device: the device restarted (incomplete: events 4..4 missing)"
+    )
+    assert render(fold(run_with_lost_text(cancelled)))[-1] == (
+        "status: cancelled (user) (incomplete: events 4..4 missing)"
+    )
+
+
+def test_a_running_run_with_a_hole_stepped_over_is_not_yet_called_incomplete() -> None:
+    snap = fold(run_with_lost_text(ev(7, "usage", **{"in": 1, "out": 1})))
+    assert render(snap)[-1] == "status: running" and snap.gaps == [(4, 4)]
+
+
+def test_many_missing_ranges_are_summed_up() -> None:
+    events = [ev(1, "run.started", input="x")]
+    events += [ev(i, "usage", **{"in": 1}) for i in range(3, 20, 2)]  # 2, 4, ... 18 lost
+    events.append(ev(20, "error", kind="gap", msg="lost", **{"from": 2, "to": 18}))
+    events.append(ev(21, "run.cancelled"))
+    snap = fold(events)
+    assert render(snap)[-1] == (
+        "status: cancelled (incomplete: events 2..2, 4..4, 6..6, 8..8, 10..10 and 4 more missing)"
+    )
+
+
+def test_live_view_prints_the_missing_marker_where_the_text_is_missing() -> None:
+    out = io.StringIO()
+    view = LiveView(out)
+    events = full_run()
+    # "check." (id 4) is lost: ids 5 on arrive first and wait; the report releases them.
+    for e in events[:3] + events[4:]:
+        view.feed(e)
+    assert out.getvalue() == "you: How warm is it?\nassistant: Let me "
+    view.feed(ev(13, "error", kind="gap", msg="lost", **{"from": 4, "to": 4}))
+    view.close()
+    assert out.getvalue().splitlines() == [
+        "you: How warm is it?",
+        "assistant: Let me ",
+        "[missing: events 4..4]",
+        "tool call read_temperature {}",
+        "tool result: 21.5",
+        "assistant: It is 21.5 °C.",
+        "error gap: lost",
+        "status: done (in 12, out 8 tokens) (incomplete: events 4..4 missing)",
+    ]

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
-from server_bridge.host.terminal import LiveView, print_transcript
+from server_bridge.host.terminal import LiveView, print_transcript, render_status
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.tokens import sign
@@ -283,8 +283,11 @@ def run_demo(args: argparse.Namespace) -> int:
         def ask(text: str) -> int:
             view = LiveView(out)
 
-            def show(event: dict[str, Any], _snap: Any) -> None:
-                view.feed(event)
+            def show(_event: dict[str, Any], snap: Any) -> None:
+                # The client's snapshot, not the event into a second reducer: the client
+                # may step over a hole the bridge declared lost, which a reducer fed
+                # only the applied events would wait on for ever.
+                view.show(snap)
 
             console.hold()
             client.on_event = show
@@ -296,7 +299,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 view.close()
                 console.release()
             count = sum(1 for e in client.events if e.get("r") == snap.run)
-            return_code = 0 if snap.status == "done" else 1
+            # An answer with events missing is not a finished answer.
+            return_code = 0 if snap.status == "done" and snap.complete else 1
             if args.once:
                 print("\n--- transcript ---", file=out)
                 print_transcript(snap, out)
@@ -406,8 +410,8 @@ def run_ask(args: argparse.Namespace) -> int:
     client.connect(timeout=10)
     view = LiveView(sys.stdout)
 
-    def show(event: dict[str, Any], _snap: Any) -> None:
-        view.feed(event)
+    def show(_event: dict[str, Any], snap: Any) -> None:
+        view.show(snap)  # the client's snapshot (see run_demo's ask)
 
     client.on_event = show
     try:
@@ -419,4 +423,6 @@ def run_ask(args: argparse.Namespace) -> int:
     finally:
         client.close()
     print()
-    return 0 if snap.status == "done" else 1
+    if not snap.complete:
+        print(f"wren ask: {render_status(snap)}", file=sys.stderr)
+    return 0 if snap.status == "done" and snap.complete else 1

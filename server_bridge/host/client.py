@@ -13,26 +13,49 @@ device stream `_` (busy), each as an `error` event naming the `req`. wait_run an
 wait_for raise RequestRefused as soon as one arrives instead of waiting out their
 timeout.
 
-Threading: paho's network thread delivers messages; every piece of shared state is
-guarded by one condition variable, and what is handed to callers (snapshots, events) is
-a copy, so a caller never sees a snapshot change under it.
+It repairs holes itself, because the reducer applies a run's events only in id order
+and a run is finished only when every id below its terminal event is there or declared
+lost (so a partial answer is never shown as a whole one). When a run holds events above
+a hole for `replay_after_s` without progress, the client asks the bridge to replay the
+run (`ctl {op:"replay", r, after, tok}` on P/h/T/D/ctl), again with doubling waits up
+to `max_replay_wait_s` while the hole stays; and after every (re)connect it asks the
+same for every run it tracks that is not finished, since its session is clean and what
+was published while it was away is gone. The bridge resends what its window holds and
+answers on its stream `_b` for the rest: a gap `{kind:"gap", r, from, to}` (declared
+lost with Reducer.mark_lost) or `{kind:"unknown_run", r}` (then a hole below held events
+can never fill, and is declared lost). A replay needs a session token: the one last used
+in request() for that device, else the one given to the constructor or set_token().
+
+Threading: paho's network thread delivers messages; one repair thread (started by
+connect, stopped by close) asks for replays; every piece of shared state is guarded by
+one condition variable, and what is handed to callers (snapshots, events) is a copy, so
+a caller never sees a snapshot change under it. Nothing is published while holding it.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from server_bridge.host.reducer import Reducer, RunSnapshot
+from server_bridge.host.reducer import (
+    BRIDGE_RUN,
+    DEVICE_RUN,
+    STREAMS,
+    OnApply,
+    Reducer,
+    RunSnapshot,
+)
 from server_bridge.topics import DEFAULT_PREFIX, BadTopic, check_id, host_topic, parse
 from server_bridge.wire import Limits, WireError, check_events, decode, encode
 
@@ -44,12 +67,16 @@ log = logging.getLogger(__name__)
 # the topic can make this process allocate (checked before allocating, as on the bridge).
 HOST_LIMITS = Limits(max_payload=1 << 20, max_str=256 * 1024, max_items=4096, max_depth=32)
 
-# The stream ids refusals of a request arrive on: the bridge's own ("_b", host input it
-# refused) and the board's device stream ("_", input the board refused, e.g. busy).
-BRIDGE_RUN = "_b"
-DEVICE_RUN = "_"
+# Refusals of a request arrive on the bridge's stream BRIDGE_RUN ("_b", host input it
+# refused) and on the board's device stream DEVICE_RUN ("_", input it refused, e.g. busy).
 # Refusals remembered by req id, for wait_run; the oldest are forgotten first.
 MAX_REFUSALS = 1000
+# Replay requests for a hole: the first after REPLAY_AFTER_S without progress, then with
+# doubling waits up to MAX_REPLAY_WAIT_S (the bridge asks its boards the same way).
+REPLAY_AFTER_S = 2.0
+MAX_REPLAY_WAIT_S = 30.0
+# The repair thread looks at the holes at least this often.
+_REPAIR_TICK_S = 0.5
 
 EventCallback = Callable[[dict[str, Any], RunSnapshot], None]
 
@@ -77,6 +104,33 @@ def decode_events(payload: bytes | bytearray) -> list[dict[str, Any]]:
     return check_events(decode(payload, HOST_LIMITS), strict_types=False)
 
 
+@dataclass
+class _Repair:
+    """A run holding events above a hole: when to ask for a replay next."""
+
+    last_id: int  # the run's last_id when the hole was seen or last moved on
+    due: float  # monotonic time of the next ask
+    wait: float  # the wait after the next ask
+    asked: int = 0
+
+
+def _ids_text(ids: list[int]) -> str:
+    """Sorted ids as ranges: [3, 4, 5, 9] -> "3..5, 9"."""
+    ranges: list[list[int]] = []
+    for i in ids:
+        if ranges and i == ranges[-1][1] + 1:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    return ", ".join(f"{lo}..{hi}" if hi > lo else str(lo) for lo, hi in ranges)
+
+
+def _keep_copy(
+    into: list[tuple[dict[str, Any], RunSnapshot]], e: dict[str, Any], snap: RunSnapshot
+) -> None:
+    into.append((e, copy.deepcopy(snap)))
+
+
 def _refusal(event: dict[str, Any]) -> tuple[str, str, str] | None:
     """(req, kind, msg) of an error event that refuses a request, else None."""
     if event["r"] not in (BRIDGE_RUN, DEVICE_RUN) or event["t"] != "error":
@@ -92,8 +146,13 @@ class HostClient:
     """One MQTT connection for one tenant's host stream.
 
     `on_event(envelope, snapshot)` is called (on paho's network thread) for every event
-    applied; an exception it raises is logged with its traceback and counted in
+    applied, in id order per run, with a copy of the snapshot as of that event (when a
+    hole fills, the events it held are applied, and called back, one after the other).
+    An exception it raises is logged with its traceback and counted in
     `callback_errors`, and never stops the network thread.
+
+    `token` is the session token for replay requests of devices this client only
+    watches (see set_token); `replay_after_s` and `max_replay_wait_s` pace them.
     """
 
     def __init__(
@@ -108,7 +167,12 @@ class HostClient:
         *,
         max_events: int = 10_000,
         on_event: EventCallback | None = None,
+        token: str | None = None,
+        replay_after_s: float = REPLAY_AFTER_S,
+        max_replay_wait_s: float = MAX_REPLAY_WAIT_S,
     ) -> None:
+        if not 0 < replay_after_s <= max_replay_wait_s:
+            raise ValueError("need 0 < replay_after_s <= max_replay_wait_s")
         self.host = host
         self.port = port
         self.tenant = check_id(tenant, "tenant")
@@ -122,6 +186,17 @@ class HostClient:
         # reducers: it must survive a bridge restart, after which `_b` ids begin at 1
         # again and the reducer would skip them as already seen.
         self._refused: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # Session tokens for replay requests: per device (the last used in request()),
+        # and one for any other device.
+        self._tokens: dict[str, str] = {}
+        self._token = token
+        self._no_token: set[str] = set()  # devices already logged as having none
+        self.replay_after_s = replay_after_s
+        self.max_replay_wait_s = max_replay_wait_s
+        # (device, run) -> its hole's repair; at most one per run the reducers keep.
+        self._repairs: dict[tuple[str, str], _Repair] = {}
+        self._stop = threading.Event()
+        self._repairer: threading.Thread | None = None
         self._cond = threading.Condition()
         self._connected = False
         self._connect_error: str | None = None
@@ -156,6 +231,12 @@ class HostClient:
             ) from e
         self._client.loop_start()
         self._started = True
+        if self._repairer is None:
+            self._stop.clear()
+            self._repairer = threading.Thread(
+                target=self._repair_loop, name="wren-host-repair", daemon=True
+            )
+            self._repairer.start()
         with self._cond:
             while not self._subscribed and self._connect_error is None:
                 left = deadline - time.monotonic()
@@ -172,6 +253,10 @@ class HostClient:
             )
 
     def close(self) -> None:
+        self._stop.set()
+        repairer, self._repairer = self._repairer, None
+        if repairer is not None:
+            repairer.join(timeout=5)
         if self._started:
             self._client.disconnect()
             self._client.loop_stop()
@@ -212,6 +297,7 @@ class HostClient:
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
     ) -> None:
+        asks: list[tuple[str, str, int]] = []
         with self._cond:
             if any(rc.is_failure for rc in reason_codes):
                 self._connect_error = (
@@ -220,7 +306,18 @@ class HostClient:
                 )
             else:
                 self._subscribed = True
+                # Subscribed again after a (re)connect: what was published while this
+                # client was away is lost (its session is clean), so every run not yet
+                # finished is asked for again; the answers come on the subscription.
+                asks = [
+                    (device, snap.run, snap.last_id)
+                    for device, reducer in self._reducers.items()
+                    for snap in reducer.runs()
+                    if snap.run not in STREAMS and not snap.terminal
+                ]
             self._cond.notify_all()
+        for ask in asks:
+            self._ask_replay(*ask)
 
     def _on_disconnect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
@@ -260,6 +357,7 @@ class HostClient:
             # A new attempt (a resend with a fresh token, say, after a refusal): only a
             # refusal of this attempt may end a wait on it.
             self._refused.pop(req_id, None)
+            self._tokens[device] = token  # for replays of this device's runs
         info = self._client.publish(topic, encode(body), qos=1)
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
             raise HostConnectError(f"could not publish the request: {mqtt.error_string(info.rc)}")
@@ -288,7 +386,8 @@ class HostClient:
             self._count_malformed(topic_name, e)
             return
         for event in events:
-            view: RunSnapshot | None = None
+            # (event, copy of its run's snapshot as of it) for each event applied.
+            views: list[tuple[dict[str, Any], RunSnapshot]] = []
             with self._cond:
                 refusal = _refusal(event)
                 if refusal is not None:
@@ -300,20 +399,128 @@ class HostClient:
                 reducer = self._reducers.get(topic.device)
                 if reducer is None:
                     reducer = self._reducers[topic.device] = Reducer(topic.device)
-                # Checked by decode_events already, so apply() cannot refuse it.
-                snap = reducer.apply(event)
+                # Copies for the callback, taken under the lock, so they are consistent.
+                on_apply: OnApply | None = None
+                if self.on_event is not None:
+                    on_apply = functools.partial(_keep_copy, views)
+                # Checked by decode_events already, so fold() cannot refuse it.
+                snap, _ = reducer.fold(event, on_apply)
                 self._events.append(event)
-                # A copy for the callback, taken under the lock, so it is consistent.
-                view = copy.deepcopy(snap) if self.on_event is not None else None
+                self._track(topic.device, snap)
+                if event["r"] == BRIDGE_RUN and event["t"] == "error":
+                    # Read on arrival, not through the reducer's repeat check: the
+                    # bridge's stream starts again at 1 when it restarts.
+                    self._bridge_answer(topic.device, reducer, event["d"], on_apply)
                 self._cond.notify_all()
-            callback = self.on_event
-            if callback is not None and view is not None:
+            for applied, view in views:
+                callback = self.on_event
+                if callback is None:
+                    break
                 try:
-                    callback(event, view)
+                    callback(applied, view)
                 except Exception:
                     with self._cond:
                         self.callback_errors += 1
                     log.exception("host client: on_event callback raised")
+
+    def _bridge_answer(
+        self, device: str, reducer: Reducer, d: dict[str, Any], on_apply: OnApply | None
+    ) -> None:
+        """The bridge's answer to a replay, on its stream `_b`: ids it no longer holds
+        (`gap`), or a run it does not know (`unknown_run`). Called under the lock."""
+        run = d.get("r")
+        if not isinstance(run, str) or run in STREAMS:
+            return
+        kind = d.get("kind")
+        snap = reducer.get(run)
+        if kind == "gap":
+            # from/to are ints 1 <= from <= to: decode_events checked the gap report.
+            reducer.mark_lost(run, d["from"], d["to"], on_apply)
+        elif kind == "unknown_run" and snap is not None and snap.held and not snap.terminal:
+            # Nothing will ever fill the hole below what this run holds.
+            reducer.mark_lost(run, snap.last_id + 1, snap.held[-1] - 1, on_apply)
+        else:
+            return
+        if snap is not None:
+            self._track(device, snap)
+
+    # --- replay -------------------------------------------------------------------
+
+    def set_token(self, token: str | None, device: str | None = None) -> None:
+        """The session token for replay requests: of `device`, or (device None) of any
+        device without one of its own. request() sets its device's token too."""
+        with self._cond:
+            if device is None:
+                self._token = token
+            elif token is None:
+                self._tokens.pop(device, None)
+            else:
+                self._tokens[device] = token
+            self._no_token.clear()
+
+    def _track(self, device: str, snap: RunSnapshot) -> None:
+        """Note whether `snap` waits on a hole, and since when. Called under the lock."""
+        key = (device, snap.run)
+        if snap.run in STREAMS or snap.terminal or not snap.held:
+            self._repairs.pop(key, None)
+            return
+        repair = self._repairs.get(key)
+        if repair is None or repair.last_id != snap.last_id:
+            # A new hole, or progress on the old one: wait again before asking.
+            now = time.monotonic()
+            self._repairs[key] = _Repair(
+                snap.last_id, now + self.replay_after_s, self.replay_after_s
+            )
+
+    def _repair_loop(self) -> None:
+        tick = min(_REPAIR_TICK_S, self.replay_after_s)
+        while not self._stop.is_set():
+            asks: list[tuple[str, str, int]] = []
+            with self._cond:
+                now = time.monotonic()
+                for key, repair in list(self._repairs.items()):
+                    reducer = self._reducers.get(key[0])
+                    snap = reducer.get(key[1]) if reducer is not None else None
+                    if snap is None or snap.terminal or not snap.held:
+                        del self._repairs[key]  # filled, finished or forgotten
+                    elif repair.due <= now:
+                        asks.append((key[0], key[1], snap.last_id))
+                        repair.asked += 1
+                        repair.due = now + repair.wait
+                        repair.wait = min(repair.wait * 2, self.max_replay_wait_s)
+                due = min((r.due for r in self._repairs.values()), default=now + tick)
+            for ask in asks:
+                self._ask_replay(*ask)
+            self._stop.wait(min(max(due - time.monotonic(), 0.01), tick))
+
+    def _ask_replay(self, device: str, run: str, after: int) -> None:
+        """Publish a replay request for `run` past `after`. Never under the lock, and
+        never waits: it may run on paho's network thread."""
+        with self._cond:
+            token = self._tokens.get(device, self._token)
+            warn = token is None and device not in self._no_token
+            if warn:
+                self._no_token.add(device)
+        if token is None:
+            if warn:
+                log.warning(
+                    "host client: no session token for device %s, so run %s cannot be "
+                    "replayed (give one with set_token)",
+                    device,
+                    run,
+                )
+            return
+        body = {"op": "replay", "r": run, "after": after, "tok": token}
+        topic = host_topic(self.prefix, self.tenant, device, "ctl")
+        info = self._client.publish(topic, encode(body), qos=1)
+        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            # Not connected: the (re)connect asks for every open run anyway.
+            log.info(
+                "host client: replay request for %s/%s not sent: %s",
+                device,
+                run,
+                mqtt.error_string(info.rc),
+            )
 
     def _count_malformed(self, topic_name: str, err: Exception) -> None:
         with self._cond:
@@ -349,9 +556,11 @@ class HostClient:
         return None
 
     def wait_run(self, req_id: str, timeout: float) -> RunSnapshot:
-        """Wait until the run started for `req_id` is done, failed or cancelled; return a
-        copy of its snapshot. Raises RequestRefused as soon as the bridge or the board
-        refuses the request, TimeoutError (describing what was seen) past `timeout`."""
+        """Wait until the run started for `req_id` is done, failed or cancelled — its
+        terminal event applied, so every id below it is there or declared lost — and
+        return a copy of its snapshot (`complete` False when some were lost). Raises
+        RequestRefused as soon as the bridge or the board refuses the request,
+        TimeoutError (describing what was seen, held and missing) past `timeout`."""
         return self.wait_for(req_id, lambda snap: snap.terminal, timeout)
 
     def wait_for(
@@ -380,9 +589,21 @@ class HostClient:
 
     def _describe_wait(self, req_id: str, snap: RunSnapshot | None, timeout: float) -> str:
         if snap is not None:
+            holes = ""
+            if snap.held:
+                repair = self._repairs.get((snap.device or "", snap.run))
+                asked = repair.asked if repair is not None else 0
+                holes += (
+                    f", ids {_ids_text(snap.held)} held waiting on ids "
+                    f"{snap.last_id + 1}..{snap.held[0] - 1}"
+                    f" (replay asked {asked} times)"
+                )
+            if snap.gaps:
+                missing = ", ".join(f"{lo}..{hi}" for lo, hi in snap.gaps)
+                holes += f", events {missing} missing"
             return (
                 f"run {snap.run} for request {req_id} is still {snap.status} after "
-                f"{timeout}s (last event id {snap.last_id}, {len(snap.rows)} rows, "
+                f"{timeout}s (last event id {snap.last_id}{holes}, {len(snap.rows)} rows, "
                 f"pending client tools: {sorted(snap.pending) or 'none'})"
             )
         seen = sorted({f"{d}/{s.run}" for d, r in self._reducers.items() for s in r.runs()})

@@ -5,18 +5,36 @@ reducer keeps one `RunSnapshot` per run id and applies each event through one ta
 event type -> handler (`HANDLERS`). Rules that every host shares (the dashboard's
 JavaScript folds by the same rules):
 
-* Idempotent by event id: an event whose `i` is at or below the last applied id of its
-  run is ignored, so a replay after a reconnect, a duplicate QoS 1 delivery or a late
-  lower id never doubles text or rows. Hosts receive a run's events in id order (the
-  bridge fills gaps before fan-out); what the board could not resend arrives as an
-  `error` event of kind `gap` and is recorded in `gaps`.
-* Unknown event types are ignored (forward compatible) but still advance `last_id`.
-* A terminal status (done, failed, cancelled) is final: nothing after it reopens the run.
+* In id order, never with a hole papered over. MQTT keeps a run's order on one topic,
+  but a replay after a reconnect, a repaired hole or a second bridge process can still
+  deliver a later id before an earlier one, and text folded past a hole is text shown
+  with a piece cut out of it. So a run's event is applied only when its id is the last
+  applied + 1; one further ahead is held (at most MAX_HELD per run) until the hole
+  below it fills, and the client asks the bridge to replay what is missing.
+* Holes that can never fill are declared, not guessed: a gap report (an `error` of
+  kind `gap` with `from`, `to`) is read as soon as it arrives, whatever its own id (it
+  is numbered past the hole it reports), and a host client declares the ranges the
+  bridge no longer holds with `Reducer.mark_lost`. When the next id to apply is in such
+  a range, the reducer steps over the ids that did not arrive, with a `missing` row at
+  that point of the transcript and the range in `gaps`; text after it goes on in new
+  rows, so the marker sits where the text is missing.
+* So a terminal status (done, failed, cancelled) is reached only in order: a snapshot is
+  terminal only when every id below its terminal event was applied or declared lost,
+  and `complete` only when none was lost. A host never shows part of an answer as all
+  of it. A terminal status is final: nothing after it reopens the run.
+* Idempotent by event id: an id already applied, stepped over or held is ignored, so a
+  replay, a duplicate QoS 1 delivery or a late copy never doubles text or rows.
+* The streams that are not runs — the board's device stream `_` and the bridge's `_b`
+  — are folded as events arrive: they never end, their ids begin again at 1 when the
+  board reboots or the bridge restarts, and each of their events (a refusal) stands
+  alone, so nothing is gained by holding one for another.
+* Unknown event types are ignored (forward compatible) but still take their id.
 * `error` on a failed run is customer-safe: only the contract's `kind` and `msg` are kept.
 * An envelope is checked by server_bridge.wire.check_envelope, the bridge's own check
   (any event type accepted), so the reducer folds exactly what a bridge forwards.
 * Bounded: a Reducer keeps at most `max_runs` snapshots (finished runs are forgotten
-  first), and a snapshot at most the last MAX_ERRORS errors and gaps.
+  first), a snapshot at most the last MAX_ERRORS errors, MAX_HELD held events and
+  MAX_HELD lost ranges ahead of what it applied.
 """
 
 from __future__ import annotations
@@ -25,12 +43,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from edge_runtime.events import TERMINAL
+from edge_runtime.events import DEVICE_RUN, TERMINAL
 from server_bridge.wire import BadEnvelope, check_envelope
 
 __all__ = [
+    "BRIDGE_RUN",
+    "DEVICE_RUN",
+    "FAILURE_KINDS",
     "HANDLERS",
     "MAX_ERRORS",
+    "MAX_HELD",
+    "STREAMS",
     "BadEnvelope",
     "Reducer",
     "Row",
@@ -41,21 +64,38 @@ __all__ = [
 ]
 
 Status = Literal["running", "paused", "done", "failed", "cancelled"]
-RowKind = Literal["user", "assistant", "output", "tool_call", "tool_result"]
+RowKind = Literal["user", "assistant", "output", "tool_call", "tool_result", "missing"]
 Envelope = Mapping[str, Any]
+# Called after each event is applied, with that event and the snapshot as of it.
+OnApply = Callable[[dict[str, Any], "RunSnapshot"], None]
+
+# The bridge's own stream on P/h/T/D/evt (refusals of host input, answers to a host's
+# replay); the same value as server_bridge.bridge.BRIDGE_RUN (a test checks).
+BRIDGE_RUN = "_b"
+# Streams that are not runs, folded as their events arrive (see the module docstring).
+STREAMS: frozenset[str] = frozenset({DEVICE_RUN, BRIDGE_RUN})
 
 TERMINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 
 # The failure kinds of the contract (`run.failed` err.kind). Anything else is reported as
 # `internal`, so a UI can switch on the kind without meeting a value it does not know.
-FAILURE_KINDS = frozenset({"llm", "tool", "condition", "internal"})
+# `link`: the board could not reach the bridge; `device`: the bridge ended the run for
+# its board (the device restarted or went offline).
+FAILURE_KINDS = frozenset({"llm", "tool", "condition", "internal", "link", "device"})
 
 # A customer-safe message is short; a board that sent a long one (a stack trace, say)
 # should not be able to fill a UI with it.
 _MAX_ERROR_MSG = 500
-# Errors (and gaps) kept per snapshot: the device and bridge streams never end, and a
-# host that watches one for days must not keep every refusal it ever saw.
+# Errors kept per snapshot: the device and bridge streams never end, and a host that
+# watches one for days must not keep every refusal it ever saw.
 MAX_ERRORS = 100
+# Events held above a hole per run, and lost ranges recorded ahead of the next id. Past
+# it the highest is dropped (and counted): it is the one furthest from being applied,
+# and the replay that fills the hole brings it again. The bridge's window is 256 events
+# per run, so a hole it can fill never needs more.
+MAX_HELD = 1024
+# Event ids of a stream (`_`, `_b`) remembered to drop repeats by id.
+_STREAM_SEEN = 1024
 
 
 @dataclass
@@ -79,8 +119,10 @@ class Row:
     kind user / assistant: `text` (assistant rows also collect `reasoning`, keyed by `key`,
     the message id `m`); output: `name`, `output` (the value; deltas concatenate), `format`;
     tool_call: `call`, `name`, `input` (a JSON string), `client`; tool_result: `call`, `name`
-    (from its call), `output`, `failed`. `status` is `streaming`/`done` for assistant rows,
-    `building`/`final` for outputs, `pending`/`running`/`done`/`failed` for tool calls.
+    (from its call), `output`, `failed`; missing: `text` `[missing: events a..b]`, where
+    events that will never arrive were stepped over. `status` is `streaming`/`done` for
+    assistant rows, `building`/`final` for outputs, `pending`/`running`/`done`/`failed`
+    for tool calls.
     """
 
     kind: RowKind
@@ -100,7 +142,12 @@ class Row:
 @dataclass
 class RunSnapshot:
     """What a UI renders for one run. `rows` is ordered; `pending` holds the client tool
-    calls still waiting for an answer, keyed by call id (the same Row objects as in rows)."""
+    calls still waiting for an answer, keyed by call id (the same Row objects as in rows).
+
+    `last_id` is the id up to which every event was applied or declared lost (the next
+    one applied is last_id + 1); `held` the ids that arrived above a hole and wait for
+    it; `gaps` (also `missing`) the ranges stepped over, each with its `missing` row;
+    `dropped` the held events dropped over MAX_HELD (a replay brings them again)."""
 
     run: str
     device: str | None = None
@@ -118,14 +165,35 @@ class RunSnapshot:
     last_id: int = 0
     gaps: list[tuple[int, int]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
+    dropped: int = 0
     # Indexes into rows, so deltas and results find their row without a scan.
     _messages: dict[str, Row] = field(default_factory=dict, repr=False)
     _calls: dict[str, Row] = field(default_factory=dict, repr=False)
     _outputs: dict[str, Row] = field(default_factory=dict, repr=False)
+    # Events that arrived above a hole, by id; ranges declared lost that lie ahead of
+    # last_id (sorted, disjoint, not adjacent); a stream's recently seen ids.
+    _held: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _lost: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    _seen: dict[int, None] = field(default_factory=dict, repr=False)
 
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+    @property
+    def held(self) -> list[int]:
+        """Ids that arrived above a hole and wait for it to fill, lowest first."""
+        return sorted(self._held)
+
+    @property
+    def missing(self) -> list[tuple[int, int]]:
+        """The id ranges stepped over because they will never arrive (= `gaps`)."""
+        return list(self.gaps)
+
+    @property
+    def complete(self) -> bool:
+        """Terminal, and every id below the terminal event was applied: nothing missing."""
+        return self.terminal and not self.gaps
 
 
 def _str(value: Any) -> str | None:
@@ -307,17 +375,19 @@ def _usage(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
 
 
 def _error(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
+    # A gap report's range was read when it arrived (see _gap_range); here, in its
+    # place in the run, it is recorded like any other error.
     kind = _str(d.get("kind")) or "internal"
     entry: dict[str, Any] = {"kind": kind, "msg": (_str(d.get("msg")) or "")[:_MAX_ERROR_MSG]}
-    if kind == "gap":
-        lo, hi = _int(d.get("from")), _int(d.get("to"))
-        if lo and hi >= lo:
-            snap.gaps.append((lo, hi))
-            del snap.gaps[:-MAX_ERRORS]
-            entry["from"], entry["to"] = lo, hi
+    gap = _gap_range(d) if kind == "gap" else None
+    if gap is not None:
+        entry["from"], entry["to"] = gap
     req = _str(d.get("req"))
     if req is not None:
         entry["req"] = req  # the request a refusal names (streams "_" and "_b")
+    run = _str(d.get("r"))
+    if run is not None:
+        entry["r"] = run  # the run a bridge's answer to a replay names (stream "_b")
     snap.errors.append(entry)
     del snap.errors[:-MAX_ERRORS]
 
@@ -368,19 +438,139 @@ def _checked(event: Envelope) -> dict[str, Any]:
     return check_envelope(obj, strict_types=False)
 
 
-def apply_event(snap: RunSnapshot, event: Envelope) -> bool:
-    """Fold one event into its run's snapshot; False if it was ignored as a duplicate
-    or replay (id at or below the last applied). Raises BadEnvelope for something that
-    is not an envelope."""
+def _gap_range(d: Mapping[str, Any]) -> tuple[int, int] | None:
+    # check_envelope has refused a gap report without ints 1 <= from <= to already;
+    # this is for the `d` of a map that did not pass through it.
+    lo, hi = _int(d.get("from")), _int(d.get("to"))
+    return (lo, hi) if 1 <= lo <= hi else None
+
+
+def apply_event(
+    snap: RunSnapshot, event: Envelope, on_apply: OnApply | None = None
+) -> list[dict[str, Any]]:
+    """Fold one event into its run's snapshot. Returns the events applied by this call,
+    in id order: none when it was a duplicate or was held above a hole, several when it
+    filled one (with the held events it released). `on_apply(event, snap)` is called
+    after each. Raises BadEnvelope for something that is not an envelope."""
     env = _checked(event)
+    if snap.run in STREAMS:
+        return _apply_stream(snap, env, on_apply)
     i: int = env["i"]
-    if i <= snap.last_id:
-        return False
-    snap.last_id = i
+    if i <= snap.last_id or i in snap._held:
+        return []
+    if env["t"] == "error" and env["d"].get("kind") == "gap":
+        gap = _gap_range(env["d"])
+        if gap is not None:
+            _record_lost(snap, *gap)
+    applied: list[dict[str, Any]] = []
+    if i == snap.last_id + 1:
+        _apply_one(snap, env, applied, on_apply)
+    else:
+        _hold(snap, env)
+    _advance(snap, applied, on_apply)
+    return applied
+
+
+def mark_lost(
+    snap: RunSnapshot, lo: int, hi: int, on_apply: OnApply | None = None
+) -> list[dict[str, Any]]:
+    """Declare ids lo..hi of the run lost (they will never arrive); returns the held
+    events this released, applied in order. An id of the range that arrives before the
+    reducer reaches it is applied all the same. Nothing for a stream, or an empty range."""
+    applied: list[dict[str, Any]] = []
+    if snap.run in STREAMS or lo > hi:
+        return applied
+    _record_lost(snap, lo, hi)
+    _advance(snap, applied, on_apply)
+    return applied
+
+
+def _apply_one(
+    snap: RunSnapshot,
+    env: dict[str, Any],
+    applied: list[dict[str, Any]],
+    on_apply: OnApply | None,
+) -> None:
+    snap.last_id = env["i"]
     handler = HANDLERS.get(env["t"])
     if handler is not None:
         handler(snap, env["d"])
-    return True
+    applied.append(env)
+    if on_apply is not None:
+        on_apply(env, snap)
+
+
+def _apply_stream(
+    snap: RunSnapshot, env: dict[str, Any], on_apply: OnApply | None
+) -> list[dict[str, Any]]:
+    i: int = env["i"]
+    if i in snap._seen:
+        return []
+    snap._seen[i] = None
+    while len(snap._seen) > _STREAM_SEEN:
+        del snap._seen[next(iter(snap._seen))]
+    # last_id is the highest id seen, applied before the event so on_apply sees it.
+    snap.last_id = max(snap.last_id, i)
+    applied = [env]
+    handler = HANDLERS.get(env["t"])
+    if handler is not None:
+        handler(snap, env["d"])
+    if on_apply is not None:
+        on_apply(env, snap)
+    return applied
+
+
+def _hold(snap: RunSnapshot, env: dict[str, Any]) -> None:
+    snap._held[env["i"]] = env
+    if len(snap._held) > MAX_HELD:
+        del snap._held[max(snap._held)]
+        snap.dropped += 1
+
+
+def _record_lost(snap: RunSnapshot, lo: int, hi: int) -> None:
+    """Add lo..hi (only what lies past last_id) to the sorted, merged lost ranges."""
+    lo = max(lo, snap.last_id + 1)
+    if lo > hi:
+        return
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted([*snap._lost, (lo, hi)]):
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    del merged[MAX_HELD:]  # past it, the highest: a replay reports them again
+    snap._lost = merged
+
+
+def _advance(snap: RunSnapshot, applied: list[dict[str, Any]], on_apply: OnApply | None) -> None:
+    """Apply held events and step over lost ids for as long as the next id is either."""
+    while True:
+        nxt = snap.last_id + 1
+        env = snap._held.pop(nxt, None)
+        if env is not None:
+            _apply_one(snap, env, applied, on_apply)
+            continue
+        while snap._lost and snap._lost[0][1] < nxt:
+            snap._lost.pop(0)
+        if not snap._lost or snap._lost[0][0] > nxt:
+            return
+        # Step over the lost ids up to the end of the range, or up to the first held id
+        # inside it: an id reported lost that arrived after all is applied, not skipped.
+        end = snap._lost[0][1]
+        inside = [i for i in snap._held if i <= end]
+        if inside:
+            end = min(inside) - 1
+        _step_over(snap, nxt, end)
+
+
+def _step_over(snap: RunSnapshot, lo: int, hi: int) -> None:
+    snap.last_id = hi
+    snap.gaps.append((lo, hi))
+    _row(snap, Row("missing", text=f"[missing: events {lo}..{hi}]"))
+    # Text of a message or an output that goes on past the hole starts a new row after
+    # the marker, so the marker stands where the text is missing, not after all of it.
+    snap._messages.clear()
+    snap._outputs.clear()
 
 
 class Reducer:
@@ -392,7 +582,8 @@ class Reducer:
 
     At most `max_runs` snapshots are kept: past it the run that finished first is
     forgotten, or, when none has finished, the run seen first. A late event of a
-    forgotten run starts a new snapshot of it (from that event on)."""
+    forgotten run starts a new snapshot of it (from that event on, held until the ids
+    below it arrive or are declared lost)."""
 
     def __init__(self, device: str | None = None, max_runs: int = 1000) -> None:
         if max_runs < 1:
@@ -404,18 +595,42 @@ class Reducer:
         self._finished: dict[str, None] = {}
 
     def apply(self, event: Envelope) -> RunSnapshot:
-        """Fold one envelope; returns the run's snapshot (unchanged for a duplicate).
-        Raises BadEnvelope for something that is not an envelope."""
+        """Fold one envelope; returns the run's snapshot (unchanged for a duplicate or
+        an event held above a hole). Raises BadEnvelope for something that is not an
+        envelope."""
+        return self.fold(event)[0]
+
+    def fold(
+        self, event: Envelope, on_apply: OnApply | None = None
+    ) -> tuple[RunSnapshot, list[dict[str, Any]]]:
+        """Fold one envelope; returns the run's snapshot and the events this applied, in
+        id order (see apply_event; `on_apply` is called after each)."""
         env = _checked(event)
         r: str = env["r"]
         snap = self._runs.get(r)
         if snap is None:
             snap = self._runs[r] = RunSnapshot(run=r, device=self.device)
             self._evict(keep=r)
-        apply_event(snap, env)
-        if snap.terminal and r not in self._finished:
-            self._finished[r] = None
-        return snap
+        applied = apply_event(snap, env, on_apply)
+        self._note(snap)
+        return snap, applied
+
+    def mark_lost(
+        self, run: str, lo: int, hi: int, on_apply: OnApply | None = None
+    ) -> list[dict[str, Any]]:
+        """Declare ids lo..hi of `run` lost: the bridge no longer holds them (its answer
+        to a replay), or nothing can fill the hole. Returns the held events this
+        released, applied in order. Nothing for a run this reducer does not hold."""
+        snap = self._runs.get(run)
+        if snap is None:
+            return []
+        applied = mark_lost(snap, lo, hi, on_apply)
+        self._note(snap)
+        return applied
+
+    def _note(self, snap: RunSnapshot) -> None:
+        if snap.terminal and snap.run not in self._finished:
+            self._finished[snap.run] = None
 
     def _evict(self, keep: str) -> None:
         while len(self._runs) > self.max_runs:

@@ -4,6 +4,10 @@ No curses and no cursor movement: lines are only ever appended, so the output re
 same in a terminal, a CI log or a file. Streamed text (assistant turns, outputs built
 from deltas) is printed as it arrives on one open line that is closed with a newline
 when the stream ends.
+
+A run that ended with events missing (stepped over by the reducer, never to arrive) is
+never shown as whole: the transcript has a `[missing: events a..b]` line where the text
+is missing, and the status line says `(incomplete: events a..b missing)`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def render_row(row: Row) -> str:
         return f"{label}: {_value_text(row.output)}"
     if row.kind == "output":
         return f"output {row.name or ''}: {_value_text(row.output)}"
+    if row.kind == "missing":
+        return row.text
     return f"{row.kind}: {row.text}"
 
 
@@ -49,7 +55,29 @@ def render_error(err: dict[str, Any]) -> str:
     return f"error {err.get('kind', '?')}: {err.get('msg', '')}"
 
 
+# Missing ranges a status line names; past it, how many more there are.
+_STATUS_RANGES = 5
+
+
+def _incomplete(snap: RunSnapshot) -> str:
+    """The suffix of a finished run's status line when events are missing, else ""."""
+    if not snap.gaps:
+        return ""
+    ranges = ", ".join(f"{lo}..{hi}" for lo, hi in snap.gaps[:_STATUS_RANGES])
+    more = len(snap.gaps) - _STATUS_RANGES
+    if more > 0:
+        ranges += f" and {more} more"
+    return f" (incomplete: events {ranges} missing)"
+
+
 def render_status(snap: RunSnapshot) -> str:
+    """The run's status line. A finished run with missing events says so: it must not
+    read as a whole answer."""
+    line = _status(snap)
+    return line + _incomplete(snap) if snap.terminal else line
+
+
+def _status(snap: RunSnapshot) -> str:
     u = snap.usage
     if snap.status == "done":
         tokens = f"in {u.tokens_in}, out {u.tokens_out}"
@@ -94,7 +122,8 @@ class _Printed:
 class LiveView:
     """Feed events one by one (`feed`); new and changed rows are written to `stream` as
     they happen. Owns its own Reducer, so it can be fed the raw stream, duplicates and
-    replays included."""
+    replays included. Or show it snapshots folded elsewhere (`show`): a HostClient's
+    on_event snapshot, which has the holes the client declared lost stepped over."""
 
     def __init__(self, stream: TextIO, reducer: Reducer | None = None) -> None:
         self.stream = stream
