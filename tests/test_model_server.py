@@ -20,8 +20,8 @@ from server_bridge.models.base import ModelError
 from server_bridge.models.openai import OpenAIProvider
 from tests.model_server import ModelServer, ToolCall, Turn
 
-USER = [{"role": "user", "content": "How warm is it in here?"}]
-TOOLS = [
+USER: list[dict[str, Any]] = [{"role": "user", "content": "How warm is it in here?"}]
+TOOLS: list[dict[str, Any]] = [
     {
         "name": "read_temperature",
         "description": "Read the room temperature",
@@ -117,7 +117,7 @@ def test_the_turn_follows_the_conversation(server: ModelServer) -> None:
     first, final = complete(server)
     assert first == [{"tool": {"call": "call_1_0", "name": "read_temperature", "input": "{}"}}]
     assert final["finish"] == "tool_calls"
-    conversation = USER + [
+    conversation: list[dict[str, Any]] = USER + [
         {"role": "assistant", "content": "", "tools": [first[0]["tool"]]},
         {"role": "tool", "call": "call_1_0", "content": "21.5"},
     ]
