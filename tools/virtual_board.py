@@ -93,18 +93,21 @@ class VirtualBoard:
     flash: Path
     heap: str = DEFAULT_HEAP
     force_cpython: bool = False
+    # Another MicroPython binary than the one found on PATH or beside Python (a 32-bit
+    # build, say).
+    exe: str | None = None
     proc: subprocess.Popen[str] | None = field(default=None, repr=False)
     runtime: str = ""
 
     def on_micropython(self) -> bool:
-        return not self.force_cpython and micropython_binary() is not None
+        return not self.force_cpython and (self.exe or micropython_binary()) is not None
 
     def runs_mpy(self, wanted: bool) -> bool:
         # CPython cannot load .mpy files, so the CPython fallback always gets sources.
         return wanted and self.on_micropython()
 
     def command(self) -> list[str]:
-        exe = None if self.force_cpython else micropython_binary()
+        exe = None if self.force_cpython else self.exe or micropython_binary()
         if exe is None:
             self.runtime = "cpython"
             return [sys.executable, "-u", "main.py"]

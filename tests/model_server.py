@@ -1,0 +1,381 @@
+"""An OpenAI-compatible chat-completions server for tests: the standard library's
+ThreadingHTTPServer on 127.0.0.1 and a free port, in a daemon thread.
+
+It answers `POST /v1/chat/completions` with `stream: true` the way the OpenAI API
+streams: HTTP/1.1 with chunked transfer encoding, one SSE event per `data: {...}` line
+and blank line, each a `chat.completion.chunk`:
+
+    {"role": "assistant", "content": "", "refusal": null}   the first delta
+    {"reasoning_content": "..."}                            reasoning, when the turn has any
+    {"content": "..."}                                      the text, `chunk_chars` at a time
+    {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}
+    {"tool_calls": [{"index", "function": {"arguments": "..."}}]}   `args_chunk_chars` at a time
+    {} with finish_reason "stop" or "tool_calls"
+    choices [] and usage {prompt_tokens, completion_tokens, total_tokens, ...}
+                                                            when stream_options.include_usage
+    data: [DONE]
+
+What it answers is a script: a list of Turns, chosen like server_bridge/models/scripted.py
+by how many assistant messages the request's conversation already holds (turn 0 for a
+new conversation, turn 1 once the model has answered once, ...), so a retried call plays
+the same turn. `override_next` puts turns ahead of the script for the next requests,
+whatever their conversation (a 500 for the first call only, say). A turn's text may
+contain `{last_tool_output}`, replaced by the content of the conversation's last tool
+message, as in the scripted provider. A conversation past the end of the script is
+answered HTTP 500 with an OpenAI error body saying so.
+
+A turn can also misbehave: answer an HTTP status with a body instead of a stream, hang
+before answering, wait between chunks, or close the connection after some events (a
+dropped connection mid-stream: the chunked body ends without its last chunk).
+
+Every request body (parsed JSON) is recorded in `requests`, in arrival order.
+`GET /v1/models` lists the one model. Waits (hangs, delays) end early when the server
+closes, so closing never waits out a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any
+
+__all__ = ["PLACEHOLDER", "ModelServer", "ToolCall", "Turn"]
+
+PLACEHOLDER = "{last_tool_output}"
+# A request body larger than this is not a chat request a test sends; refuse it rather
+# than read without bound.
+MAX_BODY = 8 << 20
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model makes. `arguments` is JSON text, streamed exactly as given;
+    `id` defaults to `call_<request number>_<index>`."""
+
+    name: str
+    arguments: str = "{}"
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One answer of the model, and how the server delivers it."""
+
+    text: str = ""
+    chunk_chars: int = 4
+    reasoning: str = ""
+    tool_calls: Sequence[ToolCall] = ()
+    args_chunk_chars: int = 8
+    # Seconds to wait before each SSE event of the stream.
+    delay_s: float = 0.0
+    # Default: "tool_calls" when the turn calls tools, else "stop".
+    finish_reason: str | None = None
+    # (prompt_tokens, completion_tokens); default: about four characters a token.
+    usage: tuple[int, int] | None = None
+    # Misbehaviour. `status` other than 200 answers that status with `body` (default: an
+    # OpenAI error object) instead of a stream; `hang_s` waits before answering at all;
+    # `drop_after` closes the connection once that many SSE events have been sent (the
+    # role chunk is the first; `[DONE]` the last).
+    status: int = 200
+    body: str | None = None
+    hang_s: float = 0.0
+    drop_after: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_chars < 1 or self.args_chunk_chars < 1:
+            raise ValueError("chunk sizes must be >= 1")
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    for k in range(0, len(text), size):
+        yield text[k : k + size]
+
+
+def _tokens(text: str) -> int:
+    return len(text) // 4
+
+
+def _error_body(status: int, message: str) -> str:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+
+def _dumps(obj: Any) -> bytes:
+    # Compact, and non-ASCII text as UTF-8 rather than \u escapes, as OpenAI sends it.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class _Stopped(Exception):
+    """The server is closing, or the client went away: stop writing this response."""
+
+
+class ModelServer:
+    """The server; a context manager. `url` is the base URL a provider is given."""
+
+    def __init__(self, script: Sequence[Turn] = (), model: str = "wren-test-model") -> None:
+        self.script: list[Turn] = list(script)
+        self.model = model
+        self._overrides: deque[Turn] = deque()
+        self._requests: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._closing = threading.Event()
+        server = self
+
+        class Handler(_Handler):
+            owner = server
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="model-server",
+            daemon=True,
+        )
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> ModelServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closing.set()  # ends hangs and delays of responses still being written
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join(timeout=5)
+        self._httpd.server_close()
+
+    def __enter__(self) -> ModelServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    # --- script and records ---------------------------------------------------------
+
+    def override_next(self, *turns: Turn) -> None:
+        """Answer the next requests with these turns, in order, whatever their conversation."""
+        with self._cond:
+            self._overrides.extend(turns)
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        """The chat-completions request bodies received so far, oldest first."""
+        with self._cond:
+            return list(self._requests)
+
+    def wait_requests(self, n: int, timeout: float) -> list[dict[str, Any]]:
+        """Wait until at least `n` requests have arrived; TimeoutError past `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._requests) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"the model server had {len(self._requests)} of {n} requests "
+                        f"after {timeout}s"
+                    )
+                self._cond.wait(left)
+            return list(self._requests)
+
+    def _record(self, body: dict[str, Any]) -> tuple[int, Turn | None]:
+        """Record a request; its number (1, 2, ...) and the turn that answers it (None:
+        the script has no turn for it)."""
+        messages = body.get("messages")
+        count = (
+            sum(1 for m in messages if isinstance(m, Mapping) and m.get("role") == "assistant")
+            if isinstance(messages, list)
+            else 0
+        )
+        with self._cond:
+            self._requests.append(body)
+            self._cond.notify_all()
+            number = len(self._requests)
+            if self._overrides:
+                return number, self._overrides.popleft()
+            return number, self.script[count] if count < len(self.script) else None
+
+    def _sleep(self, seconds: float) -> None:
+        if seconds > 0 and self._closing.wait(seconds):
+            raise _Stopped
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: ModelServer
+    # HTTP/1.1 so a stream can be sent with chunked transfer encoding, as OpenAI does;
+    # every response still closes its connection (urllib asks for that anyway).
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # quiet: a test's output is the test's
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path.rstrip("/") != "/v1/models":
+            self._answer(404, _error_body(404, f"no route {self.path}"))
+            return
+        model = {"id": self.owner.model, "object": "model", "created": 0, "owned_by": "wren-test"}
+        self._answer(200, json.dumps({"object": "list", "data": [model]}))
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path.rstrip("/") != "/v1/chat/completions":
+            self._answer(404, _error_body(404, f"no route {self.path}"))
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        if not 0 < length <= MAX_BODY:
+            self._answer(400, _error_body(400, "a JSON body is required"))
+            return
+        try:
+            body = json.loads(self.rfile.read(length))
+        except ValueError:
+            self._answer(400, _error_body(400, "the body is not JSON"))
+            return
+        if not isinstance(body, dict):
+            self._answer(400, _error_body(400, "the body is not a JSON object"))
+            return
+        number, turn = self.owner._record(body)
+        try:
+            if turn is None:
+                self._answer(500, _error_body(500, "the test script has no turn for this call"))
+            elif not body.get("stream"):
+                self._answer(400, _error_body(400, "this test server only streams"))
+            else:
+                self.owner._sleep(turn.hang_s)
+                if turn.status != 200:
+                    msg = f"scripted HTTP {turn.status}"
+                    self._answer(turn.status, turn.body or _error_body(turn.status, msg))
+                else:
+                    self._stream(body, number, turn)
+        except (_Stopped, OSError):
+            self.close_connection = True  # closing, or the client hung up: stop quietly
+
+    def _answer(self, status: int, text: str) -> None:
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+
+    # --- the stream -------------------------------------------------------------------
+
+    def _stream(self, body: dict[str, Any], number: int, turn: Turn) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        sent = 0
+        for event in _events(body, number, turn, self.owner.model):
+            if turn.drop_after is not None and sent >= turn.drop_after:
+                # Mid-stream: the chunked body never gets its terminating chunk.
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            self.owner._sleep(turn.delay_s)
+            self._chunk(event)
+            sent += 1
+        self.wfile.write(b"0\r\n\r\n")  # the end of the chunked body
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+def _last_tool_output(messages: Any) -> str:
+    out = "(no tool output)"
+    for m in messages if isinstance(messages, list) else []:
+        if isinstance(m, Mapping) and m.get("role") == "tool":
+            content = m.get("content")
+            out = content if isinstance(content, str) else json.dumps(content)
+    return out
+
+
+def _prompt_tokens(body: Mapping[str, Any]) -> int:
+    messages = body.get("messages")
+    texts = [
+        str(m.get("content") or "")
+        for m in (messages if isinstance(messages, list) else [])
+        if isinstance(m, Mapping)
+    ]
+    return sum(_tokens(t) for t in texts) + _tokens(json.dumps(body.get("tools") or []))
+
+
+def _events(
+    body: Mapping[str, Any], number: int, turn: Turn, default_model: str
+) -> Iterator[bytes]:
+    """The SSE events (`data: ...` and a blank line, as bytes) of one streamed answer."""
+    options = body.get("stream_options")
+    with_usage = isinstance(options, Mapping) and options.get("include_usage") is True
+    model = body.get("model") if isinstance(body.get("model"), str) else default_model
+    head = {
+        "id": f"chatcmpl-wren{number}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": "fp_wren_test",
+    }
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        obj: dict[str, Any] = dict(head)
+        obj["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        if with_usage:
+            obj["usage"] = None  # OpenAI sends null on every chunk but the usage one
+        return b"data: " + _dumps(obj) + b"\n\n"
+
+    text = turn.text.replace(PLACEHOLDER, _last_tool_output(body.get("messages")))
+    yield chunk({"role": "assistant", "content": "", "refusal": None})
+    for piece in _pieces(turn.reasoning, turn.chunk_chars):
+        yield chunk({"reasoning_content": piece})
+    for piece in _pieces(text, turn.chunk_chars):
+        yield chunk({"content": piece})
+    for index, call in enumerate(turn.tool_calls):
+        first = {
+            "index": index,
+            "id": call.id or f"call_{number}_{index}",
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        yield chunk({"tool_calls": [first]})
+        for piece in _pieces(call.arguments, turn.args_chunk_chars):
+            yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+    finish = turn.finish_reason or ("tool_calls" if turn.tool_calls else "stop")
+    yield chunk({}, finish)
+    if with_usage:
+        if turn.usage is not None:
+            prompt, completion = turn.usage
+        else:
+            prompt = _prompt_tokens(body)
+            calls = "".join(c.name + c.arguments for c in turn.tool_calls)
+            completion = _tokens(text + turn.reasoning + calls)
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": _tokens(turn.reasoning)},
+        }
+        yield b"data: " + _dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,617 @@
+"""An end-to-end harness of real processes: Mosquitto, `wren bridge`, a virtual board
+and a host client, each a part a test can stop, kill and start again.
+
+    with Stack(tmp_path, model_url=server.url) as s:
+        snap = s.ask("How warm is it in here?")
+        assert snap.status == "done", s.describe()
+
+What runs:
+- **broker**: Mosquitto on a free loopback port with Wren's password file and ACL
+  (tools/brokerconf.py, the users `bridge`, the device and `host-demo`), logging
+  connections and subscriptions (the harness reads them to know who is back after a
+  restart); with `persistence=True` it saves its sessions on SIGTERM and loads them again.
+- **bridge**: `python -m tools.cli bridge ...` as a subprocess (the scripted demo model, or
+  `--openai-base-url model_url --model model`), its stdout and stderr in `bridge.log`.
+- **board**: `edge_runtime` laid out as .mpy (`lay_out_flash`) and run on the MicroPython
+  unix port (`micropython=` another binary) at `heap`; its console is read by a thread
+  into `console`.
+- **host**: a HostClient signed in as the tenant's host user, with a session token for
+  the end user `alice`.
+
+Every wait is bounded; every failure is a StackError naming the part, followed by the
+last lines of the board console, the bridge log and the broker log (`describe()`).
+Closing stops every process the harness started, also when a test failed, and checks
+that none is left running.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from server_bridge.host.client import HostClient
+from server_bridge.host.reducer import RunSnapshot
+from server_bridge.tokens import sign
+from tools import brokerconf
+from tools.broker import BrokerError, MosquittoProcess, start_mosquitto
+from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT, make_registry
+from tools.virtual_board import BoardError, VirtualBoard, lay_out_flash
+
+__all__ = [
+    "DEVICE",
+    "END_USER",
+    "HOST_USER",
+    "Stack",
+    "StackError",
+    "assistant_text",
+    "persistence_conf",
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "thermo1"
+HOST_USER = f"host-{TENANT}"
+END_USER = "alice"
+START_TIMEOUT_S = 30.0
+RUN_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+TAIL_LINES = 25
+# The key the bridge sends the model server: a fixed test value, so a developer's own
+# OPENAI_API_KEY never leaves for a test server (and a test can check the header).
+MODEL_KEY = "sk-wren-stack-test"
+_POLL_S = 0.05
+
+# Mosquitto's log lines (log_type notice and subscribe), e.g.
+#   1796086963: New client connected from 127.0.0.1:35177 as abc (p2, c1, k60, u'bridge').
+#   1796086963: abc 1 wren/v1/h/+/+/req
+_CONNECTED = re.compile(r"New client connected from \S+ as (\S+) \(.*u'([^']*)'\)")
+_SUBSCRIBED = re.compile(r"^\d+: (\S+) [012] (\S+)$")
+
+
+class StackError(RuntimeError):
+    """A part of the stack did not start, stop or answer in time, or died."""
+
+
+def persistence_conf(directory: Path) -> str:
+    """Mosquitto config lines that keep sessions and queued messages across a restart
+    (saved at SIGTERM, loaded at start). Appended after tools/broker.py's own
+    `persistence false`, which they override."""
+    directory.mkdir(parents=True, exist_ok=True)
+    # Mosquitto joins the file name to the location as text: the slash is needed.
+    return f"persistence true\npersistence_location {directory.resolve()}/\n"
+
+
+def assistant_text(snap: RunSnapshot) -> str:
+    """All assistant text of a run, in order."""
+    return "".join(row.text for row in snap.rows if row.kind == "assistant")
+
+
+def _tail(text: str, n: int) -> str:
+    lines = text.splitlines()[-n:]
+    return "\n".join(f"    {line}" for line in lines) if lines else "    (nothing)"
+
+
+class Stack:
+    """The harness; a context manager (see the module docstring)."""
+
+    def __init__(
+        self,
+        workdir: Path | None = None,
+        *,
+        model_url: str | None = None,
+        model: str = "wren-test-model",
+        device: str = DEVICE,
+        heap: str = "128K",
+        micropython: str | None = None,
+        mpy: bool = True,
+        persistence: bool = False,
+        board_settings: Mapping[str, Any] | None = None,
+        bridge_args: Sequence[str] = (),
+        bridge_verbose: bool = False,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        self._owned_dir: tempfile.TemporaryDirectory[str] | None = None
+        if workdir is None:
+            self._owned_dir = tempfile.TemporaryDirectory(prefix="wren-stack-")
+            workdir = Path(self._owned_dir.name)
+        self.workdir = workdir
+        self.model_url = model_url
+        self.model = model
+        self.device = device
+        self.heap = heap
+        self.micropython = micropython
+        self.mpy = mpy
+        self.persistence = persistence
+        self.board_settings = dict(board_settings or {})
+        self.bridge_args = list(bridge_args)
+        self.bridge_verbose = bridge_verbose
+        self.start_timeout_s = start_timeout_s
+
+        self.users = {name: secrets.token_urlsafe(12) for name in (BRIDGE_USER, device, HOST_USER)}
+        self.registry_path = workdir / "registry.json"
+        self.bridge_log_path = workdir / "bridge.log"
+        self.flash = workdir / "flash"
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.token = ""
+        # Every process the harness started, running or not, oldest first.
+        self.processes: list[subprocess.Popen[Any]] = []
+        self.broker: MosquittoProcess | None = None
+        self.bridge_proc: subprocess.Popen[bytes] | None = None
+        self.board: VirtualBoard | None = None
+        self.client: HostClient | None = None
+        self._host_client_id = f"wren-stack-host-{secrets.token_hex(4)}"
+        self._broker_conf = ""
+        self._bridge_wanted = False
+        self._board_wanted = False
+        self._console: list[str] = []
+        self._console_cond = threading.Condition()
+        self._pumps: list[threading.Thread] = []
+        self._closed = False
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.close(quiet=True)
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # A test that failed keeps its own error; teardown problems then go unreported
+        # rather than hide it (processes are stopped all the same).
+        self.close(quiet=exc is not None)
+
+    def start(self) -> None:
+        """Start the broker, the bridge, the board and the host client, in that order."""
+        if self.micropython is not None and not Path(self.micropython).exists():
+            raise StackError(f"board: no MicroPython binary at {self.micropython}")
+        self.board = VirtualBoard(self.flash, heap=self.heap, exe=self.micropython)
+        if not self.board.on_micropython():
+            raise StackError("board: the MicroPython unix port is not installed")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        broker_dir = self.workdir / "mosquitto"
+        tenants = {TENANT: HOST_USER}
+        conf = brokerconf.secure_mosquitto_conf(
+            broker_dir, self.users, brokerconf.acl_text(PREFIX, BRIDGE_USER, tenants)
+        )
+        conf += "log_type subscribe\n"
+        if self.persistence:
+            conf += persistence_conf(broker_dir / "persist")
+        self._broker_conf = conf
+        self._start_broker()
+
+        registry = make_registry(self.registry_path, TENANT, [(self.device, AGENT)])
+        secret = registry.tenant_secret(TENANT)
+        assert secret is not None
+        self.token = sign(bytes.fromhex(secret), TENANT, END_USER)
+
+        settings: dict[str, Any] = {
+            "device": self.device,
+            "host": self.host,
+            "port": self.port,
+            "user": self.device,
+            "password": self.users[self.device],
+            "prefix": PREFIX,
+            **self.board_settings,
+        }
+        try:
+            lay_out_flash(self.flash, settings, mpy=self.mpy)
+        except (BoardError, subprocess.CalledProcessError) as e:
+            raise StackError(f"board: could not lay out the flash: {e}") from e
+
+        self.start_bridge()
+        self.start_board()
+
+        self.client = HostClient(
+            self.host,
+            self.port,
+            TENANT,
+            username=HOST_USER,
+            password=self.users[HOST_USER],
+            prefix=PREFIX,
+            client_id=self._host_client_id,
+        )
+        try:
+            self.client.connect(timeout=self.start_timeout_s)
+        except ConnectionError as e:
+            raise self._error(f"host: could not connect: {e}") from e
+
+    def close(self, quiet: bool = False) -> None:
+        """Stop everything (host, board, bridge, broker); raise StackError, unless
+        `quiet`, when a part would not stop or a process is left running."""
+        if self._closed:
+            return
+        self._closed = True
+        problems: list[str] = []
+
+        def attempt(what: str, fn: Callable[[], None]) -> None:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - every part is stopped whatever failed
+                problems.append(f"{what}: {e}")
+
+        if self.client is not None:
+            attempt("host", self.client.close)
+        if self.board is not None:
+            attempt("board", self.stop_board)
+        attempt("bridge", self.stop_bridge)
+        if self.broker is not None:
+            attempt("broker", self._stop_broker)
+        for pump in self._pumps:
+            pump.join(timeout=STOP_TIMEOUT_S)
+        left = [p for p in self.processes if p.poll() is None]
+        for p in left:
+            p.kill()
+            attempt(_describe_proc(p), functools.partial(_wait, p, "left running"))
+        if left:
+            problems.append(f"left running, then killed: {[_describe_proc(p) for p in left]}")
+        if self._owned_dir is not None:
+            self._owned_dir.cleanup()
+        if problems and not quiet:
+            raise StackError("teardown: " + "; ".join(problems))
+
+    def running(self) -> list[subprocess.Popen[Any]]:
+        """The processes the harness started that are still running."""
+        return [p for p in self.processes if p.poll() is None]
+
+    # --- the broker -----------------------------------------------------------------
+
+    def _start_broker(self) -> None:
+        try:
+            self.broker = start_mosquitto(
+                self.workdir / "mosquitto",
+                port=self.port or None,
+                host=self.host,
+                extra_conf=self._broker_conf,
+                allow_anonymous=False,
+            )
+        except BrokerError as e:
+            raise self._error(f"broker: {e}") from e
+        self.processes.append(self.broker.proc)
+        self.port = self.broker.port
+
+    def _stop_broker(self) -> None:
+        assert self.broker is not None
+        _terminate(self.broker.proc, "broker")
+
+    def broker_log(self) -> str:
+        return self.broker.log() if self.broker is not None else ""
+
+    def _broker_log_size(self) -> int:
+        try:
+            return self.broker.log_path.stat().st_size if self.broker is not None else 0
+        except OSError:
+            return 0
+
+    def restart_broker(self, wait_clients: bool = True) -> None:
+        """SIGTERM Mosquitto, start it again on the same port with the same config, and
+        wait until it accepts connections; with `wait_clients`, also until the running
+        bridge, board and host client are connected and subscribed again."""
+        assert self.broker is not None
+        offset = self._broker_log_size()
+        mark = self.console_mark()
+        self._stop_broker()
+        self._start_broker()
+        if wait_clients:
+            self.wait_clients(offset, mark)
+
+    def wait_clients(self, log_offset: int, console_mark: int) -> None:
+        """Wait until each part that should be running is connected and subscribed since
+        a point in the broker log (a byte offset) and in the board console (a line
+        index): the bridge and the host client by the broker's log, the board by its
+        console's `link: up`."""
+        deadline = time.monotonic() + self.start_timeout_s
+        if self._bridge_wanted:
+            self._wait_subscribed("bridge", BRIDGE_USER, None, log_offset, deadline)
+        if self._board_wanted:
+            self._wait_console("link: up", console_mark, deadline, "board: reconnecting")
+        if self.client is not None:
+            self._wait_subscribed("host", HOST_USER, self._host_client_id, log_offset, deadline)
+
+    def _wait_subscribed(
+        self, what: str, user: str, client_id: str | None, offset: int, deadline: float
+    ) -> None:
+        """Wait for a connection of `user` (as `client_id`, if given) in the broker log
+        past `offset`, then a subscription of that connection. Mosquitto handles one
+        packet at a time, so once one topic of a SUBSCRIBE is logged the whole packet is
+        in force for anything published later."""
+        while True:
+            assert self.broker is not None
+            try:
+                with open(self.broker.log_path, "rb") as f:
+                    f.seek(offset)
+                    text = f.read().decode("utf-8", "replace")
+            except OSError:
+                text = ""
+            ids: set[str] = set()
+            for line in text.splitlines():
+                m = _CONNECTED.search(line)
+                if m and m.group(2) == user and client_id in (None, m.group(1)):
+                    ids.add(m.group(1))
+                    continue
+                m = _SUBSCRIBED.match(line)
+                if m and m.group(1) in ids:
+                    return
+            self._check_alive(what)
+            if time.monotonic() > deadline:
+                raise self._error(
+                    f"{what}: not connected and subscribed again within {self.start_timeout_s}s"
+                )
+            time.sleep(_POLL_S)
+
+    # --- the bridge -----------------------------------------------------------------
+
+    def bridge_command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "tools.cli"]
+        if self.bridge_verbose:
+            cmd.append("-v")
+        cmd += [
+            "bridge",
+            "--broker",
+            f"{self.host}:{self.port}",
+            f"--user={BRIDGE_USER}",
+            # One argument with "=": a password may begin with "-", which argparse
+            # would otherwise read as an option.
+            f"--password={self.users[BRIDGE_USER]}",
+            "--registry",
+            str(self.registry_path),
+            "--tenant",
+            TENANT,
+            "--device",
+            f"{self.device}:{AGENT}",
+        ]
+        if self.model_url is not None:
+            cmd += ["--openai-base-url", self.model_url, "--model", self.model]
+        return cmd + self.bridge_args
+
+    def start_bridge(self) -> None:
+        """Start `wren bridge` and wait until it is connected and subscribed (its
+        `bridge: ...` line, printed once Bridge.start() returned)."""
+        if self.bridge_proc is not None and self.bridge_proc.poll() is None:
+            raise StackError("bridge: already running")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["OPENAI_API_KEY"] = MODEL_KEY
+        offset = self._bridge_log_size()
+        with open(self.bridge_log_path, "ab") as log:
+            proc = subprocess.Popen(
+                self.bridge_command(),
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self.bridge_proc = proc
+        self.processes.append(proc)
+        self._bridge_wanted = True
+        self._note_bridge(f"started pid {proc.pid}")
+        deadline = time.monotonic() + self.start_timeout_s
+        while not any(line.startswith("bridge: ") for line in self._bridge_log_from(offset)):
+            self._check_alive("bridge: starting")
+            if time.monotonic() > deadline:
+                raise self._error(f"bridge: not ready within {self.start_timeout_s}s")
+            time.sleep(_POLL_S)
+
+    def stop_bridge(self) -> None:
+        """SIGTERM the bridge (the CLI stops like Ctrl-C) and wait for it."""
+        self._bridge_wanted = False
+        if self.bridge_proc is not None and self.bridge_proc.poll() is None:
+            self._note_bridge(f"SIGTERM pid {self.bridge_proc.pid}")
+            _terminate(self.bridge_proc, "bridge")
+
+    def kill_bridge(self) -> None:
+        """SIGKILL the bridge: no clean disconnect, its last will (if any) goes out."""
+        self._bridge_wanted = False
+        proc = self.bridge_proc
+        if proc is not None and proc.poll() is None:
+            self._note_bridge(f"SIGKILL pid {proc.pid}")
+            proc.kill()
+            _wait(proc, "bridge")
+
+    def bridge_log(self) -> str:
+        try:
+            return self.bridge_log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def _bridge_log_size(self) -> int:
+        try:
+            return self.bridge_log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _bridge_log_from(self, offset: int) -> list[str]:
+        try:
+            with open(self.bridge_log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return []
+
+    def _note_bridge(self, what: str) -> None:
+        # The harness's own lines in the bridge log, so a reader sees the restarts.
+        with open(self.bridge_log_path, "a") as log:
+            log.write(f"[stack] bridge {what}\n")
+
+    # --- the board ------------------------------------------------------------------
+
+    def start_board(self) -> None:
+        """Start the board (a reboot: the same flash) and wait for its `link: up`."""
+        board = self.board
+        assert board is not None
+        if board.proc is not None and board.proc.poll() is None:
+            raise StackError("board: already running")
+        mark = self.console_mark()
+        try:
+            proc = board.start()
+        except OSError as e:
+            raise self._error(f"board: could not start: {e}") from e
+        self.processes.append(proc)
+        self._board_wanted = True
+        pump = threading.Thread(target=self._pump, args=(proc,), name="board-console", daemon=True)
+        pump.start()
+        self._pumps.append(pump)
+        self._wait_console(
+            "link: up", mark, time.monotonic() + self.start_timeout_s, "board: starting"
+        )
+
+    def stop_board(self) -> None:
+        """SIGTERM the board and wait for it."""
+        self._board_wanted = False
+        if self.board is not None and self.board.proc is not None:
+            _terminate(self.board.proc, "board")
+
+    def kill_board(self) -> None:
+        """SIGKILL the board: the broker publishes its last will."""
+        self._board_wanted = False
+        proc = self.board.proc if self.board is not None else None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            _wait(proc, "board")
+
+    def _pump(self, proc: subprocess.Popen[str]) -> None:
+        out = proc.stdout
+        if out is None:
+            return
+        for line in out:
+            with self._console_cond:
+                self._console.append(line.rstrip("\n"))
+                self._console_cond.notify_all()
+        out.close()
+
+    @property
+    def console(self) -> list[str]:
+        """The board console's lines so far (every boot), oldest first."""
+        with self._console_cond:
+            return list(self._console)
+
+    def console_mark(self) -> int:
+        """The index the next console line will have; for wait_console(after=...)."""
+        with self._console_cond:
+            return len(self._console)
+
+    def wait_console(self, needle: str, after: int = 0, timeout: float = RUN_TIMEOUT_S) -> str:
+        """Wait for a console line containing `needle` at index `after` or later; return it."""
+        return self._wait_console(needle, after, time.monotonic() + timeout, "board console")
+
+    def _wait_console(self, needle: str, after: int, deadline: float, what: str) -> str:
+        while True:
+            with self._console_cond:
+                for line in self._console[after:]:
+                    if needle in line:
+                        return line
+                self._console_cond.wait(_POLL_S * 4)
+            self._check_alive(what)
+            if time.monotonic() > deadline:
+                raise self._error(f"{what}: no console line with {needle!r} in time")
+
+    # --- the host -------------------------------------------------------------------
+
+    def request(self, text: str, **kw: Any) -> str:
+        """Send a request as the host (HostClient.request's keywords); return its req id."""
+        assert self.client is not None
+        return self.client.request(self.device, self.token, text, **kw)
+
+    def wait_run(self, req: str, timeout: float = RUN_TIMEOUT_S) -> RunSnapshot:
+        """Wait for the run of `req` to end (done, failed or cancelled) and return its
+        snapshot. A part that should be running and died ends the wait at once; so does
+        a refusal of the request (HostClient's RequestRefused)."""
+        assert self.client is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                # In short slices, so a part that died is reported at once.
+                return self.client.wait_run(
+                    req, timeout=min(0.5, max(0.0, deadline - time.monotonic()))
+                )
+            except TimeoutError as e:
+                self._check_alive("run")
+                if time.monotonic() >= deadline:
+                    raise self._error(self._describe_run(req, timeout, e)) from None
+
+    def _describe_run(self, req: str, timeout: float, last: TimeoutError) -> str:
+        assert self.client is not None
+        snap = self.client.find_run(req)
+        if snap is None:
+            # HostClient's own account (connection, runs seen, refusals), from the last
+            # slice of the wait.
+            return f"run: no run started for request {req} within {timeout}s; host: {last}"
+        return (
+            f"run: run {snap.run} (request {req}) still {snap.status} after {timeout}s: "
+            f"last event id {snap.last_id}, {len(snap.rows)} rows, gaps {snap.gaps}"
+        )
+
+    def ask(self, text: str, timeout: float = RUN_TIMEOUT_S) -> RunSnapshot:
+        """request() then wait_run(): the run's final snapshot, whatever its status."""
+        return self.wait_run(self.request(text), timeout)
+
+    # --- diagnostics ----------------------------------------------------------------
+
+    def _check_alive(self, what: str) -> None:
+        """Raise if a part that should be running has exited."""
+        parts: list[tuple[str, subprocess.Popen[Any] | None, bool]] = [
+            ("broker", self.broker.proc if self.broker else None, True),
+            ("bridge", self.bridge_proc, self._bridge_wanted),
+            ("board", self.board.proc if self.board else None, self._board_wanted),
+        ]
+        for name, proc, wanted in parts:
+            if wanted and proc is not None and proc.poll() is not None:
+                raise self._error(f"{what}: the {name} exited with code {proc.returncode}")
+
+    def describe(self, lines: int = TAIL_LINES) -> str:
+        """The last lines of the board console, the bridge log and the broker log."""
+        with self._console_cond:
+            console = "\n".join(self._console)
+        return (
+            f"board console (last {lines} lines):\n{_tail(console, lines)}\n"
+            f"bridge log (last {lines} lines):\n{_tail(self.bridge_log(), lines)}\n"
+            f"broker log (last 10 lines):\n{_tail(self.broker_log(), 10)}"
+        )
+
+    def _error(self, msg: str) -> StackError:
+        return StackError(f"{msg}\n{self.describe()}")
+
+
+def _describe_proc(p: subprocess.Popen[Any]) -> str:
+    args = p.args if isinstance(p.args, list) else [str(p.args)]
+    return f"pid {p.pid} {os.path.basename(str(args[0]))}"
+
+
+def _wait(proc: subprocess.Popen[Any], what: str) -> None:
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise StackError(f"{what}: pid {proc.pid} did not exit in {STOP_TIMEOUT_S}s") from None
+
+
+def _terminate(proc: subprocess.Popen[Any], what: str) -> None:
+    """SIGTERM, then SIGKILL if it does not exit in time."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _wait(proc, what)
+        raise StackError(f"{what}: pid {proc.pid} ignored SIGTERM and was killed") from None
