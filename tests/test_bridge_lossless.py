@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import subprocess
+import threading
 import sys
 import uuid
 from collections.abc import Iterator
@@ -283,20 +284,78 @@ def test_a_bad_boot_is_refused(world: World) -> None:
     assert world.bridge.hello("dev1") is None and world.bridge.presence("dev1") is None
 
 
-def test_the_rpc_server_hears_of_the_reset(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    # RpcServer.device_gone comes from another branch; until the merge makes the call
-    # direct the bridge looks it up, and this records what it is given.
-    heard: list[tuple[str, str, bool]] = []
+class _Held:
+    """A provider that streams one chunk, then holds its call open until released."""
 
-    def device_gone(device: str, msg: str, *, new_boot: bool) -> None:
-        heard.append((device, msg, new_boot))
+    name = "held"
 
-    monkeypatch.setattr(world.bridge.rpc, "device_gone", device_gone, raising=False)
-    world.board.send(world.d("status"), {"st": "online", "boot": OLD_BOOT})
-    world.board.send(world.d("status"), {"st": "offline", "boot": OLD_BOOT})
-    world.board.send(world.d("hello"), {"boot": NEW_BOOT})
-    wait_for(lambda: len(heard) == 2, "two resets")
-    assert heard == [("dev1", DEVICE_OFFLINE, False), ("dev1", DEVICE_RESTARTED, True)]
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.returned = threading.Event()
+
+    def complete(
+        self,
+        messages: Any,
+        tools: Any,
+        emit: Any,
+        model: Any = None,
+        max_tokens: Any = None,
+        *,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        try:
+            emit({"text": "thinking"})
+            self.started.set()
+            self.release.wait(SLOW)
+            emit({"text": " more"})  # held for merging, then dropped: the call is over
+            return {"usage": {}, "finish": "stop"}
+        finally:
+            self.returned.set()
+
+
+@pytest.mark.parametrize("status", ["offline", "new_boot"])
+def test_a_call_in_flight_ends_when_its_device_goes_offline_or_restarts(
+    broker: MosquittoProcess, tmp_path: Path, status: str
+) -> None:
+    provider = _Held()
+    w = World(broker, tmp_path, provider, replay_retry_s=60, replay_retry_max_s=60)
+    try:
+        w.board.send(w.d("status"), {"st": "online", "boot": OLD_BOOT})
+        w.call(1, "llm.complete", {"messages": [USER]})
+        assert provider.started.wait(SLOW)
+        # The stalled provider's text goes out after merge_s (the housekeeping tick).
+        assert w.board.get(w.d("rpc/res")) == {"c": 1, "s": 1, "ch": {"text": "thinking"}}
+        assert w.bridge.rpc.inflight_of("dev1") == 1
+        if status == "offline":
+            w.board.send(w.d("status"), {"st": "offline", "boot": OLD_BOOT})
+        else:
+            w.board.send(w.d("hello"), {"agent": "thermostat", "boot": NEW_BOOT})
+        wait_for(lambda: w.bridge.rpc.inflight_of("dev1") == 0, "the call ended")
+        assert w.bridge.stats["rpc.device_gone"] == 1
+        provider.release.set()
+        assert provider.returned.wait(SLOW)
+        # A fence: the next call's whole answer. Anything sent for call 1 after it ended
+        # would be among what arrives before that answer's end.
+        provider.started.clear()
+        provider.returned.clear()
+        w.call(2, "llm.complete", {"messages": [USER]})
+        got = []
+        while not got or got[-1].get("c") != 2 or "ch" in got[-1]:
+            got.append(w.board.get(w.d("rpc/res")))
+            if "ch" in got[-1]:
+                w.board.send(w.d("rpc"), {"c": got[-1]["c"], "ack": got[-1]["s"]})
+        assert got[-1]["ok"]["finish"] == "stop"
+        # Nothing more for call 1 after its device went: no more text, no final answer.
+        assert [m for m in got if m["c"] == 1] == []
+        if status == "new_boot":
+            # A new boot numbers its calls afresh: call 1 of the new boot is a new call.
+            w.call(1, "llm.complete", {"messages": [USER]})
+            _, final = w.answers()
+            assert final["c"] == 1 and final["ok"]["finish"] == "stop"
+    finally:
+        provider.release.set()
+        w.close()
 
 
 # ---------------------------------------------------------------- a board that went offline
