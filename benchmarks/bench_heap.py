@@ -31,8 +31,8 @@ from tools.broker import start_mosquitto  # noqa: E402
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary  # noqa: E402
 
 IMPORT = (
-    "import gc; import edge_runtime.codec; edge_runtime.codec.reserve(); "
-    "import edge_runtime.demo, edge_runtime.board; gc.collect(); print('alloc', gc.mem_alloc())"
+    "import gc; import edge_runtime.demo, edge_runtime.board, edge_runtime.toolloop; "
+    "gc.collect(); print('alloc', gc.mem_alloc())"
 )
 
 

@@ -18,6 +18,7 @@ async def run_board(agent, settings):
         password=settings.get("password"),
         keepalive=settings.get("keepalive", 30),
         outbox_size=settings.get("outbox", 16),
+        inflight=settings.get("inflight", 8),
         **runtime.link_settings()
     )
     runtime.attach(link)

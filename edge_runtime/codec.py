@@ -53,6 +53,8 @@ _FIXINT_END = const(0x80)
 _NEGFIX_END = const(0x20)  # keyed by -1 - value: -1..-32
 _FIXSTR_END = const(0x20)
 _FIXCOUNT_END = const(0x10)  # fixarray, fixmap
+# A str of this many bytes or more is lent to encode_parts' output, not copied into it.
+_LEND = const(256)
 
 # What a header announces; the reader loop branches on these instead of on header bytes.
 _K_VALUE = const(0)  # a scalar: nil, bool, int, float
@@ -362,11 +364,13 @@ def _base_type(obj):
 
 
 class Encoder:
-    # Owns one buffer for its lifetime and writes every payload into it in place, so
-    # publishing an event allocates no growing bytes objects on a 128 KiB heap.
+    # Writes payloads into one buffer in place: its own of `size` bytes, or `buf`.
 
-    def __init__(self, size=MAX_PAYLOAD, max_depth=MAX_DEPTH):
-        self._buf = bytearray(size)
+    def __init__(self, size=MAX_PAYLOAD, max_depth=MAX_DEPTH, buf=None):
+        self._buf = bytearray(size) if buf is None else buf
+        # (offset, utf-8 view) of each long str written as its header alone: see
+        # encode_parts. None: every str is written whole.
+        self._lent = None
         self._mv = memoryview(self._buf)
         self._limit = size
         self._depth = max_depth
@@ -420,6 +424,10 @@ class Encoder:
         if t is str:
             data = _utf8(obj)
             n = len(data)
+            if n >= _LEND and self._lent is not None:
+                pos = self._head(pos, _STR_HEADS, n, n)
+                self._lent.append((pos, data))
+                return pos
             if n >= _FIXSTR_END:
                 return self._raw(pos, _STR_HEADS, data)
             # Keys and short texts, most strs on the wire: the first row of _STR_HEADS
@@ -473,44 +481,94 @@ class Encoder:
         return self._raw(pos, _BIN_HEADS, obj)
 
 
-# Idle shared encoders for encode(). One is taken and put back per call, so the board
-# keeps a single buffer; a caller that finds none (a second thread on CPython) gets its
-# own. list.pop/append are atomic, which a plain "in use" flag would not be.
-_idle = []
-# The shared buffer starts small and grows (x4) only when a payload needs it, up to the
-# payload limit: most payloads are events of a few hundred bytes, and a 16 KiB block
-# taken on first use may no longer be free in one piece on a fragmented board heap.
-_FIRST_SIZE = const(512)
+def _head_size(table, key):
+    for bound, _, _, size in table:
+        if key < bound:
+            return size
+    raise BadType("%d does not fit a msgpack header" % key)
+
+
+def size(obj, max_depth=MAX_DEPTH, lent=None):
+    # The encoded length of obj, found without writing it (the same rules as
+    # Encoder._put), so that encode_exact can allocate exactly that much. With `lent`
+    # (a one-item list) the bytes of the strs encode_parts would lend are added to it.
+    return _size(obj, max_depth, max_depth, lent)
+
+
+def _size(obj, room, depth, lent):
+    t = type(obj)
+    if t not in _EXACT:
+        t = _base_type(obj)
+    if t is str:
+        n = len(_utf8(obj))
+        if lent is not None and n >= _LEND:
+            lent[0] += n
+        return n + (1 if n < _FIXSTR_END else _head_size(_STR_HEADS, n))
+    if t is int:
+        if 0 <= obj < _FIXINT_END:
+            return 1
+        return _head_size(_NINT_HEADS, -1 - obj) if obj < 0 else _head_size(_UINT_HEADS, obj)
+    if t is dict or t is list or t is tuple:
+        if room < 1:
+            raise TooDeep("nesting deeper than %d" % depth)
+        room -= 1
+        total = _head_size(_MAP_HEADS if t is dict else _ARRAY_HEADS, len(obj))
+        if t is dict:
+            for k in obj:
+                total += _size(k, room, depth, lent) + _size(obj[k], room, depth, lent)
+        else:
+            for item in obj:
+                total += _size(item, room, depth, lent)
+        return total
+    if t is float:
+        return 9
+    if t is bool or t is _NONE_TYPE:
+        return 1
+    n = len(obj) if getattr(obj, "itemsize", 1) == 1 else len(bytes(obj))
+    return n + _head_size(_BIN_HEADS, n)
+
+
+def encode_exact(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
+    # A new bytearray of exactly the encoded size, the caller's to keep. The board
+    # encodes everything it sends this way: the link keeps the payload until its
+    # PUBACK anyway, so encoding straight into that one allocation needs no buffer
+    # reserved for the largest payload and no second copy of each message.
+    n = size(obj, max_depth)
+    if n > max_payload:
+        raise TooLarge("encoding of %d bytes over %d" % (n, max_payload))
+    enc = Encoder(0, max_depth, bytearray(n))
+    enc._pack(obj, n, max_depth)
+    return enc._buf
+
+
+def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
+    # The encoding as a list of buffers that, written one after another, are the
+    # payload. A str of _LEND bytes or more is not copied in but lent: its UTF-8 (a
+    # view of the str itself on MicroPython) is one of the parts. A model call carries
+    # the whole conversation — texts the run holds anyway — so this way it costs a small
+    # buffer for its structure instead of a second copy of every text in one block,
+    # which a fragmented board heap may not have. Strs are immutable: the parts stay
+    # valid for as long as they are kept (a QoS 1 resend).
+    lent = [0]
+    n = size(obj, max_depth, lent)
+    if n > max_payload:
+        raise TooLarge("encoding of %d bytes over %d" % (n, max_payload))
+    enc = Encoder(0, max_depth, bytearray(n - lent[0]))
+    enc._lent = []
+    enc._pack(obj, n - lent[0], max_depth)
+    if not enc._lent:
+        return [enc._buf]
+    parts = []
+    prev = 0
+    for pos, data in enc._lent:
+        if pos > prev:
+            parts.append(enc._mv[prev:pos])
+        parts.append(data)
+        prev = pos
+    if prev < len(enc._buf):
+        parts.append(enc._mv[prev:])
+    return parts
 
 
 def encode(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
-    try:
-        enc = _idle.pop()
-    except IndexError:
-        enc = Encoder(_FIRST_SIZE)
-    try:
-        while True:
-            try:
-                return bytes(enc._pack(obj, max_payload, max_depth))
-            except TooLarge:
-                size = len(enc._buf)
-                if size >= max_payload:
-                    raise
-            if size >= MAX_PAYLOAD:
-                # A limit raised past the protocol's: a one-off buffer, not kept.
-                return bytes(Encoder(max_payload)._pack(obj, max_payload, max_depth))
-            enc = Encoder(min(size * 4, MAX_PAYLOAD))
-    finally:
-        _idle.append(enc)
-
-
-# The board's one long-lived encode buffer. Boards take it first thing in main.py: a
-# block of the payload limit is easy to find before the rest of the runtime is compiled
-# and fragments the heap, and may not be findable after.
-_reserved = []
-
-
-def reserve(size=MAX_PAYLOAD):
-    if not _reserved or len(_reserved[0]._buf) < size:
-        _reserved[:] = [Encoder(size)]
-    return _reserved[0]
+    return bytes(encode_exact(obj, max_payload, max_depth))

@@ -7,17 +7,16 @@
 # a dict of tuples costs kilobytes.
 from edge_runtime.ring import Ring
 
-try:
-    from micropython import const
-except ImportError:
-    def const(x):
-        return x
-
 # Run id for events that belong to no run (refused input, a request that was never
 # admitted). It has its own id sequence like any run.
 DEVICE_RUN = "_"
 
-_DEFAULT_RING = const(16)
+# A ring's defaults (settings `ring` and `ring_bytes`): at most this many events, and at
+# most this many bytes of them. The board keeps the rings of its active runs, of the
+# last two finished ones and of the device stream, and streamed text makes events of
+# 250-300 bytes (about five to a ring). Public: the runtime reads them.
+RING = 16
+RING_BYTES = 1536
 
 TYPES = (
     "run.started", "run.paused", "run.resumed", "run.done", "run.failed", "run.cancelled",
@@ -43,7 +42,7 @@ class Emitter:
     # before it emits, so only a burst of device-stream refusals can), and that loss is
     # reported as a gap, like ids a replay asks for that the ring no longer holds.
 
-    def __init__(self, run_id, encode, send, clock, ring_size=_DEFAULT_RING):
+    def __init__(self, run_id, encode, send, clock, ring_size=RING, ring_bytes=RING_BYTES):
         self.run_id = run_id
         self._encode = encode
         self._send = send
@@ -52,6 +51,8 @@ class Emitter:
         self.sent = 0  # ids 1..sent have been handed to the link, in order
         self.lost = 0  # events overwritten before the link took them
         self.ring = Ring(ring_size)
+        self._ring_bytes = ring_bytes
+        self._held = 0  # bytes in the ring
         self._gaps = []  # (from, to) ranges to report once the backlog is sent
 
     @property
@@ -71,7 +72,16 @@ class Emitter:
         data = self._encode(env)
         self.last_id = i
         # The ring holds ids last_id-len+1 .. last_id in order, so no id is stored.
+        # Over its byte budget it lets go of its oldest events, but only those the link
+        # has taken: an event waiting for room is never given up for a newer one.
+        first = self.last_id - len(self.ring)
+        while len(self.ring) and self._held + len(data) > self._ring_bytes and first < self.sent:
+            self._held -= len(self.ring.pop())
+            first += 1
+        if len(self.ring) == self.ring.capacity:
+            self._held -= len(self.ring.peek())
         self.ring.push(data)
+        self._held += len(data)
         self.pump()
 
     def pump(self):

@@ -55,6 +55,16 @@ _SENT = const(4)
 _RESENT = const(5)
 
 
+def _size(payload):
+    # A payload is one buffer or a list of parts written in turn.
+    if isinstance(payload, list):
+        n = 0
+        for part in payload:
+            n += len(part)
+        return n
+    return len(payload)
+
+
 def _jitter(n):
     # Spreads a fleet that lost the same broker so it does not return in lockstep.
     try:
@@ -145,20 +155,23 @@ class Link:
 
     def publish(self, topic, payload, qos=0, retain=False, spare=0):
         # Non-blocking: True when queued, False (counted) when the outbox lacks room
-        # for it and `spare` more. Nothing queued is ever dropped. A message bigger
+        # for it and `spare` more. Nothing queued is ever dropped. A memoryview payload
+        # is copied; bytes and a bytearray are kept as given (the caller hands a
+        # bytearray over and must not change it), and so is a list of such parts, which
+        # are written one after another (codec.encode_parts). A message bigger
         # than max_packet raises ValueError: sent, it would make the broker drop us,
         # and as QoS 1 it would do so on every reconnect.
         mqtt.check_topic(topic)
         if qos not in (0, 1):
             raise ValueError("qos")
-        if len(payload) + len(topic) + 9 > self.max_packet:
+        if _size(payload) + len(topic) + 9 > self.max_packet:
             raise ValueError("message over max_packet")
         if not self.room(spare):
             self.stats["refused"] += 1
             self._wanted_room = True
             return False
-        if not isinstance(payload, bytes):
-            payload = bytes(payload)  # the caller reuses its memoryview/bytearray buffer
+        if isinstance(payload, memoryview):
+            payload = bytes(payload)  # a view of a buffer its owner will reuse
         self._outbox.push((topic, payload, qos, retain))
         self._wake.set()
         return True
@@ -350,8 +363,12 @@ class Link:
     async def _publish(self, conn, e, qos, dup):
         # e = (or starts like) [pid, topic, payload, retain]; the header is built apart
         # from the payload so a large payload is never copied to prepend a few bytes.
-        await self._write(conn, mqtt.publish_header(e[1], len(e[2]), qos, e[3], dup, e[0]),
-                          e[2])
+        p = e[2]
+        head = mqtt.publish_header(e[1], _size(p), qos, e[3], dup, e[0])
+        if isinstance(p, list):
+            await self._write(conn, head, *p)
+        else:
+            await self._write(conn, head, p)
         self.stats["sent"] += 1
 
     def _new_pid(self):

@@ -22,7 +22,12 @@ except ImportError:
 
 _QOS_CALL = const(1)
 _DEFAULT_TIMEOUT_MS = const(120000)
-_DEFAULT_WINDOW = const(8)
+# The flow-control defaults a board announces in hello (settings `window`, `chunk`): RPC
+# chunks the bridge may send ahead of the board's acks, and text bytes per chunk. What a
+# burst of model text can queue on the board is their product, 1 KiB. Public: the
+# runtime and the bridge (for a hello without them) read them.
+WINDOW = 4
+CHUNK = 256
 
 
 class RpcError(Exception):
@@ -42,6 +47,7 @@ class Call:
         self._client = client
         self.c = cid
         self.epoch = epoch
+        self.bridge = client.bridge  # the bridge process it was made to, if known
         self.chunks = []
         self.got = 0  # chunks received in order (the highest s)
         self.taken = 0  # chunks the caller took
@@ -91,7 +97,7 @@ class Call:
 
 class RpcClient:
     def __init__(self, publish, topic, online, timeout_ms=_DEFAULT_TIMEOUT_MS,
-                 window=_DEFAULT_WINDOW, room=None):
+                 window=WINDOW, room=None):
         # publish(topic, msg_dict, qos) encodes and queues on the link, False when it
         # cannot; online() says whether the link is up right now; room(), when given,
         # is awaited before a call is published (the run waits for outbox room).
@@ -108,6 +114,10 @@ class RpcClient:
         # the broker's session for this board never match a call of this one.
         self._next_id = _random30()
         self._pending = {}
+        # The boot id of the bridge process the board last heard online (None while it
+        # is away or unknown): calls made to it die with it; calls made while it was
+        # away wait in the bridge's session for whichever process comes.
+        self.bridge = None
         self.late = 0  # answers that arrived for no waiting call
         self.duplicates = 0  # chunks that arrived twice
 
@@ -204,10 +214,12 @@ class RpcClient:
             if call.epoch < self.epoch:
                 call.fail(RpcError("link", "the link to the bridge dropped during the call"))
 
-    def fail_all(self, kind, msg):
-        # The bridge went away: no call of ours will be answered.
+    def fail_all(self, kind, msg, bridge=None):
+        # The bridge went away: no call of ours will be answered (with `bridge`: none
+        # made to that bridge process).
         for call in self._pending.values():
-            call.fail(RpcError(kind, msg))
+            if bridge is None or call.bridge == bridge:
+                call.fail(RpcError(kind, msg))
 
 
 def _random30():

@@ -7,9 +7,9 @@
 import sys
 
 from edge_runtime import codec, platform
-from edge_runtime.events import DEVICE_RUN, Emitter
+from edge_runtime.events import DEVICE_RUN, RING, RING_BYTES, Emitter
 from edge_runtime.ring import Ring
-from edge_runtime.rpc import RpcClient
+from edge_runtime.rpc import CHUNK, WINDOW, RpcClient
 from edge_runtime.agent import RunFailed
 
 try:
@@ -22,20 +22,27 @@ FW_VERSION = "0.1.0"
 _QOS1 = const(1)
 _DEFAULT_CONCURRENCY = const(1)
 _DEFAULT_QUEUE = const(2)
-_DEFAULT_RING = const(16)
 _DEVICE_RING = const(8)
-# What the board receives: the receive buffer holds this much payload (hello `payload`).
-# 8 KiB fits a long request and a 2 KiB-heavy conversation turn while leaving a 128 KiB
-# board (a 96 KiB 32-bit one) room to run; settings `max_payload` changes it.
-_DEFAULT_RX = const(8192)
+# run.started echoes the request's text so a host can draw the user's row; a long one
+# is echoed cut to this many characters (with input_len, the whole length): the host
+# that sent it has it, and a second copy of it on a small heap can fail the run.
+_ECHO = const(512)
+# What the board receives: the receive buffer holds this much payload (hello `payload`),
+# and no string is longer. Measured (tests/test_streams.py, benchmarks/bench_heap.py):
+# with 4 KiB a 128 KiB board on the 64-bit unix port keeps about 14 KiB free at the
+# bottom of a bursty streamed answer; with 8 KiB it runs out. A 32-bit board of 96 KiB
+# runs a 7,000-character request with `max_payload` 8192 in its settings.
+_DEFAULT_RX = const(4096)
 # What the board sends: its encode buffer. An llm.complete call carries the whole
 # conversation, so it is larger than what the board receives.
 _DEFAULT_TX = const(16384)
-_DEFAULT_WINDOW = const(8)  # RPC chunks the bridge may send ahead of our acks
-_DEFAULT_CHUNK = const(512)  # text bytes per RPC chunk
 _DEFAULT_DELTA_CHARS = const(256)  # streamed text per msg.delta / reason.delta
 _DEFAULT_DELTA_MS = const(100)  # ...or after the oldest pending character waited this
 _DEFAULT_STALL_MS = const(30000)  # a run that cannot send its events this long fails
+# How long the bridge's presence must say offline before the board fails the calls it
+# has in flight: a broker that shuts down sends every client's will, the bridge's too,
+# and then the bridge is back a moment later with its calls still running.
+_DEFAULT_BRIDGE_GRACE_MS = const(5000)
 # Outbox slots an event leaves free: room for RPC acks and calls, hello and status,
 # which keep the run and the link going while events wait.
 _EVENT_SPARE = const(4)
@@ -73,7 +80,7 @@ class Run:
         self.delta_chars = runtime.delta_chars
         self.delta_ms = runtime.delta_ms
         self.emitter = Emitter(run_id, runtime.encode, runtime.send_event, platform.time_ms,
-                               runtime.ring_size)
+                               runtime.ring_size, runtime.ring_bytes)
         self.task = None
         self.started = False
         self.cancel_reason = None
@@ -111,32 +118,34 @@ class Runtime:
             "str": min(rx, settings.get("max_str", codec.MAX_STR)),
             "items": settings.get("max_items", codec.MAX_ITEMS),
             "depth": settings.get("max_depth", codec.MAX_DEPTH),
-            "ring": settings.get("ring", _DEFAULT_RING),
-            "window": settings.get("window", _DEFAULT_WINDOW),
-            "chunk": settings.get("chunk", _DEFAULT_CHUNK),
+            "ring": settings.get("ring", RING),
+            "window": settings.get("window", WINDOW),
+            "chunk": settings.get("chunk", CHUNK),
         }
         self.max_send = settings.get("max_send", _DEFAULT_TX)
         self.ring_size = self.limits["ring"]
+        self.ring_bytes = settings.get("ring_bytes", RING_BYTES)
         self.concurrency = settings.get("concurrency", _DEFAULT_CONCURRENCY)
         self.max_queue = settings.get("queue", _DEFAULT_QUEUE)
         self.delta_chars = max(1, settings.get("delta_chars", _DEFAULT_DELTA_CHARS))
         self.delta_ms = max(1, settings.get("delta_ms", _DEFAULT_DELTA_MS))
         self.stall_ms = settings.get("stall_ms", _DEFAULT_STALL_MS)
-        # One encode buffer for everything the board sends; the link copies out of it.
-        self._encoder = codec.reserve(self.max_send)
+        self.bridge_grace_ms = settings.get("bridge_grace_ms", _DEFAULT_BRIDGE_GRACE_MS)
         self.link = None
         self.rpc = RpcClient(self.publish_msg, self._base + "rpc", self._online,
                              window=self.limits["window"], room=self._call_room)
         self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms,
-                                     min(self.ring_size, _DEVICE_RING))
+                                     min(self.ring_size, _DEVICE_RING), self.ring_bytes)
         self.active = {}
         self._recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
         self.boot = "%08x" % _random32()
         self._bridge_up = None  # the bridge's presence as last heard: None, True, False
+        self._bridge_boot = None  # the boot id of the bridge process last heard online
         self._runs_started = 0
-        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0}
+        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0,
+                      "stale_ctl": 0}
         self._routes = {"req": self._on_req, "ctl": self._on_ctl, "rpc/res": self.rpc.on_answer}
         self._ctl_ops = {"cancel": self._ctl_cancel, "replay": self._ctl_replay,
                          "tool": self._ctl_not_waiting, "approve": self._ctl_not_waiting}
@@ -183,12 +192,24 @@ class Runtime:
             "limits": self.limits}, _QOS1)
 
     def encode(self, msg):
-        # Through the one reserved buffer; the bytes copy is what the link keeps.
-        return bytes(self._encoder.pack(msg, self.max_send))
+        # Exactly the payload's size, kept as it is by the link (and a run's ring). A
+        # payload within the limit that finds no free block of its size usually finds
+        # one after a collection.
+        try:
+            return codec.encode_exact(msg, self.max_send)
+        except MemoryError:
+            platform.collect()
+            return codec.encode_exact(msg, self.max_send)
 
     def publish_msg(self, topic, msg, qos=0, retain=False):
+        # In parts (codec.encode_parts): a model call lends the conversation's texts to
+        # the link instead of copying them into one block.
         try:
-            data = self.encode(msg)
+            try:
+                data = codec.encode_parts(msg, self.max_send)
+            except MemoryError:
+                platform.collect()
+                data = codec.encode_parts(msg, self.max_send)
         except codec.CodecError as e:
             self.stats["unsendable"] += 1
             platform.log("cannot encode message for", topic, e)
@@ -275,6 +296,11 @@ class Runtime:
             return
         except MemoryError:
             self.refuse("no_memory", "no free heap to decode %d bytes on %s" % (len(payload), leaf))
+            if leaf == "rpc/res":
+                # An answer lost: whichever call it was for cannot finish whole. Fail the
+                # calls now (their runs end retryable and give their memory back) rather
+                # than let them wait for a chunk that will never come.
+                self.rpc.fail_all("no_memory", "the board had no memory for an answer")
             return
         if not isinstance(msg, dict):
             self.refuse("bad_envelope", "payload on %s is not a map" % leaf)
@@ -292,17 +318,36 @@ class Runtime:
             msg = codec.decode(payload, 256)
         except codec.CodecError:
             return  # not ours to refuse: the bridge writes this topic, not a host
-        up = isinstance(msg, dict) and msg.get("st") == "online"
+        if not isinstance(msg, dict):
+            return
+        up = msg.get("st") == "online"
         was = self._bridge_up
         self._bridge_up = up
-        if not up and was is not False:
-            # Nobody will answer the calls in flight: fail them now (retryable) and let
-            # their runs end and free their slots, not wait out a timeout.
+        if up:
+            boot = msg.get("boot")
+            old = self._bridge_boot
+            restarted = old is not None and boot != old
+            self._bridge_boot = self.rpc.bridge = boot
+            if restarted:
+                # Another bridge process: what was in flight with the last one is gone.
+                platform.log("bridge restarted")
+                self.rpc.fail_all("bridge_restarted", "the bridge restarted during the call", old)
+            if restarted or was is False:
+                # The bridge keeps what a board said in hello in memory: say it again.
+                self.say_hello()
+        else:
+            self.rpc.bridge = None
+            if was is not False:
+                platform.asyncio.create_task(self._bridge_gone(self.rpc.epoch))
+
+    async def _bridge_gone(self, epoch):
+        # Only a bridge still offline after the grace, on a connection of ours that stayed
+        # up all along, is gone (a broker shutting down sends its will and then drops us
+        # too). Its calls then fail, retryable, and their runs end and free their slots.
+        await platform.sleep_ms(self.bridge_grace_ms)
+        if self._bridge_up is False and self.rpc.epoch == epoch and self._online():
             platform.log("bridge offline")
             self.rpc.fail_all("bridge_offline", "the bridge went offline")
-        elif up and was is False:
-            # The bridge keeps what a board said in hello in memory: say it again.
-            self.say_hello()
 
     def refuse(self, kind, msg, extra=None):
         # Refused input becomes an error event on the device stream; the board goes on.
@@ -344,6 +389,12 @@ class Runtime:
         handler = self._ctl_ops.get(op) if isinstance(op, str) else None
         if handler is None:
             self.refuse("unknown_op", "unknown ctl op %s" % _clip(op))
+            return
+        run_id = msg.get("r")
+        if isinstance(run_id, str) and "." in run_id and not run_id.startswith(self.boot + "."):
+            # A run of an earlier boot, which ended with it: the bridge's cancel of a run
+            # whose board went away waits in the session and reaches the next boot.
+            self.stats["stale_ctl"] += 1
             return
         handler(msg)
 
@@ -417,8 +468,13 @@ class Runtime:
     async def _run_to_end(self, run):
         agent = self.agent
         try:
-            run.emit("run.started", {"agent": agent.name, "ver": agent.version, "req": run.req,
-                                     "conv": run.conv, "domain": "request", "input": run.input})
+            started = {"agent": agent.name, "ver": agent.version, "req": run.req,
+                       "conv": run.conv, "domain": "request", "input": run.input}
+            if len(run.input) > _ECHO:
+                started["input"] = run.input[:_ECHO]
+                started["input_len"] = len(run.input)
+            run.emit("run.started", started)
+            started = None
             run.check_cancelled()
             handler = agent.handler
             if handler is None:
@@ -431,6 +487,13 @@ class Runtime:
             run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
         except RunFailed as e:
             run.emit("run.failed", {"err": {"kind": e.kind, "msg": e.msg}, "retryable": e.retryable})
+        except MemoryError:
+            # The run's state goes with the run; collected, the heap serves the next one,
+            # so asking again is worth it.
+            platform.collect()
+            platform.log("run", run.id, "ran out of memory")
+            run.emit("run.failed", {"err": {"kind": "internal", "msg": "the board ran out of memory"},
+                                    "retryable": True})
         except Exception as e:
             # The detail goes to the console; the host sees a customer-safe message.
             platform.log("run", run.id, "crashed:", repr(e))

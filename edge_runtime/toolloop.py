@@ -16,6 +16,10 @@ except ImportError:
 # A tool's output goes to the model and onto the event stream; past this many
 # characters it is cut, and the cut is stated in the output itself.
 _MAX_TOOL_OUTPUT = const(2048)
+# A turn's text goes back to the model only when the turn called tools, and then it is
+# a preamble ("Let me check."): the first this many characters are kept for that, not a
+# long answer's every character for the whole run.
+_KEEP_TEXT = const(1024)
 
 
 def _tool_output(value):
@@ -58,7 +62,9 @@ class _Deltas:
         self.parts = []
         self.n = 0
         self.since = 0
-        self.text = []  # the turn's assistant text, in sent pieces, for the conversation
+        self.text = []  # the turn's first _KEEP_TEXT characters, for the conversation
+        self.kept = 0
+        self.more = 0  # characters of the turn past those
 
     def wait_ms(self, idle_ms):
         # How long the caller may wait for the next chunk before pending text is due.
@@ -91,7 +97,11 @@ class _Deltas:
         for k in range(0, end, size):
             piece = text[k:k + size]
             if self.kind == "msg.delta":
-                self.text.append(piece)
+                keep = piece[:max(0, _KEEP_TEXT - self.kept)]
+                if keep:
+                    self.text.append(keep)
+                    self.kept += len(keep)
+                self.more += len(piece) - len(keep)
             await self.run.event(self.kind, {"m": self.m, "text": piece})
         if self.n:
             self.since = platform.ticks_ms()
@@ -158,17 +168,19 @@ async def model_loop(run):
             value = got.get(key)
             if isinstance(value, int):
                 usage[key] += value
-        reply = {"role": "assistant", "content": "".join(deltas.text)}
-        deltas = None
-        if calls:
-            reply["tools"] = calls
-        messages.append(reply)
         if not calls:
             if final.get("finish") == "tool_calls":
                 # The model called a tool but no call reached the board: ending "done"
                 # would claim an answer that was never given.
                 raise RunFailed("llm", "the model's tool call was lost on the way", True)
             return usage
+        # The turn's text goes back to the model with its tool calls. Joined only now:
+        # a long answer that ends the run never needs its text in one piece on the heap.
+        text = "".join(deltas.text)
+        if deltas.more:
+            text += " [cut: %d more characters]" % deltas.more
+        messages.append({"role": "assistant", "content": text, "tools": calls})
+        deltas = None
         for call in calls:
             run.check_cancelled()
             name = call.get("name")

@@ -278,8 +278,7 @@ def test_encode_limits():
     # The default limit, without a 16 KiB object: 529 strs sharing one 30-char text
     # come to 3 + 529 * 31 = 16402 bytes; one less element and a shorter last one fit
     # exactly.
-    # The shared buffer starts small and grows for a bigger payload, then still serves
-    # small ones.
+    # Sized exactly, whatever the payload: a big one and then a small one.
     assert encode("a" * 3000) == h("da0bb8") + b"a" * 3000
     assert encode(None) == h("c0")
     text = "x" * 30
@@ -288,6 +287,20 @@ def test_encode_limits():
         assert len(encode([text] * 528 + ["x" * 12])) == codec.MAX_PAYLOAD
     raises(TooLarge, lambda: encode([1.0] * 3, max_payload=27))
     assert len(encode([1.0] * 3, max_payload=28)) == 28
+
+
+def test_size_is_the_encoded_length_and_encode_exact_allocates_just_that():
+    values = [None, True, 0, 127, 128, -1, -33, 2 ** 40, -2 ** 40, 1.5, "", "x" * 31,
+              "x" * 32, "é" * 200, b"", b"\x00" * 300, [], [1] * 16, {"a": [1, {"b": None}]},
+              ENVELOPE, ("t", 1)]
+    for v in values:
+        data = encode(v)
+        assert codec.size(v) == len(data)
+        exact = codec.encode_exact(v)
+        assert isinstance(exact, bytearray) and exact == data and len(exact) == len(data)
+    raises(TooLarge, codec.encode_exact, "x" * 20, 20)
+    raises(TooDeep, codec.size, [[1]], 1)
+    raises(BadType, codec.size, {1, 2})
 
 
 def test_encode_depth():

@@ -19,7 +19,7 @@ class Outbox:
         return [codec.decode(b)["i"] for b in self.sent]
 
 
-def _emitter(ring=3, room=1000):
+def _emitter(ring=3, room=1000, ring_bytes=2048):
     out = Outbox(room)
     clock = [1000]
 
@@ -27,7 +27,7 @@ def _emitter(ring=3, room=1000):
         clock[0] += 1
         return clock[0]
 
-    return Emitter("b00t.1", codec.encode, out.send, tick, ring), out
+    return Emitter("b00t.1", codec.encode, out.send, tick, ring, ring_bytes), out
 
 
 def test_ids_count_from_one_without_gaps_and_go_out_encoded():
@@ -126,3 +126,21 @@ def test_a_gap_report_waits_until_nothing_else_does():
     got = [codec.decode(b) for b in out.sent]
     assert [e["i"] for e in got] == [1, 3, 4, 5] and em.lost == 1
     assert got[-1]["t"] == "error" and (got[-1]["d"]["from"], got[-1]["d"]["to"]) == (2, 2)
+
+
+def test_a_ring_keeps_within_its_bytes_but_never_gives_up_an_event_still_waiting():
+    em, out = _emitter(ring=16, ring_bytes=200)
+    for n in range(6):
+        em.emit("msg.delta", {"m": 1, "text": str(n) * 40})  # about 75 bytes each
+    assert len(em.ring) == 2 and em.lost == 0
+    del out.sent[:]
+    em.replay(0)
+    got = [codec.decode(b) for b in out.sent]
+    assert [e["i"] for e in got] == [5, 6, 7] and (got[-1]["d"]["from"], got[-1]["d"]["to"]) == (1, 4)
+    # With the link full, waiting events stay in the ring whatever their bytes.
+    em, out = _emitter(ring=16, ring_bytes=200, room=1)
+    for n in range(5):
+        em.emit("msg.delta", {"m": 1, "text": str(n) * 40})
+    assert len(em.ring) == 5 and em.backlog == 4 and em.lost == 0
+    out.room = 100
+    assert em.pump() and out.ids() == [1, 2, 3, 4, 5]

@@ -29,6 +29,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -49,6 +50,7 @@ from server_bridge.wire import (
     BRIDGE_RUN,
     MAX_HOST_ID,
     REFUSALS,
+    TooLarge,
     UnknownDevice,
     check_host_ctl,
     check_host_req,
@@ -147,6 +149,7 @@ class Bridge:
         self._stopping = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._streams = _BridgeStreams()
+        self._boot = uuid.uuid4().hex[:8]
         # Set while publishes are being refused on a full queue: one log line per episode.
         self._queue_full = False
         # Set while publishes wait in paho for the broker to come back: likewise.
@@ -163,6 +166,7 @@ class Bridge:
             replay_retry_s=config.replay_retry_s,
             replay_retry_max_s=config.replay_retry_max_s,
             on_device_reset=self._device_reset,
+            offline_grace_s=config.offline_grace_s,
         )
         self.rpc = RpcServer(
             provider,
@@ -205,10 +209,11 @@ class Bridge:
         """A device's last P/d/D/status (`st` online/offline), None when unknown."""
         return self.intake.presence(device)
 
-    def _device_reset(self, device: str, msg: str, new_boot: bool) -> None:
-        """A device restarted or went offline (the intake ended its open runs): its
-        calls in flight end, and after a reboot its call ids may be used again."""
-        self.rpc.device_gone(device, msg, new_boot=new_boot)
+    def _device_reset(self, device: str, msg: str, new_boot: bool, boot: str | None) -> None:
+        """A device restarted or went offline (the intake ended its runs): its calls in
+        flight end — those of the boots that are gone — and after a reboot its call ids
+        may be used again."""
+        self.rpc.device_gone(device, msg, new_boot=new_boot, boot=boot)
 
     def _count(self, name: str, n: int = 1) -> None:
         if n:
@@ -346,7 +351,9 @@ class Bridge:
                 self._count("callback_errors")
 
     def _status_payload(self, st: str) -> bytes:
-        return encode({"st": st, "id": self.config.client_id})
+        # `boot` is this process's: a board that sees it change knows the bridge
+        # restarted and lost every call in flight, whatever the broker did meanwhile.
+        return encode({"st": st, "id": self.config.client_id, "boot": self._boot})
 
     def _say_offline(self, client: mqtt.Client) -> None:
         info = client.publish(
@@ -415,6 +422,9 @@ class Bridge:
         self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
         self._connected = False
+        # Offline statuses that arrived just now were most likely the wills of a broker
+        # shutting down; what is true comes again, retained, after the reconnect.
+        self.intake.broker_lost()
         if not self._stopping.is_set():
             self._count("disconnects")
             log.warning("bridge disconnected from the broker (%s); paho reconnects", reason_code)
@@ -518,7 +528,19 @@ class Bridge:
             out["conv"] = req.conv
         if req.ttl is not None:
             out["ttl"] = req.ttl
-        self._publish(device_topic(self.config.prefix, record.device, "req"), encode(out))
+        payload = encode(out)
+        # The board says in hello how much it can receive. A request over that would be
+        # read past on the board and refused there without its req id, so no host could
+        # tell which request it was: refuse it here, by name, where the id is known.
+        limits = self.intake.device_limits(record.device)
+        if limits is not None and (
+            len(payload) > limits.max_payload or len(req.input.encode()) > limits.max_str
+        ):
+            raise TooLarge(
+                f"the request is {len(payload)} bytes; device {record.device} takes at most "
+                f"{limits.max_payload} (its text at most {limits.max_str})"
+            )
+        self._publish(device_topic(self.config.prefix, record.device, "req"), payload)
         self._count("host.req")
 
     def _host_ctl(self, t: Topic, obj: Any) -> None:

@@ -73,6 +73,10 @@ class BridgeConfig:
     max_runs_per_device: int = 16
     replay_retry_s: float = 2.0
     replay_retry_max_s: float = 30.0
+    # How long a device's offline status must stand before its open runs are ended: a
+    # broker shutting down sends every client's will, so an offline status alone may be
+    # a board that is back a moment later with its session and its runs (0: at once).
+    offline_grace_s: float = 5.0
     # Recent refusals kept for diagnostics.
     refusals_kept: int = 100
     # Outgoing QoS 1 messages paho keeps (in flight and queued, e.g. while the broker is
@@ -94,6 +98,8 @@ class BridgeConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.rpc_merge_s < 0:
             raise ValueError("rpc_merge_s must be >= 0")
+        if self.offline_grace_s < 0:
+            raise ValueError("offline_grace_s must be >= 0")
         if self.replay_retry_max_s < self.replay_retry_s:
             raise ValueError("replay_retry_max_s must be >= replay_retry_s")
         for name in (

@@ -16,13 +16,21 @@ already passed) is dropped and counted.
 
 A run whose board is gone is ended here, since nobody else will: when a device's
 `status` or `hello` carries a boot id other than the one last known (the board
-restarted), or its `status` turns offline (its last will), every run of that device
-still open ends for hosts. The bridge owns the ids past the highest it has seen of such
-a run, and forwards with them an `error` of kind "gap" for each hole no event filled
-and no report covered, then `run.failed` (kind "device", retryable), so every id a host
-waits for is accounted for. Later events of that run are dropped. On offline the board
-is also sent `ctl cancel` for each such run (it waits in the board's persistent session);
-on a restart the device stream "_" starts again at 1. Nothing is ever made up for the
+restarted), or its `status` turns offline (its last will) and stays so for
+`offline_grace_s`, every run of that device still open ends for hosts. The grace is
+there because an offline status alone is ambiguous: a broker that shuts down publishes
+the will of every client it had, so after a broker restart every board "went offline"
+and came straight back, with its session and its runs intact. A board back online with
+the same boot within the grace keeps its runs; so does every board when the bridge
+itself lost the broker meanwhile (broker_lost). A run id begins with the boot that
+started it (`<boot>.<n>`): a new boot ends the runs of other boots only, and a will
+those of the boot it names, since what a board sends on different topics may arrive in
+another order. The bridge owns the ids past the highest it has seen of such a run, and
+forwards with them an `error` of kind "gap" for each hole no event filled and no report
+covered, then `run.failed` (kind "device", retryable), so every id a host waits for is
+accounted for. Later events of that run are dropped. On offline the board is also sent
+`ctl cancel` for each such run (it waits in the board's persistent session); on a
+restart the device stream "_" starts again at 1. Nothing is ever made up for the
 streams "_" and "_b". Whoever else keeps per-device state (the RPC server) is told
 through `on_device_reset`. An offline status naming a boot older than the one known is
 the late will of an earlier connection and changes nothing: taken as news, it would end
@@ -71,8 +79,9 @@ log = logging.getLogger("wren.bridge.intake")
 
 Publish = Callable[[str, bytes], None]  # (topic, payload), QoS 1
 Count = Callable[[str, int], None]
-# (device, customer-safe message, new boot?): a device restarted or went offline.
-DeviceReset = Callable[[str, str, bool], None]
+# (device, customer-safe message, new boot?, boot): a device restarted (boot: the new
+# one) or went offline (boot: the one its will named), None when unknown.
+DeviceReset = Callable[[str, str, bool, "str | None"], None]
 
 # Only the contract's envelope keys cross to hosts; anything else a board adds stays here.
 _ENVELOPE_KEYS = ("r", "i", "t", "ts", "n", "a", "k", "d")
@@ -144,6 +153,7 @@ class EventIntake:
         replay_retry_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_device_reset: DeviceReset | None = None,
+        offline_grace_s: float = 5.0,
     ) -> None:
         self.prefix = prefix
         self._publish = publish
@@ -155,6 +165,7 @@ class EventIntake:
         self._max_runs_per_device = max_runs_per_device
         self._retry_s = replay_retry_s
         self._retry_max_s = max(replay_retry_max_s, replay_retry_s)
+        self._offline_grace_s = offline_grace_s
         self._clock = clock
         # Called outside the lock, after what the reset published is on its way.
         self.on_device_reset = on_device_reset
@@ -169,6 +180,9 @@ class EventIntake:
         self._device_limits: dict[str, Limits] = {}
         self._presence: dict[str, dict[str, Any]] = {}
         self._boot: dict[str, str] = {}
+        # Devices whose status said offline: since when (the clock's time) and the boot
+        # it named. That boot's runs end once the grace has passed without it coming back.
+        self._offline_since: dict[str, tuple[float, str | None]] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -431,11 +445,18 @@ class EventIntake:
         """Retry replay requests of runs still waiting on a hole (housekeeping thread)."""
         now = self._clock() if now is None else now
         out: list[tuple[str, bytes]] = []
+        gone: list[tuple[str, str | None, list[str]]] = []
         with self._lock:
             for st in self._runs.values():
                 if st.missing:
                     self._maybe_replay(st, now, out)
+            for device, (since, boot) in list(self._offline_since.items()):
+                if now - since >= self._offline_grace_s:
+                    del self._offline_since[device]
+                    gone.append((device, boot, self._end_runs(device, False, out, only=boot)))
         self._send(out)
+        for device, boot, ended in gone:
+            self._told(device, False, boot, ended)
 
     # ------------------------------------------------------------------ readers
 
@@ -539,6 +560,7 @@ class EventIntake:
         it restarted (a new boot) or went offline. False for a status ignored as stale."""
         out: list[tuple[str, bytes]] = []
         offline = presence is not None and presence["st"] == "offline"
+        deferred = False
         with self._lock:
             known = self._boot.get(device)
             if offline and boot is not None and known is not None and boot != known:
@@ -552,32 +574,70 @@ class EventIntake:
                 if boot is not None:
                     self._boot[device] = boot
             restarted = not stale and known is not None and boot is not None and boot != known
-            if stale or not (restarted or offline):
-                ended: list[str] = []
+            ended: list[str] = []
+            if stale:
+                pass
+            elif restarted or not offline:
+                # A new boot is certain news; the same boot (a hello, an online status)
+                # means a device that was only away is back, with its runs.
+                self._offline_since.pop(device, None)
+                if restarted:
+                    ended = self._end_runs(device, True, out, keep=boot)
+            elif self._offline_grace_s > 0:
+                self._offline_since.setdefault(device, (self._clock(), boot))
+                deferred = True
             else:
-                ended = self._end_runs(device, restarted, out)
+                ended = self._end_runs(device, False, out, only=boot)
         if stale:
             self._count("status.stale_offline", 1)
             log.info("device %s: ignoring the offline status of its older boot %s", device, boot)
             return False
-        if not (restarted or offline):
+        if not (restarted or offline) or deferred:
             return True
+        self._send(out)
+        self._told(device, restarted, boot, ended)
+        return True
+
+    def _told(self, device: str, restarted: bool, boot: str | None, ended: list[str]) -> None:
+        """Outside the lock, once what ended the runs is sent: count, log, tell the hook."""
         msg = DEVICE_RESTARTED if restarted else DEVICE_OFFLINE
         self._count("device.restarted" if restarted else "device.offline", 1)
         if ended:
             log.warning("device %s: %s; ended its runs %s", device, msg, ", ".join(ended))
-        self._send(out)
         hook = self.on_device_reset
         if hook is not None:
-            hook(device, msg, restarted)
-        return True
+            hook(device, msg, restarted, boot)
 
-    def _end_runs(self, device: str, restarted: bool, out: list[tuple[str, bytes]]) -> list[str]:
-        """End every open run of the device (the caller holds the lock); returns them."""
+    def broker_lost(self) -> None:
+        """The bridge lost the broker: the offline statuses pending their grace were
+        (or may have been) the wills a shutting-down broker sent; the devices' real
+        presence comes again, retained, once the bridge is back."""
+        with self._lock:
+            self._offline_since.clear()
+
+    def _end_runs(
+        self,
+        device: str,
+        restarted: bool,
+        out: list[tuple[str, bytes]],
+        keep: str | None = None,
+        only: str | None = None,
+    ) -> list[str]:
+        """End the open runs of the device (the caller holds the lock); returns them.
+
+        A run id begins with the boot that started it (`<boot>.<n>`): a new boot's own
+        runs are kept (`keep`), and a will that names its boot ends that boot's runs
+        (`only`). What a board sends on different topics may arrive in another order (a
+        retained status is delivered again at every subscribe, after what waited in the
+        bridge's session), so a new boot's first runs can come before its status does.
+        """
         msg = DEVICE_RESTARTED if restarted else DEVICE_OFFLINE
         ended, failed = [], []
         for st in list(self._by_device.get(device, {}).values()):
             if st.run in _STREAMS or st.finished:
+                continue
+            boot = st.run.split(".", 1)[0] if "." in st.run else None
+            if keep is not None and boot == keep or only is not None and boot not in (only, None):
                 continue
             ended.append(st.run)
             if self._end(st, msg, out):

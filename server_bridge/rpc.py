@@ -283,6 +283,7 @@ class _Call:
     c: int | str
     method: str
     deadline: float  # in the server's clock
+    run: str | None  # the run id the call names (`<boot>.<n>` from a board)
     fail_kind: str
     wait_until: float  # time.monotonic() twin of deadline: bounds every wait of the call
     limits: Limits = DEFAULT_LIMITS  # the board's, as known when the call arrived
@@ -503,6 +504,7 @@ class RpcServer:
             call.c,
             call.m,
             self._clock() + method.timeout_s,
+            call.r,
             method.fail_kind,
             wait_until=time.monotonic() + method.timeout_s,
             limits=limits,
@@ -771,8 +773,8 @@ class RpcServer:
 
     # ------------------------------------------------------------------ devices
 
-    def device_gone(self, device: str, msg: str, *, new_boot: bool) -> int:
-        """End every call in flight of `device` without answering it; return how many.
+    def device_gone(self, device: str, msg: str, *, new_boot: bool, boot: str | None = None) -> int:
+        """End the calls in flight of `device` without answering them; return how many.
 
         For a device that restarted (`new_boot`: nobody waits for the answers) or went
         offline (the bridge cancels its runs separately). Each call's slot is free at
@@ -781,9 +783,21 @@ class RpcServer:
         `new_boot` the device's recent call ids are forgotten too, since a new boot
         numbers its calls afresh; otherwise they are kept, so a call the board resends
         when it comes back is not run a second time.
+
+        `boot` narrows it by the boot a call's run id begins with (`<boot>.<n>`): after a
+        restart (`boot` the new one) that boot's own calls go on — they may arrive before
+        its status does, since the broker keeps order per topic only — and after an
+        offline (`boot` the one its will named) only that boot's calls end.
         """
+
+        def ends(s: _Call) -> bool:
+            of = s.run.split(".", 1)[0] if s.run and "." in s.run else None
+            if boot is None or of is None:
+                return True
+            return of != boot if new_boot else of == boot
+
         with self._lock:
-            gone = [s for s in self._inflight if s.device == device]
+            gone = [s for s in self._inflight if s.device == device and ends(s)]
             for s in gone:
                 self._forget_call(s)
                 if not new_boot:

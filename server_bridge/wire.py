@@ -22,6 +22,7 @@ import msgpack
 
 from edge_runtime import codec
 from edge_runtime.events import DEVICE_RUN, TYPES
+from edge_runtime.rpc import CHUNK, WINDOW
 from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic
 
@@ -132,8 +133,9 @@ class Limits:
     max_str: int = 8192
     max_items: int = 256
     max_depth: int = 16
-    window: int = 8
-    chunk: int = 512
+    # A board that leaves them out of its hello gets the board runtime's own defaults.
+    window: int = WINDOW
+    chunk: int = CHUNK
 
     def __post_init__(self) -> None:
         for name in ("max_payload", "max_str", "max_items", "max_depth", "window", "chunk"):

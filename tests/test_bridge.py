@@ -126,6 +126,9 @@ class World:
         # Each World's bridge its own client id: its session is persistent, and bridges
         # of earlier tests (other prefixes) left theirs on the shared broker.
         config.setdefault("client_id", f"wren-bridge-{uuid.uuid4().hex[:8]}")
+        # Runs end at once when their board's status says offline, unless a test is
+        # about the grace (tests/test_bridge_lossless.py).
+        config.setdefault("offline_grace_s", 0)
         cfg = BridgeConfig(
             host=broker.host,
             port=broker.port,
@@ -1022,6 +1025,8 @@ class Sink:
 
 def intake(sink: Sink, **kw: Any) -> EventIntake:
     counts: collections.Counter[str] = collections.Counter()
+    # Runs end at once on an offline status unless a test is about the grace.
+    kw.setdefault("offline_grace_s", 0)
     i = EventIntake(
         "p", sink.publish, lambda k, n: counts.update({k: n}), clock=lambda: sink.now, **kw
     )

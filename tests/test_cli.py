@@ -164,7 +164,7 @@ def test_hil_on_the_pty_runs_board_tests_through_the_raw_repl() -> None:
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "hil: test_ring: 3 passed, 0 failed" in proc.stdout
+    assert "hil: test_ring: 4 passed, 0 failed" in proc.stdout
     assert "hil: test_events: " in proc.stdout and " 0 failed" in proc.stdout
 
 

@@ -576,6 +576,26 @@ def test_streams_that_are_not_runs_fold_as_they_arrive() -> None:
     assert reducer.mark_lost(BRIDGE_RUN, 1, 9) == [] and snap.gaps == []
 
 
+def test_a_long_request_echoed_cut_says_so_in_the_user_row() -> None:
+    snap = fold([ev(1, "run.started", req="q", input="x" * 512, input_len=7000)])
+    assert [r.text for r in snap.rows] == ["x" * 512 + " [cut: 6488 more characters]"]
+
+
+def test_a_stream_starting_again_at_1_is_new_and_a_repeat_is_not() -> None:
+    # After a board reboot its device stream begins again at id 1: a new refusal, with
+    # its own time; a QoS 1 redelivery is the very same envelope.
+    reducer = Reducer()
+    first = ev(1, "error", "_", kind="busy", msg="before the reboot", req="q1")
+    reducer.apply(first)
+    reducer.apply(dict(first))
+    after = ev(1, "error", "_", kind="busy", msg="after the reboot", req="q2")
+    after["ts"] = first["ts"] + 5000
+    reducer.apply(after)
+    snap = reducer.get("_")
+    assert snap is not None
+    assert [e["msg"] for e in snap.errors] == ["before the reboot", "after the reboot"]
+
+
 @pytest.mark.parametrize("kind", ["link", "device"])
 def test_link_and_device_failures_keep_their_kind(kind: str) -> None:
     snap = fold([ev(1, "run.failed", err={"kind": kind, "msg": "gone"}, retryable=True)])

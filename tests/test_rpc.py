@@ -74,11 +74,11 @@ def test_fit_chunk() -> None:
         {"text": "x" * 1000},
         {"text": "x" * 500},
     ]
-    # Below it, `chunk` does (512 by default).
-    assert fit_chunk(1, {"reason": "x" * 1100}, Limits(max_str=1000)) == [
-        {"reason": "x" * 512},
-        {"reason": "x" * 512},
-        {"reason": "x" * 76},
+    # Below it, `chunk` does (the board runtime's 256 by default).
+    assert fit_chunk(1, {"reason": "x" * 600}, Limits(max_str=1000)) == [
+        {"reason": "x" * 256},
+        {"reason": "x" * 256},
+        {"reason": "x" * 88},
     ]
     tool = {"tool": {"call": "c1", "name": "save", "input": '{"a": 1}'}}
     assert fit_chunk(1, tool, limits) == [tool]
@@ -233,7 +233,10 @@ def test_chunks_are_sized_by_the_devices_limits(rec: Recorder) -> None:
             return FINAL
 
     small = Limits(max_payload=2048, max_str=1000, chunk=4096)
-    rpc = server(rec, Long(), device_limits=lambda d: small if d == "dev1" else None)
+    # dev2 has the defaults but for a window that holds its whole answer: this recorder
+    # never acknowledges a chunk.
+    wide = Limits(window=16)
+    rpc = server(rec, Long(), device_limits=lambda d: small if d == "dev1" else wide)
     try:
         rpc.handle(DEV1, "t", call(1))
         rpc.handle(DEV2, "t", call(2))
@@ -243,7 +246,7 @@ def test_chunks_are_sized_by_the_devices_limits(rec: Recorder) -> None:
             if "ch" in a:
                 by_dev[device].append(len(a["ch"]["text"]))
         assert by_dev["dev1"] == [1000, 1000, 1000]
-        # The defaults: 8 KiB strings, but the contract's `chunk` of 512 bytes.
-        assert by_dev["dev2"] == [512] * 5 + [440]
+        # The defaults: 8 KiB strings, but the board runtime's `chunk` of 256 bytes.
+        assert by_dev["dev2"] == [256] * 11 + [184]
     finally:
         rpc.close()

@@ -148,8 +148,8 @@ class Board:
         topic = self.topic if leaf == "rpc" else self.topic.rsplit("/", 1)[0] + "/" + leaf
         self.client.publish(topic, msgpack.packb(obj), qos=1).wait_for_publish(WAIT)
 
-    def call(self, c: Any, method: str = "llm.complete") -> None:
-        self.send({"c": c, "m": method, "a": {"messages": [USER]}, "r": "run1"})
+    def call(self, c: Any, method: str = "llm.complete", run: str = "run1") -> None:
+        self.send({"c": c, "m": method, "a": {"messages": [USER]}, "r": run})
 
     def wait(self, pred: Callable[[], Any], what: str, timeout: float = WAIT) -> None:
         with self.cond:
@@ -478,6 +478,27 @@ def test_device_gone_ends_a_call_waiting_for_its_window(stacks: Callable[..., St
         ended = s.board.streams[2]
         # The ended call: its 8 chunks, nothing after them, and no final answer.
         assert [ch["s"] for ch in ended.chunks] == list(range(1, 9)) and ended.final is None
+
+
+def test_device_gone_ends_only_the_calls_of_the_boots_that_are_gone(
+    stacks: Callable[..., Stack],
+) -> None:
+    # Run ids begin with the board's boot. A new boot's first calls can arrive before
+    # its status does (the broker keeps order per topic only): they go on.
+    released = threading.Event()
+    s = stacks(gate_emit(released))
+    try:
+        s.board.call(1, run="0a1b2c3d.1")
+        s.board.call(2, run="99887766.1")
+        wait_for(lambda: s.provider.calls == 2, "both calls to start")
+        assert s.bridge.rpc.device_gone("dev1", "restarted", new_boot=True, boot="99887766") == 1
+        assert s.bridge.rpc.inflight_of("dev1") == 1
+        # A will names its boot: only that boot's calls end.
+        assert s.bridge.rpc.device_gone("dev1", "offline", new_boot=False, boot="0a1b2c3d") == 0
+        assert s.bridge.rpc.device_gone("dev1", "offline", new_boot=False, boot="99887766") == 1
+        assert s.bridge.rpc.inflight_of("dev1") == 0
+    finally:
+        released.set()
 
 
 def test_device_gone_offline_keeps_the_call_ids(stacks: Callable[..., Stack]) -> None:

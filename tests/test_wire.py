@@ -361,7 +361,8 @@ def test_limits_from_hello() -> None:
     assert wire.Limits.from_hello({}) == wire.Limits()
     got = wire.Limits.from_hello({"payload": 4096, "str": 1024, "items": 32, "depth": 8, "ring": 4})
     assert got == wire.Limits(max_payload=4096, max_str=1024, max_items=32, max_depth=8)
-    assert (got.window, got.chunk) == (8, 512)  # the contract's defaults when absent
+    # When absent, the board runtime's own defaults (edge_runtime/rpc.py).
+    assert (got.window, got.chunk) == (4, 256)
     flow = wire.Limits.from_hello({"window": 2, "chunk": 64})
     assert (flow.window, flow.chunk, flow.max_str) == (2, 64, 8192)
     for bad in (

@@ -20,13 +20,7 @@ from typing import Any
 import edge_runtime
 
 EDGE_DIR = Path(edge_runtime.__file__).resolve().parent
-MAIN_PY = (
-    "# Take the encode buffer while the heap is still in one piece, then boot the agent.\n"
-    "import edge_runtime.codec\n"
-    "edge_runtime.codec.reserve()\n"
-    "from edge_runtime.demo import main\n"
-    "main()\n"
-)
+MAIN_PY = "from edge_runtime.demo import main\nmain()\n"
 DEFAULT_HEAP = "128K"
 
 

@@ -94,7 +94,7 @@ MAX_ERRORS = 100
 # and the replay that fills the hole brings it again. The bridge's window is 256 events
 # per run, so a hole it can fill never needs more.
 MAX_HELD = 1024
-# Event ids of a stream (`_`, `_b`) remembered to drop repeats by id.
+# Events of a stream (`_`, `_b`) remembered to drop repeats.
 _STREAM_SEEN = 1024
 
 
@@ -174,7 +174,7 @@ class RunSnapshot:
     # last_id (sorted, disjoint, not adjacent); a stream's recently seen ids.
     _held: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     _lost: list[tuple[int, int]] = field(default_factory=list, repr=False)
-    _seen: dict[int, None] = field(default_factory=dict, repr=False)
+    _seen: dict[tuple[Any, ...], None] = field(default_factory=dict, repr=False)
 
     @property
     def terminal(self) -> bool:
@@ -247,6 +247,10 @@ def _run_started(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
     _set_status(snap, "running")
     text = _str(d.get("input"))
     if text:
+        # A long request is echoed cut (input_len is its whole length): say so.
+        whole = _int(d.get("input_len"))
+        if whole > len(text):
+            text += f" [cut: {whole - len(text)} more characters]"
         _row(snap, Row("user", text=text, status="done"))
 
 
@@ -504,9 +508,13 @@ def _apply_stream(
     snap: RunSnapshot, env: dict[str, Any], on_apply: OnApply | None
 ) -> list[dict[str, Any]]:
     i: int = env["i"]
-    if i in snap._seen:
+    # A repeat (a QoS 1 redelivery, a replay) is the same envelope. The id alone is not
+    # enough: a stream's ids begin again at 1 when the board reboots or the bridge
+    # restarts, and those events are new (their time and contents differ).
+    key = (i, env["ts"], env["t"], repr(env["d"]))
+    if key in snap._seen:
         return []
-    snap._seen[i] = None
+    snap._seen[key] = None
     while len(snap._seen) > _STREAM_SEEN:
         del snap._seen[next(iter(snap._seen))]
     # last_id is the highest id seen, applied before the event so on_apply sees it.
