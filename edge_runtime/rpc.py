@@ -54,7 +54,8 @@ class Call:
         self.acked = 0  # the highest s acknowledged to the bridge
         self.result = None
         self.error = None
-        self.finished = False  # the final answer came (chunks may still be queued)
+        self.finished = False  # the final answer came, or the call failed
+        self.answered = False  # the bridge's final answer came
         self.last = platform.ticks_ms()  # when the call was made or last heard of
         self.ready = platform.asyncio.Event()
 
@@ -139,7 +140,12 @@ class RpcClient:
         return call
 
     def end(self, call):
-        self._pending.pop(call.c, None)
+        # A call ended before the bridge answered it (its run was cancelled or failed):
+        # say so, so the bridge stops the model stream instead of holding it until a
+        # window nobody acknowledges times out. Best effort: the bridge's deadline is
+        # the bound when the outbox has no room for it.
+        if self._pending.pop(call.c, None) is not None and not call.answered:
+            self._publish(self._topic, {"c": call.c, "ack": call.taken, "stop": True}, _QOS_CALL)
 
     async def call(self, method, args, run_id=None, on_chunk=None):
         # The whole call in one await, for callers that need no flow of their own.
@@ -189,6 +195,7 @@ class RpcClient:
             call.last = platform.ticks_ms()
             call.ready.set()
             return
+        call.answered = True  # a final answer: the bridge has finished with the call
         if s is not None and s > call.got:
             call.fail(RpcError("gap", "%d of %d chunks arrived" % (call.got, s)))
             return

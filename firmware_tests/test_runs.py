@@ -6,160 +6,9 @@ import json
 from edge_runtime import codec
 from edge_runtime import platform
 from edge_runtime.agent import Agent
-from edge_runtime.link import Link
 from edge_runtime.runs import Runtime
-from firmware_tests.support import broker_address, run
-
-P = "wren/v1/d/"
-
-
-def _agent():
-    agent = Agent("thermostat", "0.1.0", "You watch a room.")
-
-    @agent.tool("read_temperature", "Read the room in C")
-    def read_temperature(args):
-        return 21.5
-
-    @agent.tool("explode", "Always fails")
-    def explode(args):
-        raise ValueError("sensor unplugged")
-
-    return agent
-
-
-# Turn n of the scripted model is chosen by how many assistant messages it was sent.
-SCRIPT = [
-    [{"text": "Let me "}, {"text": "check."}, {"tool": {"call": "c1", "name": "read_temperature", "input": "{}"}}],
-    [{"text": "It is 21.5 C."}],
-]
-
-
-class ScriptedBridge:
-    # Plays the bridge's side of the contract: numbered chunks, never more than the
-    # board's window past its acks, the final answer counting the chunks.
-    def __init__(self, device, script, answer_rpc=True):
-        host, port = broker_address()
-        self.base = P + device + "/"
-        self.script = script
-        self.answer_rpc = answer_rpc
-        self.events = []
-        self.calls = []
-        self.acks = {}  # call id -> the highest chunk the board acknowledged
-        self.sent = {}  # call id -> chunks sent
-        self.link = Link("bridge-" + device, host, port, on_message=self.on_message,
-                         rx_size=4096, outbox_size=32, max_packet=40000)
-        self.link.subscribe(self.base + "evt", 1)
-        self.link.subscribe(self.base + "rpc", 1)
-        self.link.subscribe(self.base + "hello", 1)
-        self.hellos = []
-
-    @property
-    def hello(self):
-        return self.hellos[-1] if self.hellos else None
-
-    def on_message(self, topic, payload):
-        msg = codec.decode(payload)
-        if topic.endswith("/evt"):
-            self.events.extend(msg if isinstance(msg, list) else [msg])
-        elif topic.endswith("/hello"):
-            self.hellos.append(msg)
-        elif topic.endswith("/rpc"):
-            if "ack" in msg and "m" not in msg:
-                self.acks[msg["c"]] = max(self.acks.get(msg["c"], 0), msg["ack"])
-                return
-            self.calls.append(msg)
-            if self.answer_rpc:
-                self.answer(msg)
-
-    def answer(self, call):
-        platform.asyncio.create_task(self._answer(call))
-
-    async def _answer(self, call):
-        turn = sum(1 for m in call["a"]["messages"] if m["role"] == "assistant")
-        c = call["c"]
-        if turn >= len(self.script):
-            await self.put("rpc/res", {"c": c, "s": 0, "err": {"kind": "llm", "msg": "script exhausted"}})
-            return
-        finish = "tool_calls" if any("tool" in s for s in self.script[turn]) else "stop"
-        window = self.hello["limits"]["window"]
-        n = 0
-        for step in self.script[turn]:
-            if "finish" in step:  # a step that only sets the final answer's finish
-                finish = step["finish"]
-                continue
-            n += 1
-            await self.wait_for(lambda: n - self.acks.get(c, 0) <= window)
-            await self.put("rpc/res", {"c": c, "s": n, "ch": step})
-            self.sent[c] = n
-        await self.put("rpc/res", {"c": c, "s": n, "ok": {"usage": {"in": 10, "out": 5, "reason": 0},
-                                                         "finish": finish}})
-
-    async def put_status(self, st):
-        assert self.link.publish("wren/v1/b/status", codec.encode({"st": st, "id": "test"}), 1, True)
-        await self.wait_for(lambda: self.link.pending == 0)
-
-    async def put(self, leaf, msg_or_bytes):
-        # Waits for room in the outbox: a long script is more than it holds.
-        assert await self.link.wait_room(10000), "the scripted bridge's outbox stayed full"
-        self.send(leaf, msg_or_bytes)
-
-    def send(self, leaf, msg_or_bytes):
-        data = msg_or_bytes if isinstance(msg_or_bytes, bytes) else codec.encode(msg_or_bytes)
-        assert self.link.publish(self.base + leaf, data, 1), "the scripted bridge's outbox is full"
-
-    def of_run(self, run_id):
-        # By id, each once: a resend after a reconnect may deliver an event twice.
-        seen = {}
-        for e in self.events:
-            if e["r"] == run_id:
-                seen[e["i"]] = e
-        return [seen[i] for i in sorted(seen)]
-
-    def ended(self, t="run.done"):
-        return [e for e in self.events if e["t"] == t]
-
-    async def wait_for(self, pred, ms=10000):
-        waited = 0
-        while not pred():
-            if waited >= ms:
-                raise AssertionError("timed out; events: %r" % (self.events[-20:],))
-            await platform.sleep_ms(20)
-            waited += 20
-
-
-async def _with_board(device, body, script=SCRIPT, settings=None, agent=None):
-    host, port = broker_address()
-    bridge = ScriptedBridge(device, script)
-    runtime = Runtime(agent or _agent(), device, settings or {})
-    # Wired as board.py wires a board: the runtime's receive buffer, callbacks, last will
-    # and persistent session.
-    link = Link(device, host, port, backoff_ms=(50, 200), **runtime.link_settings())
-    runtime.attach(link)
-    tasks = [platform.asyncio.create_task(bridge.link.run())]
-    try:
-        assert await bridge.link.wait_connected(5000)
-        # Online, retained, as the real bridge says it: a board fails its calls at once
-        # while the bridge's presence says offline (and a test bridge of another module
-        # may have left that behind on the shared broker).
-        await bridge.put_status("online")
-        tasks.append(platform.asyncio.create_task(link.run()))
-        assert await link.wait_connected(5000)
-        await bridge.wait_for(lambda: bridge.hello is not None)
-        await body(bridge, runtime)
-    finally:
-        link.stop()
-        bridge.link.stop()
-        for t in tasks:
-            try:
-                await platform.wait_for_ms(t, 3000)
-            except Exception:
-                t.cancel()
-        # The board's session is persistent: leave none behind on the shared broker.
-        clean = Link(device, host, port, clean_session=True)
-        t = platform.asyncio.create_task(clean.run())
-        await clean.wait_connected(5000)
-        clean.stop()
-        await platform.wait_for_ms(t, 3000)
+from firmware_tests.scripted_bridge import P, device_errors, make_agent, with_board
+from firmware_tests.support import run
 
 
 def _types(events):
@@ -196,7 +45,7 @@ def test_one_request_runs_the_tool_loop_to_done():
         assert limits["window"] == 4 and limits["chunk"] == 256
         assert run_id.split(".")[0] == bridge.hello["boot"] == runtime.boot
 
-    run(_with_board("tb-loop", body))
+    run(with_board("tb-loop", body))
 
 
 def test_failing_tool_is_reported_to_the_model_and_the_run_goes_on():
@@ -208,7 +57,7 @@ def test_failing_tool_is_reported_to_the_model_and_the_run_goes_on():
         result = [e for e in bridge.events if e["t"] == "tool.result"][0]["d"]
         assert result["failed"] is True and "sensor unplugged" in result["output"]
 
-    run(_with_board("tb-toolfail", body, script))
+    run(with_board("tb-toolfail", body, script))
 
 
 def test_model_error_fails_the_run_retryable_with_a_safe_message():
@@ -218,7 +67,7 @@ def test_model_error_fails_the_run_retryable_with_a_safe_message():
         failed = [e for e in bridge.events if e["t"] == "run.failed"][0]["d"]
         assert failed["err"]["kind"] == "llm" and failed["retryable"] is True
 
-    run(_with_board("tb-llmerr", body, script=[]))
+    run(with_board("tb-llmerr", body, script=[]))
 
 
 def test_repeated_request_id_starts_nothing_new():
@@ -232,11 +81,7 @@ def test_repeated_request_id_starts_nothing_new():
         assert started == ["same", "other"]
         assert runtime.stats["duplicate"] == 1
 
-    run(_with_board("tb-idem", body))
-
-
-def _device_errors(bridge):
-    return [e["d"] for e in bridge.of_run("_") if e["t"] == "error"]
+    run(with_board("tb-idem", body))
 
 
 def test_bad_input_is_refused_by_name_and_the_board_keeps_serving():
@@ -255,8 +100,8 @@ def test_bad_input_is_refused_by_name_and_the_board_keeps_serving():
     async def body(bridge, runtime):
         for leaf, payload, _ in bad:
             bridge.send(leaf, payload)
-        await bridge.wait_for(lambda: len(_device_errors(bridge)) == len(bad))
-        kinds = [d["kind"] for d in _device_errors(bridge)]
+        await bridge.wait_for(lambda: len(device_errors(bridge)) == len(bad))
+        kinds = [d["kind"] for d in device_errors(bridge)]
         assert kinds == [k for _, _, k in bad]
         ids = [e["i"] for e in bridge.of_run("_")]
         assert ids == list(range(1, len(bad) + 1))
@@ -264,7 +109,7 @@ def test_bad_input_is_refused_by_name_and_the_board_keeps_serving():
         bridge.send("req", {"req": "after-bad", "input": "still there?"})
         await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
 
-    run(_with_board("tb-bad", body))
+    run(with_board("tb-bad", body))
 
 
 async def _fill_until_busy(bridge, prefix):
@@ -273,8 +118,8 @@ async def _fill_until_busy(bridge, prefix):
     bridge.answer_rpc = False
     for n in range(4):
         bridge.send("req", {"req": "%s%d" % (prefix, n), "input": "x"})
-    await bridge.wait_for(lambda: len(_device_errors(bridge)) == 1)
-    return _device_errors(bridge)[0]
+    await bridge.wait_for(lambda: len(device_errors(bridge)) == 1)
+    return device_errors(bridge)[0]
 
 
 def test_requests_beyond_concurrency_and_queue_are_refused_busy():
@@ -290,7 +135,7 @@ def test_requests_beyond_concurrency_and_queue_are_refused_busy():
         assert cancelled["d"]["reason"] == "user stopped it" and cancelled["r"] == run_id
         await bridge.wait_for(lambda: len([e for e in bridge.events if e["t"] == "run.started"]) == 2)
 
-    run(_with_board("tb-busy", body))
+    run(with_board("tb-busy", body))
 
 
 def test_replay_resends_what_the_ring_holds_and_reports_the_rest_as_a_gap():
@@ -309,7 +154,7 @@ def test_replay_resends_what_the_ring_holds_and_reports_the_rest_as_a_gap():
         assert gap["t"] == "error" and gap["i"] == total + 1
         assert gap["d"]["kind"] == "gap" and gap["d"]["from"] == 1 and gap["d"]["to"] == total - 4
 
-    run(_with_board("tb-replay", body, settings={"ring": 4}))
+    run(with_board("tb-replay", body, settings={"ring": 4}))
 
 
 def test_plain_async_handler_needs_no_model():
@@ -326,7 +171,7 @@ def test_plain_async_handler_needs_no_model():
         assert out["value"] == "SHOUT"
         assert bridge.calls == []
 
-    run(_with_board("tb-plain", body, agent=agent))
+    run(with_board("tb-plain", body, agent=agent))
 
 
 def test_tool_input_must_be_a_json_object():
@@ -339,59 +184,20 @@ def test_tool_input_must_be_a_json_object():
         assert result["failed"] is True
         assert json.loads('"%s"' % result["output"]) == "arguments must be a JSON object"
 
-    run(_with_board("tb-json", body, script))
-
-
-def test_a_call_waits_across_a_reconnect_when_the_broker_kept_the_session():
-    async def body(bridge, runtime):
-        bridge.answer_rpc = False
-        bridge.send("req", {"req": "keep1", "input": "x"})
-        await bridge.wait_for(lambda: len(bridge.calls) == 1)
-        runtime.link.reconnect("test cuts the link")
-        # The answer is sent while the board may be away: it waits in its session.
-        bridge.answer_rpc = True
-        bridge.answer(bridge.calls[0])
-        await bridge.wait_for(lambda: bridge.ended() or bridge.ended("run.failed"), 15000)
-        assert bridge.ended() and not bridge.ended("run.failed")
-        assert runtime.link.session_present
-
-    run(_with_board("tb-keep", body))
-
-
-def test_a_call_fails_at_once_and_retryable_when_the_session_was_lost():
-    async def body(bridge, runtime):
-        bridge.answer_rpc = False
-        bridge.send("req", {"req": "drop1", "input": "x"})
-        await bridge.wait_for(lambda: len(bridge.calls) == 1)
-        # Another client with the board's id and a clean session takes the connection
-        # over and wipes the session: the answers the call waits for can never come.
-        host, port = broker_address()
-        thief = Link(runtime.device, host, port, clean_session=True)
-        t = platform.asyncio.create_task(thief.run())
-        assert await thief.wait_connected(5000)
-        thief.stop()
-        await platform.wait_for_ms(t, 3000)
-        # Far sooner than the 120 s call timeout: the reconnect itself fails the call.
-        await bridge.wait_for(lambda: bridge.ended("run.failed"), 15000)
-        failed = bridge.ended("run.failed")[0]["d"]
-        assert failed["err"]["kind"] == "llm" and failed["retryable"] is True
-        assert "link" in failed["err"]["msg"]
-        assert not runtime.link.session_present and runtime.active == {}
-
-    run(_with_board("tb-drop", body))
+    run(with_board("tb-json", body, script))
 
 
 def test_ids_over_64_chars_are_refused_and_echoes_are_clipped():
     async def body(bridge, runtime):
         bridge.send("req", {"req": "q" * 65, "input": "x"})
         bridge.send("ctl", {"op": "cancel", "r": "r" * 1000})
-        await bridge.wait_for(lambda: len(_device_errors(bridge)) == 2)
-        first, second = _device_errors(bridge)
+        await bridge.wait_for(lambda: len(device_errors(bridge)) == 2)
+        first, second = device_errors(bridge)
         assert first["kind"] == "bad_envelope" and second["kind"] == "unknown_run"
         # The refusal names the run, but never echoes 1000 characters back.
         assert len(second["msg"]) < 100 and "rrr" in second["msg"]
 
-    run(_with_board("tb-ids", body))
+    run(with_board("tb-ids", body))
 
 
 def test_a_request_refused_busy_can_be_sent_again_later():
@@ -405,7 +211,7 @@ def test_a_request_refused_busy_can_be_sent_again_later():
         await bridge.wait_for(lambda: len([e for e in bridge.events if e["t"] == "run.done"]) == 4)
         assert runtime.stats["duplicate"] == 0
 
-    run(_with_board("tb-retry", body))
+    run(with_board("tb-retry", body))
 
 
 def test_a_tool_call_announced_but_never_received_fails_the_run():
@@ -416,7 +222,7 @@ def test_a_tool_call_announced_but_never_received_fails_the_run():
         failed = [e for e in bridge.events if e["t"] == "run.failed"][0]["d"]
         assert failed["err"]["kind"] == "llm" and failed["retryable"] is True
 
-    run(_with_board("tb-lost", body, script=[[{"finish": "tool_calls"}]]))
+    run(with_board("tb-lost", body, script=[[{"finish": "tool_calls"}]]))
 
 
 def test_a_call_too_large_to_send_fails_at_once():
@@ -428,13 +234,13 @@ def test_a_call_too_large_to_send_fails_at_once():
         assert bridge.calls == []
         assert runtime.active == {}
 
-    run(_with_board("tb-big", body, settings={"max_send": 600}))
+    run(with_board("tb-big", body, settings={"max_send": 600}))
 
 
 def test_cancel_before_the_run_begins_still_frees_its_slot():
     # No link here: the runtime keeps its events in the run's ring all the same.
     async def body():
-        runtime = Runtime(_agent(), "tb-local", {})
+        runtime = Runtime(make_agent(), "tb-local", {})
         base = P + "tb-local/"
         runtime.on_message(base + "req", codec.encode({"req": "early", "input": "x"}))
         run_id = list(runtime.active)[0]

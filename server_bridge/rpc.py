@@ -484,6 +484,12 @@ class RpcServer:
             # Late: the final answer crossed it, or device_gone() ended the call.
             self._count("rpc.ack_unknown", 1)
             return
+        if ack.stop:
+            # The board's run ended first (cancelled, failed): stop the model stream and
+            # free the worker now, not when a window nobody acknowledges times out.
+            if self._end_unanswered([state], remember=True):
+                self._count("rpc.stopped", 1)
+            return
         ahead = False
         with state.flow:
             if ack.s > state.sent:
@@ -798,23 +804,34 @@ class RpcServer:
 
         with self._lock:
             gone = [s for s in self._inflight if s.device == device and ends(s)]
-            for s in gone:
-                self._forget_call(s)
-                if not new_boot:
-                    self._remember(s)
-            if new_boot:
+        n = self._end_unanswered(gone, remember=not new_boot)
+        if new_boot:
+            with self._lock:
                 self._recent.pop(device, None)
+        if n:
+            log.info("rpc: ended %d call(s) of %s unanswered: %s", n, device, msg)
+            self._count("rpc.device_gone", n)
+        return n
+
+    def _end_unanswered(self, states: list[_Call], remember: bool) -> int:
+        """End calls without an answer: free their slots, wake a worker waiting on their
+        window, and stop their handlers at the next emit. `remember` keeps their ids,
+        so a resend of one is not run again. Returns how many were still open."""
+        with self._lock:
+            # Only what is still in flight: a call may have finished since it was found.
+            states = [s for s in states if s in self._inflight]
+            for s in states:
+                self._forget_call(s)
+                if remember:
+                    self._remember(s)
         n = 0
-        for s in gone:
+        for s in states:
             with s.flow:
                 if s.done:
                     continue  # answered already (a timeout); its worker is still busy
                 s.done = True
                 s.flow.notify_all()
             n += 1
-        if n:
-            log.info("rpc: ended %d call(s) of %s unanswered: %s", n, device, msg)
-            self._count("rpc.device_gone", n)
         return n
 
     # ------------------------------------------------------------------ housekeeping

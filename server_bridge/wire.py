@@ -323,10 +323,12 @@ def check_call(obj: object) -> Call:
 
 @dataclass(frozen=True)
 class Ack:
-    """A board's `{c, ack}` on P/d/D/rpc: it has consumed chunks 1..s of call c."""
+    """A board's `{c, ack}` on P/d/D/rpc: it has consumed chunks 1..s of call c; with
+    `stop` it wants no more of it (its run ended before the call did)."""
 
     c: int | str
     s: int
+    stop: bool = False
 
 
 def is_ack(obj: object) -> bool:
@@ -346,7 +348,10 @@ def check_ack(obj: object) -> Ack:
     s = m.get("ack")
     if not _is_int(s) or s < 0:
         raise BadEnvelope("rpc ack needs ack: an int >= 0")
-    return Ack(c, s)
+    stop = m.get("stop", False)
+    if not isinstance(stop, bool):
+        raise BadEnvelope("rpc ack stop must be a bool")
+    return Ack(c, s, stop)
 
 
 # A board's boot id (PROTOCOL.md "Boot id"): 8 hex digits drawn at each boot; up to 16

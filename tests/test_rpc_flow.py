@@ -424,9 +424,16 @@ def test_malformed_and_unknown_acks_are_counted_and_never_answered(
     stacks: Callable[..., Stack],
 ) -> None:
     s = stacks(lambda emit: emit({"text": "fine"}))
-    for bad in ({"c": 1, "ack": "3"}, {"c": 1, "ack": -1}, {"c": 1, "ack": True}, {"ack": 3}):
+    bad_acks = (
+        {"c": 1, "ack": "3"},
+        {"c": 1, "ack": -1},
+        {"c": 1, "ack": True},
+        {"ack": 3},
+        {"c": 1, "ack": 0, "stop": "yes"},
+    )
+    for bad in bad_acks:
         s.board.send(bad)
-    wait_for(lambda: s.stat("refused.bad_envelope") == 4, "4 bad acks refused")
+    wait_for(lambda: s.stat("refused.bad_envelope") == 5, "5 bad acks refused")
     assert {r.kind for r in s.bridge.refusals} == {"bad_envelope"}
     s.board.send({"c": 999, "ack": 1})
     wait_for(lambda: s.stat("rpc.ack_unknown") == 1, "the unknown ack counted")
@@ -435,6 +442,35 @@ def test_malformed_and_unknown_acks_are_counted_and_never_answered(
     assert st.text() == "fine" and st.final is not None and "ok" in st.final
     with s.board.cond:
         assert [m["c"] for m in s.board.order] == [7, 7]  # nothing answered the acks
+
+
+def test_a_stop_from_the_board_ends_its_call_at_once(stacks: Callable[..., Stack]) -> None:
+    # The board's run was cancelled mid-stream: it says stop, and the bridge stops the
+    # model and frees the worker instead of waiting for acks until the deadline.
+    stopped = threading.Event()
+
+    def play(emit: Callable[[Chunk], None]) -> None:
+        try:
+            for _ in range(50):
+                emit({"text": "z" * 256})
+        finally:
+            stopped.set()
+
+    s = stacks(play, window=2, ack=False)
+    s.board.call(4)
+    s.board.wait(lambda: len(s.board.streams[4].chunks) >= 2, "the window's 2 chunks")
+    wait_for(lambda: s.stat("rpc.window_waits") >= 1, "the worker to wait for acks")
+    s.board.send({"c": 4, "ack": 1, "stop": True})
+    assert stopped.wait(WAIT), "the handler was not stopped"
+    wait_for(lambda: s.bridge.rpc.inflight_of("dev1") == 0, "the slot to be freed")
+    assert s.stat("rpc.stopped") == 1
+    # Nothing more for the stopped call, no final answer; a resend of it does not run.
+    s.board.call(4)
+    wait_for(lambda: s.stat("rpc.duplicate") == 1, "the resend to be ignored")
+    with s.board.cond:
+        st = s.board.streams[4]
+        assert [ch["s"] for ch in st.chunks] == [1, 2] and st.final is None
+    assert s.provider.calls == 1
 
 
 # ---------------------------------------------------------------- devices that go away
