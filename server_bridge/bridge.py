@@ -320,11 +320,12 @@ class Bridge:
             if self._connected:
                 # A clean DISCONNECT suppresses the last will, so the bridge says it itself.
                 self._say_offline(client)
-            client.disconnect()
             # paho 2.2's network thread may wake once more after disconnect() closed the
             # socket and log "Client is not connected" at ERROR: at shutdown that is the
-            # expected state, so paho's own log is detached before the thread is joined.
+            # expected state, so paho's own log is detached before the disconnect (after
+            # it, the thread may already have logged).
             client.disable_logger()
+            client.disconnect()
             client.loop_stop()
         if self._housekeeper is not None:
             self._housekeeper.join(timeout=5)
