@@ -242,6 +242,12 @@ class _Handler(BaseHTTPRequestHandler):
     # HTTP/1.1 so a stream can be sent with chunked transfer encoding, as OpenAI does;
     # every response still closes its connection (urllib asks for that anyway).
     protocol_version = "HTTP/1.1"
+    # Each SSE event leaves when it is written, as from the servers this one stands for
+    # (Go's net and Python's asyncio set TCP_NODELAY on every connection). With Nagle's
+    # algorithm on, a small event written while the previous one is unacknowledged waits
+    # for the client's delayed ACK (40 ms on Linux): the stream would arrive in bursts,
+    # and the time of the last write would not be when the last event left.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: a test's output is the test's
