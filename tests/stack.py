@@ -9,7 +9,8 @@ What runs:
 - **broker**: Mosquitto on a free loopback port with Wren's password file and ACL
   (tools/brokerconf.py, the users `bridge`, the device and `host-demo`), logging
   connections and subscriptions (the harness reads them to know who is back after a
-  restart); with `persistence=True` it saves its sessions on SIGTERM and loads them again.
+  restart); with `persistence=True` it saves its sessions on SIGTERM and loads them again;
+  `broker_conf` lines are appended to its config (e.g. `set_tcp_nodelay true`).
 - **bridge**: `python -m tools.cli bridge ...` as a subprocess (the scripted demo model, or
   `--openai-base-url model_url --model model`), its stdout and stderr in `bridge.log`.
 - **board**: `edge_runtime` laid out as .mpy (`lay_out_flash`) and run on the MicroPython
@@ -115,6 +116,7 @@ class Stack:
         micropython: str | None = None,
         mpy: bool = True,
         persistence: bool = False,
+        broker_conf: str = "",
         board_settings: Mapping[str, Any] | None = None,
         bridge_args: Sequence[str] = (),
         bridge_verbose: bool = False,
@@ -132,6 +134,7 @@ class Stack:
         self.micropython = micropython
         self.mpy = mpy
         self.persistence = persistence
+        self.broker_conf = broker_conf
         self.board_settings = dict(board_settings or {})
         self.bridge_args = list(bridge_args)
         self.bridge_verbose = bridge_verbose
@@ -195,6 +198,7 @@ class Stack:
         conf += "log_type subscribe\n"
         if self.persistence:
             conf += persistence_conf(broker_dir / "persist")
+        conf += self.broker_conf
         self._broker_conf = conf
         self._start_broker()
 

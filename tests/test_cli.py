@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from server_bridge.config import BridgeConfig
 from tools.broker import MosquittoProcess, free_port
+from tools.cli import build_parser
+from tools.demo import bridge_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 60.0
@@ -180,3 +183,18 @@ def test_hil_fails_when_a_module_does_not_run_on_the_target() -> None:
     assert proc.returncode == 1
     assert "hil: test_no_such_module: no summary" in proc.stdout
     assert "ImportError" in proc.stdout
+
+
+def test_bridge_merge_ms_sets_the_rpc_merge_time_and_refuses_a_negative_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def config(*extra: str) -> BridgeConfig:
+        return bridge_config(build_parser().parse_args(["bridge", *extra]), "127.0.0.1", 1883)
+
+    assert config().rpc_merge_s == BridgeConfig().rpc_merge_s
+    assert config("--merge-ms", "0").rpc_merge_s == 0.0
+    assert config("--merge-ms", "12.5").rpc_merge_s == pytest.approx(0.0125)
+    for bad in ("-1", "soon", "nan"):
+        with pytest.raises(SystemExit):
+            config("--merge-ms", bad)
+        assert "--merge-ms" in capsys.readouterr().err

@@ -158,6 +158,26 @@ def test_a_connection_dropped_mid_stream_is_a_model_error(server: ModelServer) -
     assert chunks == [{"text": "abcd"}, {"text": "efgh"}]
 
 
+def test_the_end_of_each_complete_stream_is_timed_and_a_dropped_one_has_none(
+    server: ModelServer,
+) -> None:
+    server.script = [Turn(text="abcdefgh", chunk_chars=4)]
+    server.override_next(Turn(text="abcdefgh", chunk_chars=4, drop_after=2))
+    with pytest.raises(ModelError):
+        complete(server)
+    before = time.monotonic()
+    chunks, _ = complete(server)
+    assert chunks == [{"text": "abcd"}, {"text": "efgh"}]
+    # Stamped by the server's thread just after its last write, which the provider may
+    # read before the stamp is taken: wait for it (bounded).
+    deadline = time.monotonic() + JOIN_S
+    while 2 not in server.stream_ends and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ends = server.stream_ends
+    assert list(ends) == [2]
+    assert before < ends[2] <= time.monotonic()
+
+
 def test_a_hung_server_ends_the_call_at_its_deadline(server: ModelServer) -> None:
     server.script = [Turn(text="too late", hang_s=60)]
     outcome: list[Any] = []

@@ -90,6 +90,24 @@ def test_a_run_with_the_model_server(tmp_path: Path) -> None:
     assert all_exited(procs)
 
 
+def test_broker_conf_lines_and_bridge_args_reach_their_processes(tmp_path: Path) -> None:
+    # As bench_stream runs a stack: Mosquitto with Nagle off, the bridge merging nothing.
+    text = "abcdefghijklmnopqrstuvwxyz" * 4
+    with ModelServer([Turn(text=text, chunk_chars=4)]) as server:
+        with Stack(
+            tmp_path,
+            model_url=server.url,
+            broker_conf="set_tcp_nodelay true\n",
+            bridge_args=["--merge-ms", "0"],
+        ) as s:
+            conf = (tmp_path / "mosquitto" / "mosquitto.conf").read_text()
+            assert conf.endswith("set_tcp_nodelay true\n")
+            assert s.bridge_command()[-2:] == ["--merge-ms", "0"]
+            snap = s.ask(QUESTION)
+            assert snap.status == "done", s.describe()
+            assert assistant_text(snap) == text
+
+
 def test_a_tool_call_from_the_model_server_runs_on_the_board(tmp_path: Path) -> None:
     script = [
         Turn(text="Let me check.", tool_calls=[ToolCall("read_temperature")]),

@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+from server_bridge.config import BridgeConfig
 from tools import demo as demo_mod
 
 
@@ -23,6 +24,16 @@ def broker_arg(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host, int(port)
+
+
+def milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return value
 
 
 def _add_broker_options(p: argparse.ArgumentParser, user_env: str, password_env: str) -> None:
@@ -94,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=os.environ.get("WREN_MODEL", "gpt-4o-mini"))
     b.add_argument(
         "--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key"
+    )
+    b.add_argument(
+        "--merge-ms",
+        type=milliseconds,
+        metavar="MS",
+        help="hold a model's small text chunks up to MS before sending them to a board "
+        f"(default {BridgeConfig.rpc_merge_s * 1000:g}; 0 sends each chunk as it comes)",
     )
 
     v = sub.add_parser("board", help="run a board")

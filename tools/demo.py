@@ -322,6 +322,22 @@ def run_demo(args: argparse.Namespace) -> int:
         return 0
 
 
+def bridge_config(args: argparse.Namespace, host: str, port: int) -> BridgeConfig:
+    """The BridgeConfig of `wren bridge` with these arguments."""
+    extra: dict[str, Any] = {}
+    if args.merge_ms is not None:  # else the config's own default
+        extra["rpc_merge_s"] = args.merge_ms / 1000
+    return BridgeConfig(
+        host=host,
+        port=port,
+        username=args.user,
+        password=args.password,
+        prefix=PREFIX,
+        client_id=args.client_id,
+        **extra,
+    )
+
+
 def run_bridge(args: argparse.Namespace) -> int:
     host, port = args.broker or ("127.0.0.1", 1883)
     args.registry.parent.mkdir(parents=True, exist_ok=True)
@@ -342,15 +358,7 @@ def run_bridge(args: argparse.Namespace) -> int:
     else:
         provider = ScriptedProvider(DEMO_SCRIPT)
         what = "scripted model (demo script)"
-    config = BridgeConfig(
-        host=host,
-        port=port,
-        username=args.user,
-        password=args.password,
-        prefix=PREFIX,
-        client_id=args.client_id,
-    )
-    bridge = Bridge(config, registry, provider)
+    bridge = Bridge(bridge_config(args, host, port), registry, provider)
     try:
         bridge.start()
     except Exception as e:
