@@ -101,6 +101,10 @@ class _Deltas:
                 if keep:
                     self.text.append(keep)
                     self.kept += len(keep)
+                    if len(self.text) > 8:
+                        # Small pieces (a small delta_chars) joined as they come: a
+                        # thousand one-character strs would cost tens of KiB of heap.
+                        self.text = ["".join(self.text)]
                 self.more += len(piece) - len(keep)
             await self.run.event(self.kind, {"m": self.m, "text": piece})
         if self.n:

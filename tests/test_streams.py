@@ -184,6 +184,19 @@ def test_twenty_long_answers_in_a_row_without_a_reconnect_or_heap_growth(
         assert last >= settled - 512, str(frees)
 
 
+def test_one_event_per_character_still_fits_a_128k_board(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    # A board set to send every character as its own event: the text the model loop
+    # keeps for the conversation must not become a thousand one-character strings.
+    text = LONG[:1200]
+    server.script[:] = [Turn(text=text, chunk_chars=4)]
+    with Stack(tmp_path, model_url=server.url, board_settings={"delta_chars": 1}) as s:
+        snap = s.ask("Count for me", timeout=SLOW)
+        assert_whole(s, snap, text)
+        assert deltas(s, snap) == 1200
+
+
 def _as_bridge(s: Stack) -> paho.Client:
     """A paho client logged in as the bridge user: the only one allowed to publish on a
     board's req, ctl and rpc/res."""
