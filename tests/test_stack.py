@@ -4,8 +4,6 @@ restarted, and a teardown that leaves nothing running."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,18 +12,11 @@ import pytest
 
 from server_bridge.host.reducer import RunSnapshot
 from tests.model_server import ModelServer, ToolCall, Turn
-from tests.stack import Stack, StackError, assistant_text
+from tests.stack import Stack, StackError, assistant_text, i686_binary
 from tools.demo import BRIDGE_USER
 
 QUESTION = "How warm is it in here?"
 SCRIPTED_ROWS = ["Let me check the sensor.", "It is 21.5 °C in here."]
-# Where a 32-bit (i686) MicroPython binary may be: named by the environment, on PATH,
-# or the team's shared build kit. The project never requires one.
-I686_CANDIDATES = [
-    os.environ.get("WREN_MICROPYTHON_I686", ""),
-    shutil.which("micropython-i686") or "",
-    "/work/shared/micropython/micropython-i686",
-]
 HAVE_PROC = Path("/proc/self/cwd").exists()
 
 
@@ -175,7 +166,7 @@ def test_a_dead_part_is_named_with_the_board_console(tmp_path: Path) -> None:
 
 
 def test_a_run_on_a_32_bit_unix_port(tmp_path: Path) -> None:
-    exe = next((c for c in I686_CANDIDATES if c and Path(c).exists()), None)
+    exe = i686_binary()
     if exe is None:
         pytest.skip("no 32-bit MicroPython binary (set WREN_MICROPYTHON_I686)")
     with Stack(tmp_path, micropython=exe) as s:

@@ -13,7 +13,6 @@ running. Every wait is bounded; nothing asserts how long something took.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -28,14 +27,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge.host.client import RequestRefused
 from server_bridge.host.reducer import RunSnapshot
 from tests.model_server import ModelServer, ToolCall, Turn
-from tests.stack import Stack, assistant_text
+from tests.stack import Stack, assistant_text, i686_binary
 from tools.demo import BRIDGE_USER, PREFIX
 
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters, each position checkable
 SLOW = 60.0
-I686 = os.environ.get("WREN_MICROPYTHON_I686") or str(
-    Path(__file__).resolve().parents[2] / "shared" / "micropython" / "micropython-i686"
-)
+I686 = i686_binary()
 
 # The board's console line at the end of each run: "run <id> ended; heap free <n>".
 _HEAP_LINE = re.compile(r"run (\S+) ended; heap free (\d+)")
@@ -72,15 +69,17 @@ def server() -> Iterator[ModelServer]:
         yield m
 
 
-BOARDS = [pytest.param(None, "128K", id="64bit-128K"), pytest.param(I686, "96K", id="32bit-96K")]
+BOARDS = [pytest.param(None, "128K", id="64bit-128K"), pytest.param("i686", "96K", id="32bit-96K")]
 
 
 @pytest.mark.parametrize(("micropython", "heap"), BOARDS)
 def test_long_answers_tiny_chunks_and_fragmented_tool_calls(
     server: ModelServer, tmp_path: Path, micropython: str | None, heap: str
 ) -> None:
-    if micropython is not None and not Path(micropython).exists():
-        pytest.skip(f"no 32-bit MicroPython at {micropython}")
+    if micropython == "i686":
+        if I686 is None:
+            pytest.skip("no 32-bit MicroPython here (see tests/stack.py i686_binary)")
+        micropython = I686
     one_char = "".join(chr(0x61 + i % 26) for i in range(3000))
     args = '{"unit": "celsius", "room": "living room"}'
     with Stack(tmp_path, model_url=server.url, micropython=micropython, heap=heap) as s:
@@ -144,8 +143,8 @@ def test_a_7000_character_request_runs_on_a_board_given_an_8k_receive_buffer(
     server: ModelServer, tmp_path: Path
 ) -> None:
     # A 32-bit board of 96 KiB has the heap for it (its settings say max_payload 8192).
-    if not Path(I686).exists():
-        pytest.skip(f"no 32-bit MicroPython at {I686}")
+    if I686 is None:
+        pytest.skip("no 32-bit MicroPython here (see tests/stack.py i686_binary)")
     request = "".join(f"{i:06d} " for i in range(1000))
     answer = "".join(f"{i:06d}." for i in range(1000))
     server.script[:] = [Turn(text=answer, chunk_chars=7000)]
