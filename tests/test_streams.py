@@ -59,6 +59,15 @@ def deltas(s: Stack, snap: RunSnapshot) -> int:
     return len({e["i"] for e in run_events(s, snap) if e["t"] == "msg.delta"})
 
 
+def wait_until_streaming(s: Stack) -> None:
+    """Until the host has the first msg.delta: the run is mid-answer."""
+    assert s.client is not None
+    deadline = time.monotonic() + SLOW
+    while not any(e["t"] == "msg.delta" for e in s.client.events):
+        assert time.monotonic() < deadline, s.describe()
+        time.sleep(0.02)
+
+
 def heap_free(s: Stack) -> list[int]:
     return [int(m.group(2)) for line in s.console if (m := _HEAP_LINE.search(line))]
 
@@ -254,10 +263,7 @@ def test_mosquitto_restarted_mid_run_loses_nothing(server: ModelServer, tmp_path
     with Stack(tmp_path, model_url=server.url, persistence=True) as s:
         req = s.request("Count slowly")
         assert s.client is not None
-        deadline = time.monotonic() + SLOW
-        while not any(e["t"] == "msg.delta" for e in s.client.events):
-            assert time.monotonic() < deadline, s.describe()
-            time.sleep(0.02)
+        wait_until_streaming(s)
         s.restart_broker()
         snap = s.wait_run(req, timeout=SLOW)
         assert_whole(s, snap, LONG)
@@ -292,10 +298,7 @@ def test_a_board_killed_mid_run_ends_the_run_and_its_refusals_after_the_reboot_r
             # A refusal before the reboot: device stream id 1.
             sender.publish(f"{PREFIX}/d/{s.device}/req", b"\xc1", qos=1).wait_for_publish(10)
             req = s.request("Count slowly")
-            deadline = time.monotonic() + SLOW
-            while not any(e["t"] == "msg.delta" for e in s.client.events):
-                assert time.monotonic() < deadline, s.describe()
-                time.sleep(0.02)
+            wait_until_streaming(s)
             s.kill_board()
             snap = s.wait_run(req, timeout=SLOW)
             assert snap.status == "failed" and snap.retryable, (snap.status, snap.error)
@@ -328,10 +331,7 @@ def test_a_bridge_killed_mid_run_frees_the_boards_slot_at_once(
     with Stack(tmp_path, model_url=server.url) as s:
         assert s.client is not None
         req = s.request("Count slowly")
-        deadline = time.monotonic() + SLOW
-        while not any(e["t"] == "msg.delta" for e in s.client.events):
-            assert time.monotonic() < deadline, s.describe()
-            time.sleep(0.02)
+        wait_until_streaming(s)
         mark = s.console_mark()
         s.kill_bridge()
         # The bridge's last will reaches the board, which fails its call and frees its
