@@ -305,11 +305,16 @@ def call_id(obj: object) -> int | str | None:
     return None
 
 
-def check_call(obj: object) -> Call:
-    m = _need_map(obj, "rpc call")
+def _need_call_id(m: Mapping[str, Any], what: str) -> int | str:
     c = call_id(m)
     if c is None:
-        raise BadEnvelope(f"rpc call needs a call id c: an int or a str of 1..{MAX_CALL_ID} chars")
+        raise BadEnvelope(f"{what} needs a call id c: an int or a str of 1..{MAX_CALL_ID} chars")
+    return c
+
+
+def check_call(obj: object) -> Call:
+    m = _need_map(obj, "rpc call")
+    c = _need_call_id(m, "rpc call")
     method = m.get("m")
     if not isinstance(method, str):
         raise BadEnvelope("rpc call needs a method m: a str")
@@ -342,9 +347,7 @@ def is_ack(obj: object) -> bool:
 
 def check_ack(obj: object) -> Ack:
     m = _need_map(obj, "rpc ack")
-    c = call_id(m)
-    if c is None:
-        raise BadEnvelope(f"rpc ack needs a call id c: an int or a str of 1..{MAX_CALL_ID} chars")
+    c = _need_call_id(m, "rpc ack")
     s = m.get("ack")
     if not _is_int(s) or s < 0:
         raise BadEnvelope("rpc ack needs ack: an int >= 0")
