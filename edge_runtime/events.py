@@ -1,4 +1,5 @@
-# The event vocabulary of the wire contract and the per-run emitter.
+# The event vocabulary of the wire contract, the contract's shared names and bounds,
+# and the per-run emitter.
 # TYPES names every event type of docs/PROTOCOL.md ("Event types", where each type's
 # `d` fields are listed): the emitter refuses a type not in it, and the bridge refuses
 # incoming events whose type is not in it (server_bridge imports this tuple), so a new
@@ -10,6 +11,22 @@ from edge_runtime.ring import Ring
 # Run id for events that belong to no run (refused input, a request that was never
 # admitted). It has its own id sequence like any run.
 DEVICE_RUN = "_"
+
+# The contract's bounds that board, bridge and hosts must agree on, defined here once
+# (server_bridge imports them): every id on the wire (req, conv, usr, run and call ids,
+# device and tenant topic levels) is at most MAX_ID characters, because each is echoed
+# and kept; a cancel's reason is cut to MAX_REASON characters.
+MAX_ID = 64
+MAX_REASON = 200
+# The topic prefix P when settings name none.
+PREFIX = "wren/v1"
+# What a board receives by default (hello `payload`, setting `max_payload`): its receive
+# buffer holds this much payload, and no string is longer. The bridge assumes it for a
+# board whose hello leaves it out. Measured (tests/test_streams.py,
+# benchmarks/bench_heap.py): with 4 KiB a 128 KiB board on the 64-bit unix port keeps
+# about 14 KiB free at the bottom of a bursty streamed answer; with 8 KiB it runs out. A
+# 32-bit board of 96 KiB runs a 7,000-character request with `max_payload` 8192.
+RX_PAYLOAD = 4096
 
 # A ring's defaults (settings `ring` and `ring_bytes`): at most this many events, and at
 # most this many bytes of them. The board keeps the rings of its active runs, of the

@@ -7,7 +7,8 @@
 import sys
 
 from edge_runtime import codec, platform
-from edge_runtime.events import DEVICE_RUN, RING, RING_BYTES, Emitter
+from edge_runtime.events import (DEVICE_RUN, MAX_ID, MAX_REASON, PREFIX, RING, RING_BYTES,
+                                  RX_PAYLOAD, Emitter)
 from edge_runtime.ring import Ring
 from edge_runtime.rpc import CHUNK, WINDOW, RpcClient
 from edge_runtime.agent import RunFailed
@@ -27,12 +28,6 @@ _DEVICE_RING = const(8)
 # is echoed cut to this many characters (with input_len, the whole length): the host
 # that sent it has it, and a second copy of it on a small heap can fail the run.
 _ECHO = const(512)
-# What the board receives: the receive buffer holds this much payload (hello `payload`),
-# and no string is longer. Measured (tests/test_streams.py, benchmarks/bench_heap.py):
-# with 4 KiB a 128 KiB board on the 64-bit unix port keeps about 14 KiB free at the
-# bottom of a bursty streamed answer; with 8 KiB it runs out. A 32-bit board of 96 KiB
-# runs a 7,000-character request with `max_payload` 8192 in its settings.
-_DEFAULT_RX = const(4096)
 # What the board sends: its encode buffer. An llm.complete call carries the whole
 # conversation, so it is larger than what the board receives.
 _DEFAULT_TX = const(16384)
@@ -46,7 +41,6 @@ _DEFAULT_BRIDGE_GRACE_MS = const(5000)
 # Outbox slots an event leaves free: room for RPC acks and calls, hello and status,
 # which keep the run and the link going while events wait.
 _EVENT_SPARE = const(4)
-_MAX_ID = const(64)  # req, conv, usr, run and call ids: echoed and kept, so bounded
 _RECENT_RUNS = const(2)
 _SEEN_REQS = const(16)
 
@@ -107,10 +101,10 @@ class Runtime:
         settings = settings or {}
         self.agent = agent
         self.device = device
-        prefix = settings.get("prefix", "wren/v1")
+        prefix = settings.get("prefix", PREFIX)
         self._base = "%s/d/%s/" % (prefix, device)
         self._bridge_status = prefix + "/b/status"
-        rx = settings.get("max_payload", _DEFAULT_RX)
+        rx = settings.get("max_payload", RX_PAYLOAD)
         # What the board can receive (hello `limits`): the payload its receive buffer
         # holds (the Link allocates it from this figure) and never a string longer.
         self.limits = {
@@ -361,11 +355,11 @@ class Runtime:
     def _on_req(self, msg):
         req = msg.get("req")
         if not _is_id(req) or not isinstance(msg.get("input"), str):
-            self.refuse("bad_envelope", "req needs an id req (1-%d chars) and a string input" % _MAX_ID)
+            self.refuse("bad_envelope", "req needs an id req (1-%d chars) and a string input" % MAX_ID)
             return
         for key in ("conv", "usr"):
             if msg.get(key) is not None and not _is_id(msg[key]):
-                self.refuse("bad_envelope", "req field %s must be an id of 1-%d chars" % (key, _MAX_ID),
+                self.refuse("bad_envelope", "req field %s must be an id of 1-%d chars" % (key, MAX_ID),
                             {"req": req})
                 return
         if req in self._seen:
@@ -416,7 +410,7 @@ class Runtime:
             self.refuse("unknown_run", "no active run %s to cancel" % _clip(run_id))
             return
         reason = msg.get("reason")
-        run.cancel_reason = reason[:200] if isinstance(reason, str) and reason else "cancelled"
+        run.cancel_reason = reason[:MAX_REASON] if isinstance(reason, str) and reason else "cancelled"
         # A task that has not begun is never cancelled from outside: its body (and the
         # clean-up in it) would not run at all. It sees cancel_reason when it begins.
         if run.started and run.task is not None:
@@ -502,7 +496,7 @@ class Runtime:
 
 
 def _is_id(value):
-    return isinstance(value, str) and 0 < len(value) <= _MAX_ID
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID
 
 
 def _clip(value):

@@ -6,6 +6,7 @@ import json
 from edge_runtime import codec
 from edge_runtime import platform
 from edge_runtime.agent import Agent
+from edge_runtime.events import MAX_ID, MAX_REASON
 from edge_runtime.runs import Runtime
 from firmware_tests.scripted_bridge import P, device_errors, make_agent, with_board
 from firmware_tests.support import run
@@ -187,17 +188,40 @@ def test_tool_input_must_be_a_json_object():
     run(with_board("tb-json", body, script))
 
 
-def test_ids_over_64_chars_are_refused_and_echoes_are_clipped():
+def test_ids_past_the_bound_are_refused_and_echoes_are_clipped():
+    # MAX_ID is the contract's one id bound (the bridge and its tokens import it too):
+    # at the bound a request runs; one past it, in req or usr, is refused.
     async def body(bridge, runtime):
-        bridge.send("req", {"req": "q" * 65, "input": "x"})
+        bridge.send("req", {"req": "q" * (MAX_ID + 1), "input": "x"})
+        bridge.send("req", {"req": "u1", "usr": "u" * (MAX_ID + 1), "input": "x"})
         bridge.send("ctl", {"op": "cancel", "r": "r" * 1000})
-        await bridge.wait_for(lambda: len(device_errors(bridge)) == 2)
-        first, second = device_errors(bridge)
-        assert first["kind"] == "bad_envelope" and second["kind"] == "unknown_run"
+        await bridge.wait_for(lambda: len(device_errors(bridge)) == 3)
+        first, second, third = device_errors(bridge)
+        assert first["kind"] == "bad_envelope" and second["kind"] == "bad_envelope"
+        assert second["req"] == "u1" and third["kind"] == "unknown_run"
         # The refusal names the run, but never echoes 1000 characters back.
-        assert len(second["msg"]) < 100 and "rrr" in second["msg"]
+        assert len(third["msg"]) < 100 and "rrr" in third["msg"]
+        bridge.send("req", {"req": "q" * MAX_ID, "conv": "c" * MAX_ID, "usr": "u" * MAX_ID,
+                            "input": "x"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+        started = [e for e in bridge.events if e["t"] == "run.started"]
+        assert len(started) == 1 and started[0]["d"]["req"] == "q" * MAX_ID
 
     run(with_board("tb-ids", body))
+
+
+def test_a_cancel_reason_is_cut_to_the_contracts_bound():
+    async def body(bridge, runtime):
+        bridge.answer_rpc = False  # the run waits on the model until it is cancelled
+        bridge.send("req", {"req": "long-reason", "input": "x"})
+        await bridge.wait_for(lambda: any(e["t"] == "run.started" for e in bridge.events))
+        run_id = [e for e in bridge.events if e["t"] == "run.started"][0]["r"]
+        bridge.send("ctl", {"op": "cancel", "r": run_id, "reason": "z" * (MAX_REASON + 50)})
+        await bridge.wait_for(lambda: any(e["t"] == "run.cancelled" for e in bridge.events))
+        cancelled = [e for e in bridge.events if e["t"] == "run.cancelled"][0]
+        assert cancelled["d"]["reason"] == "z" * MAX_REASON
+
+    run(with_board("tb-reason", body))
 
 
 def test_a_request_refused_busy_can_be_sent_again_later():

@@ -48,7 +48,8 @@ from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic, Topic, bridge_topic, device_topic, host_topic, parse
 from server_bridge.wire import (
     BRIDGE_RUN,
-    MAX_HOST_ID,
+    MAX_ERROR_MSG,
+    MAX_ID,
     REFUSALS,
     TooLarge,
     UnknownDevice,
@@ -71,10 +72,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _TICK_S = 0.05
 # How long an RPC worker sleeps before trying again to queue an answer on a full queue.
 _QUEUE_WAIT_S = 0.01
-# BRIDGE_RUN ("_b", from wire.py): the bridge's own event stream on P/h/T/D/evt, for
-# refusals of host input and answers to a host's replay.
-# A refusal message sent to a host is short and customer-safe.
-_MAX_HOST_MSG = 200
 # How long a clean stop waits for the broker to take its offline status.
 _STOP_STATUS_WAIT_S = 5.0
 
@@ -654,7 +651,7 @@ def _levels(t: Topic) -> tuple[str, str]:
 def _req_of(obj: Any) -> str | None:
     """The req id of a decoded host payload, if it has a usable one to name a refusal by."""
     req = obj.get("req") if isinstance(obj, dict) else None
-    return req if isinstance(req, str) and 0 < len(req) <= MAX_HOST_ID else None
+    return req if isinstance(req, str) and 0 < len(req) <= MAX_ID else None
 
 
 def _host_msg(e: Exception, obj: Any) -> str:
@@ -668,4 +665,4 @@ def _host_msg(e: Exception, obj: Any) -> str:
     tok = obj.get("tok") if isinstance(obj, dict) else None
     if isinstance(tok, str) and tok:
         msg = msg.replace(tok, MASK)
-    return scrub(msg)[:_MAX_HOST_MSG]
+    return scrub(msg)[:MAX_ERROR_MSG]

@@ -15,12 +15,14 @@ from typing import Any
 
 from tinydb import Query
 
+from edge_runtime.events import MAX_ID
 from server_bridge.store import open_db
 from server_bridge.topics import check_id
 
 __all__ = ["DeviceRecord", "Registry", "RegistryError"]
 
-MAX_AGENT = 64
+# An agent name is an id like any other (the board sends it in hello and status).
+MAX_AGENT = MAX_ID
 
 
 class RegistryError(ValueError):

@@ -63,7 +63,9 @@ from server_bridge.models.base import Chunk, ModelError, Provider
 from server_bridge.redact import describe, scrubbed_traceback
 from server_bridge.registry import DeviceRecord
 from server_bridge.wire import (
+    BOARD_DEFAULTS,
     DEFAULT_LIMITS,
+    MAX_ERROR_MSG,
     BadEnvelope,
     Call,
     Limits,
@@ -102,8 +104,6 @@ Refuse = Callable[[str, str, str], None]  # (kind, topic, msg)
 Count = Callable[[str, int], None]
 LimitsOf = Callable[[str], "Limits | None"]  # device -> limits from its hello, if any
 
-# A ModelError's text is written by a provider for the board; still, cap what goes out.
-_MAX_ERR_MSG = 200
 _LLM_FAILED = "the model call failed"
 
 # Call ids remembered to spot a repeated call (QoS 1 resends it with DUP after a
@@ -286,8 +286,8 @@ class _Call:
     run: str | None  # the run id the call names (`<boot>.<n>` from a board)
     fail_kind: str
     wait_until: float  # time.monotonic() twin of deadline: bounds every wait of the call
-    limits: Limits = DEFAULT_LIMITS  # the board's, as known when the call arrived
-    piece: int = DEFAULT_LIMITS.chunk  # text bytes per chunk (text_budget)
+    limits: Limits = BOARD_DEFAULTS  # the board's, as known when the call arrived
+    piece: int = BOARD_DEFAULTS.chunk  # text bytes per chunk (text_budget)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     flow: threading.Condition = field(default_factory=threading.Condition)
     done: bool = False
@@ -355,7 +355,7 @@ def _llm_complete(provider: Provider) -> Handler:
                 f"provider {getattr(provider, 'name', '?')}",
                 e,
             )
-            raise RpcError("llm", (str(e) or _LLM_FAILED)[:_MAX_ERR_MSG]) from e
+            raise RpcError("llm", (str(e) or _LLM_FAILED)[:MAX_ERROR_MSG]) from e
         except Exception as e:
             # A bug or an unexpected library error: its text may hold internals (URLs,
             # keys, response bodies), so the board gets a fixed message and the log the
@@ -504,7 +504,8 @@ class RpcServer:
     def _start(
         self, device: DeviceRecord, call: Call, method: Method, args: dict[str, Any], topic: str
     ) -> None:
-        limits = self._device_limits(device.device) or DEFAULT_LIMITS
+        # A board with no hello yet gets what the board runtime receives by default.
+        limits = self._device_limits(device.device) or BOARD_DEFAULTS
         state = _Call(
             device.device,
             call.c,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from edge_runtime.events import MAX_ID
+
 
 class TokenError(ValueError):
     """A session token that is malformed, forged, expired or for another tenant."""
@@ -37,6 +39,12 @@ def _unb64(text: str) -> bytes:
 
 
 def sign(secret: bytes, tenant: str, user: str, ttl_s: int = 3600, now: float | None = None) -> str:
+    # The user id reaches the board as `usr`, which the board bounds like every id: a
+    # token naming a longer one could never start a run, so it is not issued.
+    if not isinstance(user, str) or not 0 < len(user) <= MAX_ID:
+        raise ValueError(f"a session token's user id must be a str of 1..{MAX_ID} chars")
+    if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_ID:
+        raise ValueError(f"a session token's tenant must be a str of 1..{MAX_ID} chars")
     exp = int((time.time() if now is None else now) + ttl_s)
     body = msgpack.packb({"ten": tenant, "usr": user, "exp": exp})
     mac = hmac.new(secret, body, hashlib.sha256).digest()
@@ -57,13 +65,13 @@ def verify(secret: bytes, token: object, tenant: str, now: float | None = None) 
     if not hmac.compare_digest(want, mac):
         raise TokenError("session token signature does not verify")
     try:
-        claims = msgpack.unpackb(body, max_str_len=256, max_map_len=8, max_array_len=0)
+        claims = msgpack.unpackb(body, max_str_len=MAX_ID, max_map_len=8, max_array_len=0)
     except Exception as e:  # noqa: BLE001 - any decode failure is a malformed token
         raise TokenError("malformed session token claims") from e
     if not isinstance(claims, dict):
         raise TokenError("malformed session token claims")
     ten, usr, exp = claims.get("ten"), claims.get("usr"), claims.get("exp")
-    if not isinstance(ten, str) or not isinstance(usr, str) or not isinstance(exp, int):
+    if not isinstance(ten, str) or not isinstance(usr, str) or not usr or not isinstance(exp, int):
         raise TokenError("session token lacks ten, usr or exp")
     if ten != tenant:
         raise TokenError("session token is for another tenant")

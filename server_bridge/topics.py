@@ -9,8 +9,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-DEFAULT_PREFIX = "wren/v1"
-_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}\Z")
+from edge_runtime.events import MAX_ID, PREFIX
+
+DEFAULT_PREFIX = PREFIX
+# A device or tenant id: the contract's id bound (MAX_ID) in a topic-safe alphabet.
+_ID = re.compile(rf"[a-z0-9][a-z0-9_-]{{0,{MAX_ID - 1}}}\Z")
 
 # Board-side leaves (after P/d/D/), host-side leaves (after P/h/T/D/) and the bridge's
 # own (after P/b/: its presence, which boards and hosts read).
@@ -27,7 +30,7 @@ class BadTopic(ValueError):
 
 def check_id(value: str, what: str = "id") -> str:
     if not isinstance(value, str) or not _ID.match(value):
-        raise BadTopic(f"invalid {what} level {value!r}: must match [a-z0-9][a-z0-9_-]{{0,63}}")
+        raise BadTopic(f"invalid {what} level {value!r}: must match {_ID.pattern[:-2]}")
     return value
 
 

@@ -21,17 +21,19 @@ from typing import Any, TypeGuard, cast
 import msgpack
 
 from edge_runtime import codec
-from edge_runtime.events import DEVICE_RUN, TYPES
+from edge_runtime.events import DEVICE_RUN, MAX_ID, MAX_REASON, RX_PAYLOAD, TYPES
 from edge_runtime.rpc import CHUNK, WINDOW
 from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic
 
 __all__ = [
-    "MAX_CALL_ID",
+    "BOARD_DEFAULTS",
     "BRIDGE_RUN",
+    "DEFAULT_LIMITS",
     "DEVICE_RUN",
     "MAX_BOOT",
-    "MAX_HOST_ID",
+    "MAX_ERROR_MSG",
+    "MAX_ID",
     "MAX_REASON",
     "REFUSALS",
     "Ack",
@@ -129,10 +131,11 @@ class Limits:
     same hello and reach the RPC layer by the same path; decoding ignores them.
     """
 
-    max_payload: int = 16384
-    max_str: int = 8192
-    max_items: int = 256
-    max_depth: int = 16
+    # The contract's decode limits, defined once in the board's codec.
+    max_payload: int = codec.MAX_PAYLOAD
+    max_str: int = codec.MAX_STR
+    max_items: int = codec.MAX_ITEMS
+    max_depth: int = codec.MAX_DEPTH
     # A board that leaves them out of its hello gets the board runtime's own defaults.
     window: int = WINDOW
     chunk: int = CHUNK
@@ -148,17 +151,20 @@ class Limits:
         """The limits a board announced in its hello
         (`{payload, str, items, depth, ring, window, chunk}`).
 
-        A key the board left out keeps the contract's default; a value that is not a
+        A key the board left out keeps what the board runtime receives by default
+        (BOARD_DEFAULTS: a 4 KiB payload, no longer string); a value that is not a
         positive int makes the hello malformed (BadEnvelope) rather than being guessed at.
         `ring` is the board's replay window, not a decode limit, and is not kept here.
         """
-        values: dict[str, int] = {}
+        values: dict[str, int] = {"max_payload": BOARD_DEFAULTS.max_payload}
         for key, name in _HELLO_LIMIT_KEYS:
             if key in limits:
                 value = limits[key]
                 if not _is_int(value) or value < 1:
                     raise BadEnvelope(f"hello limits {key} must be an int >= 1")
                 values[name] = value
+        # The board's own rule: no string longer than what its buffer holds.
+        values.setdefault("max_str", min(values["max_payload"], codec.MAX_STR))
         return cls(**values)
 
 
@@ -172,7 +178,14 @@ _HELLO_LIMIT_KEYS = (
     ("chunk", "chunk"),
 )
 
+# What the bridge reads from a board (the contract's decode limits).
 DEFAULT_LIMITS = Limits()
+# What a board receives when its hello has not said (edge_runtime.events.RX_PAYLOAD): the
+# limits the bridge sizes its answers to for a board it has no hello from.
+BOARD_DEFAULTS = Limits(max_payload=RX_PAYLOAD, max_str=min(RX_PAYLOAD, codec.MAX_STR))
+# An error message the bridge writes (a refusal to a host, a failed model call to a
+# board) is short and customer-safe.
+MAX_ERROR_MSG = 200
 
 
 # --------------------------------------------------------------------------- codec
@@ -233,7 +246,6 @@ def _opt_int(m: Mapping[str, Any], key: str, what: str) -> int | None:
     return value
 
 
-MAX_RUN_ID = 128
 # The streams that are not runs: the board's device stream (DEVICE_RUN, "_", from
 # edge_runtime.events) and the bridge's own stream of answers to hosts on P/h/T/D/evt.
 BRIDGE_RUN = "_b"
@@ -248,8 +260,8 @@ def check_envelope(obj: object, *, strict_types: bool = True) -> dict[str, Any]:
     """
     env = _need_map(obj, "event envelope")
     r, i, t, ts, d = (env.get(k) for k in ("r", "i", "t", "ts", "d"))
-    if not isinstance(r, str) or not 0 < len(r) <= MAX_RUN_ID:
-        raise BadEnvelope(f"event needs a run id r: a str of 1..{MAX_RUN_ID} chars")
+    if not isinstance(r, str) or not 0 < len(r) <= MAX_ID:
+        raise BadEnvelope(f"event needs a run id r: a str of 1..{MAX_ID} chars")
     if not _is_int(i) or i < 1:
         raise BadEnvelope("event needs an id i: an int >= 1")
     if not isinstance(t, str):
@@ -291,16 +303,15 @@ class Call:
 
 
 # A call id is kept as a key while its call is in flight and, for spotting a repeated
-# call, some time after (server_bridge/rpc.py): bounded like the other ids (PROTOCOL.md
-# "Requests and control"), so a board cannot make the bridge keep kilobytes per call.
-MAX_CALL_ID = 64
+# call, some time after (server_bridge/rpc.py): bounded like every id (MAX_ID, from
+# edge_runtime.events), so a board cannot make the bridge keep kilobytes per call.
 
 
 def call_id(obj: object) -> int | str | None:
     """The call id of a payload, if it has a usable one (for answering a refusal)."""
     if isinstance(obj, dict):
         c = obj.get("c")
-        if _is_int(c) or (isinstance(c, str) and 0 < len(c) <= MAX_CALL_ID):
+        if _is_int(c) or (isinstance(c, str) and 0 < len(c) <= MAX_ID):
             return c
     return None
 
@@ -308,7 +319,7 @@ def call_id(obj: object) -> int | str | None:
 def _need_call_id(m: Mapping[str, Any], what: str) -> int | str:
     c = call_id(m)
     if c is None:
-        raise BadEnvelope(f"{what} needs a call id c: an int or a str of 1..{MAX_CALL_ID} chars")
+        raise BadEnvelope(f"{what} needs a call id c: an int or a str of 1..{MAX_ID} chars")
     return c
 
 
@@ -375,18 +386,16 @@ def check_boot(m: Mapping[str, Any], what: str) -> str | None:
 
 # Id-like strings a host sends (req, conv, r, call) are echoed into events, kept as keys
 # (the board's idempotency ring, the bridge's refusal events) and matched on: they are
-# bounded like the board bounds them (edge_runtime/runs.py, 64), so a host cannot make
-# either side store or echo kilobytes per id. Free text (`input`, a tool `output`) is
-# bounded only by the decode limit on strings.
-MAX_HOST_ID = 64
-# A cancel's `reason` is free text the board puts into `run.cancelled`; kept short.
-MAX_REASON = 200
+# bounded by the one MAX_ID the board checks too (edge_runtime.events), so a host cannot
+# make either side store or echo kilobytes per id. Free text (`input`, a tool `output`)
+# is bounded only by the decode limit on strings. A cancel's `reason` is free text the
+# board puts into `run.cancelled`: cut to MAX_REASON, the board's own cut.
 
 
 def _host_id(m: Mapping[str, Any], key: str, what: str) -> str:
     value = m.get(key)
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_HOST_ID:
-        raise BadEnvelope(f"{what} needs {key}: a str of 1..{MAX_HOST_ID} chars")
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID:
+        raise BadEnvelope(f"{what} needs {key}: a str of 1..{MAX_ID} chars")
     return value
 
 

@@ -31,7 +31,7 @@ from server_bridge.intake import EventIntake
 from server_bridge.models.base import Chunk, Final, ModelError
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import DeviceRecord, Registry
-from server_bridge.wire import MAX_HOST_ID, MAX_REASON
+from server_bridge.wire import BOARD_DEFAULTS, MAX_ID, MAX_REASON
 from tools.broker import MosquittoProcess, free_port, start_mosquitto
 
 SECRET = bytes(range(32))
@@ -535,7 +535,8 @@ def test_a_tool_call_the_board_cannot_decode_ends_the_call(
         chunks, final = w.answers()
         assert [ch["ch"] for ch in chunks] == [{"text": "Saving."}]
         assert final["c"] == 3 and final["err"]["kind"] == "too_large"
-        assert "8192" in final["err"]["msg"]
+        # This board sent no hello: it gets what the board runtime receives by default.
+        assert f"string {BOARD_DEFAULTS.max_str}" in final["err"]["msg"]
         wait_for(lambda: w.bridge.rpc.inflight == 0, "the worker to stop")
         assert w.board.empty(w.d("rpc/res"))  # nothing after the answer
         assert w.bridge.stats["rpc.too_large"] == 1
@@ -775,7 +776,7 @@ def test_cancel_reason_reaches_the_board_cut_to_size(world: World) -> None:
 
 def test_overlong_host_ids_are_refused(world: World) -> None:
     tok = token("alice")
-    long_id = "q" * (MAX_HOST_ID + 1)
+    long_id = "q" * (MAX_ID + 1)
     world.host.send(world.h("req"), {"req": long_id, "input": "x", "tok": tok})
     world.host.send(world.h("req"), {"req": "q", "conv": long_id, "input": "x", "tok": tok})
     world.host.send(world.h("ctl"), {"op": "cancel", "r": long_id, "tok": tok})

@@ -9,6 +9,9 @@ keep serving and the next request must still run to the end.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import queue
 import secrets
 import subprocess
@@ -25,6 +28,7 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from edge_runtime.events import MAX_ID
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
@@ -282,3 +286,44 @@ def test_a_128k_board_serves_run_after_run(stack: Stack) -> None:
     for n in range(25):
         _ask(stack, f"Request {n}: how warm is it?")
     _assert_alive(stack)
+
+
+def _forge(secret: bytes, claims: dict[str, Any]) -> str:
+    # A token made without tokens.sign (which refuses such claims), as anyone holding
+    # the tenant key could: the bridge must still refuse what it names.
+    body = msgpack.packb(claims)
+    mac = hmac.new(secret, body, hashlib.sha256).digest()
+    b64 = lambda data: base64.urlsafe_b64encode(data).rstrip(b"=").decode()  # noqa: E731
+    return f"{b64(body)}.{b64(mac)}"
+
+
+def test_ids_at_the_contracts_bound_run_and_one_past_is_refused(stack: Stack) -> None:
+    """MAX_ID (edge_runtime.events) bounds req, conv and usr on the board, on the bridge
+    and in session tokens: at the bound a request runs end to end; one past it is
+    refused by name before it reaches the board."""
+    secret_hex = stack.bridge.registry.tenant_secret(TENANT)
+    assert secret_hex is not None
+    secret = bytes.fromhex(secret_hex)
+    longest = sign(secret, TENANT, "u" * MAX_ID)
+    req = stack.client.request(DEVICE, longest, "How warm?", conv="c" * MAX_ID, req="q" * MAX_ID)
+    assert stack.client.wait_run(req, timeout=TIMEOUT_S).status == "done"
+
+    with pytest.raises(ValueError, match="user id"):
+        sign(secret, TENANT, "u" * (MAX_ID + 1))
+    before = stack.bridge.stats.get("refused.bad_token", 0)
+    exp = int(time.time()) + 600
+    too_long_user = _forge(secret, {"ten": TENANT, "usr": "u" * (MAX_ID + 1), "exp": exp})
+    stack.client.request(DEVICE, too_long_user, "who am I?")
+    wait_until = time.monotonic() + TIMEOUT_S
+    while stack.bridge.stats.get("refused.bad_token", 0) == before:
+        assert time.monotonic() < wait_until, stack.bridge.refusals
+        time.sleep(0.05)
+
+    before = stack.bridge.stats.get("refused.bad_envelope", 0)
+    stack.client.request(DEVICE, stack.token, "x", req="q" * (MAX_ID + 1))
+    stack.client.request(DEVICE, stack.token, "x", conv="c" * (MAX_ID + 1))
+    while stack.bridge.stats.get("refused.bad_envelope", 0) < before + 2:
+        assert time.monotonic() < wait_until, stack.bridge.refusals
+        time.sleep(0.05)
+    _assert_alive(stack)
+    _ask(stack, "Still there?")

@@ -602,7 +602,3 @@ def test_link_and_device_failures_keep_their_kind(kind: str) -> None:
     assert snap.error == {"kind": kind, "msg": "gone"} and snap.complete
 
 
-def test_the_bridge_stream_id_is_the_bridges() -> None:
-    from server_bridge.bridge import BRIDGE_RUN as BRIDGES
-
-    assert BRIDGE_RUN == BRIDGES

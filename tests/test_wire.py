@@ -263,7 +263,7 @@ def test_call() -> None:
         {"c": 1},
         {"c": 1, "m": "x", "a": [1]},
         {"c": "", "m": "x"},
-        {"c": "k" * (wire.MAX_CALL_ID + 1), "m": "x"},
+        {"c": "k" * (wire.MAX_ID + 1), "m": "x"},
     ],
 )
 def test_bad_call(obj: object) -> None:
@@ -273,9 +273,9 @@ def test_bad_call(obj: object) -> None:
 
 def test_call_id_of_unreadable_calls() -> None:
     assert wire.call_id({"c": 4}) == 4
-    assert wire.call_id({"c": "k" * wire.MAX_CALL_ID}) == "k" * wire.MAX_CALL_ID
+    assert wire.call_id({"c": "k" * wire.MAX_ID}) == "k" * wire.MAX_ID
     assert wire.call_id({"c": True}) is None
-    assert wire.call_id({"c": "k" * (wire.MAX_CALL_ID + 1)}) is None  # kept as a key: bounded
+    assert wire.call_id({"c": "k" * (wire.MAX_ID + 1)}) is None  # kept as a key: bounded
     assert wire.call_id([4]) is None
 
 
@@ -358,13 +358,19 @@ def test_cancel_reason_passes_through_cut_to_size() -> None:
 
 
 def test_limits_from_hello() -> None:
-    assert wire.Limits.from_hello({}) == wire.Limits()
+    # A hello without limits describes a board with the runtime's default receive
+    # buffer (edge_runtime.events.RX_PAYLOAD), not the bridge's own decode limits.
+    assert wire.Limits.from_hello({}) == wire.BOARD_DEFAULTS
+    assert (wire.BOARD_DEFAULTS.max_payload, wire.BOARD_DEFAULTS.max_str) == (4096, 4096)
+    # Without `str`, no string longer than the payload (the board's own rule).
+    assert wire.Limits.from_hello({"payload": 2048}).max_str == 2048
+    assert wire.Limits.from_hello({"payload": 65536}).max_str == wire.DEFAULT_LIMITS.max_str
     got = wire.Limits.from_hello({"payload": 4096, "str": 1024, "items": 32, "depth": 8, "ring": 4})
     assert got == wire.Limits(max_payload=4096, max_str=1024, max_items=32, max_depth=8)
     # When absent, the board runtime's own defaults (edge_runtime/rpc.py).
     assert (got.window, got.chunk) == (4, 256)
     flow = wire.Limits.from_hello({"window": 2, "chunk": 64})
-    assert (flow.window, flow.chunk, flow.max_str) == (2, 64, 8192)
+    assert (flow.window, flow.chunk, flow.max_str) == (2, 64, 4096)
     for bad in (
         {"str": 0},
         {"payload": "16k"},

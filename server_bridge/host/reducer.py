@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from edge_runtime.events import DEVICE_RUN, TERMINAL
-from server_bridge.wire import BadEnvelope, check_envelope
+from server_bridge.wire import BRIDGE_RUN, BadEnvelope, check_envelope
 
 __all__ = [
     "BRIDGE_RUN",
@@ -69,9 +69,6 @@ Envelope = Mapping[str, Any]
 # Called after each event is applied, with that event and the snapshot as of it.
 OnApply = Callable[[dict[str, Any], "RunSnapshot"], None]
 
-# The bridge's own stream on P/h/T/D/evt (refusals of host input, answers to a host's
-# replay); the same value as server_bridge.bridge.BRIDGE_RUN (a test checks).
-BRIDGE_RUN = "_b"
 # Streams that are not runs, folded as their events arrive (see the module docstring).
 STREAMS: frozenset[str] = frozenset({DEVICE_RUN, BRIDGE_RUN})
 
