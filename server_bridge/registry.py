@@ -3,6 +3,14 @@
 A device's identity is its broker-authenticated MQTT user, which the broker's ACL binds
 to its topic subtree; the registry maps that device id to the tenant that owns it and
 the agent it runs. Nothing in a payload is consulted for that mapping.
+
+Every bridge message looks up its device (and a session token its tenant) on paho's
+single network thread, so lookups are served from records parsed once per version of
+the file: a lookup costs one `stat`, and the file is parsed again only when another
+version is at the path (another process, such as the provisioning CLI, renamed a new
+file over it) or when this registry wrote it. For two seconds after a file is written
+its version does not yet prove its bytes (`store.settled`), so a lookup then also reads
+the file and compares the bytes; it parses only if they differ.
 """
 
 from __future__ import annotations
@@ -10,13 +18,22 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tinydb import Query
 
 from edge_runtime.events import MAX_ID
-from server_bridge.store import open_db
+from server_bridge.store import (
+    AtomicJSONStorage,
+    FileVersion,
+    open_db,
+    parse_document,
+    settled,
+)
 from server_bridge.topics import check_id
 
 __all__ = ["DeviceRecord", "Registry", "RegistryError"]
@@ -52,6 +69,63 @@ def _check_secret_hex(secret: str) -> str:
     return raw.hex()
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """The registry as parsed from one version of its file (None: there was no file).
+
+    Documents are kept as TinyDB stored them and turned into results per lookup, so a
+    malformed record fails the lookups of that record, as it did when TinyDB served them.
+    `by_tenant` and `by_device` keep the first document of each id in file order: the
+    one TinyDB's `get` returned.
+    """
+
+    version: FileVersion | None
+    data: bytes
+    # Whether `version` alone identifies `data` (see store.settled); until then each
+    # lookup re-reads the file and compares the bytes.
+    settled: bool
+    tenant_docs: tuple[dict[str, Any], ...]
+    device_docs: tuple[dict[str, Any], ...]
+    by_tenant: dict[str, dict[str, Any]]
+    by_device: dict[str, dict[str, Any]]
+
+
+_EMPTY = _Snapshot(None, b"", True, (), (), {}, {})
+
+
+def _table_docs(doc: dict[str, Any], table: str, path: object) -> tuple[dict[str, Any], ...]:
+    rows = doc.get(table, {})
+    if not isinstance(rows, dict) or not all(isinstance(r, dict) for r in rows.values()):
+        raise ValueError(f"{path}: table {table!r} does not hold TinyDB documents")
+    return tuple(rows.values())
+
+
+def _index(docs: tuple[dict[str, Any], ...], key: str) -> dict[str, dict[str, Any]]:
+    index: dict[str, dict[str, Any]] = {}
+    for d in docs:
+        value = d.get(key)
+        if isinstance(value, str) and value not in index:
+            index[value] = d
+    return index
+
+
+def _parse(version: FileVersion, data: bytes, seen_at_ns: int, path: object) -> _Snapshot:
+    doc = parse_document(data, str(path))
+    if doc is None:
+        return replace(_EMPTY, version=version, data=data, settled=settled(version, seen_at_ns))
+    tenant_docs = _table_docs(doc, "tenants", path)
+    device_docs = _table_docs(doc, "devices", path)
+    return _Snapshot(
+        version,
+        data,
+        settled(version, seen_at_ns),
+        tenant_docs,
+        device_docs,
+        _index(tenant_docs, "tenant"),
+        _index(device_docs, "device"),
+    )
+
+
 class Registry:
     """Tenants {tenant, secret (hex)} and devices {device, tenant, agent} in one TinyDB file."""
 
@@ -62,9 +136,48 @@ class Registry:
         # another process (the provisioning CLI) changed the file.
         self._tenants = self._db.table("tenants", cache_size=0)
         self._devices = self._db.table("devices", cache_size=0)
-        # TinyDB is not thread-safe and the bridge reads from paho's network thread and
-        # writes from tools/tests.
+        storage = self._db.storage
+        if not isinstance(storage, AtomicJSONStorage):
+            raise TypeError("the registry needs its file on an AtomicJSONStorage")
+        self._storage = storage
+        # The parsed file behind every lookup; None until the first lookup and after a
+        # write through this registry.
+        self._snap: _Snapshot | None = None
+        # TinyDB is not thread-safe, and the bridge reads (and so may re-parse) from
+        # paho's network thread while tools/tests write: one lock for the TinyDB file and
+        # the snapshot, so a lookup never sees a snapshot half replaced.
         self._lock = threading.Lock()
+
+    def _current(self) -> _Snapshot:
+        """The snapshot of the file now at the path. The caller holds the lock."""
+        version = self._storage.version()
+        snap = self._snap
+        if snap is not None and version == snap.version and (version is None or snap.settled):
+            return snap
+        # The clock is read before the file: `settled` needs a time no later than the
+        # moment the bytes were seen, so that any write after it gets a later mtime.
+        seen_at_ns = time.time_ns()
+        got = self._storage.read_bytes()
+        if got is None:
+            snap = _EMPTY
+        elif snap is not None and got[1] == snap.data:
+            # Same bytes (a version not yet settled, or a rewrite of the same content):
+            # keep the parse, and note the version these bytes now have.
+            snap = replace(snap, version=got[0], settled=settled(got[0], seen_at_ns))
+        else:
+            snap = _parse(got[0], got[1], seen_at_ns, self.path)
+        self._snap = snap
+        return snap
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        with self._lock:
+            try:
+                yield
+            finally:
+                # Written or not (a failed rename leaves the old file), the next lookup
+                # reads the file as it now is rather than trust a version compare.
+                self._snap = None
 
     # ------------------------------------------------------------------ tenants
 
@@ -82,7 +195,7 @@ class Registry:
         else:
             secret_hex = _check_secret_hex(secret)
         q = Query()
-        with self._lock:
+        with self._writing():
             if self._tenants.get(q.tenant == tenant) is not None:
                 # Replacing a secret silently would void every live session token.
                 raise RegistryError(f"tenant {tenant!r} already exists")
@@ -92,16 +205,14 @@ class Registry:
     def tenant_secret(self, tenant: str) -> str | None:
         """The tenant's token secret as hex, or None for an unknown tenant."""
         check_id(tenant, "tenant")
-        q = Query()
         with self._lock:
-            doc = self._tenants.get(q.tenant == tenant)
-        if not isinstance(doc, dict):
-            return None
-        return str(doc["secret"])
+            doc = self._current().by_tenant.get(tenant)
+        return None if doc is None else str(doc["secret"])
 
     def tenants(self) -> list[str]:
         with self._lock:
-            return sorted(str(doc["tenant"]) for doc in self._tenants.all())
+            docs = self._current().tenant_docs
+        return sorted(str(doc["tenant"]) for doc in docs)
 
     # ------------------------------------------------------------------ devices
 
@@ -115,7 +226,7 @@ class Registry:
         check_id(tenant, "tenant")
         _check_agent(agent)
         q = Query()
-        with self._lock:
+        with self._writing():
             if self._tenants.get(q.tenant == tenant) is None:
                 raise RegistryError(f"unknown tenant {tenant!r}")
             old = self._devices.get(q.device == device)
@@ -129,27 +240,28 @@ class Registry:
     def remove_device(self, device: str) -> bool:
         check_id(device, "device")
         q = Query()
-        with self._lock:
+        with self._writing():
             return bool(self._devices.remove(q.device == device))
 
     def device(self, device: str) -> DeviceRecord | None:
         """The record of a device, or None when the registry does not know it."""
         check_id(device, "device")
-        q = Query()
         with self._lock:
-            doc = self._devices.get(q.device == device)
-        return _record(doc) if isinstance(doc, dict) else None
+            doc = self._current().by_device.get(device)
+        return None if doc is None else _record(doc)
 
     def devices_of(self, tenant: str) -> list[DeviceRecord]:
         check_id(tenant, "tenant")
-        q = Query()
         with self._lock:
-            docs = self._devices.search(q.tenant == tenant)
-        return sorted((_record(d) for d in docs), key=lambda r: r.device)
+            docs = self._current().device_docs
+        return sorted(
+            (_record(d) for d in docs if d.get("tenant") == tenant), key=lambda r: r.device
+        )
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self._snap = None
 
     def __enter__(self) -> Registry:
         return self

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tinydb import TinyDB
 from tinydb.storages import Storage
 
-__all__ = ["AtomicJSONStorage", "open_db"]
+__all__ = ["SETTLE_NS", "AtomicJSONStorage", "FileVersion", "open_db", "parse_document", "settled"]
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -40,76 +39,118 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class FileVersion(NamedTuple):
+    """What `stat` says about the file behind a path: which file, when written, how long.
+
+    Writers here never change a file in place, they rename a new one over it, so a new
+    version normally differs in `ino`. The inode number alone is not enough: once the
+    old file is unlinked its number is free, and ext4 hands it to the very next temporary
+    file (seen on the bridge's host: write A, write B, write A' gave A' the inode of A).
+    Then `mtime_ns` must tell the two apart, which it does only once the file system's
+    clock has moved on; see `settled`.
+    """
+
+    ino: int
+    mtime_ns: int
+    size: int
+
+
+# How far the clock must have moved past a file's mtime before that mtime can no longer be
+# given to a later write. Linux stamps files from a clock that ticks every 1-10 ms, FAT
+# keeps 2 s; 2 s covers both, and costs only a re-read per lookup in the 2 s after a write.
+SETTLE_NS = 2_000_000_000
+
+
+def settled(version: FileVersion, seen_at_ns: int) -> bool:
+    """Whether `version`, observed at wall-clock `seen_at_ns`, identifies its bytes.
+
+    True once the clock is past the mtime by `SETTLE_NS`: any later write then gets a
+    later mtime, so a file with the same (ino, mtime, size) is this very file. Before
+    that, a reused inode written within the same clock tick at the same size would carry
+    the same version with other bytes, and only reading the file tells.
+    """
+    return seen_at_ns - version.mtime_ns > SETTLE_NS
+
+
 class AtomicJSONStorage(Storage):
-    """A TinyDB storage writing JSON by temp file + fsync + rename."""
+    """A TinyDB storage writing JSON by temp file + fsync + rename.
+
+    `read` parses the file every time: a cache belongs to whoever knows what it keeps
+    (the registry keeps parsed records, keyed by `FileVersion`), and TinyDB mutates what
+    `read` returns before it calls `write`, so a shared parsed copy would be corrupted.
+    """
 
     def __init__(self, path: str | os.PathLike[str], create_dirs: bool = True, **json_kw: Any):
         self.path = Path(path)
         if create_dirs:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._json_kw = json_kw
-        # Cache of the file's text keyed by its identity: reads on the hot path (every
-        # message looks up its device) skip the disk while the file is unchanged, and a
-        # write by another process (os.replace gives a new inode) is still seen.
-        self._cached: tuple[tuple[int, int, int], str] | None = None
-        self._lock = threading.Lock()
 
-    def _signature(self) -> tuple[int, int, int] | None:
+    def version(self) -> FileVersion | None:
+        """The version of the file at the path now (one stat), or None when there is none."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
             return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return FileVersion(st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def read_bytes(self) -> tuple[FileVersion, bytes] | None:
+        """The file's bytes with the version of exactly those bytes, or None when absent.
+
+        The version comes from `fstat` on the open file, not a separate `stat` of the
+        path: a rename between the two would pair the old bytes with the new version,
+        and a cache keyed by it would keep the old bytes for good.
+        """
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return None
+        with f:
+            st = os.fstat(f.fileno())
+            data = f.read()
+        return FileVersion(st.st_ino, st.st_mtime_ns, st.st_size), data
 
     def read(self) -> dict[str, dict[str, Any]] | None:
-        with self._lock:
-            sig = self._signature()
-            if sig is None:
-                return None
-            if self._cached is not None and self._cached[0] == sig:
-                text = self._cached[1]
-            else:
-                text = self.path.read_text(encoding="utf-8")
-                self._cached = (sig, text)
-        if not text.strip():
-            return None
-        # A fresh parse every time: TinyDB mutates what read() returns before calling
-        # write(), and a failed write must not leave the cache holding the new data.
-        # A corrupt file raises here on purpose — silently starting empty would lose
-        # the registry.
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"{self.path} does not hold a TinyDB document")
-        return data
+        got = self.read_bytes()
+        return None if got is None else parse_document(got[1], self.path)
 
     def write(self, data: dict[str, dict[str, Any]]) -> None:
         # Serialize completely before touching the disk: an unserializable value fails
         # here and the file on disk is untouched.
         text = json.dumps(data, **self._json_kw)
-        with self._lock:
-            fd, tmp = tempfile.mkstemp(
-                prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
-            )
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            # The old file is intact; only the partial temporary goes.
             try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                # The old file is intact; only the partial temporary goes.
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-                raise
-            _fsync_dir(self.path.parent)
-            sig = self._signature()
-            self._cached = (sig, text) if sig is not None else None
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        _fsync_dir(self.path.parent)
 
     def close(self) -> None:
-        with self._lock:
-            self._cached = None
+        pass
+
+
+def parse_document(data: bytes, path: str | os.PathLike[str]) -> dict[str, dict[str, Any]] | None:
+    """A TinyDB document from a file's bytes: None when blank, ValueError when corrupt.
+
+    A corrupt file raises on purpose: silently starting empty would lose the registry.
+    """
+    if not data.strip():
+        return None
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} does not hold a TinyDB document")
+    return doc
 
 
 def open_db(path: str | os.PathLike[str]) -> TinyDB:

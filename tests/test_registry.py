@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tinydb import Query
 
 from server_bridge.registry import DeviceRecord, Registry, RegistryError
 from server_bridge.store import AtomicJSONStorage, open_db
@@ -166,3 +171,224 @@ def test_storage_reads_none_for_a_new_file(tmp_path: Path) -> None:
     assert storage.read() is None
     storage.write({"_default": {}})
     assert storage.read() == {"_default": {}}
+
+
+# ------------------------------------------------ lookups from the parsed file, and its changes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _forge_in_place(path: Path, old: bytes, new: bytes) -> None:
+    """Rewrite the file in place, keeping its inode, size and mtime: the version a
+    `stat` shows is unchanged, as after a write that reused the inode within one
+    timestamp tick."""
+    assert len(old) == len(new)
+    st = os.stat(path)
+    data = path.read_bytes()
+    assert data.count(old) == 1
+    with open(path, "r+b") as f:
+        f.write(data.replace(old, new))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (
+        st.st_ino,
+        st.st_mtime_ns,
+        st.st_size,
+    )
+
+
+def _backdate(path: Path, seconds: float) -> None:
+    mtime_ns = os.stat(path).st_mtime_ns - int(seconds * 1e9)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def test_two_registries_on_one_file_see_each_others_writes(tmp_path: Path) -> None:
+    path = tmp_path / "reg.json"
+    bridge, cli = Registry(path), Registry(path)
+    assert bridge.device("dev1") is None and bridge.tenants() == []
+    cli.add_tenant("acme", SECRET)
+    assert bridge.tenant_secret("acme") == SECRET.hex()
+    cli.add_device("dev1", "acme", "kiosk")
+    assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
+    # Same size as before ("kiosk" -> "panel") and within the same clock tick: the new
+    # inode (or, were it reused, the unsettled mtime) makes the change visible.
+    cli.add_device("dev1", "acme", "panel")
+    assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "panel")
+    cli.add_tenant("bobco", SECRET)
+    cli.remove_device("dev1")
+    cli.add_device("dev1", "bobco", "panel")  # moved between tenants of equal name length
+    assert bridge.device("dev1") == DeviceRecord("dev1", "bobco", "panel")
+    assert bridge.devices_of("acme") == [] and bridge.tenants() == ["acme", "bobco"]
+    # And the other way round: the bridge's own write is seen by the CLI's registry.
+    bridge.remove_device("dev1")
+    assert cli.device("dev1") is None and bridge.device("dev1") is None
+
+
+def test_a_write_by_another_process_is_seen_on_the_next_lookup(tmp_path: Path) -> None:
+    path = tmp_path / "reg.json"
+    bridge = Registry(path)
+    bridge.add_tenant("acme", SECRET)
+    bridge.add_device("dev1", "acme", "kiosk")
+    _backdate(path, 3600)  # a settled version: lookups trust it without reading
+    for _ in range(3):
+        assert bridge.device("dev2") is None
+        assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
+
+    def in_child(code: str) -> None:
+        script = f"from server_bridge.registry import Registry\nreg = Registry({str(path)!r})\n"
+        subprocess.run([sys.executable, "-c", script + code], cwd=REPO, check=True, timeout=60)
+
+    in_child("reg.add_device('dev2', 'acme', 'panel')")
+    assert bridge.device("dev2") == DeviceRecord("dev2", "acme", "panel")
+    in_child("reg.remove_device('dev1')")
+    assert bridge.device("dev1") is None
+    assert [r.device for r in bridge.devices_of("acme")] == ["dev2"]
+
+
+def test_an_unsettled_version_is_checked_against_the_bytes(tmp_path: Path) -> None:
+    # The hole a version-only cache has: same inode, mtime and size, other bytes. While
+    # the mtime is recent such a file can exist, so the lookup reads and compares.
+    path = tmp_path / "reg.json"
+    Registry(path).add_tenant("acme", SECRET)
+    Registry(path).add_device("dev1", "acme", "kiosk")
+    bridge = Registry(path)
+    assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
+    _forge_in_place(path, b'"kiosk"', b'"panel"')
+    assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "panel")
+
+
+def test_a_settled_version_is_trusted_without_reading(tmp_path: Path) -> None:
+    # Once the clock is past the mtime by store.SETTLE_NS no write can produce the same
+    # version, so the lookup trusts it. Shown by a forged in-place rewrite (not something
+    # our storage ever does) going unseen, until a real write renames a new file in.
+    path = tmp_path / "reg.json"
+    cli = Registry(path)
+    cli.add_tenant("acme", SECRET)
+    cli.add_device("dev1", "acme", "kiosk")
+    _backdate(path, 3600)
+    bridge = Registry(path)
+    assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
+    _forge_in_place(path, b'"kiosk"', b'"panel"')
+    assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
+    cli.add_device("dev2", "acme", "kiosk")
+    assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "panel")
+    assert bridge.device("dev2") == DeviceRecord("dev2", "acme", "kiosk")
+
+
+def test_a_file_turning_corrupt_or_missing_is_not_served_from_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "reg.json"
+    bridge = Registry(path)
+    bridge.add_tenant("acme", SECRET)
+    bridge.add_device("dev1", "acme", "kiosk")
+    assert bridge.device("dev1") is not None
+    tmp = tmp_path / "torn.json"
+    tmp.write_text('{"devices": {"1": {"device": "dev1"')
+    os.replace(tmp, path)
+    with pytest.raises(ValueError):
+        bridge.device("dev1")
+    path.unlink()
+    assert bridge.device("dev1") is None and bridge.tenants() == []
+
+
+def _outcome(fn: Callable[..., object], *args: object) -> object:
+    """What a call returned, or the type of what it raised."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return type(e)
+
+
+@pytest.mark.parametrize("malformed", [False, True])
+def test_lookups_answer_as_tinydb_queries_did(tmp_path: Path, malformed: bool) -> None:
+    # Every read against the TinyDB queries the registry made before it kept parsed
+    # records, on the same file, including documents only a hand edit makes: duplicates
+    # (the first in the file wins), non-str ids, a table TinyDB never wrote, and (with
+    # `malformed`) documents missing fields, which fail the reads that reach them.
+    path = tmp_path / "reg.json"
+    tenant_docs: list[dict[str, object]] = [
+        {"tenant": "acme", "secret": "aa" * 16},
+        {"tenant": "acme", "secret": "bb" * 16},
+        {"tenant": 7, "secret": "dd" * 16},
+        {"tenant": "globex", "secret": "ee" * 16},
+    ]
+    device_docs: list[dict[str, object]] = [
+        {"device": "dev1", "tenant": "acme", "agent": "a"},
+        {"device": "dev1", "tenant": "acme", "agent": "b"},
+        {"device": 5, "tenant": "acme", "agent": "d"},
+        {"device": "dev2", "tenant": "globex", "agent": "e"},
+        {"device": "dev3", "tenant": 7, "agent": "f"},
+    ]
+    if malformed:
+        tenant_docs.insert(1, {"secret": "cc" * 16})
+        tenant_docs.append({"tenant": "initech"})
+        device_docs.insert(2, {"tenant": "acme", "agent": "c"})
+        device_docs.append({"device": "dev4", "tenant": "globex"})
+    doc = {
+        "tenants": {str(i): d for i, d in enumerate(tenant_docs, 1)},
+        "devices": {str(i): d for i, d in enumerate(device_docs, 1)},
+        "other": {"1": {"k": 1}},
+    }
+    path.write_text(json.dumps(doc))
+    reg = Registry(path)
+    db = open_db(path)
+    tenants, devices = db.table("tenants", cache_size=0), db.table("devices", cache_size=0)
+    q = Query()
+
+    def secret_before(t: str) -> str | None:
+        d = tenants.get(q.tenant == t)
+        return None if not isinstance(d, dict) else str(d["secret"])
+
+    def record(d: dict[str, object]) -> DeviceRecord:
+        return DeviceRecord(str(d["device"]), str(d["tenant"]), str(d["agent"]))
+
+    def device_before(name: str) -> DeviceRecord | None:
+        d = devices.get(q.device == name)
+        return record(d) if isinstance(d, dict) else None
+
+    def devices_of_before(t: str) -> list[DeviceRecord]:
+        return sorted((record(d) for d in devices.search(q.tenant == t)), key=lambda r: r.device)
+
+    def tenants_before() -> list[str]:
+        return sorted(str(d["tenant"]) for d in tenants.all())
+
+    for i in ["acme", "globex", "initech", "nobody", "dev1", "dev2", "dev3", "dev4", "5", "7"]:
+        assert _outcome(reg.tenant_secret, i) == _outcome(secret_before, i)
+        assert _outcome(reg.device, i) == _outcome(device_before, i)
+        assert _outcome(reg.devices_of, i) == _outcome(devices_of_before, i)
+    assert _outcome(reg.tenants) == _outcome(tenants_before)
+
+
+def test_lookups_from_many_threads_while_another_registry_writes(tmp_path: Path) -> None:
+    # The bridge looks up from paho's network thread (and RPC threads) while the
+    # provisioning CLI writes: every answer is either "not yet" or the right record.
+    path = tmp_path / "reg.json"
+    writer = Registry(path)
+    writer.add_tenant("acme", SECRET)
+    bridge = Registry(path)
+    n = 40
+    wrong: list[object] = []
+    done = threading.Event()
+
+    def look() -> None:
+        while not done.is_set():
+            for i in range(n):
+                try:
+                    got = bridge.device(f"dev{i}")
+                except Exception as e:  # any error is a failure of the test
+                    wrong.append(e)
+                    return
+                if got not in (None, DeviceRecord(f"dev{i}", "acme", "kiosk")):
+                    wrong.append(got)
+
+    threads = [threading.Thread(target=look) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(n):
+            writer.add_device(f"dev{i}", "acme", "kiosk")
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert wrong == []
+    assert [r.device for r in bridge.devices_of("acme")] == sorted(f"dev{i}" for i in range(n))
