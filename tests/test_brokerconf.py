@@ -1,4 +1,4 @@
-"""tools/brokerconf.py: password entries that Mosquitto accepts, and the Wren ACL
+"""server_bridge/brokerconf.py: password entries that Mosquitto accepts, and the Wren ACL
 enforced by a real Mosquitto (and, through acl_function, by the embedded broker)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import paho.mqtt.client as paho
 import pytest
 
-from tools import brokerconf
+from server_bridge import brokerconf
 from tools.broker import start_mosquitto
 from tools.embedded_broker import EmbeddedBroker
 
@@ -76,7 +76,7 @@ def test_password_file_is_private(tmp_path: Path) -> None:
 
 def test_acl_text_is_exactly_the_wren_rules() -> None:
     assert brokerconf.acl_text(P, "bridge", {"acme": "host-acme"}) == (
-        "# Wren broker ACL (written by tools/brokerconf.py). Mosquitto denies whatever\n"
+        "# Wren broker ACL (written by server_bridge/brokerconf.py). Mosquitto denies whatever\n"
         "# is not granted here.\n"
         "\n"
         "# Devices: the MQTT user name is the device id.\n"

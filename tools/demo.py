@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
@@ -28,7 +29,6 @@ from server_bridge.host.terminal import LiveView, print_transcript, render_statu
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.tokens import sign
-from tools import brokerconf
 from tools.broker import BrokerError, mosquitto_binary, start_mosquitto
 from tools.virtual_board import BoardError, VirtualBoard, fallback_notice, lay_out_flash
 

@@ -138,7 +138,7 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
     _check_prefix(prefix)
     _check_tenants(bridge_user, tenants)
     out = [
-        "# Wren broker ACL (written by tools/brokerconf.py). Mosquitto denies whatever",
+        "# Wren broker ACL (written by server_bridge/brokerconf.py). Mosquitto denies whatever",
         "# is not granted here.",
         "",
         "# Devices: the MQTT user name is the device id.",
