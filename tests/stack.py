@@ -45,9 +45,10 @@ from typing import Any
 from server_bridge import brokerconf
 from server_bridge.host.client import HostClient
 from server_bridge.host.reducer import RunSnapshot
+from server_bridge.registry import provision
 from server_bridge.tokens import sign
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto
-from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT, make_registry
+from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT
 from tools.virtual_board import BoardError, VirtualBoard, lay_out_flash
 
 __all__ = [
@@ -220,7 +221,7 @@ class Stack:
         self._broker_conf = conf
         self._start_broker()
 
-        registry = make_registry(self.registry_path, TENANT, [(self.device, AGENT)])
+        registry = provision(self.registry_path, TENANT, [(self.device, AGENT)])
         secret = registry.tenant_secret(TENANT)
         assert secret is not None
         self.token = sign(bytes.fromhex(secret), TENANT, END_USER)

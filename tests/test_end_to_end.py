@@ -30,8 +30,9 @@ from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
 from server_bridge.host.reducer import RunSnapshot
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
+from server_bridge.registry import provision
 from server_bridge.tokens import sign
-from tools.demo import BRIDGE_USER, PREFIX, TENANT, make_registry, start_demo_broker
+from tools.demo import BRIDGE_USER, PREFIX, TENANT, start_demo_broker
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary
 
 DEVICE = "thermo1"
@@ -63,7 +64,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("e2e")
     users = {name: secrets.token_urlsafe(12) for name in (BRIDGE_USER, DEVICE, f"host-{TENANT}")}
     broker = start_demo_broker(work, users, embedded=False)
-    registry = make_registry(work / "registry.json", TENANT, [(DEVICE, "thermostat")])
+    registry = provision(work / "registry.json", TENANT, [(DEVICE, "thermostat")])
     config = BridgeConfig(
         host=broker.host,
         port=broker.port,

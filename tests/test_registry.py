@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server_bridge.registry import DeviceRecord, Registry, RegistryError
+from server_bridge.registry import DeviceRecord, Registry, RegistryError, provision
 from server_bridge.store import AtomicJSONStorage, open_db
 from server_bridge.topics import BadTopic
 
@@ -166,3 +166,23 @@ def test_storage_reads_none_for_a_new_file(tmp_path: Path) -> None:
     assert storage.read() is None
     storage.write({"_default": {}})
     assert storage.read() == {"_default": {}}
+
+
+def test_provision_adds_only_what_is_missing(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "dir" / "reg.json"
+    with provision(path, "acme", [("dev1", "thermostat")]) as reg:
+        secret = reg.tenant_secret("acme")
+        assert secret is not None and len(bytes.fromhex(secret)) == 32
+        assert reg.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
+        reg.add_tenant("globex")
+        reg.add_device("dev9", "globex", "kiosk")
+    # Run again, as a service does at every start: the secret (and so every live session
+    # token) survives, a known device keeps its agent and tenant, a new one is added.
+    again = [("dev1", "kiosk"), ("dev2", "kiosk"), ("dev9", "thermostat")]
+    with provision(path, "acme", again) as reg:
+        assert reg.tenant_secret("acme") == secret
+        assert reg.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
+        assert reg.device("dev2") == DeviceRecord("dev2", "acme", "kiosk")
+        assert reg.device("dev9") == DeviceRecord("dev9", "globex", "kiosk")
+    with pytest.raises(BadTopic):
+        provision(path, "acme", [("no/slash", "kiosk")])

@@ -27,7 +27,7 @@ from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
 from server_bridge.host.terminal import LiveView, print_transcript, render_status
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
-from server_bridge.registry import Registry
+from server_bridge.registry import Registry, provision
 from server_bridge.tokens import sign
 from tools.broker import BrokerError, mosquitto_binary, start_mosquitto
 from tools.virtual_board import BoardError, VirtualBoard, fallback_notice, lay_out_flash
@@ -87,16 +87,6 @@ def start_demo_broker(workdir: Path, users: dict[str, str], embedded: bool) -> B
     return BrokerHandle(
         eb.host, eb.port, "embedded Python broker (no mosquitto binary found)", eb.stop
     )
-
-
-def make_registry(path: Path, tenant: str, devices: list[tuple[str, str]]) -> Registry:
-    registry = Registry(path)
-    if registry.tenant_secret(tenant) is None:
-        registry.add_tenant(tenant, secrets.token_hex(32))
-    for device, agent in devices:
-        if registry.device(device) is None:
-            registry.add_device(device, tenant, agent)
-    return registry
 
 
 class BoardConsole:
@@ -203,7 +193,7 @@ def run_demo(args: argparse.Namespace) -> int:
             creds = {name: Credentials(name, pw) for name, pw in users.items()}
             print(f"broker: {handle.kind} on {host}:{port}", file=out)
 
-        registry = make_registry(workdir / "registry.json", TENANT, [(device, AGENT)])
+        registry = provision(workdir / "registry.json", TENANT, [(device, AGENT)])
         config = BridgeConfig(
             host=host,
             port=port,
@@ -345,7 +335,7 @@ def run_bridge(args: argparse.Namespace) -> int:
     for spec in args.device:
         device, _, agent = spec.partition(":")
         devices.append((device, agent or AGENT))
-    registry = make_registry(args.registry, args.tenant, devices)
+    registry = provision(args.registry, args.tenant, devices)
     provider: Any
     if args.openai_base_url:
         from server_bridge.models.openai import OpenAIProvider
