@@ -1,4 +1,5 @@
-"""What `wren demo`, `wren bridge`, `wren board --virtual` and `wren ask` run.
+"""What `wren demo`, `wren board --virtual` and `wren ask` run (`wren bridge` is the
+bridge service, server_bridge/service.py).
 
 The demo wires the real parts together on one machine: a broker that authenticates
 every client (Mosquitto with a password file and ACL of our own, or the embedded
@@ -28,13 +29,15 @@ from server_bridge.host.client import HostClient
 from server_bridge.host.terminal import LiveView, print_transcript, render_status
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry, provision
+from server_bridge.service import DEFAULT_AGENT
 from server_bridge.tokens import sign
+from server_bridge.topics import DEFAULT_PREFIX
 from tools.broker import BrokerError, mosquitto_binary, start_mosquitto
 from tools.virtual_board import BoardError, VirtualBoard, fallback_notice, lay_out_flash
 
-PREFIX = "wren/v1"
+PREFIX = DEFAULT_PREFIX
 TENANT = "demo"
-AGENT = "thermostat"
+AGENT = DEFAULT_AGENT
 BRIDGE_USER = "bridge"
 START_TIMEOUT_S = 20.0
 RUN_TIMEOUT_S = 60.0
@@ -310,55 +313,6 @@ def run_demo(args: argparse.Namespace) -> int:
                 break
             ask(text)
         return 0
-
-
-def bridge_config(args: argparse.Namespace, host: str, port: int) -> BridgeConfig:
-    """The BridgeConfig of `wren bridge` with these arguments."""
-    extra: dict[str, Any] = {}
-    if args.merge_ms is not None:  # else the config's own default
-        extra["rpc_merge_s"] = args.merge_ms / 1000
-    return BridgeConfig(
-        host=host,
-        port=port,
-        username=args.user,
-        password=args.password,
-        prefix=PREFIX,
-        client_id=args.client_id,
-        **extra,
-    )
-
-
-def run_bridge(args: argparse.Namespace) -> int:
-    host, port = args.broker or ("127.0.0.1", 1883)
-    args.registry.parent.mkdir(parents=True, exist_ok=True)
-    devices = []
-    for spec in args.device:
-        device, _, agent = spec.partition(":")
-        devices.append((device, agent or AGENT))
-    registry = provision(args.registry, args.tenant, devices)
-    provider: Any
-    if args.openai_base_url:
-        from server_bridge.models.openai import OpenAIProvider
-
-        provider = OpenAIProvider(args.openai_base_url, args.model, api_key_env=args.api_key_env)
-        what = f"OpenAI-compatible model {args.model} at {args.openai_base_url}"
-    elif args.script:
-        provider = ScriptedProvider.from_file(args.script)
-        what = f"scripted model from {args.script}"
-    else:
-        provider = ScriptedProvider(DEMO_SCRIPT)
-        what = "scripted model (demo script)"
-    bridge = Bridge(bridge_config(args, host, port), registry, provider)
-    try:
-        bridge.start()
-    except Exception as e:
-        raise DemoError(f"could not connect to the broker at {host}:{port}: {e}") from e
-    print(f"bridge: {host}:{port}, registry {args.registry}, {what}; Ctrl-C stops", flush=True)
-    try:
-        while True:
-            time.sleep(1)
-    finally:
-        bridge.stop()
 
 
 def run_board(args: argparse.Namespace) -> int:
