@@ -1,5 +1,4 @@
-"""Mosquitto password and ACL files for Wren, and the same rules as a callback for
-the embedded broker.
+"""Mosquitto password and ACL files for Wren.
 
 The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
 
@@ -31,10 +30,21 @@ import hashlib
 import hmac
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
-from server_bridge.topics import BadTopic, bridge_topic, check_id, parse
+from server_bridge.topics import bridge_topic, check_id
+
+__all__ = [
+    "DEVICE_READ",
+    "DEVICE_WRITE",
+    "HOST_READ",
+    "HOST_WRITE",
+    "acl_text",
+    "check_password",
+    "hash_password",
+    "secure_mosquitto_conf",
+    "write_password_file",
+]
 
 SALT_BYTES = 12
 HASH_BYTES = 64
@@ -49,8 +59,6 @@ DEVICE_READ = ("req", "ctl", "rpc/res")
 DEVICE_WRITE = ("status", "hello", "evt", "rpc")
 HOST_READ = ("evt",)
 HOST_WRITE = ("req", "ctl")
-
-Acl = Callable[[str | None, str, bool], bool]
 
 
 # --- passwords --------------------------------------------------------------------------
@@ -156,42 +164,6 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
         out += [f"topic read {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_READ]
         out += [f"topic write {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_WRITE]
     return "\n".join(out) + "\n"
-
-
-def acl_function(prefix: str, bridge_user: str, tenants: dict[str, str]) -> Acl:
-    """The rules of acl_text() as a callback for tools/embedded_broker.py."""
-    _check_prefix(prefix)
-    _check_tenants(bridge_user, tenants)
-    host_tenant = {host_user: tenant for tenant, host_user in tenants.items()}
-    base = prefix.split("/")
-    n = len(base)
-    presence = bridge_topic(prefix)
-
-    def allowed(user: str | None, topic: str, write: bool) -> bool:
-        if user is None:
-            return False
-        if user == bridge_user:
-            # `P/#`: the prefix itself and everything under it, contract topic or not.
-            return topic.split("/")[:n] == base
-        if topic == presence:
-            # Like the `pattern read` line: every authenticated user, read only.
-            return not write
-        try:
-            # The bridge's own parser: a topic of the wrong shape, or with a device or
-            # tenant level that is not a valid id, matches no device or host rule.
-            t = parse(prefix, topic)
-        except BadTopic:
-            return False
-        # Device: P/d/<own user>/<leaf>. Stricter than Mosquitto's %u only for a user
-        # name that is not a valid device id, which the registry never holds.
-        if t.side == "d" and t.device == user:
-            return t.leaf in (DEVICE_WRITE if write else DEVICE_READ)
-        tenant = host_tenant.get(user)
-        if tenant is not None and t.side == "h" and t.tenant == tenant:
-            return t.leaf in (HOST_WRITE if write else HOST_READ)
-        return False
-
-    return allowed
 
 
 # --- Mosquitto configuration -------------------------------------------------------------------

@@ -17,7 +17,13 @@ import pytest
 from server_bridge import service
 from server_bridge.config import BridgeConfig
 from server_bridge.registry import DeviceRecord, Registry
-from tools.broker import MosquittoProcess, free_port
+from tools.broker import (
+    MosquittoMissing,
+    MosquittoProcess,
+    free_port,
+    mosquitto_binary,
+    start_mosquitto,
+)
 from tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,22 +126,15 @@ def _processes_in(directory: Path) -> list[int]:
     return found
 
 
-def _demo(*extra: str) -> subprocess.CompletedProcess[str]:
+def _demo(*extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         wren("demo", "--once", *extra),
         cwd=ROOT,
-        env=_env(),
+        env=env or _env(),
         capture_output=True,
         text=True,
         timeout=180,
     )
-
-
-def test_demo_on_the_embedded_broker() -> None:
-    proc = _demo("--embedded-broker")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "broker: embedded Python broker" in proc.stdout
-    assert "events: 10 " in proc.stdout
 
 
 def test_demo_with_the_board_on_cpython() -> None:
@@ -149,6 +148,35 @@ def test_demo_says_which_part_failed_when_the_broker_is_unreachable() -> None:
     proc = _demo("--broker", f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1
     assert "wren demo: the bridge did not start" in proc.stderr
+
+
+def test_demo_says_how_to_get_mosquitto_when_it_is_missing(tmp_path: Path) -> None:
+    # WREN_MOSQUITTO names the only binary to try (see tools/broker.py mosquitto_binary),
+    # and the PATH it is looked up on holds no Mosquitto: as on a machine without one.
+    env = _env()
+    env["PATH"] = str(tmp_path)
+    env["WREN_MOSQUITTO"] = "mosquitto"
+    proc = _demo(env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "wren demo: Mosquitto is not installed (WREN_MOSQUITTO=mosquitto: not found):"
+        " run `sh tools/setup.sh` (or `apt-get install mosquitto` / `brew install mosquitto`),"
+        " or pass --broker HOST:PORT"
+    ]
+
+
+def test_wren_mosquitto_names_the_one_binary_to_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("WREN_MOSQUITTO", raising=False)
+    found = mosquitto_binary()
+    assert found is not None  # the tests need Mosquitto (tools/setup.sh installs it)
+    monkeypatch.setenv("WREN_MOSQUITTO", found)
+    assert mosquitto_binary() == found
+    monkeypatch.setenv("WREN_MOSQUITTO", str(tmp_path / "no-mosquitto"))
+    assert mosquitto_binary() is None  # not some other Mosquitto found elsewhere
+    with pytest.raises(MosquittoMissing, match=r"^Mosquitto is not installed \(WREN_MOSQUITTO="):
+        start_mosquitto(tmp_path)
 
 
 def test_demo_says_the_board_died_when_its_heap_is_too_small() -> None:

