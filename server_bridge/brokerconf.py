@@ -171,7 +171,8 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
 
 def secure_mosquitto_conf(directory: Path | str, users: dict[str, str], acl: str) -> str:
     """Write `passwords` and `acl` into `directory` and return the configuration lines
-    that use them, for `tools.broker.start_mosquitto(extra_conf=..., allow_anonymous=False)`.
+    that use them, to append to a Mosquitto config with `allow_anonymous false` (as
+    `tools.broker.start_mosquitto(extra_conf=..., allow_anonymous=False)` does).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
