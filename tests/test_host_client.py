@@ -546,13 +546,14 @@ def test_wren_ask_exits_non_zero_for_an_incomplete_run(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from server_bridge.registry import provision
     from tools import demo
     from tools.cli import build_parser
 
     monkeypatch.delenv("WREN_HOST_USER", raising=False)
     monkeypatch.delenv("WREN_HOST_PASSWORD", raising=False)
     registry = tmp_path / "registry.json"
-    demo.make_registry(registry, tenant, [("dev", "thermostat")])
+    provision(registry, tenant, [("dev", "thermostat")])
 
     def play_the_board() -> None:
         _, body = bridge.requests.get(timeout=WAIT)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tinydb import Query
 
-from server_bridge.registry import DeviceRecord, Registry, RegistryError
+from server_bridge.registry import DeviceRecord, Registry, RegistryError, provision
 from server_bridge.store import AtomicJSONStorage, open_db
 from server_bridge.topics import BadTopic
 
@@ -392,3 +392,23 @@ def test_lookups_from_many_threads_while_another_registry_writes(tmp_path: Path)
             t.join(timeout=30)
     assert wrong == []
     assert [r.device for r in bridge.devices_of("acme")] == sorted(f"dev{i}" for i in range(n))
+
+
+def test_provision_adds_only_what_is_missing(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "dir" / "reg.json"
+    with provision(path, "acme", [("dev1", "thermostat")]) as reg:
+        secret = reg.tenant_secret("acme")
+        assert secret is not None and len(bytes.fromhex(secret)) == 32
+        assert reg.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
+        reg.add_tenant("globex")
+        reg.add_device("dev9", "globex", "kiosk")
+    # Run again, as a service does at every start: the secret (and so every live session
+    # token) survives, a known device keeps its agent and tenant, a new one is added.
+    again = [("dev1", "kiosk"), ("dev2", "kiosk"), ("dev9", "thermostat")]
+    with provision(path, "acme", again) as reg:
+        assert reg.tenant_secret("acme") == secret
+        assert reg.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
+        assert reg.device("dev2") == DeviceRecord("dev2", "acme", "kiosk")
+        assert reg.device("dev9") == DeviceRecord("dev9", "globex", "kiosk")
+    with pytest.raises(BadTopic):
+        provision(path, "acme", [("no/slash", "kiosk")])

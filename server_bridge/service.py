@@ -1,0 +1,254 @@
+"""The bridge as a service: its command line and the process that runs it.
+
+`python -m server_bridge` is this module's `main`; `wren bridge` is the same options
+(`add_arguments`) and the same loop (`run`) under the `wren` command line, which also
+reuses the broker options (`add_broker_arguments`) for its other commands.
+
+    python -m server_bridge --broker 127.0.0.1:1883 --device thermo1
+
+The registry is provisioned at start (the tenant and each --device when missing, see
+`registry.provision`), the model is the scripted demo script unless --script or
+--openai-base-url names another, and the process runs until SIGTERM or Ctrl-C, either
+of which stops the bridge cleanly (it says offline at the broker) and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn, TextIO
+
+from server_bridge.bridge import Bridge
+from server_bridge.config import BridgeConfig
+from server_bridge.models.base import Provider
+from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
+from server_bridge.registry import provision
+
+__all__ = [
+    "DEFAULT_AGENT",
+    "DEFAULT_BROKER",
+    "STOP_EXIT_CODE",
+    "ServiceError",
+    "add_arguments",
+    "add_broker_arguments",
+    "bridge_config",
+    "broker_address",
+    "build_parser",
+    "main",
+    "milliseconds",
+    "model_provider",
+    "run",
+    "setup_logging",
+    "stop_on_sigterm",
+]
+
+DEFAULT_BROKER = ("127.0.0.1", 1883)
+# The agent `--device DEVICE` registers when no `:AGENT` follows: the one the demo board
+# runs (edge_runtime/demo.py).
+DEFAULT_AGENT = "thermostat"
+STOP_EXIT_CODE = 130  # what a shell reports for a process ended by Ctrl-C
+
+
+class ServiceError(RuntimeError):
+    """The bridge could not start; the message says why (one line for the user)."""
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+def broker_address(text: str) -> tuple[str, int]:
+    """`HOST:PORT` as (host, port); an argparse type."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def milliseconds(text: str) -> float:
+    """A finite, non-negative number of milliseconds; an argparse type."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):  # `not >=` also refuses nan
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return value
+
+
+def add_broker_arguments(p: argparse.ArgumentParser, user_env: str, password_env: str) -> None:
+    """--broker, --user and --password, the credentials defaulting from the environment
+    so they stay out of command lines (and so out of `ps`)."""
+    p.add_argument("--broker", type=broker_address, metavar="HOST:PORT", help="MQTT broker to use")
+    p.add_argument("--user", default=os.environ.get(user_env), help=f"MQTT user (env {user_env})")
+    p.add_argument(
+        "--password",
+        default=os.environ.get(password_env),
+        help=f"MQTT password (env {password_env})",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every option of the bridge service, on `p`."""
+    add_broker_arguments(p, "WREN_BRIDGE_USER", "WREN_BRIDGE_PASSWORD")
+    p.add_argument("--registry", type=Path, default=Path(".wren/registry.json"))
+    p.add_argument(
+        "--client-id",
+        default="wren-bridge",
+        help="MQTT client id of this bridge's persistent session (a second bridge process "
+        "on the same broker needs its own)",
+    )
+    p.add_argument("--tenant", default="demo", help="tenant to create when the registry is new")
+    p.add_argument(
+        "--device", action="append", default=[], help="register DEVICE[:AGENT] in --tenant"
+    )
+    p.add_argument(
+        "--script", type=Path, help="scripted model: a JSON script file (default: the demo script)"
+    )
+    p.add_argument(
+        "--openai-base-url", help="use an OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1"
+    )
+    p.add_argument("--model", default=os.environ.get("WREN_MODEL", "gpt-4o-mini"))
+    p.add_argument(
+        "--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key"
+    )
+    p.add_argument(
+        "--merge-ms",
+        type=milliseconds,
+        metavar="MS",
+        help="hold a model's small text chunks up to MS before sending them to a board "
+        f"(default {BridgeConfig.rpc_merge_s * 1000:g}; 0 sends each chunk as it comes)",
+    )
+
+
+def build_parser(prog: str = "python -m server_bridge") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Run the Wren server bridge until SIGTERM or Ctrl-C."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_arguments(parser)
+    return parser
+
+
+# --- what the options make ------------------------------------------------------------------
+
+
+def bridge_config(args: argparse.Namespace) -> BridgeConfig:
+    """The BridgeConfig these parsed options describe."""
+    host, port = args.broker or DEFAULT_BROKER
+    config = BridgeConfig(
+        host=host,
+        port=port,
+        username=args.user,
+        password=args.password,
+        client_id=args.client_id,
+    )
+    # Only an option given overrides the config's own default, so that default is
+    # written once (BridgeConfig; the --merge-ms help reads it from there too).
+    if args.merge_ms is not None:
+        config = dataclasses.replace(config, rpc_merge_s=args.merge_ms / 1000)
+    return config
+
+
+def model_provider(args: argparse.Namespace) -> tuple[Provider, str]:
+    """The model these options name, and a few words saying which for the start line."""
+    if args.openai_base_url:
+        # Imported only when asked for, like any optional part.
+        from server_bridge.models.openai import OpenAIProvider
+
+        provider: Provider = OpenAIProvider(
+            args.openai_base_url, args.model, api_key_env=args.api_key_env
+        )
+        return provider, f"OpenAI-compatible model {args.model} at {args.openai_base_url}"
+    if args.script:
+        return ScriptedProvider.from_file(args.script), f"scripted model from {args.script}"
+    return ScriptedProvider(DEMO_SCRIPT), "scripted model (demo script)"
+
+
+def _devices(specs: list[str]) -> list[tuple[str, str]]:
+    devices = []
+    for spec in specs:
+        device, _, agent = spec.partition(":")
+        devices.append((device, agent or DEFAULT_AGENT))
+    return devices
+
+
+# --- the process ----------------------------------------------------------------------------
+
+
+def run(
+    args: argparse.Namespace, stop: threading.Event | None = None, out: TextIO | None = None
+) -> int:
+    """Provision the registry, start the bridge and serve until `stop` is set (0), or
+    until KeyboardInterrupt, which goes on to the caller once the bridge has stopped.
+
+    A `bridge: ...` line on `out` (stdout) says the bridge is connected and subscribed;
+    a broker that cannot be reached is a ServiceError.
+    """
+    out = out if out is not None else sys.stdout
+    stop = stop if stop is not None else threading.Event()
+    config = bridge_config(args)
+    registry = provision(args.registry, args.tenant, _devices(args.device))
+    try:
+        provider, what = model_provider(args)
+        bridge = Bridge(config, registry, provider)
+        # stop() also after a start that failed or was interrupted: it shuts down the
+        # RPC pool the bridge made, and is a no-op for the connection it never had.
+        try:
+            try:
+                bridge.start()
+            except Exception as e:
+                raise ServiceError(
+                    f"could not connect to the broker at {config.host}:{config.port}: {e}"
+                ) from e
+            # One write, line and newline together: unbuffered (PYTHONUNBUFFERED), print()
+            # writes the newline apart, and a log line on stderr may land in between.
+            out.write(
+                f"bridge: {config.host}:{config.port}, registry {args.registry}, {what};"
+                " Ctrl-C stops\n"
+            )
+            out.flush()
+            # In one-second waits rather than one endless one, so that Ctrl-C (and
+            # SIGTERM, see stop_on_sigterm) is seen on every platform.
+            while not stop.wait(1.0):
+                pass
+            return 0
+        finally:
+            bridge.stop()
+    finally:
+        registry.close()
+
+
+def stop_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
+    """A SIGTERM handler: `kill` (and service managers) stop us with SIGTERM; raising
+    KeyboardInterrupt runs the same clean-up as Ctrl-C, so the bridge says offline and
+    nothing we started (a broker, a board) outlives us."""
+    raise KeyboardInterrupt
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    setup_logging(args.verbose)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\nstopped", file=sys.stderr)
+        return STOP_EXIT_CODE
+    except ServiceError as e:
+        print(f"{parser.prog}: {e}", file=sys.stderr)
+        return 1
