@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", type=Path, default=Path(".wren/registry.json"))
     p.add_argument(
         "--client-id",
-        default="wren-bridge",
+        default=BridgeConfig.client_id,
         help="MQTT client id of this bridge's persistent session (a second bridge process "
         "on the same broker needs its own)",
     )
