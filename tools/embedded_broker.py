@@ -53,6 +53,21 @@ REFUSED_IDENTIFIER = 2
 REFUSED_CREDENTIALS = 4
 REFUSED_NOT_AUTHORIZED = 5
 SUBACK_FAILURE = 0x80
+REFUSALS = (
+    "accepted",
+    "bad protocol version",
+    "identifier rejected",
+    "server unavailable",
+    "bad user name or password",
+    "not authorized",
+)
+# Packet types only a broker reads or sends (edge_runtime/mqtt.py names those a client
+# needs: on a board each name costs heap).
+CONNECT = 1
+UNSUBSCRIBE = 10
+UNSUBACK = 11
+PINGREQ = 12
+DISCONNECT = 14
 
 
 class BrokerStartError(RuntimeError):
@@ -150,7 +165,7 @@ def encode_suback(pid: int, codes: list[int]) -> bytes:
 
 
 def encode_unsuback(pid: int) -> bytes:
-    return bytes((mqtt.UNSUBACK << 4, 2, pid >> 8, pid & 0xFF))
+    return bytes((UNSUBACK << 4, 2, pid >> 8, pid & 0xFF))
 
 
 # --- topics ------------------------------------------------------------------------------
@@ -341,7 +356,7 @@ class EmbeddedBroker:
         t, _, body = await asyncio.wait_for(
             mqtt.read_packet(reader, MAX_PACKET, mqtt.FROM_CLIENT), CONNECT_TIMEOUT_S
         )
-        if t != mqtt.CONNECT:
+        if t != CONNECT:
             raise mqtt.MalformedPacket("first packet is not CONNECT")  # MQTT-3.1.0-1
         try:
             req = parse_connect(body)
@@ -351,9 +366,7 @@ class EmbeddedBroker:
             return None
         code = self._admit(req)
         if code != ACCEPTED:
-            log.info(
-                "refused client %r (user %r): %s", req.client_id, req.user, mqtt.REFUSALS[code]
-            )
+            log.info("refused client %r (user %r): %s", req.client_id, req.user, REFUSALS[code])
             writer.write(encode_connack(False, code))
             await writer.drain()
             return None
@@ -402,14 +415,14 @@ class EmbeddedBroker:
                 pass  # QoS 1 deliveries are not retransmitted, so nothing to clear
             elif t == mqtt.SUBSCRIBE:
                 self._subscribe(session, body)
-            elif t == mqtt.UNSUBSCRIBE:
+            elif t == UNSUBSCRIBE:
                 pid, topics = parse_unsubscribe(body)
                 for topic in topics:
                     session.subs.pop(topic, None)
                 session.send(encode_unsuback(pid))
-            elif t == mqtt.PINGREQ:
+            elif t == PINGREQ:
                 session.send(mqtt.PINGRESP_PACKET)
-            elif t == mqtt.DISCONNECT:
+            elif t == DISCONNECT:
                 return True
             else:
                 # CONNECT twice (MQTT-3.1.0-2) or a QoS 2 flow packet.
