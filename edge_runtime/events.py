@@ -82,7 +82,7 @@ class Emitter:
             self._held -= len(self.ring.pop())
             first += 1
         if len(self.ring) == self.ring.capacity:
-            self._held -= len(self.ring.peek())
+            self._held -= len(self.ring.at(0))
         self.ring.push(data)
         self._held += len(data)
         self.pump()
