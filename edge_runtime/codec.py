@@ -57,12 +57,13 @@ _FIXCOUNT_END = const(0x10)  # fixarray, fixmap
 _LEND = const(256)
 
 # What a header announces; the reader loop branches on these instead of on header bytes.
-_K_VALUE = const(0)  # a scalar: nil, bool, int, float
-_K_STR = const(1)
-_K_BIN = const(2)
-_K_ARRAY = const(3)
-_K_MAP = const(4)
-_K_BAD = const(5)  # a byte the contract does not use
+# Multiples of 16: a row of _HEAD is a kind plus an index into _ARGS.
+_K_VALUE = const(0x00)  # a scalar: nil, bool, int, float
+_K_STR = const(0x10)
+_K_BIN = const(0x20)
+_K_ARRAY = const(0x30)
+_K_MAP = const(0x40)
+_K_BAD = const(0x50)  # a byte the contract does not use
 
 # Limits of PROTOCOL.md "Limits"; configuration may pass others per call.
 MAX_PAYLOAD = 16384
@@ -95,44 +96,47 @@ class BadType(CodecError):
 
 # --------------------------------------------------------------------------- decoding
 
-# Header byte -> (kind, format, size) for 0xc0..0xdf, the headers that are not "fix"
-# families. `size` bytes follow the header and `format` (struct) reads them: the value
-# of a scalar, or the length/count of a str, bin, array or map. When nothing follows
-# (size 0) the middle slot is the value itself (nil, bool) or why the byte is refused.
-_HEAD = {
-    _NIL: (_K_VALUE, None, 0),
-    _NEVER: (_K_BAD, "reserved byte 0xc1", 0),
-    _FALSE: (_K_VALUE, False, 0),
-    _TRUE: (_K_VALUE, True, 0),
-    _BIN8: (_K_BIN, ">B", 1),
-    _BIN16: (_K_BIN, ">H", 2),
-    _BIN32: (_K_BIN, ">I", 4),
-    _EXT8: (_K_BAD, "ext type", 0),
-    _EXT16: (_K_BAD, "ext type", 0),
-    _EXT32: (_K_BAD, "ext type", 0),
-    _FLOAT32: (_K_VALUE, ">f", 4),
-    _FLOAT64: (_K_VALUE, ">d", 8),
-    _UINT8: (_K_VALUE, ">B", 1),
-    _UINT16: (_K_VALUE, ">H", 2),
-    _UINT32: (_K_VALUE, ">I", 4),
-    _UINT64: (_K_VALUE, ">Q", 8),
-    _INT8: (_K_VALUE, ">b", 1),
-    _INT16: (_K_VALUE, ">h", 2),
-    _INT32: (_K_VALUE, ">i", 4),
-    _INT64: (_K_VALUE, ">q", 8),
-    _FIXEXT1: (_K_BAD, "ext type", 0),
-    _FIXEXT2: (_K_BAD, "ext type", 0),
-    _FIXEXT4: (_K_BAD, "ext type", 0),
-    _FIXEXT8: (_K_BAD, "ext type", 0),
-    _FIXEXT16: (_K_BAD, "ext type", 0),
-    _STR8: (_K_STR, ">B", 1),
-    _STR16: (_K_STR, ">H", 2),
-    _STR32: (_K_STR, ">I", 4),
-    _ARRAY16: (_K_ARRAY, ">H", 2),
-    _ARRAY32: (_K_ARRAY, ">I", 4),
-    _MAP16: (_K_MAP, ">H", 2),
-    _MAP32: (_K_MAP, ">I", 4),
-}
+# Header byte -> what it announces, for 0xc0..0xdf, the headers that are not "fix"
+# families: _HEAD[byte - 0xc0] is a kind plus an index i. `_SIZES[i]` bytes follow the
+# header and the struct format `_ARGS[i]` reads them: the value of a scalar, or the
+# length/count of a str, bin, array or map. When nothing follows (size 0), _ARGS[i] is
+# the value itself (nil, bool) or why the byte is refused. Bytes rather than a dict of
+# tuples: one small object on the board heap, where the dict took 3.7 KiB (64-bit).
+_ARGS = (None, False, True, ">B", ">H", ">I", ">Q", ">b", ">h", ">i", ">q", ">f", ">d",
+         "ext type", "reserved byte 0xc1")
+_SIZES = b"\x00\x00\x00\x01\x02\x04\x08\x01\x02\x04\x08\x04\x08\x00\x00"
+_A_NIL = const(0)  # indexes into _ARGS and _SIZES
+_A_FALSE = const(1)
+_A_TRUE = const(2)
+_A_U8 = const(3)
+_A_U16 = const(4)
+_A_U32 = const(5)
+_A_U64 = const(6)
+_A_I8 = const(7)
+_A_I16 = const(8)
+_A_I32 = const(9)
+_A_I64 = const(10)
+_A_F32 = const(11)
+_A_F64 = const(12)
+_A_EXT = const(13)
+_A_RESERVED = const(14)
+_HEAD = bytes((
+    _K_VALUE | _A_NIL,  # 0xc0 nil
+    _K_BAD | _A_RESERVED,  # 0xc1 never used
+    _K_VALUE | _A_FALSE,  # 0xc2 false
+    _K_VALUE | _A_TRUE,  # 0xc3 true
+    _K_BIN | _A_U8, _K_BIN | _A_U16, _K_BIN | _A_U32,  # 0xc4 bin 8, 16, 32
+    _K_BAD | _A_EXT, _K_BAD | _A_EXT, _K_BAD | _A_EXT,  # 0xc7 ext 8, 16, 32
+    _K_VALUE | _A_F32, _K_VALUE | _A_F64,  # 0xca float 32, 64
+    # 0xcc uint 8, 16, 32, 64; 0xd0 int 8, 16, 32, 64
+    _K_VALUE | _A_U8, _K_VALUE | _A_U16, _K_VALUE | _A_U32, _K_VALUE | _A_U64,
+    _K_VALUE | _A_I8, _K_VALUE | _A_I16, _K_VALUE | _A_I32, _K_VALUE | _A_I64,
+    # 0xd4 fixext 1, 2, 4, 8, 16
+    _K_BAD | _A_EXT, _K_BAD | _A_EXT, _K_BAD | _A_EXT, _K_BAD | _A_EXT, _K_BAD | _A_EXT,
+    _K_STR | _A_U8, _K_STR | _A_U16, _K_STR | _A_U32,  # 0xd9 str 8, 16, 32
+    _K_ARRAY | _A_U16, _K_ARRAY | _A_U32,  # 0xdc array 16, 32
+    _K_MAP | _A_U16, _K_MAP | _A_U32,  # 0xde map 16, 32
+))
 
 # 0x80..0xbf by high nibble: fixmap, fixarray, fixstr (two nibbles). Their count sits in
 # the header's low bits, so they need no table row per byte.
@@ -222,7 +226,10 @@ def decode(data, max_payload=MAX_PAYLOAD, max_str=MAX_STR, max_items=MAX_ITEMS,
                 kind = _FIX_KIND[(b - _FIXMAP) >> 4]
                 n = b & (0x1f if kind == _K_STR else 0x0f)
             else:
-                kind, fmt, size = _HEAD[b]
+                row = _HEAD[b - _NIL]
+                kind = row & 0xf0
+                fmt = _ARGS[row & 15]
+                size = _SIZES[row & 15]
                 if kind == _K_BAD:
                     raise BadType("%s at byte %d is not used by the contract" % (fmt, pos - 1))
                 if size > end - pos:

@@ -1,9 +1,8 @@
 # MQTT 3.1.1 packets as pure functions: encoders return bytes, parsers take a packet
 # body and return plain values, and one reader (read_packet) pulls whole packets off a
-# stream. No sockets or tasks here, so the board's Link, the board tests and the
-# embedded broker on CPython (tools/embedded_broker.py) share one byte layout. The
-# broker-only parsers (CONNECT, SUBSCRIBE, ...) live in the broker: on a board every
-# line here is compiled into a small heap, so only what a client needs is here.
+# stream. No sockets or tasks here, so the board's Link and the board tests (which play
+# a broker's side too) share one byte layout. On a board every line and every public
+# name here is loaded into a small heap, so only what a client needs is here.
 #
 # Errors: wire data is refused with an MqttError, never an assert and never a
 # half-built value. MqttError derives from Exception, not OSError, on purpose: a
@@ -41,18 +40,15 @@ _F_CLEAN = const(0x02)
 _LEVEL = const(4)  # protocol level of 3.1.1
 _MAX_LEN = const(268435455)  # the most four varint bytes can say
 
-# Public names for code that dispatches on read_packet's result.
-CONNECT = _CONNECT
+# Public names for code that dispatches on read_packet's result: the packets a client
+# reads, and SUBSCRIBE for the board tests' proxy. (Every public name is a slot in the
+# module's dict on the board, so the types only a broker reads are not here.)
 CONNACK = _CONNACK
 PUBLISH = _PUBLISH
 PUBACK = _PUBACK
 SUBSCRIBE = _SUBSCRIBE
 SUBACK = _SUBACK
-UNSUBSCRIBE = const(10)
-UNSUBACK = _UNSUBACK
-PINGREQ = _PINGREQ
 PINGRESP = _PINGRESP
-DISCONNECT = _DISCONNECT
 FROM_CLIENT = "c"  # read_packet(..., sender=FROM_CLIENT) on a broker
 FROM_SERVER = "s"  # read_packet(..., sender=FROM_SERVER) on a client
 
@@ -84,8 +80,8 @@ _TABLE = (
 )
 
 # CONNACK return codes (3.2.2.3), index = code.
-REFUSALS = ("accepted", "bad protocol version", "identifier rejected",
-            "server unavailable", "bad user name or password", "not authorized")
+_REFUSALS = ("accepted", "bad protocol version", "identifier rejected",
+             "server unavailable", "bad user name or password", "not authorized")
 
 # Packets with no variable part are constants, never rebuilt.
 PINGREQ_PACKET = b"\xc0\x00"
@@ -111,7 +107,7 @@ class PacketTooLarge(MqttError):
 class ConnectRefused(MqttError):
     # CONNACK with a non-zero return code, kept in .code.
     def __init__(self, code):
-        super().__init__("refused: " + (REFUSALS[code] if code < 6 else str(code)))
+        super().__init__("refused: " + (_REFUSALS[code] if code < 6 else str(code)))
         self.code = code
 
 

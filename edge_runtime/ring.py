@@ -1,5 +1,6 @@
 # A bounded ring that drops the oldest item when full and counts what it dropped.
 # Every queue on the board is one of these: memory stays fixed whatever the link does.
+# Only the methods the board calls: each one is loaded into the board heap.
 
 
 class Ring:
@@ -39,22 +40,11 @@ class Ring:
         self._len -= 1
         return item
 
-    def peek(self):
-        if self._len == 0:
-            raise IndexError("peek into empty ring")
-        return self._items[self._head]
-
     def at(self, k):
         # The k-th oldest item (0 is the oldest), without removing anything.
         if not 0 <= k < self._len:
             raise IndexError("ring index")
         return self._items[(self._head + k) % len(self._items)]
-
-    def clear(self):
-        for i in range(len(self._items)):
-            self._items[i] = None
-        self._head = 0
-        self._len = 0
 
     def __iter__(self):
         # Oldest to newest, without removing anything.

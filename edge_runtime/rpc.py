@@ -113,7 +113,7 @@ class RpcClient:
         self.window = window
         # Call ids start at a random number each boot: answers an older boot left in
         # the broker's session for this board never match a call of this one.
-        self._next_id = _random30()
+        self._next_id = random_bits(30)
         self._pending = {}
         # The boot id of the bridge process the board last heard online (None while it
         # is away or unknown): calls made to it die with it; calls made while it was
@@ -229,11 +229,13 @@ class RpcClient:
                 call.fail(RpcError(kind, msg))
 
 
-def _random30():
+def random_bits(n):
+    # n (up to 32) random bits, from os.urandom where the port has it. The board's one
+    # source of them: call ids here, the boot id in runs.
     try:
         import os
         b = os.urandom(4)
-        return ((b[0] & 0x3F) << 24) | (b[1] << 16) | (b[2] << 8) | b[3]
+        return ((b[0] << 24) | (b[1] << 16) | (b[2] << 8) | b[3]) >> (32 - n)
     except (ImportError, AttributeError, OSError):
         import random
-        return random.getrandbits(30)
+        return random.getrandbits(n)

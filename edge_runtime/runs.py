@@ -10,7 +10,7 @@ from edge_runtime import codec, platform
 from edge_runtime.events import (DEVICE_RUN, MAX_ID, MAX_REASON, PREFIX, RING, RING_BYTES,
                                   RX_PAYLOAD, Emitter)
 from edge_runtime.ring import Ring
-from edge_runtime.rpc import CHUNK, WINDOW, RpcClient
+from edge_runtime.rpc import CHUNK, WINDOW, RpcClient, random_bits
 from edge_runtime.agent import RunFailed
 
 try:
@@ -134,7 +134,7 @@ class Runtime:
         self._recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
-        self.boot = "%08x" % _random32()
+        self.boot = "%08x" % random_bits(32)
         self._bridge_up = None  # the bridge's presence as last heard: None, True, False
         self._bridge_boot = None  # the boot id of the bridge process last heard online
         self._runs_started = 0
@@ -504,13 +504,3 @@ def _clip(value):
     # echo of hostile input could itself become an event too large to send.
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _random32():
-    try:
-        import os
-        b = os.urandom(4)
-        return (b[0] << 24) | (b[1] << 16) | (b[2] << 8) | b[3]
-    except (ImportError, AttributeError, OSError):
-        import random
-        return random.getrandbits(32)

@@ -43,6 +43,9 @@ def test_ids_count_from_one_without_gaps_and_go_out_encoded():
 def test_unknown_type_is_a_programming_error():
     em, out = _emitter()
     raises(ValueError, em.emit, "msg.teleport")
+    # The types are one space-separated str: a piece of a name, or two names, is no type.
+    for etype in ("run", "msg.delta msg.end", "", " ", "error "):
+        raises(ValueError, em.emit, etype)
     assert out.sent == [] and em.last_id == 0
 
 

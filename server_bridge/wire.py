@@ -21,7 +21,7 @@ from typing import Any, TypeGuard, cast
 import msgpack
 
 from edge_runtime import codec
-from edge_runtime.events import DEVICE_RUN, MAX_ID, MAX_REASON, RX_PAYLOAD, TYPES
+from edge_runtime.events import DEVICE_RUN, MAX_ID, MAX_REASON, RX_PAYLOAD, TYPE_NAMES
 from edge_runtime.rpc import CHUNK, WINDOW
 from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic
@@ -31,6 +31,7 @@ __all__ = [
     "BRIDGE_RUN",
     "DEFAULT_LIMITS",
     "DEVICE_RUN",
+    "EVENT_TYPES",
     "MAX_BOOT",
     "MAX_ERROR_MSG",
     "MAX_ID",
@@ -249,6 +250,8 @@ def _opt_int(m: Mapping[str, Any], key: str, what: str) -> int | None:
 # The streams that are not runs: the board's device stream (DEVICE_RUN, "_", from
 # edge_runtime.events) and the bridge's own stream of answers to hosts on P/h/T/D/evt.
 BRIDGE_RUN = "_b"
+# The event types of the contract, from the board's one space-separated str.
+EVENT_TYPES = frozenset(TYPE_NAMES.split())
 
 
 def check_envelope(obj: object, *, strict_types: bool = True) -> dict[str, Any]:
@@ -266,7 +269,7 @@ def check_envelope(obj: object, *, strict_types: bool = True) -> dict[str, Any]:
         raise BadEnvelope("event needs an id i: an int >= 1")
     if not isinstance(t, str):
         raise BadEnvelope("event needs a type t: a str")
-    if strict_types and t not in TYPES:
+    if strict_types and t not in EVENT_TYPES:
         raise UnknownType(f"unknown event type {t[:64]!r}")
     if not _is_int(ts):
         raise BadEnvelope("event needs a board clock ts: an int")

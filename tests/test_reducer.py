@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from edge_runtime.events import TYPES
 from server_bridge.host.reducer import (
     BRIDGE_RUN,
     HANDLERS,
@@ -18,6 +17,7 @@ from server_bridge.host.reducer import (
     RunSnapshot,
     apply_event,
 )
+from server_bridge.wire import EVENT_TYPES
 from tests.eventdata import ev, fold
 
 
@@ -336,7 +336,7 @@ def test_errors_kept_per_snapshot_are_bounded() -> None:
 
 
 def test_every_handled_type_is_in_the_contract() -> None:
-    assert set(HANDLERS) <= set(TYPES)
+    assert set(HANDLERS) <= EVENT_TYPES
 
 
 # --- in-order folding, holes and gap reports --------------------------------------------
