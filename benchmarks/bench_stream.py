@@ -10,7 +10,8 @@ host client), in three figures:
 2. What the pipeline adds after the model: from the model server's last write to
    `run.done` at the host (one clock: the model server and the host client run in this
    process), next to a raw paho relay over the same three broker legs; again with
-   Mosquitto's `set_tcp_nodelay true`.
+   Nagle left on at the broker (`set_tcp_nodelay false`; Wren's generated config turns
+   it off, as the bridge, host and board turn it off on their sockets).
 3. Recovery after a broker restart (Mosquitto with persistence): from the moment the new
    broker accepts connections to the board's `link: up` and to the next request's
    `run.done` at the host.
@@ -85,7 +86,7 @@ RELAY_MESSAGES = 50
 RELAY_WARMUP = 5
 # A latency knob outside Wren's code: Mosquitto leaves Nagle's algorithm on unless told
 # otherwise. Measured as a second latency row.
-NODELAY_CONF = "set_tcp_nodelay true\n"
+NAGLE_CONF = "set_tcp_nodelay false\n"
 
 
 class BenchError(RuntimeError):
@@ -549,14 +550,14 @@ def print_latency(
     def row(name: str, xs: Sequence[float]) -> None:
         print(f"{name:54} {min(xs):8.1f} {pct(xs, 0.5):8.1f} {pct(xs, 0.95):8.1f} {max(xs):8.1f}")
 
-    for name, xs in (("wren", lat), (f"wren, Mosquitto with {NODELAY_CONF.strip()}", nodelay)):
+    for name, xs in (("wren", lat), (f"wren, Mosquitto with {NAGLE_CONF.strip()}", nodelay)):
         print(name)
         row("  model end -> host run.done", [x.total_ms for x in xs])
         row("  model end -> bridge's final answer (sniffer)", [x.bridge_ms for x in xs])
         row("  final answer -> board's run.done (sniffer)", [x.board_ms for x in xs])
         row("  board's run.done (sniffer) -> host's run.done", [x.host_ms for x in xs])
     row(f"baseline: raw paho relay, 3 legs ({len(relay)} msgs)", relay)
-    for name, xs in (("wren", lat), ("wren, nodelay broker", nodelay)):
+    for name, xs in (("wren", lat), ("wren, Nagle at the broker", nodelay)):
         w = [x.total_ms for x in xs]
         print(
             f"ratio {name}/baseline: p50 {pct(w, 0.5) / pct(relay, 0.5):.1f}x, "
@@ -635,10 +636,10 @@ def main() -> None:
                 sniffer.close()
             progress(f"broker restarts, {args.restarts} ...")
             rec = measure_recovery(s, server, args.restarts)
-        with stack(work / "nodelay", server, args.micropython, broker_conf=NODELAY_CONF) as s:
+        with stack(work / "nodelay", server, args.micropython, broker_conf=NAGLE_CONF) as s:
             sniffer = Sniffer(s)
             try:
-                progress(f"latency, Mosquitto {NODELAY_CONF.strip()}, {args.runs} runs ...")
+                progress(f"latency, Mosquitto {NAGLE_CONF.strip()}, {args.runs} runs ...")
                 nodelay = measure_latency(s, server, sniffer, args.runs)
             finally:
                 sniffer.close()

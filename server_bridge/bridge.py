@@ -44,6 +44,7 @@ from server_bridge.models.base import Provider
 from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
+from server_bridge.tcp import no_delay
 from server_bridge.tokens import TokenError
 from server_bridge.topics import BadTopic, Topic, bridge_topic, device_topic, host_topic, parse
 from server_bridge.wire import (
@@ -273,6 +274,7 @@ class Bridge:
         client.will_set(
             bridge_topic(cfg.prefix), self._status_payload("offline"), qos=1, retain=True
         )
+        client.on_socket_open = no_delay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe

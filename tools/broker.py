@@ -176,11 +176,15 @@ def start_mosquitto(
     # the caller's configuration already names the user (a duplicate is an error).
     as_root = hasattr(os, "geteuid") and os.geteuid() == 0
     user = "user root\n" if as_root and not re.search(r"^user\s", extra_conf, re.M) else ""
+    # Nagle off, as on every socket of Wren's path (server_bridge/tcp.py says why),
+    # unless the caller's configuration says otherwise (a benchmark's baseline).
+    tuned = "" if re.search(r"^set_tcp_nodelay\s", extra_conf, re.M) else "set_tcp_nodelay true\n"
     conf.write_text(
         f"listener {port} {host}\n"
         f"allow_anonymous {'true' if allow_anonymous else 'false'}\n"
         + saved
         + user
+        + tuned
         + f"log_dest file {log_path}\n"
         "log_type error\nlog_type warning\nlog_type notice\nlog_type information\n"
         "max_packet_size 1048576\n" + extra_conf

@@ -56,6 +56,7 @@ from server_bridge.host.reducer import (
     Reducer,
     RunSnapshot,
 )
+from server_bridge.tcp import no_delay
 from server_bridge.topics import DEFAULT_PREFIX, BadTopic, check_id, host_topic, parse
 from server_bridge.wire import Limits, WireError, check_events, decode, encode
 
@@ -209,6 +210,7 @@ class HostClient:
         )
         if username is not None:
             self._client.username_pw_set(username, password)
+        self._client.on_socket_open = no_delay
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_subscribe = self._on_subscribe
