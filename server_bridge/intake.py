@@ -223,7 +223,9 @@ class EventIntake:
         if env["t"] == "error" and d.get("kind") == "gap":
             # Recorded whatever the gap event's own id: the board emits it after it
             # resends what it still had, so it usually arrives past the hole it reports.
-            self._record_lost(st, int(d["from"]), int(d["to"]))
+            # It can only report ids below its own: a `to` past that (up to 2**64 on
+            # the wire) is not believed, so one event cannot claim to lose the ids to come.
+            self._record_lost(st, int(d["from"]), min(int(d["to"]), i - 1))
         if i > st.highest:
             st.highest, st.last_ts = i, env["ts"]
         if i == st.expected:

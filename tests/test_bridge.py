@@ -1131,3 +1131,17 @@ def test_repeated_gap_reports_are_recorded_once() -> None:
     it.accept(DEV, [ev(2)])
     assert sink.evts() == [1, 2, 6, 7, 8] and it.lost("dev1", "r1") == []
     assert it.counts["evt.lost"] == 3  # type: ignore[attr-defined]
+
+
+def test_a_gap_report_cannot_lose_ids_past_its_own() -> None:
+    sink = Sink()
+    it = intake(sink)
+    it.accept(DEV, [ev(1)])
+    lie = ev(3, "error", kind="gap", msg="lost")
+    lie["d"].update({"from": 2, "to": 2**64 - 1})  # the widest uint64 the codec reads
+    it.accept(DEV, [lie])
+    # Only id 2 lay below the report: 1 lost, not 2**64 - 2, and the run goes on.
+    assert it.counts["evt.lost"] == 1  # type: ignore[attr-defined]
+    assert it.expected("dev1", "r1") == 4
+    it.accept(DEV, [ev(4), ev(5, "run.done", usage={})])
+    assert sink.evts() == [1, 3, 4, 5]
