@@ -25,9 +25,10 @@
 # platform.wait_for_ms; the reader's open-ended wait for the next packet is bounded
 # by the keepalive watchdog, which pings after half a keepalive of silence and calls
 # reconnect() when the ping goes unanswered.
-from edge_runtime import mqtt
-from edge_runtime.platform import (asyncio, log, read_into, sleep_ms, ticks_diff, ticks_ms,
-                                   wait_for_ms)
+from edge_runtime import mqtt, platform
+# The clock (ticks_ms, sleep_ms, wait_for_ms) is read through platform at call time:
+# a test can then swap its source (platform.use_clock) while this real Link runs.
+from edge_runtime.platform import asyncio, log, read_into, ticks_diff
 from edge_runtime.ring import Ring
 
 try:
@@ -71,7 +72,7 @@ def _jitter(n):
         from random import getrandbits
         return getrandbits(16) % (n + 1)
     except ImportError:
-        return ticks_ms() % (n + 1)
+        return platform.ticks_ms() % (n + 1)
 
 
 async def _close_late(t):
@@ -178,22 +179,22 @@ class Link:
 
     async def wait_room(self, ms, spare=0):
         # Wait (at most ms) until a publish leaving `spare` slots would be taken.
-        start = ticks_ms()
+        start = platform.ticks_ms()
         while not self.room(spare):
-            left = ms - ticks_diff(ticks_ms(), start)
+            left = ms - ticks_diff(platform.ticks_ms(), start)
             if left <= 0:
                 return False
             self._wanted_room = True
             self._room.clear()
             try:
-                await wait_for_ms(self._room.wait(), left)
+                await platform.wait_for_ms(self._room.wait(), left)
             except asyncio.TimeoutError:
                 pass
         return True
 
     async def wait_connected(self, timeout_ms):
         try:
-            await wait_for_ms(self._up.wait(), timeout_ms)
+            await platform.wait_for_ms(self._up.wait(), timeout_ms)
         except asyncio.TimeoutError:
             pass
         return self.connected
@@ -261,7 +262,7 @@ class Link:
                 d = d // 2 + _jitter(d // 2)
                 self._down.clear()
                 try:
-                    await wait_for_ms(self._down.wait(), d)  # only stop() sets it now
+                    await platform.wait_for_ms(self._down.wait(), d)  # only stop() sets it now
                 except asyncio.TimeoutError:
                     pass
         finally:
@@ -280,7 +281,7 @@ class Link:
             if waited >= _OPEN_MS or self._stopping:
                 asyncio.create_task(_close_late(t))
                 raise asyncio.TimeoutError()
-            await sleep_ms(20)
+            await platform.sleep_ms(20)
             waited += 20
         return await t
 
@@ -291,12 +292,12 @@ class Link:
         # connection is no longer self._conn stops, whatever it was doing.
         conn = self._conn = (r, w, asyncio.Lock())
         await self._write(conn, self._connect_pkt)
-        t, _, body = await wait_for_ms(self._read_packet(r), _OPEN_MS)
+        t, _, body = await platform.wait_for_ms(self._read_packet(r), _OPEN_MS)
         if t != mqtt.CONNACK:
             raise mqtt.MalformedPacket("no CONNACK")
         self.session_present = mqtt.parse_connack(body)
         self.stats["connects"] += 1
-        self._opened = self._rx_at = ticks_ms()
+        self._opened = self._rx_at = platform.ticks_ms()
         self._ping = None
         self._nsubs = self._sub_pid = 0
         for e in self._inflight:
@@ -339,12 +340,12 @@ class Link:
         try:
             if self._stopping:
                 # A clean DISCONNECT tells the broker not to publish our will.
-                await wait_for_ms(self._write(conn, mqtt.DISCONNECT_PACKET), _BYE_MS)
+                await platform.wait_for_ms(self._write(conn, mqtt.DISCONNECT_PACKET), _BYE_MS)
         except Exception:
             pass
         try:
             conn[1].close()
-            await wait_for_ms(conn[1].wait_closed(), _BYE_MS)
+            await platform.wait_for_ms(conn[1].wait_closed(), _BYE_MS)
         except Exception:
             pass
 
@@ -357,8 +358,8 @@ class Link:
         async with conn[2]:
             for p in parts:
                 w.write(p)
-            await wait_for_ms(w.drain(), _WRITE_MS)
-        self._tx_at = ticks_ms()
+            await platform.wait_for_ms(w.drain(), _WRITE_MS)
+        self._tx_at = platform.ticks_ms()
 
     async def _publish(self, conn, e, qos, dup):
         # e = (or starts like) [pid, topic, payload, retain]; the header is built apart
@@ -412,20 +413,20 @@ class Link:
                     await self._write(conn, mqtt.encode_subscribe(pid, new))
                 for e in self._inflight:
                     if e[_SENT] is None and conn is self._conn:
-                        e[_SENT] = ticks_ms()
+                        e[_SENT] = platform.ticks_ms()
                         self.stats["retransmits"] += 1
                         await self._publish(conn, e, 1, True)
                 while (len(self._outbox) and len(self._inflight) < self._inflight_max
                        and conn is self._conn):
                     topic, payload, qos, retain = self._outbox.pop()
-                    e = [self._new_pid() if qos else 0, topic, payload, retain, ticks_ms(),
+                    e = [self._new_pid() if qos else 0, topic, payload, retain, platform.ticks_ms(),
                          False]
                     if qos:
                         self._inflight.append(e)
                     self._took()
                     await self._publish(conn, e, qos, False)
                 try:
-                    await wait_for_ms(self._wake.wait(), 4 * _TICK_MS)
+                    await platform.wait_for_ms(self._wake.wait(), 4 * _TICK_MS)
                 except asyncio.TimeoutError:
                     pass  # look again anyway: a missed wake-up costs at most this long
         except Exception as e:
@@ -475,7 +476,7 @@ class Link:
             while conn is self._conn:
                 self._fault_point("read")
                 t, flags, body = await self._read_packet(r)
-                self._rx_at = ticks_ms()
+                self._rx_at = platform.ticks_ms()
                 self._ping = None  # any packet shows the broker is there
                 if t == mqtt.PUBLISH:
                     if body is None:
@@ -532,9 +533,9 @@ class Link:
         why = None
         try:
             while conn is self._conn:
-                await sleep_ms(tick)
+                await platform.sleep_ms(tick)
                 self._fault_point("watch")
-                now = ticks_ms()
+                now = platform.ticks_ms()
                 if not self.connected and ticks_diff(now, self._opened) > _OPEN_MS:
                     why = "no SUBACK"
                     return

@@ -50,6 +50,23 @@ async def wait_for_ms(awaitable, ms):
     return await asyncio.wait_for(awaitable, ms / 1000)
 
 
+# The machine's clock, kept to put back after a test swapped it.
+_MACHINE = (ticks_ms, sleep_ms, wait_for_ms)
+
+
+def use_clock(clock=None):
+    # Tests only: board modules read the clock as platform.ticks_ms(), platform.sleep_ms()
+    # and platform.wait_for_ms() at call time, so a clock a test drives
+    # (firmware_tests/clock.py) can stand in for the machine's while the real Link and
+    # Runtime run; None puts the machine's back. ticks_diff and ticks_add stay: the
+    # stand-in keeps to the machine's ticks arithmetic. Nothing changes until it is called.
+    global ticks_ms, sleep_ms, wait_for_ms
+    if clock is None:
+        ticks_ms, sleep_ms, wait_for_ms = _MACHINE
+    else:
+        ticks_ms, sleep_ms, wait_for_ms = clock.ticks_ms, clock.sleep_ms, clock.wait_for_ms
+
+
 async def read_into(stream, mv, n):
     # Fill mv[:n] from an asyncio stream. MicroPython's streams read straight into a
     # buffer the caller allocated once; CPython's have no readinto, so there a read's

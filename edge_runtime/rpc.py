@@ -92,7 +92,9 @@ class Call:
             try:
                 await platform.wait_for_ms(self.ready.wait(), min(wait_ms, idle))
             except platform.asyncio.TimeoutError:
-                if wait_ms < idle:
+                # Unless the call moved on as the wait ran out (a chunk, the answer, a
+                # failure set ready): the loop's top reports that, not "nothing came".
+                if wait_ms < idle and not self.ready.is_set():
                     return None
 
 

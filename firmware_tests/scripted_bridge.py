@@ -6,6 +6,7 @@ from edge_runtime import codec
 from edge_runtime import platform
 from edge_runtime.agent import Agent
 from edge_runtime.link import Link
+from edge_runtime.platform import ticks_diff, ticks_ms, wait_for_ms
 from edge_runtime.runs import Runtime
 from firmware_tests.support import broker_address
 
@@ -57,12 +58,14 @@ class ScriptedBridge:
         self.link.subscribe(self.base + "rpc", 1)
         self.link.subscribe(self.base + "hello", 1)
         self.hellos = []
+        self._news = platform.asyncio.Event()  # set by every message the bridge takes
 
     @property
     def hello(self):
         return self.hellos[-1] if self.hellos else None
 
     def on_message(self, topic, payload):
+        self._news.set()
         msg = codec.decode(payload)
         if topic.endswith("/evt"):
             self.events.extend(msg if isinstance(msg, list) else [msg])
@@ -145,12 +148,19 @@ class ScriptedBridge:
         return [e for e in self.events if e["t"] == t]
 
     async def wait_for(self, pred, ms=10000):
-        waited = 0
+        # Looks again as soon as a message comes (what most conditions wait for: an
+        # ack, an event) and every 20 ms besides (the runtime's own state). The bound
+        # is on the machine's clock (ticks_ms and wait_for_ms bound at import), whatever
+        # clock the board is given.
+        start = ticks_ms()
         while not pred():
-            if waited >= ms:
+            if ticks_diff(ticks_ms(), start) >= ms:
                 raise AssertionError("timed out; events: %r" % (self.events[-20:],))
-            await platform.sleep_ms(20)
-            waited += 20
+            self._news.clear()
+            try:
+                await wait_for_ms(self._news.wait(), 20)
+            except platform.asyncio.TimeoutError:
+                pass
 
 
 async def with_board(device, body, script=SCRIPT, settings=None, agent=None):
@@ -177,7 +187,7 @@ async def with_board(device, body, script=SCRIPT, settings=None, agent=None):
         bridge.link.stop()
         for t in tasks:
             try:
-                await platform.wait_for_ms(t, 3000)
+                await wait_for_ms(t, 3000)
             except Exception:
                 t.cancel()
         # The board's session is persistent: leave none behind on the shared broker.
@@ -185,7 +195,7 @@ async def with_board(device, body, script=SCRIPT, settings=None, agent=None):
         t = platform.asyncio.create_task(clean.run())
         await clean.wait_connected(5000)
         clean.stop()
-        await platform.wait_for_ms(t, 3000)
+        await wait_for_ms(t, 3000)
 
 
 def device_errors(bridge):

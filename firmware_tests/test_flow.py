@@ -7,8 +7,15 @@ from edge_runtime import codec
 from edge_runtime import platform
 from edge_runtime.agent import Agent
 from edge_runtime.link import Link
+from firmware_tests.clock import Clock
 from firmware_tests.scripted_bridge import device_errors, with_board
 from firmware_tests.support import broker_address, run
+
+# The board's grace and stall bounds in the tests that move its clock: the defaults'
+# size, and under the 10 s bound on a write in progress and half the scripted bridge's
+# 30 s keepalive, which the same move also passes.
+_GRACE_MS = 5000
+_STALL_MS = 5000
 
 
 def test_a_call_waits_across_a_reconnect_when_the_broker_kept_the_session():
@@ -146,35 +153,52 @@ def test_a_run_cancelled_mid_stream_tells_the_bridge_to_stop():
     run(with_board("tb-stop", body, script))
 
 
+def _bridge_heard(runtime, up):
+    # Whether the board has taken the bridge's presence: the boot id it keeps for its
+    # calls is the bridge's while online, None once offline.
+    return (runtime.rpc.bridge == "b1") == up
+
+
 def test_a_bridge_offline_past_the_grace_fails_the_call_and_frees_the_slot():
+    # The grace passes on the board's clock, moved on by the test (firmware_tests/clock.py).
+    clock = Clock()
+
     async def body(bridge, runtime):
         bridge.answer_rpc = False
         bridge.send("req", {"req": "gone1", "input": "x"})
         await bridge.wait_for(lambda: len(bridge.calls) == 1)
         await bridge.put_status("offline")
+        await bridge.wait_for(lambda: _bridge_heard(runtime, False))
+        await clock.advance(_GRACE_MS)
         await bridge.wait_for(lambda: bridge.ended("run.failed"), 5000)
         failed = bridge.ended("run.failed")[0]["d"]
         assert failed["retryable"] is True and "bridge_offline" in failed["err"]["msg"]
         assert runtime.active == {}
 
-    run(with_board("tb-bgone", body, settings={"bridge_grace_ms": 300}))
+    clock.run(with_board("tb-bgone", body, settings={"bridge_grace_ms": _GRACE_MS}))
 
 
 def test_a_bridge_back_within_the_grace_keeps_the_call():
     # What a broker restart looks like: the bridge's will, then the same bridge again.
+    clock = Clock()
+
     async def body(bridge, runtime):
         bridge.answer_rpc = False
         bridge.send("req", {"req": "blip1", "input": "x"})
         await bridge.wait_for(lambda: len(bridge.calls) == 1)
         await bridge.put_status("offline")
+        await bridge.wait_for(lambda: _bridge_heard(runtime, False))
         await bridge.put_status("online")
-        await platform.sleep_ms(600)  # past the grace
-        assert not bridge.ended("run.failed")
+        await bridge.wait_for(lambda: _bridge_heard(runtime, True))
+        # Past the grace: the board has looked at the bridge's presence again (advance
+        # returns once the grace's timer has run) and found it back.
+        await clock.advance(_GRACE_MS)
         bridge.answer_rpc = True
         bridge.answer(bridge.calls[0])
-        await bridge.wait_for(lambda: bridge.ended())
+        await bridge.wait_for(lambda: bridge.ended() or bridge.ended("run.failed"))
+        assert bridge.ended() and not bridge.ended("run.failed")
 
-    run(with_board("tb-blip", body, settings={"bridge_grace_ms": 300}))
+    clock.run(with_board("tb-blip", body, settings={"bridge_grace_ms": _GRACE_MS}))
 
 
 def test_a_new_bridge_process_fails_calls_made_to_the_old_one_and_hears_hello_again():
@@ -239,6 +263,7 @@ def test_a_run_faster_than_its_link_waits_for_room_and_loses_nothing():
 
 def test_a_run_that_cannot_send_fails_after_stall_ms_and_its_end_arrives_later():
     gate = platform.asyncio.Event()
+    clock = Clock()
 
     async def handler(run_):
         await gate.wait()  # until the test has taken the link away
@@ -256,11 +281,11 @@ def test_a_run_that_cannot_send_fails_after_stall_ms_and_its_end_arrives_later()
         link.port = 1  # nothing listens there: the link stays down
         link.reconnect("test takes the link away")
         gate.set()
-        waited = 0
-        while runtime.active or not runtime.stats["stalled"]:
-            assert waited < 10000, "the run did not stall"
-            await platform.sleep_ms(50)
-            waited += 50
+        # The run fills the outbox (all but the slots kept spare for calls and acks) and
+        # then waits for room: from then on stall_ms passes on the board's clock.
+        await bridge.wait_for(lambda: not link.room(4))
+        await clock.advance(_STALL_MS)
+        await bridge.wait_for(lambda: runtime.stats["stalled"] and not runtime.active)
         link.port = port  # back: what waited in the outbox and the ring goes out
         await bridge.wait_for(lambda: bridge.ended("run.failed"), 15000)
         events = _run_events(bridge)
@@ -269,4 +294,4 @@ def test_a_run_that_cannot_send_fails_after_stall_ms_and_its_end_arrives_later()
         assert failed["t"] == "run.failed" and failed["d"]["err"]["kind"] == "link"
         assert failed["d"]["retryable"] is True
 
-    run(with_board("tb-stall", body, agent=agent, settings={"stall_ms": 500}))
+    clock.run(with_board("tb-stall", body, agent=agent, settings={"stall_ms": _STALL_MS}))

@@ -6,6 +6,7 @@ import sys
 from edge_runtime import mqtt
 from edge_runtime.link import Link
 from edge_runtime.platform import asyncio, sleep_ms, wait_for_ms
+from firmware_tests.clock import Clock
 from firmware_tests.support import raises, run
 
 H = bytes.fromhex
@@ -348,21 +349,34 @@ def test_link_session_byte_for_byte_with_a_reconnect():
 
 
 def test_keepalive_pings_and_a_silent_broker_means_reconnect():
+    # The board's clock is moved on instead of waited out (firmware_tests/clock.py); the
+    # link and its watchdog are the real ones. A keepalive of 10 s: half of it is the
+    # most a move here jumps, under the 10 s bound on a write in progress.
+    clock = Clock()
+
     async def main():
         peer = await Peer().start()
-        link = Link("k", "127.0.0.1", peer.port, keepalive=2, backoff_ms=(10, 40))
+        link = Link("k", "127.0.0.1", peer.port, keepalive=10, backoff_ms=(10, 40))
+        hello = "10 0d 00 04 4d 51 54 54 04 02 00 0a 00 01 6b"  # keepalive 10 s
         task = asyncio.create_task(link.run())
         try:
             c = await peer.accept()
-            await c.expect("10 0d 00 04 4d 51 54 54 04 02 00 02 00 01 6b")  # keepalive 2 s
+            await c.expect(hello)
             await c.send("20 02 00 00")
             assert await link.wait_connected(WAIT_MS)  # no subscriptions: up at CONNACK
+            await clock.advance(5000)
             await c.expect("c0 00")  # idle for half the keepalive: PINGREQ
             await c.send("d0 00")
+            # The watchdog's record of an unanswered ping clears once the reader has
+            # taken the PINGRESP; only then may the next half keepalive start.
+            await _until(lambda: link._ping is None)
+            await clock.advance(5000)
             await c.expect("c0 00")
-            # No PINGRESP this time: the link gives the connection up and comes back.
+            # No PINGRESP this time: past half a keepalive the link gives the connection
+            # up and comes back.
+            await clock.advance(5001)
             c2 = await peer.accept()
-            await c2.expect("10 0d 00 04 4d 51 54 54 04 02 00 02 00 01 6b")
+            await c2.expect(hello)
             await c2.send("20 02 00 00")
             assert await link.wait_connected(WAIT_MS)
             assert link.stats["reconnects"] == 1
@@ -371,7 +385,7 @@ def test_keepalive_pings_and_a_silent_broker_means_reconnect():
             task.cancel()
             await peer.close()
 
-    run(main())
+    clock.run(main())
 
 
 def test_refusal_and_protocol_errors_lead_to_reconnect():
@@ -465,10 +479,14 @@ def test_a_full_outbox_refuses_and_copies_reused_buffers():
 
 
 def test_late_puback_resends_once_then_reconnects():
+    # Each ack timeout passes on the board's clock (firmware_tests/clock.py), moved on
+    # by the test; 5 s stays under the 10 s bound on a write in progress.
+    clock = Clock()
+
     async def main():
         peer = await Peer().start()
         link = Link("a", "127.0.0.1", peer.port, keepalive=0, backoff_ms=(10, 40),
-                    ack_timeout_ms=600)
+                    ack_timeout_ms=5000)
         hello = "10 0d 00 04 4d 51 54 54 04 02 00 00 00 01 61"
         task = asyncio.create_task(link.run())
         try:
@@ -478,7 +496,9 @@ def test_late_puback_resends_once_then_reconnects():
             assert await link.wait_connected(WAIT_MS)
             link.publish("e", b"1", 1)
             await c.expect("32 06 00 01 65 00 01 31")    # id 1
+            await clock.advance(5001)
             await c.expect("3a 06 00 01 65 00 01 31")    # no PUBACK: once more, DUP
+            await clock.advance(5001)
             c = await peer.accept()                      # still none: a new connection
             await c.expect(hello)
             await c.send("20 02 00 00")
@@ -501,7 +521,7 @@ def test_late_puback_resends_once_then_reconnects():
             task.cancel()
             await peer.close()
 
-    run(main())
+    clock.run(main())
 
 
 def test_stop_cuts_the_backoff_short():

@@ -1,10 +1,10 @@
 """Run every board test module on the real MicroPython unix port.
 
 pytest collects the same modules on CPython directly; this wrapper runs each again
-under `micropython -X heapsize=...`, so one suite covers both implementations. Each
-module runs twice: against `edge_runtime` compiled to .mpy with mpy-cross (what `wren
-deploy` puts on a board) at a 128 KiB heap, and against the .py sources, where the
-compiler's own working memory needs a larger heap.
+under `micropython -X heapsize=...`, so one suite covers both implementations. Every
+module runs against `edge_runtime` compiled to .mpy with mpy-cross (what `wren deploy`
+puts on a board) at a 128 KiB heap; the modules in SOURCE_MODULES also run against the
+.py sources, where the compiler's own working memory needs a larger heap.
 """
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ HEAP_OVERRIDE = {
 # MODULES and NEEDS_BROKER (modules whose tests get the session broker's address, see
 # conftest.py) come from tools/hil.py, which runs the same modules on real boards.
 
+# The .py pass, over one module: what the source form adds over .mpy is that the unix
+# port compiles edge_runtime itself, inside the heap (`wren board --virtual --py` runs
+# it so). The bytecode is the same compiler's either way (mpy-cross is MicroPython's
+# compiler), so running every test again from source repeats the .mpy pass; test_runs
+# imports every board module (the runtime, the link, the codec, events, rpc and, in its
+# model runs, the tool loop), so it compiles all of them and runs them end to end.
+SOURCE_MODULES = ["test_runs"]
+
 
 @pytest.fixture(scope="session")
 def mpy_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -40,8 +48,10 @@ def mpy_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("form", ["mpy", "py"])
-@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize(
+    ("module", "form"),
+    [(m, "mpy") for m in MODULES] + [(m, "py") for m in SOURCE_MODULES],
+)
 def test_module_on_unix_port(
     module: str, form: str, mpy_tree: Path, request: pytest.FixtureRequest
 ) -> None:
