@@ -20,11 +20,8 @@ from tools.broker import MosquittoProcess, start_mosquitto  # noqa: E402
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MosquittoProcess]:
     """An anonymous Mosquitto of the session's own; board tests read its address
     from WREN_TEST_BROKER, which is also what the unix-port runs are given."""
-    # Nagle off, as bench_stream's tuned stack has it: otherwise Mosquitto's small writes
-    # (a PUBACK, a 4-character chunk) wait about 40 ms each for the peer's delayed ACK,
-    # which a stream paced by acks pays on every window: seconds of sleeping per test
-    # that says nothing about Wren (bench_stream measures the default separately).
-    b = start_mosquitto(tmp_path_factory.mktemp("mosquitto"), extra_conf="set_tcp_nodelay true\n")
+    # Nagle is off on it, as on every broker Wren starts (tools/broker.py).
+    b = start_mosquitto(tmp_path_factory.mktemp("mosquitto"))
     old = os.environ.get("WREN_TEST_BROKER")
     os.environ["WREN_TEST_BROKER"] = b.address
     yield b

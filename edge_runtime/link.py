@@ -48,6 +48,9 @@ _RX_HEAD = const(128)
 # A Link's receive buffer unless told otherwise: a small client's. The board runtime
 # passes the size its hello announces (runs.Runtime.link_settings).
 _RX_SIZE = const(2048)
+# setsockopt(IPPROTO_TCP, TCP_NODELAY): the numbers of lwIP and of Linux alike.
+_IPPROTO_TCP = const(6)
+_TCP_NODELAY = const(1)
 
 # In-flight entry: [pid, topic, payload, retain, sent_at or None (not yet sent on
 # this connection), resent on this connection already]
@@ -73,6 +76,22 @@ def _jitter(n):
         return getrandbits(16) % (n + 1)
     except ImportError:
         return platform.ticks_ms() % (n + 1)
+
+
+def _no_delay(w):
+    # Nagle off: each of the link's messages is small and waits on the one before (an
+    # ack, a chunk, an event), and with Nagle on each small write waits up to 40 ms for
+    # the broker's delayed ACK. MicroPython's stream keeps its socket in `s`; CPython's
+    # asyncio's socket is behind get_extra_info. A port without the option keeps
+    # working, slower.
+    # Says whether it is set (Link.stats["nodelay"], for tests and a board's status).
+    try:
+        sock = w.s if hasattr(w, "s") else w.get_extra_info("socket")
+        sock.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
+        return 1
+    except (OSError, AttributeError, TypeError, KeyError) as e:
+        log("link", "TCP_NODELAY not set:", e)
+        return 0
 
 
 async def _close_late(t):
@@ -112,7 +131,8 @@ class Link:
         # MemoryError at its next turn, to prove every task ends through reconnect().
         self.fault = None
         self.stats = {"refused": 0, "sent": 0, "received": 0, "retransmits": 0,
-                      "reconnects": 0, "connects": 0, "failures": 0, "oversized": 0}
+                      "reconnects": 0, "connects": 0, "failures": 0, "oversized": 0,
+                      "nodelay": 0}
         self._rx = bytearray(rx_size)
         self._rxv = memoryview(self._rx)
         self._outbox = Ring(outbox_size)
@@ -288,6 +308,7 @@ class Link:
     async def _open(self):
         self._down.clear()
         r, w = await self._dial()
+        self.stats["nodelay"] = _no_delay(w)
         # Everything that belongs to this connection, handed to its tasks: a task whose
         # connection is no longer self._conn stops, whatever it was doing.
         conn = self._conn = (r, w, asyncio.Lock())

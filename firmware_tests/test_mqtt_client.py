@@ -350,3 +350,20 @@ def test_a_memory_error_in_any_link_task_ends_the_connection_and_it_comes_back()
         await _with([dev], body)
 
     run(main())
+
+
+def test_the_link_turns_nagle_off_on_its_socket():
+    # Each of the link's small messages waits on the one before; with Nagle on, each
+    # small write waits up to 40 ms for the broker's delayed ACK. MicroPython's socket
+    # cannot read the option back, so the Link says whether setsockopt took it; on
+    # CPython the socket itself is asked too.
+    link = _link("nodelay")
+
+    async def body():
+        assert link.stats["nodelay"] == 1
+        if sys.implementation.name == "cpython":
+            import socket
+            sock = link._conn[1].get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+    run(_with([link], body))
