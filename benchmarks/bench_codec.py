@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from edge_runtime import codec  # noqa: E402
+from server_bridge import wire  # noqa: E402
 
 HEAP = "128K"  # the board's heap, so collections happen as often as they would there
 # Each figure is the best of REPEAT runs of N rounds: the least disturbed by whatever
@@ -128,6 +129,9 @@ def run_cpython(n: int) -> list[tuple[str, float, float, int]]:
     for name, dumps, loads in (
         ("codec", codec.encode, codec.decode),
         ("Encoder.pack", enc.pack, None),
+        # What the bridge decodes with (C msgpack under the codec's limits, the depth
+        # checked after; the codec only for what that refuses).
+        ("wire (bridge)", wire.encode, wire.decode),
         ("msgpack (C)", msgpack.packb, msgpack.unpackb),
         ("json (C)", json.dumps, json.loads),
     ):

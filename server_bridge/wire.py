@@ -197,21 +197,72 @@ MAX_ERROR_MSG = 200
 _BY_KIND: dict[str, type[WireError]] = {
     cls.kind: cls for cls in (Truncated, TooLarge, TooDeep, BadType)
 }
+# What the C decoder could not or would not take: decided again by the board's codec.
+_ASK_THE_CODEC = object()
 
 
 def decode(payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:
     """Decode one msgpack payload within `limits`, or raise a WireError naming the kind."""
-    try:
-        obj = codec.decode(
-            payload, limits.max_payload, limits.max_str, limits.max_items, limits.max_depth
-        )
-    except codec.CodecError as e:
-        raise _BY_KIND.get(e.kind, BadType)(str(e)) from e
+    obj = _c_decode(payload, limits)
+    if obj is _ASK_THE_CODEC:
+        try:
+            obj = codec.decode(
+                payload, limits.max_payload, limits.max_str, limits.max_items, limits.max_depth
+            )
+        except codec.CodecError as e:
+            raise _BY_KIND.get(e.kind, BadType)(str(e)) from e
     if isinstance(obj, dict):
         for key in obj:
             if not isinstance(key, str):
                 raise BadType(f"map key {key!r} is not a str")
     return obj
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("ext types are not part of the contract")
+
+
+def _c_decode(payload: bytes | bytearray | memoryview, limits: Limits) -> Any:
+    """The C msgpack decoder held to the codec's limits, for the bridge's hot path.
+
+    The pure-Python codec costs about 10 us per event on CPython against 1 us for the C
+    one (benchmarks/bench_codec.py). The C decoder checks each declared length against
+    the same limits before it allocates, and the payload size bounds the rest; nesting
+    it does not bound below its own stack, so depth is checked after. Whatever it
+    refuses, or decodes deeper than the limit, is handed to the board's codec, which
+    names the kind: a refusal reads the same on board and bridge
+    (tests/test_codec_crosscheck.py checks the two agree on mangled payloads).
+    """
+    if len(payload) > limits.max_payload:
+        return _ASK_THE_CODEC
+    try:
+        obj = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=False,
+            ext_hook=_no_ext,
+            timestamp=0,
+            max_str_len=limits.max_str,
+            max_bin_len=limits.max_str,
+            max_array_len=limits.max_items,
+            max_map_len=limits.max_items,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError):  # msgpack's refusals; an unhashable map key
+        return _ASK_THE_CODEC
+    return _ASK_THE_CODEC if _deeper_than(obj, limits.max_depth) else obj
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    # Containers only; a top-level one is depth 1, as in the codec.
+    stack: list[tuple[Any, int]] = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def encode(obj: Any) -> bytes:

@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import msgpack
 import pytest
 
 from edge_runtime import codec
+from server_bridge import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -375,3 +377,53 @@ def test_mangled_payloads_match_the_library() -> None:
             assert same(ours, _normal(theirs)), bytes(data).hex()
             agreed += 1
     assert agreed > 1000 and refused > 1000, (agreed, refused)
+
+
+@dataclass(frozen=True)
+class Refused:
+    kind: str
+
+
+def test_the_bridge_decode_answers_as_the_codec() -> None:
+    """wire.decode takes the C decoder's fast path where it can: on mangled payloads,
+    deep nesting, ext and timestamps it must return what the board's codec returns, or
+    refuse with the kind the codec names."""
+    limits = wire.Limits(max_payload=512, max_str=64, max_items=8, max_depth=3)
+    rng = random.Random(7)
+    seeds = [msgpack.packb(v) for v in VECTORS if len(msgpack.packb(v)) < 300]
+    seeds += [
+        msgpack.packb([[[1]]]),  # depth 3: allowed
+        msgpack.packb([[[[1]]]]),  # depth 4: too deep
+        msgpack.packb({"a": {"b": [{}]}}),
+        msgpack.packb(msgpack.Timestamp(1, 2)),  # ext -1
+        msgpack.packb(msgpack.ExtType(5, b"xy")),
+        msgpack.packb("x" * 65),
+        msgpack.packb(list(range(9))),
+        b"\x91" * 600,  # over the payload limit
+    ]
+    cases = [bytes(s) for s in seeds]
+    for _ in range(5000):
+        data = bytearray(rng.choice(seeds))
+        if data:
+            data[rng.randrange(len(data))] = rng.getrandbits(8)
+        cases.append(bytes(data))
+    kinds = set()
+    for data in cases:
+        try:
+            ours: Any = codec.decode(
+                data, limits.max_payload, limits.max_str, limits.max_items, limits.max_depth
+            )
+        except codec.CodecError as e:
+            ours = Refused(e.kind)
+        try:
+            bridge: Any = wire.decode(data, limits)
+        except wire.WireError as e:
+            bridge = Refused(e.kind)
+        if bridge == Refused("bad_type") and isinstance(ours, dict):
+            continue  # the bridge's one refusal of its own: a top-level key not a str
+        if isinstance(ours, Refused):
+            assert bridge == ours, data.hex()
+            kinds.add(ours.kind)
+        else:
+            assert not isinstance(bridge, Refused) and same(ours, bridge), data.hex()
+    assert {"too_deep", "too_large", "bad_type", "truncated"} <= kinds, kinds
