@@ -23,7 +23,8 @@ same Mosquitto in the same run (loopback).
    hello and one run; next to the raw relay's after the same load.
 
     python benchmarks/bench_bridge.py                      # about 4 minutes
-    python benchmarks/bench_bridge.py --latency-runs 50 --step-s 4 --requests 20
+    python benchmarks/bench_bridge.py --latency-runs 50 --step-s 4 --factor 1.41 --requests 20
+    python benchmarks/bench_bridge.py --skip 1,4 --start-rate 3000 --factor 1.2   # figures 2, 3, 5
     python benchmarks/bench_bridge.py --nodelay            # every Mosquitto with set_tcp_nodelay
 
 Progress goes to stderr, the tables to stdout. Loss in figure 2 is counted at the host
