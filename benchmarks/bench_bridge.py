@@ -1,0 +1,1273 @@
+"""The bridge under load and attack: a baseline, each figure next to raw paho through the
+same Mosquitto in the same run (loopback).
+
+1. Request -> first `msg.delta` at the host, p50/p99: a host request through `wren bridge`
+   to the board (.mpy on the MicroPython unix port, then the same code on CPython), whose
+   llm.complete the bridge answers from tests/model_server.py (a one-chunk answer, so no
+   coalescing timer is waited on); next to a raw paho chain over the same six broker legs
+   (host -> "bridge" -> "board" -> "bridge" -> "board" -> "bridge" -> host, two relay
+   clients that republish at once), through the same broker.
+2. The highest lossless events/s from 1, 10 and 50 simulated boards (paho clients logged
+   in as device users, status + hello, then runs of `run.started`, `msg.delta`s and
+   `run.done`, ids 1, 2, 3 ..., msgpack, QoS 1) through the real Bridge (a child process
+   of this script) to a host subscriber (another child) that finds holes per run; the
+   offered rate doubles until events are lost. Next to a raw paho relay (P/d/+/evt ->
+   P/h/T/D/evt) in a child process of its own.
+3. CPU per relayed event of each relay process (/proc/PID/stat, user + system) at every
+   rate step of figure 2.
+4. A quiet tenant during a neighbour's flood: tenant `other`'s device floods its own
+   P/d/D/evt (a child process, QoS 1, as fast as the broker takes it) while tenant `demo`
+   sends N requests to its real board; how many completed, were refused, failed, or were
+   lost silently (no run and no refusal). The same N requests without a flood first.
+5. Bridge RSS (/proc/PID/status VmRSS) after 1,000 simulated devices each sent status,
+   hello and one run; next to the raw relay's after the same load.
+
+    python benchmarks/bench_bridge.py                      # about 4 minutes
+    python benchmarks/bench_bridge.py --latency-runs 50 --step-s 4 --factor 1.41 --requests 20
+    python benchmarks/bench_bridge.py --skip 1,4 --start-rate 3000 --factor 1.2   # figures 2, 3, 5
+    python benchmarks/bench_bridge.py --nodelay            # every Mosquitto with set_tcp_nodelay
+
+Progress goes to stderr, the tables to stdout. Loss in figure 2 is counted at the host
+against what the boards sent; the simulated boards do not answer the bridge's replay
+requests (a real board's ring holds only its last 16 events of a run), so an event the
+bridge never received is lost. The machine has 2 cores shared by Mosquitto, the relay
+under test, the host counter and the load generator: where the generator could not offer
+the rate asked, the row says so (the machine, not Wren, is then the limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_stream import NODELAY_CONF, BenchError, pct  # noqa: E402
+
+from server_bridge.host.client import RequestRefused  # noqa: E402
+from server_bridge.host.reducer import RunSnapshot  # noqa: E402
+from tests.model_server import ModelServer, Turn  # noqa: E402
+from tests.stack import Stack, StackError, assistant_text  # noqa: E402
+from tools.broker import BrokerError, MosquittoProcess, start_mosquitto  # noqa: E402
+from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT, make_registry  # noqa: E402
+
+try:  # moving to server_bridge/ on another branch
+    from server_bridge import brokerconf  # type: ignore[attr-defined,unused-ignore]
+except ImportError:
+    from tools import brokerconf  # type: ignore[no-redef,unused-ignore]
+
+OTHER = "other"  # the neighbour tenant of figure 4
+FLOOD_DEVICE = "flood1"
+HOST_USER = f"host-{TENANT}"
+BOARD_COUNTS = (1, 10, 50)
+MANY_DEVICES = 1000
+ANSWER = "Hello from the model: the room is 21.5 degrees."
+DELTA_TEXT = "x" * 64  # a msg.delta's text: about 100 bytes an envelope
+RUN_LEN = 50  # events of one simulated run: run.started, 48 msg.delta, run.done
+SMALL_RUN = 5  # figure 5: run.started, 3 msg.delta, run.done
+CHAIN_LEGS = 6
+CHAIN_WARMUP = 5
+START_TIMEOUT_S = 30.0
+CHILD_TIMEOUT_S = 15.0
+RUN_TIMEOUT_S = 30.0
+QUIET_S = 1.5  # a drain ends when the host count stood still this long ...
+DRAIN_MAX_S = 25.0  # ... or at the latest after this
+POLL_S = 0.1
+LOSSY_STEPS_AFTER = 1  # rate steps run past the first lossy one
+GENERATOR_SHORT = 0.9  # offered under this share of the asked rate: the generator's limit
+CONNECT_BATCH = 50
+FLOOD_LEAD_S = 1.0  # figure 4: the flood alone before the first request and after the last
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_bridge] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- /proc
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # After the command: state is field 3, utime 14 and stime 15 (1-based, man 5 proc).
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise BenchError(f"no VmRSS for pid {pid}")
+
+
+# --------------------------------------------------------------------------- envelopes
+
+
+def envelope(run: str, i: int, t: str, d: dict[str, Any]) -> bytes:
+    return msgpack.packb({"r": run, "i": i, "t": t, "ts": 1000 + i, "d": d})
+
+
+def run_events(run: str, n: int) -> list[bytes]:
+    """A whole run as a board sends it: run.started, n - 2 msg.delta, run.done."""
+    out = [
+        envelope(
+            run,
+            1,
+            "run.started",
+            {"agent": AGENT, "ver": "0.1.0", "req": run, "domain": "request", "input": "hi"},
+        )
+    ]
+    out += [envelope(run, i, "msg.delta", {"m": 1, "text": DELTA_TEXT}) for i in range(2, n)]
+    out.append(envelope(run, n, "run.done", {"usage": {"in": 1, "out": n, "reason": 0}}))
+    return out
+
+
+def presence(boot: str) -> tuple[bytes, bytes]:
+    """The status and hello a board sends at connect."""
+    status = msgpack.packb(
+        {"st": "online", "fw": "bench", "agent": AGENT, "ver": "0.1.0", "heap": 0, "boot": boot}
+    )
+    hello = msgpack.packb(
+        {
+            "agent": AGENT,
+            "ver": "0.1.0",
+            "fw": "bench",
+            "boot": boot,
+            "fields": [],
+            "tools": [],
+            "limits": {"payload": 4096, "str": 4096, "window": 4, "chunk": 256},
+        }
+    )
+    return status, hello
+
+
+# --------------------------------------------------------------------------- paho helpers
+
+
+def paho_client(
+    client_id: str, user: str, password: str, clean_session: bool = True
+) -> paho.Client:
+    c = paho.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        protocol=paho.MQTTv311,
+        clean_session=clean_session,
+    )
+    c.username_pw_set(user, password)
+    return c
+
+
+def connect(c: paho.Client, host: str, port: int, subs: Sequence[str] = ()) -> None:
+    """Connect, start the loop, subscribe (QoS 1); return once CONNACK (and SUBACK) came."""
+    done = threading.Event()
+    failed: list[str] = []
+
+    def on_connect(cl: paho.Client, u: Any, flags: Any, rc: Any, p: Any) -> None:
+        if rc.is_failure:
+            failed.append(str(rc))
+            done.set()
+        elif subs:
+            cl.subscribe([(s, 1) for s in subs])
+        else:
+            done.set()
+
+    c.on_connect = on_connect
+    c.on_subscribe = lambda *a: done.set()
+    c.connect(host, port, keepalive=60)
+    c.loop_start()
+    if not done.wait(CHILD_TIMEOUT_S) or failed:
+        c.loop_stop()
+        raise BenchError(f"paho client: not connected and subscribed: {failed or 'timeout'}")
+
+
+def disconnect(c: paho.Client) -> None:
+    c.disconnect()
+    c.loop_stop()
+
+
+# --------------------------------------------------------------------------- child processes
+# The relays under test, the host counter and the flooder run as child processes of this
+# script (`--child ROLE CONF`), each with its own interpreter: in one process their paho
+# threads would share a GIL with the load generator. A child prints `ready`, then answers
+# one line of JSON per command line on stdin; stdin closed, it stops and exits.
+
+
+def _child_bridge(conf: dict[str, Any]) -> Callable[[str], Any]:
+    from server_bridge.bridge import Bridge
+    from server_bridge.config import BridgeConfig
+    from server_bridge.models.scripted import ScriptedProvider
+    from server_bridge.registry import Registry
+
+    config = BridgeConfig(
+        host=conf["host"],
+        port=conf["port"],
+        username=conf["user"],
+        password=conf["password"],
+        prefix=PREFIX,
+        client_id=conf["client_id"],
+    )
+    bridge = Bridge(config, Registry(conf["registry"]), ScriptedProvider())
+    bridge.start()
+
+    def command(cmd: str) -> Any:
+        if cmd == "stop":
+            bridge.stop()
+            return "stopped"
+        return dict(bridge.stats)
+
+    return command
+
+
+def _child_relay(conf: dict[str, Any]) -> Callable[[str], Any]:
+    """Raw paho: every P/d/D/evt republished as it is to P/h/T/D/evt (T from a dict)."""
+    tenant_of: dict[str, str] = conf["tenants"]
+    counts = {"rx": 0, "tx": 0, "unknown": 0, "not_sent": 0}
+    c = paho_client(conf["client_id"], conf["user"], conf["password"])
+
+    def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
+        counts["rx"] += 1
+        device = msg.topic.rsplit("/", 2)[1]
+        tenant = tenant_of.get(device)
+        if tenant is None:
+            counts["unknown"] += 1
+            return
+        info = cl.publish(f"{PREFIX}/h/{tenant}/{device}/evt", msg.payload, qos=1)
+        counts["tx" if info.rc == paho.MQTT_ERR_SUCCESS else "not_sent"] += 1
+
+    c.on_message = on_message
+    connect(c, conf["host"], conf["port"], [f"{PREFIX}/d/+/evt"])
+
+    def command(cmd: str) -> Any:
+        if cmd == "stop":
+            disconnect(c)
+            return "stopped"
+        return dict(counts)
+
+    return command
+
+
+def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
+    """The host subscriber: keeps what arrives, counts holes per run when asked."""
+    got: list[bytes] = []
+    c = paho_client(f"bench-host-{uuid.uuid4().hex[:8]}", conf["user"], conf["password"])
+
+    def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
+        # Only kept here (topic level D and payload), read at `tally`: the counter must not
+        # be what falls behind.
+        got.append(msg.topic.rsplit("/", 2)[1].encode() + b"\0" + msg.payload)
+
+    c.on_message = on_message
+    connect(c, conf["host"], conf["port"], [f"{PREFIX}/h/{TENANT}/+/evt"])
+
+    def command(cmd: str) -> Any:
+        if cmd == "count":
+            return len(got)
+        if cmd == "reset":
+            got.clear()
+            return 0
+        if cmd == "tally":
+            # "device run" -> [distinct ids, highest id, repeats, malformed]
+            ids: dict[str, set[int]] = {}
+            repeats: dict[str, int] = {}
+            bad = 0
+            for raw in list(got):
+                device, _, payload = raw.partition(b"\0")
+                try:
+                    env = msgpack.unpackb(payload)
+                    key = f"{device.decode()} {env['r']}"
+                    i = int(env["i"])
+                except Exception:  # noqa: BLE001 - counted
+                    bad += 1
+                    continue
+                seen = ids.setdefault(key, set())
+                if i in seen:
+                    repeats[key] = repeats.get(key, 0) + 1
+                seen.add(i)
+            return {
+                "runs": {k: [len(v), max(v), repeats.get(k, 0)] for k, v in ids.items()},
+                "malformed": bad,
+                "messages": len(got),
+            }
+        if cmd == "stop":
+            disconnect(c)
+            return "stopped"
+        raise ValueError(cmd)
+
+    return command
+
+
+def _child_flood(conf: dict[str, Any]) -> Callable[[str], Any]:
+    """A device of another tenant sending valid runs on its own P/d/D/evt, QoS 1, as fast
+    as the broker takes them (paho's queue bounded, so the rate is the broker's)."""
+    device, boot = conf["device"], conf["boot"]
+    c = paho_client(device, device, conf["password"], clean_session=False)
+    c.max_inflight_messages_set(100)
+    c.max_queued_messages_set(1000)
+    connect(c, conf["host"], conf["port"])
+    status, hello = presence(boot)
+    c.publish(f"{PREFIX}/d/{device}/status", status, qos=1, retain=True)
+    c.publish(f"{PREFIX}/d/{device}/hello", hello, qos=1)
+    topic = f"{PREFIX}/d/{device}/evt"
+    stop = threading.Event()
+    sent = [0]
+    started = [0.0, 0.0]
+
+    def flood() -> None:
+        started[0] = time.monotonic()
+        n = 0
+        while not stop.is_set():
+            n += 1
+            for payload in run_events(f"{boot}.{n}", RUN_LEN):
+                while c.publish(topic, payload, qos=1).rc == paho.MQTT_ERR_QUEUE_SIZE:
+                    if stop.is_set():
+                        return
+                    time.sleep(0.0005)
+                sent[0] += 1
+        started[1] = time.monotonic()
+
+    worker = threading.Thread(target=flood, daemon=True)
+
+    def command(cmd: str) -> Any:
+        if cmd == "start":
+            worker.start()
+        elif cmd == "stop":
+            stop.set()
+            worker.join(timeout=10)
+            disconnect(c)
+        return {"sent": sent[0], "seconds": (started[1] or time.monotonic()) - started[0]}
+
+    return command
+
+
+CHILDREN = {
+    "bridge": _child_bridge,
+    "relay": _child_relay,
+    "host": _child_host,
+    "flood": _child_flood,
+}
+
+
+def child_main(role: str, conf_path: str) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"{role} %(name)s: %(message)s")
+    conf = json.loads(Path(conf_path).read_text())
+    command = CHILDREN[role](conf)
+    print("ready", flush=True)
+    stopped = False
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "stop":
+            stopped = True
+        print(json.dumps(command(cmd)), flush=True)
+    if not stopped:
+        command("stop")
+
+
+class Child:
+    """One child process of this script; every wait on it bounded."""
+
+    def __init__(self, role: str, conf: dict[str, Any], workdir: Path) -> None:
+        self.role = role
+        workdir.mkdir(parents=True, exist_ok=True)
+        name = f"{role}-{uuid.uuid4().hex[:6]}"
+        conf_path = workdir / f"{name}.json"
+        conf_path.write_text(json.dumps(conf))
+        self.log_path = workdir / f"{name}.log"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, "--child", role, str(conf_path)],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                bufsize=1,
+            )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        first = self._next(START_TIMEOUT_S)
+        if first != "ready":
+            self.close()
+            raise BenchError(f"child {role}: did not start ({first!r})\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def _next(self, timeout: float) -> str | None:
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise BenchError(
+                f"child {self.role}: no answer within {timeout} s\n{self.log_tail()}"
+            ) from None
+
+    def ask(self, cmd: str, timeout: float = CHILD_TIMEOUT_S) -> Any:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise BenchError(f"child {self.role}: {e}\n{self.log_tail()}") from e
+        line = self._next(timeout)
+        if line is None:
+            raise BenchError(f"child {self.role} exited\n{self.log_tail()}")
+        return json.loads(line)
+
+    def cpu_s(self) -> float:
+        return proc_cpu_s(self.pid)
+
+    def rss_kib(self) -> int:
+        return proc_rss_kib(self.pid)
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
+        except OSError:
+            lines = []
+        return "\n".join(f"    {x}" for x in lines) or "    (empty log)"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # the child stops its client and exits
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=5)
+
+
+# --------------------------------------------------------------------------- figure 1
+
+
+class CPythonStack(Stack):
+    """The Stack with the board's code on CPython (its .py files) instead of the unix port."""
+
+    def start_board(self) -> None:
+        assert self.board is not None
+        self.board.force_cpython = True
+        super().start_board()
+
+
+@dataclass(frozen=True)
+class FirstDelta:
+    total_ms: float  # host publishes the request -> first msg.delta at the host
+    in_ms: float  # -> the model server's end of stream (3 legs, the HTTP call)
+    out_ms: float  # model end -> first msg.delta at the host (3 legs)
+
+
+def measure_first_delta(s: Stack, server: ModelServer, runs: int) -> list[FirstDelta]:
+    server.script[:] = [Turn(text=ANSWER, chunk_chars=len(ANSWER))]
+    first: dict[str, float] = {}
+
+    def on_event(event: dict[str, Any], snap: RunSnapshot) -> None:
+        if event["t"] == "msg.delta" and snap.req is not None:
+            first.setdefault(snap.req, time.monotonic())
+
+    assert s.client is not None
+    s.client.on_event = on_event
+    out = []
+    try:
+        for k in range(runs + 1):  # the first is a warm-up
+            number = len(server.requests) + 1
+            t0 = time.monotonic()
+            req = s.request("What is the temperature?")
+            snap = s.wait_run(req, RUN_TIMEOUT_S)
+            if snap.status != "done" or assistant_text(snap) != ANSWER:
+                raise BenchError(f"run {snap.run}: {snap.status} {snap.error}\n{s.describe()}")
+            end = server.stream_ends.get(number)
+            if req not in first or end is None:
+                raise BenchError(f"run {snap.run}: no msg.delta or model stream end stamp")
+            if k:
+                out.append(
+                    FirstDelta(
+                        (first[req] - t0) * 1000, (end - t0) * 1000, (first[req] - end) * 1000
+                    )
+                )
+            time.sleep(0.05)
+    finally:
+        s.client.on_event = None
+    return out
+
+
+def raw_chain(host: str, port: int, password: str, n: int) -> list[float]:
+    """Milliseconds from a source's publish to a sink's arrival over CHAIN_LEGS broker legs,
+    QoS 1, one message at a time: two relay clients (as the bridge and the board) republish
+    each leg's message on the next leg at once. Logged in as the bridge user, on topics
+    nothing else reads."""
+    legs = [f"{PREFIX}/bench/leg/{k}" for k in range(1, CHAIN_LEGS + 1)]
+    arrivals: queue.Queue[float] = queue.Queue()
+    clients: list[paho.Client] = []
+    payload = bytes(range(100))  # about a msg.delta envelope
+
+    def relay(name: str, subs: list[str]) -> None:
+        c = paho_client(f"bench-chain-{name}-{uuid.uuid4().hex[:6]}", BRIDGE_USER, password)
+
+        def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
+            k = legs.index(msg.topic)
+            if k + 1 < len(legs):
+                cl.publish(legs[k + 1], msg.payload, qos=1)
+
+        c.on_message = on_message
+        connect(c, host, port, subs)
+        clients.append(c)
+
+    try:
+        sink = paho_client(f"bench-chain-sink-{uuid.uuid4().hex[:6]}", BRIDGE_USER, password)
+        sink.on_message = lambda *a: arrivals.put(time.monotonic())
+        connect(sink, host, port, [legs[-1]])
+        clients.append(sink)
+        relay("bridge", legs[0:-1:2])  # legs 1, 3, 5 -> 2, 4, 6
+        relay("board", legs[1:-1:2])  # legs 2, 4 -> 3, 5
+        source = paho_client(f"bench-chain-src-{uuid.uuid4().hex[:6]}", BRIDGE_USER, password)
+        connect(source, host, port)
+        clients.append(source)
+        out = []
+        for k in range(CHAIN_WARMUP + n):
+            t0 = time.monotonic()
+            source.publish(legs[0], payload, qos=1)
+            try:
+                at = arrivals.get(timeout=10)
+            except queue.Empty:
+                raise BenchError("raw chain: a message did not arrive within 10 s") from None
+            if k >= CHAIN_WARMUP:
+                out.append((at - t0) * 1000)
+            time.sleep(0.02)
+        return out
+    finally:
+        for c in clients:
+            disconnect(c)
+
+
+# --------------------------------------------------------------------------- figure 4
+
+
+@dataclass
+class QuietTenant:
+    requests: int
+    completed: int = 0  # run.done with every event
+    failed: int = 0  # a terminal event other than done, or incomplete: visible
+    refused: int = 0  # an error event naming the request (busy, ...): visible
+    stuck: int = 0  # a run started and never ended: silent
+    lost: int = 0  # no run, no refusal: silent
+    done_ms: list[float] = field(default_factory=list)  # request -> run.done, completed
+    flood_sent: int = 0
+    flood_s: float = 0.0
+    bridge_log: dict[str, int] = field(default_factory=dict)
+
+
+def quiet_tenant(
+    s: Stack, server: ModelServer, workdir: Path, n: int, spacing_s: float, flood: bool
+) -> QuietTenant:
+    server.script[:] = [Turn(text=ANSWER, chunk_chars=len(ANSWER))]
+    res = QuietTenant(n)
+    log_mark = len(s.bridge_log())
+    flooder: Child | None = None
+    if flood:
+        conf = {
+            "host": s.host,
+            "port": s.port,
+            "device": FLOOD_DEVICE,
+            "password": s.users[FLOOD_DEVICE],
+            "boot": secrets.token_hex(4),
+        }
+        flooder = Child("flood", conf, workdir)
+    done_at: dict[str, float] = {}
+
+    def on_event(event: dict[str, Any], snap: RunSnapshot) -> None:
+        if event["t"] == "run.done" and snap.req is not None:
+            done_at.setdefault(snap.req, time.monotonic())
+
+    assert s.client is not None
+    s.client.on_event = on_event
+    sent: list[tuple[str, float]] = []
+    try:
+        if flooder is not None:
+            flooder.ask("start")
+            time.sleep(FLOOD_LEAD_S)  # the flood at full speed before the first request
+        for _ in range(n):
+            req = uuid.uuid4().hex
+            t0 = time.monotonic()
+            try:
+                s.request("What is the temperature?", req=req, timeout=RUN_TIMEOUT_S)
+            except (TimeoutError, ConnectionError) as e:
+                progress(f"  request {req[:8]}: not acknowledged by the broker ({e})")
+            sent.append((req, t0))
+            time.sleep(spacing_s)
+        if flooder is not None:
+            # The flood ends a moment after the last request: what has not completed
+            # RUN_TIMEOUT_S after that is not merely late.
+            time.sleep(FLOOD_LEAD_S)
+            info = flooder.ask("stop", timeout=20)
+            res.flood_sent, res.flood_s = info["sent"], info["seconds"]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        for req, t0 in sent:
+            try:
+                snap = s.client.wait_run(req, timeout=max(0.1, deadline - time.monotonic()))
+            except RequestRefused:
+                res.refused += 1
+                continue
+            except TimeoutError:
+                if s.client.find_run(req) is None:
+                    res.lost += 1
+                else:
+                    res.stuck += 1
+                continue
+            if snap.status == "done" and snap.complete:
+                res.completed += 1
+                res.done_ms.append((done_at.get(req, time.monotonic()) - t0) * 1000)
+            else:
+                res.failed += 1
+    finally:
+        s.client.on_event = None
+        if flooder is not None:
+            flooder.close()
+    log = s.bridge_log()[log_mark:]
+    for what in ("outgoing queue full", "refused", "forgetting unfinished run", "Traceback"):
+        res.bridge_log[what] = log.count(what)
+    return res
+
+
+# --------------------------------------------------------------------------- figures 2, 3, 5
+
+
+@dataclass
+class SimBoard:
+    """A simulated board: a paho client logged in as the device user."""
+
+    device: str
+    client: paho.Client
+    boot: str
+    runs: int = 0
+
+    @property
+    def evt(self) -> str:
+        return f"{PREFIX}/d/{self.device}/evt"
+
+    def say_hello(self) -> list[paho.MQTTMessageInfo]:
+        status, hello = presence(self.boot)
+        return [
+            self.client.publish(f"{PREFIX}/d/{self.device}/status", status, qos=1, retain=True),
+            self.client.publish(f"{PREFIX}/d/{self.device}/hello", hello, qos=1),
+        ]
+
+    def next_run(self) -> str:
+        self.runs += 1
+        return f"{self.boot}.{self.runs}"
+
+
+def sim_board(device: str, password: str, host: str, port: int) -> SimBoard:
+    boot = secrets.token_hex(4)
+    c = paho_client(device, device, password, clean_session=False)
+    c.will_set(
+        f"{PREFIX}/d/{device}/status",
+        msgpack.packb({"st": "offline", "boot": boot}),
+        qos=1,
+        retain=True,
+    )
+    connect(c, host, port)
+    return SimBoard(device, c, boot)
+
+
+def wait_published(infos: Sequence[paho.MQTTMessageInfo], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for info in infos:
+        info.wait_for_publish(max(0.01, deadline - time.monotonic()))
+        if not info.is_published():
+            raise BenchError(f"a board's publish was not acknowledged within {timeout} s")
+
+
+@dataclass(frozen=True)
+class Step:
+    asked: int  # events/s asked of the generator
+    offered: float  # events/s it managed
+    sent: int
+    received: int  # distinct (device, run, id) at the host
+    lost: int
+    repeats: int
+    drain_s: float  # from the last publish until the host count stood still
+    cpu_s: float  # of the relay process over the step and its drain
+
+    @property
+    def short(self) -> bool:
+        return self.offered < GENERATOR_SHORT * self.asked
+
+    @property
+    def cpu_us_per_event(self) -> float:
+        return self.cpu_s / self.received * 1e6 if self.received else float("nan")
+
+
+def offer(boards: Sequence[SimBoard], rate: int, seconds: float) -> tuple[dict[str, int], float]:
+    """Publish whole runs round-robin over the boards at `rate` events/s in total; returns
+    the runs sent ("device run" -> last id) and the rate achieved."""
+    per_board = max(1, round(rate * seconds / len(boards) / RUN_LEN)) * RUN_LEN
+    plan: list[list[bytes]] = []
+    expected: dict[str, int] = {}
+    for b in boards:
+        events: list[bytes] = []
+        while len(events) < per_board:
+            run = b.next_run()
+            events += run_events(run, RUN_LEN)
+            expected[f"{b.device} {run}"] = RUN_LEN
+        plan.append(events)
+    total = per_board * len(boards)
+    interval = 1.0 / rate
+    nb = len(boards)
+    start = time.monotonic()
+    for k in range(total):
+        due = start + k * interval
+        ahead = due - time.monotonic()
+        if ahead > 0.001:
+            time.sleep(ahead)
+        b = boards[k % nb]
+        b.client.publish(b.evt, plan[k % nb][k // nb], qos=1)
+    elapsed = time.monotonic() - start
+    return expected, total / max(elapsed, 1e-9)
+
+
+def drain(host: Child, total: int) -> float:
+    """Wait until the host has `total` messages or its count stood still QUIET_S; seconds."""
+    start = time.monotonic()
+    last, since = -1, start
+    while True:
+        n = host.ask("count")
+        now = time.monotonic()
+        if n >= total:
+            return now - start
+        if n != last:
+            last, since = n, now
+        elif now - since >= QUIET_S:
+            return since - start
+        if now - start > DRAIN_MAX_S:
+            return now - start
+        time.sleep(POLL_S)
+
+
+def measure_step(
+    relay: Child, host: Child, boards: Sequence[SimBoard], rate: int, seconds: float
+) -> Step:
+    host.ask("reset")
+    cpu0 = relay.cpu_s()
+    expected, offered = offer(boards, rate, seconds)
+    total = sum(expected.values())
+    drain_s = drain(host, total)
+    cpu = relay.cpu_s() - cpu0
+    tally = host.ask("tally", timeout=60)
+    runs = tally["runs"]
+    received = lost = repeats = 0
+    for key, last in expected.items():
+        distinct, _, rep = runs.get(key, (0, 0, 0))
+        received += distinct
+        lost += last - distinct
+        repeats += rep
+    return Step(rate, offered, total, received, lost, repeats, drain_s, cpu)
+
+
+def ramp(
+    relay: Child,
+    host: Child,
+    boards: Sequence[SimBoard],
+    rates: Sequence[int],
+    seconds: float,
+    label: str,
+) -> list[Step]:
+    steps: list[Step] = []
+    lossy = 0
+    for rate in rates:
+        st = measure_step(relay, host, boards, rate, seconds)
+        steps.append(st)
+        progress(
+            f"  {label}, {len(boards)} boards, {rate}/s: offered {st.offered:.0f}/s, "
+            f"lost {st.lost} of {st.sent}, {st.cpu_us_per_event:.0f} us CPU/event"
+        )
+        if st.lost:
+            lossy += 1
+        if lossy > LOSSY_STEPS_AFTER or st.short:
+            break
+        time.sleep(0.5)
+    return steps
+
+
+def highest_lossless(steps: Sequence[Step]) -> Step | None:
+    best = None
+    for st in steps:
+        if st.lost:
+            break
+        best = st
+    return best
+
+
+@dataclass(frozen=True)
+class Rss:
+    before_kib: int
+    after_kib: int
+    seconds: float  # to connect the devices and send their messages
+
+
+def thousand_devices(
+    relay: Child,
+    host: Child,
+    broker: MosquittoProcess,
+    passwords: dict[str, str],
+    devices: Sequence[str],
+    wait_until: Callable[[], bool],
+) -> Rss:
+    """Each device connects, sends status, hello and one run, and disconnects (cleanly:
+    its retained online status stays); in batches of CONNECT_BATCH connections."""
+    time.sleep(1.0)
+    before = relay.rss_kib()
+    host.ask("reset")
+    start = time.monotonic()
+    for k in range(0, len(devices), CONNECT_BATCH):
+        batch = [
+            sim_board(d, passwords[d], broker.host, broker.port)
+            for d in devices[k : k + CONNECT_BATCH]
+        ]
+        infos = []
+        for b in batch:
+            infos += b.say_hello()
+            infos += [
+                b.client.publish(b.evt, p, qos=1) for p in run_events(b.next_run(), SMALL_RUN)
+            ]
+        wait_published(infos, 30)
+        for b in batch:
+            disconnect(b.client)
+    seconds = time.monotonic() - start
+    deadline = time.monotonic() + 60
+    while not wait_until():
+        if time.monotonic() > deadline:
+            raise BenchError(f"{relay.role}: the devices' messages not all through in 60 s")
+        time.sleep(0.2)
+    time.sleep(1.0)
+    return Rss(before, relay.rss_kib(), seconds)
+
+
+def load_figures(
+    workdir: Path, rates: Sequence[int], step_s: float, extra_conf: str
+) -> tuple[dict[str, dict[int, list[Step]]], dict[str, Rss], dict[str, dict[str, int]], str]:
+    """Figures 2, 3 and 5 on a broker of their own; also the relays' own counters after
+    figure 2."""
+    sim = [f"b{k:02d}" for k in range(max(BOARD_COUNTS))]
+    many = [f"m{k:04d}" for k in range(MANY_DEVICES)]
+    users = {BRIDGE_USER: secrets.token_urlsafe(12), HOST_USER: secrets.token_urlsafe(12)}
+    users.update({d: secrets.token_urlsafe(12) for d in sim + many})
+    progress(f"registry and broker for {len(sim) + len(many)} devices ...")
+    registry = workdir / "registry.json"
+    make_registry(registry, TENANT, [(d, AGENT) for d in sim + many]).close()
+    broker_dir = workdir / "load-broker"
+    conf = brokerconf.secure_mosquitto_conf(
+        broker_dir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, {TENANT: HOST_USER})
+    )
+    broker = start_mosquitto(broker_dir, extra_conf=conf + extra_conf, allow_anonymous=False)
+    version = broker.log().splitlines()[0] if broker.log() else ""
+    base: dict[str, Any] = {
+        "host": broker.host,
+        "port": broker.port,
+        "user": BRIDGE_USER,
+        "password": users[BRIDGE_USER],
+    }
+    relay_conf: dict[str, Any] = {
+        **base,
+        "client_id": "bench-raw-relay",
+        "tenants": dict.fromkeys(sim + many, TENANT),
+    }
+    bridge_conf: dict[str, Any] = {
+        **base,
+        "client_id": "wren-bridge-bench",
+        "registry": str(registry),
+    }
+    host_conf = {**base, "user": HOST_USER, "password": users[HOST_USER]}
+    steps: dict[str, dict[int, list[Step]]] = {"raw": {}, "wren": {}}
+    rss: dict[str, Rss] = {}
+    counters: dict[str, dict[str, int]] = {}
+    with contextlib.ExitStack() as stack:
+        stack.callback(broker.stop)
+        host = Child("host", host_conf, workdir)
+        stack.callback(host.close)
+        boards: list[SimBoard] = []
+
+        def close_boards() -> None:
+            for b in boards:
+                disconnect(b.client)
+
+        stack.callback(close_boards)
+        for d in sim:
+            boards.append(sim_board(d, users[d], broker.host, broker.port))
+        # The raw relay first: the bridge's session (persistent) would stay at the broker
+        # after it, collecting the relay's traffic.
+        for name, role, conf_ in (("raw", "relay", relay_conf), ("wren", "bridge", bridge_conf)):
+            progress(f"figure 2: {name} ...")
+            relay = Child(role, conf_, workdir)
+            try:
+                infos = [i for b in boards for i in b.say_hello()]
+                wait_published(infos, 30)
+                time.sleep(0.5)
+                for count in BOARD_COUNTS:
+                    steps[name][count] = ramp(relay, host, boards[:count], rates, step_s, name)
+                counters[name] = relay.ask("stats")
+            finally:
+                relay.close()
+        # Figure 5, the bridge first (a fresh process): the raw relay does not read status,
+        # so the retained statuses the devices leave matter to the bridge only.
+        for name, role, conf_ in (("wren", "bridge", bridge_conf), ("raw", "relay", relay_conf)):
+            progress(f"figure 5: {name}, {MANY_DEVICES} devices ...")
+            relay = Child(role, {**conf_, "client_id": conf_["client_id"] + "-5"}, workdir)
+            try:
+                hello0 = relay.ask("stats").get("hello", 0) if role == "bridge" else 0
+
+                def through(relay: Child = relay, role: str = role, hello0: int = hello0) -> bool:
+                    st = relay.ask("stats")
+                    if role == "relay":
+                        return bool(st["tx"] >= MANY_DEVICES * SMALL_RUN)
+                    return bool(
+                        st.get("hello", 0) - hello0 >= MANY_DEVICES
+                        and st.get("evt.forwarded", 0) >= MANY_DEVICES * SMALL_RUN
+                    )
+
+                rss[name] = thousand_devices(relay, host, broker, users, many, through)
+                progress(f"  {name}: RSS {rss[name].before_kib} -> {rss[name].after_kib} KiB")
+            finally:
+                relay.close()
+    return steps, rss, counters, version
+
+
+# --------------------------------------------------------------------------- report
+
+
+def ms_row(name: str, xs: Sequence[float]) -> str:
+    return f"{name:52} {min(xs):8.2f} {pct(xs, 0.5):8.2f} {pct(xs, 0.99):8.2f} {max(xs):8.2f}"
+
+
+def print_first_delta(
+    results: dict[str, tuple[list[FirstDelta], list[float]]], runs: int, nodelay: bool
+) -> None:
+    print()
+    print(
+        f"1. Host request -> first msg.delta at the host, ms ({runs} requests per board, "
+        f"one at a time; a one-chunk model answer\n   from tests/model_server.py, so no "
+        f"coalescing timer runs; Mosquitto {'with set_tcp_nodelay' if nodelay else 'defaults'})"
+    )
+    print(f"{'':52} {'min':>8} {'p50':>8} {'p99':>8} {'max':>8}")
+    for name, (fd, chain) in results.items():
+        print(name)
+        print(ms_row("  request -> first msg.delta", [x.total_ms for x in fd]))
+        print(ms_row("    request -> model stream end (3 legs + HTTP)", [x.in_ms for x in fd]))
+        print(ms_row("    model stream end -> first msg.delta (3 legs)", [x.out_ms for x in fd]))
+        print(ms_row(f"  raw paho chain, {CHAIN_LEGS} legs, same broker", chain))
+        w = [x.total_ms for x in fd]
+        print(
+            f"  ratio wren/raw: p50 {pct(w, 0.5) / pct(chain, 0.5):.1f}x, "
+            f"p99 {pct(w, 0.99) / pct(chain, 0.99):.1f}x"
+        )
+    print(
+        "(nearest-rank percentiles: with 20 samples p99 is the largest. The chain's relays "
+        "are two paho clients in this\n process; Wren's legs cross the bridge and board "
+        "processes, and the model call is an HTTP request on loopback)"
+    )
+
+
+WREN_COUNTERS = (
+    "evt.in",
+    "evt.forwarded",
+    "evt.held",
+    "evt.hold_overflow",
+    "evt.duplicate",
+    "runs.evicted",
+    "publish.queue_full",
+    "publish.not_sent",
+    "refused",
+    "callback_errors",
+)
+
+
+def print_load(
+    steps: dict[str, dict[int, list[Step]]],
+    step_s: float,
+    counters: dict[str, dict[str, int]],
+    factor: float,
+) -> None:
+    print()
+    print(
+        f"2/3. Events/s from simulated boards to a host subscriber, QoS 1, runs of {RUN_LEN} "
+        f"events ({len(DELTA_TEXT)}-char msg.delta),\n     {step_s:g} s per step, the rate "
+        f"x{factor:g} until events are lost (so the highest lossless rate\n     is known to "
+        f"within x{factor:g}: --factor); CPU of the relay process (user + system) per event "
+        "received"
+    )
+    for count in BOARD_COUNTS:
+        print(f"\n{count} board{'s' if count > 1 else ''}")
+        print(
+            f"{'asked/s':>8} | {'raw: offered':>12} {'lost':>7} {'us/evt':>7} {'drain s':>7} "
+            f"| {'wren: offered':>13} {'lost':>7} {'us/evt':>7} {'drain s':>7} | cpu ratio"
+        )
+        raw = {s.asked: s for s in steps["raw"][count]}
+        wren = {s.asked: s for s in steps["wren"][count]}
+        for rate in sorted(set(raw) | set(wren)):
+            line = f"{rate:>8} |"
+            for st, width in ((raw.get(rate), 12), (wren.get(rate), 13)):
+                if st is None:
+                    line += f" {'-':>{width}} {'':>7} {'':>7} {'':>7} |"
+                else:
+                    mark = "*" if st.short else " "
+                    line += (
+                        f" {st.offered:>{width - 1}.0f}{mark} {st.lost:>7} "
+                        f"{st.cpu_us_per_event:>7.0f} {st.drain_s:>7.1f} |"
+                    )
+            r, w = raw.get(rate), wren.get(rate)
+            if r is not None and w is not None and r.received and w.received:
+                line += f" {w.cpu_us_per_event / r.cpu_us_per_event:8.1f}x"
+            print(line)
+        br, bw = highest_lossless(steps["raw"][count]), highest_lossless(steps["wren"][count])
+
+        def text(b: Step | None, all_steps: list[Step]) -> str:
+            if b is None:
+                return "none (lost at the lowest rate)"
+            top = all_steps[-1]
+            if b is top and b.short:
+                return f"{b.offered:.0f}/s (the generator's limit: the machine's, not the relay's)"
+            if b is top:
+                return f">= {b.offered:.0f}/s (no loss at the highest rate asked, --max-rate)"
+            return f"{b.offered:.0f}/s"
+
+        print(
+            f"  highest lossless: raw {text(br, steps['raw'][count])}; "
+            f"wren {text(bw, steps['wren'][count])}"
+        )
+        if br is not None and bw is not None:
+            print(
+                f"  ratio wren/raw (highest lossless offered rate): {bw.offered / br.offered:.2f}"
+            )
+            print(
+                f"  CPU per event at the highest lossless rate: raw "
+                f"{br.cpu_us_per_event:.0f} us, wren {bw.cpu_us_per_event:.0f} us "
+                f"({bw.cpu_us_per_event / br.cpu_us_per_event:.1f}x)"
+            )
+    print(
+        "\n(* the generator offered less than 90% of the rate asked: the machine, not the "
+        "relay, was the limit.\n lost = events the boards sent that never reached the host "
+        "(distinct ids per run). us/evt = relay process\n CPU seconds over the step and its "
+        "drain / events received. Raw: paho, republishing each payload as it is;\n wren: "
+        "server_bridge.bridge.Bridge in its own process, registry of "
+        f"{max(BOARD_COUNTS) + MANY_DEVICES} devices)"
+    )
+    if "wren" in counters:
+        c = counters["wren"]
+        print(
+            "bridge counters over figure 2: "
+            + ", ".join(f"{k} {c.get(k, 0)}" for k in WREN_COUNTERS)
+        )
+    if "raw" in counters:
+        print("raw relay counters over figure 2: " + json.dumps(counters["raw"]))
+
+
+def print_quiet(control: QuietTenant, flood: QuietTenant, spacing_s: float) -> None:
+    print()
+    print(
+        f"4. Tenant {TENANT}: {flood.requests} requests to its real board (.mpy), one every "
+        f"{spacing_s:g} s, while tenant {OTHER}'s device {FLOOD_DEVICE}\n   floods its own "
+        f"P/d/D/evt (valid runs, QoS 1, as fast as the broker takes them) from {FLOOD_LEAD_S:g} s "
+        f"before the first request\n   to {FLOOD_LEAD_S:g} s after the last; then each request "
+        f"has {RUN_TIMEOUT_S:g} s more to end"
+    )
+    print(
+        f"{'':22} {'completed':>9} {'failed':>7} {'refused':>8} {'stuck':>6} "
+        f"{'lost silently':>13} {'p50 ms':>8} {'max ms':>8}"
+    )
+    for name, q in (("no flood", control), ("during the flood", flood)):
+        p50 = f"{pct(q.done_ms, 0.5):8.0f}" if q.done_ms else f"{'-':>8}"
+        mx = f"{max(q.done_ms):8.0f}" if q.done_ms else f"{'-':>8}"
+        print(
+            f"{name:22} {q.completed:>9} {q.failed:>7} {q.refused:>8} {q.stuck:>6} "
+            f"{q.lost:>13} {p50} {mx}"
+        )
+    rate = flood.flood_sent / flood.flood_s if flood.flood_s else 0.0
+    print(
+        f"flood: {flood.flood_sent} events in {flood.flood_s:.1f} s ({rate:.0f}/s offered to "
+        f"the broker); bridge log during it: "
+        + ", ".join(f"{k!r} x{v}" for k, v in flood.bridge_log.items())
+    )
+    print(
+        "(completed = run.done with every event; failed and refused are visible to the host; "
+        "stuck = a run started\n and never ended; lost silently = no run and no refusal. "
+        "No raw counterpart: a raw relay has no tenants)"
+    )
+
+
+def print_rss(rss: dict[str, Rss]) -> None:
+    print()
+    print(
+        f"5. RSS after {MANY_DEVICES} simulated devices each sent status, hello and one run "
+        f"of {SMALL_RUN} events (VmRSS, KiB)"
+    )
+    print(
+        f"{'':10} {'before':>10} {'after':>10} {'growth':>10} {'per device':>11} {'connect s':>10}"
+    )
+    for name, r in rss.items():
+        grow = r.after_kib - r.before_kib
+        print(
+            f"{name:10} {r.before_kib:>10} {r.after_kib:>10} {grow:>10} "
+            f"{grow * 1024 / MANY_DEVICES:>10.0f}B {r.seconds:>10.1f}"
+        )
+    if "raw" in rss and "wren" in rss:
+        print(f"ratio wren/raw (after): {rss['wren'].after_kib / rss['raw'].after_kib:.1f}x")
+    print(
+        "(before: the process started and subscribed, the registry read; the growth "
+        "includes the interpreter's own)"
+    )
+
+
+# --------------------------------------------------------------------------- main
+
+
+@contextlib.contextmanager
+def workdir_for(keep: Path | None) -> Iterator[Path]:
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix="wren-bench-bridge-") as tmp:
+        yield Path(tmp)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--latency-runs", type=int, default=20, help="figure 1 (default 20)")
+    parser.add_argument("--step-s", type=float, default=2.0, help="figure 2 step (default 2)")
+    parser.add_argument("--start-rate", type=int, default=250, help="figure 2 (default 250/s)")
+    parser.add_argument("--max-rate", type=int, default=32000, help="figure 2 (default 32000/s)")
+    parser.add_argument(
+        "--factor", type=float, default=2.0, help="figure 2 rate step factor (default 2)"
+    )
+    parser.add_argument("--requests", type=int, default=10, help="figure 4 (default 10)")
+    parser.add_argument(
+        "--spacing-s", type=float, default=0.3, help="figure 4 request spacing (default 0.3)"
+    )
+    parser.add_argument("--nodelay", action="store_true", help="Mosquitto set_tcp_nodelay true")
+    parser.add_argument("--skip", default="", help="figures to skip, e.g. 1,4")
+    parser.add_argument("--workdir", type=Path, help="keep logs and configs here")
+    parser.add_argument("--child", nargs=2, metavar=("ROLE", "CONF"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child_main(*args.child)
+        return
+    if args.latency_runs < 10 or args.requests < 1 or args.step_s <= 0 or args.factor <= 1.05:
+        parser.error("need --latency-runs >= 10, --requests >= 1, --step-s > 0, --factor > 1.05")
+    logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    command = "python " + " ".join(
+        [Path(sys.argv[0]).as_posix().split(str(ROOT) + "/")[-1], *sys.argv[1:]]
+    )
+    rates = []
+    r = float(args.start_rate)
+    while r <= args.max_rate:
+        rates.append(round(r))
+        r *= args.factor
+    extra = NODELAY_CONF if args.nodelay else ""
+    started = time.monotonic()
+    first: dict[str, tuple[list[FirstDelta], list[float]]] = {}
+    quiet: tuple[QuietTenant, QuietTenant] | None = None
+    with workdir_for(args.workdir) as work, ModelServer() as server:
+        if not {"1", "4"} <= skip:
+            progress("figures 1 and 4: stack with the board on the MicroPython unix port ...")
+            s = Stack(work / "stack-mpy", model_url=server.url, broker_conf=extra)
+            s.users[FLOOD_DEVICE] = secrets.token_urlsafe(12)
+            with s:
+                if "1" not in skip:
+                    fd = measure_first_delta(s, server, args.latency_runs)
+                    progress(f"  wren p50 {pct([x.total_ms for x in fd], 0.5):.1f} ms; raw chain")
+                    first["board .mpy, MicroPython unix port"] = (
+                        fd,
+                        raw_chain(s.host, s.port, s.users[BRIDGE_USER], args.latency_runs),
+                    )
+                if "4" not in skip:
+                    reg = make_registry(s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT)])
+                    reg.close()
+                    progress(f"figure 4: {args.requests} requests, no flood ...")
+                    control = quiet_tenant(
+                        s, server, work, args.requests, args.spacing_s, flood=False
+                    )
+                    progress(f"figure 4: {args.requests} requests during the flood ...")
+                    flooded = quiet_tenant(
+                        s, server, work, args.requests, args.spacing_s, flood=True
+                    )
+                    quiet = (control, flooded)
+                    progress(
+                        f"  completed {flooded.completed}/{args.requests}, lost {flooded.lost}"
+                    )
+            if "1" not in skip:
+                progress("figure 1: stack with the board on CPython ...")
+                with CPythonStack(
+                    work / "stack-cpython", model_url=server.url, mpy=False, broker_conf=extra
+                ) as s:
+                    fd = measure_first_delta(s, server, args.latency_runs)
+                    first["board .py, CPython"] = (
+                        fd,
+                        raw_chain(s.host, s.port, s.users[BRIDGE_USER], args.latency_runs),
+                    )
+        steps: dict[str, dict[int, list[Step]]] = {}
+        rss: dict[str, Rss] = {}
+        counters: dict[str, dict[str, int]] = {}
+        version = ""
+        if not {"2", "3", "5"} <= skip:
+            steps, rss, counters, version = load_figures(work / "load", rates, args.step_s, extra)
+    print(f"command: {command}")
+    print(
+        f"machine: {os.cpu_count()} cores on loopback, shared by Mosquitto, the relay under "
+        "test, the host counter and the load\n generator (this process): where the "
+        "generator cannot offer a rate, the machine is the limit, not Wren."
+        + (f"\nbroker: {version.split(': ', 1)[-1]}" if version else "")
+    )
+    if first:
+        print_first_delta(first, args.latency_runs, args.nodelay)
+    if steps:
+        print_load(steps, args.step_s, counters, args.factor)
+    if quiet is not None:
+        print_quiet(*quiet, args.spacing_s)
+    if rss:
+        print_rss(rss)
+    print(f"\n(total {time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (BenchError, StackError, BrokerError) as e:
+        sys.exit(f"bench_bridge: {e}")
