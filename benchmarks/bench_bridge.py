@@ -25,7 +25,7 @@ same Mosquitto in the same run (loopback).
     python benchmarks/bench_bridge.py                      # about 4 minutes
     python benchmarks/bench_bridge.py --latency-runs 50 --step-s 4 --factor 1.41 --requests 20
     python benchmarks/bench_bridge.py --skip 1,4 --start-rate 3000 --factor 1.2   # figures 2, 3, 5
-    python benchmarks/bench_bridge.py --nodelay            # every Mosquitto with set_tcp_nodelay
+    python benchmarks/bench_bridge.py --nagle   # Mosquitto with Nagle on (set_tcp_nodelay false)
 
 Progress goes to stderr, the tables to stdout. Loss in figure 2 is counted at the host
 against what the boards sent; the simulated boards do not answer the bridge's replay
@@ -62,7 +62,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_stream import NODELAY_CONF, BenchError, pct  # noqa: E402
+from bench_stream import NAGLE_CONF, BenchError, pct  # noqa: E402
 
 from server_bridge.host.client import RequestRefused  # noqa: E402
 from server_bridge.host.reducer import RunSnapshot  # noqa: E402
@@ -977,13 +977,13 @@ def ms_row(name: str, xs: Sequence[float]) -> str:
 
 
 def print_first_delta(
-    results: dict[str, tuple[list[FirstDelta], list[float]]], runs: int, nodelay: bool
+    results: dict[str, tuple[list[FirstDelta], list[float]]], runs: int, nagle: bool
 ) -> None:
     print()
     print(
         f"1. Host request -> first msg.delta at the host, ms ({runs} requests per board, "
         f"one at a time; a one-chunk model answer\n   from tests/model_server.py, so no "
-        f"coalescing timer runs; Mosquitto {'with set_tcp_nodelay' if nodelay else 'defaults'})"
+        f"coalescing timer runs; Mosquitto {'with Nagle on' if nagle else 'as Wren configures it'})"
     )
     print(f"{'':52} {'min':>8} {'p50':>8} {'p99':>8} {'max':>8}")
     for name, (fd, chain) in results.items():
@@ -1180,7 +1180,9 @@ def main() -> None:
     parser.add_argument(
         "--spacing-s", type=float, default=0.3, help="figure 4 request spacing (default 0.3)"
     )
-    parser.add_argument("--nodelay", action="store_true", help="Mosquitto set_tcp_nodelay true")
+    parser.add_argument(
+        "--nagle", action="store_true", help="Mosquitto with set_tcp_nodelay false (Nagle on)"
+    )
     parser.add_argument("--skip", default="", help="figures to skip, e.g. 1,4")
     parser.add_argument("--workdir", type=Path, help="keep logs and configs here")
     parser.add_argument("--child", nargs=2, metavar=("ROLE", "CONF"), help=argparse.SUPPRESS)
@@ -1200,7 +1202,7 @@ def main() -> None:
     while r <= args.max_rate:
         rates.append(round(r))
         r *= args.factor
-    extra = NODELAY_CONF if args.nodelay else ""
+    extra = NAGLE_CONF if args.nagle else ""
     started = time.monotonic()
     first: dict[str, tuple[list[FirstDelta], list[float]]] = {}
     quiet: tuple[QuietTenant, QuietTenant] | None = None
@@ -1256,7 +1258,7 @@ def main() -> None:
         + (f"\nbroker: {version.split(': ', 1)[-1]}" if version else "")
     )
     if first:
-        print_first_delta(first, args.latency_runs, args.nodelay)
+        print_first_delta(first, args.latency_runs, args.nagle)
     if steps:
         print_load(steps, args.step_s, counters, args.factor)
     if quiet is not None:
