@@ -66,10 +66,11 @@ from bench_stream import NAGLE_CONF, BenchError, pct  # noqa: E402
 
 from server_bridge.host.client import RequestRefused  # noqa: E402
 from server_bridge.host.reducer import RunSnapshot  # noqa: E402
+from server_bridge.registry import provision  # noqa: E402
 from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import Stack, StackError, assistant_text  # noqa: E402
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto  # noqa: E402
-from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT, make_registry  # noqa: E402
+from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT  # noqa: E402
 
 try:  # moving to server_bridge/ on another branch
     from server_bridge import brokerconf  # type: ignore[attr-defined,unused-ignore]
@@ -891,7 +892,7 @@ def load_figures(
     users.update({d: secrets.token_urlsafe(12) for d in sim + many})
     progress(f"registry and broker for {len(sim) + len(many)} devices ...")
     registry = workdir / "registry.json"
-    make_registry(registry, TENANT, [(d, AGENT) for d in sim + many]).close()
+    provision(registry, TENANT, [(d, AGENT) for d in sim + many]).close()
     broker_dir = workdir / "load-broker"
     conf = brokerconf.secure_mosquitto_conf(
         broker_dir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, {TENANT: HOST_USER})
@@ -1220,7 +1221,7 @@ def main() -> None:
                         raw_chain(s.host, s.port, s.users[BRIDGE_USER], args.latency_runs),
                     )
                 if "4" not in skip:
-                    reg = make_registry(s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT)])
+                    reg = provision(s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT)])
                     reg.close()
                     progress(f"figure 4: {args.requests} requests, no flood ...")
                     control = quiet_tenant(

@@ -11,6 +11,7 @@ asserts on time.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -160,7 +161,9 @@ def print_table(title: str, rows: list[tuple[str, float, float, int]], base: str
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rounds", nargs="?", type=int, default=5000, help="rounds per repeat")
+    n = parser.parse_args().rounds
     print(f"one msg.delta envelope, best of {REPEAT} x {n} rounds: {ENVELOPE!r}\n")
     shown, board = run_board(n)
     print_table(f"MicroPython unix port ({' '.join(shown)}), per event:", board, "json (C)")

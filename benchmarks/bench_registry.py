@@ -21,6 +21,7 @@ Takes about 15 s.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import random
@@ -170,6 +171,8 @@ def measure(devices: int, tmp: Path) -> list[tuple[str, str, list[int]]]:
 
 
 def main() -> None:
+    # No options; --help says what it measures.
+    argparse.ArgumentParser(description=__doc__).parse_args()
     print(f"command: {COMMAND}")
     print(f"python {platform.python_version()} on {platform.platform()}")
     with tempfile.TemporaryDirectory() as d:

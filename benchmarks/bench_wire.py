@@ -6,6 +6,7 @@ same event as AG-UI JSON (TEXT_MESSAGE_CONTENT), with and without the MQTT frami
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ def mqtt_publish_overhead(topic: str, payload_len: int, qos: int) -> int:
 
 
 def main() -> None:
+    # No options; --help says what it measures.
+    argparse.ArgumentParser(description=__doc__).parse_args()
     assert len(TEXT) == 12
     envelope = {
         "r": RUN_ID,
