@@ -67,6 +67,7 @@ from bench_stream import NAGLE_CONF, BenchError, pct  # noqa: E402
 from server_bridge.host.client import RequestRefused  # noqa: E402
 from server_bridge.host.reducer import RunSnapshot  # noqa: E402
 from server_bridge.registry import provision  # noqa: E402
+from server_bridge.tcp import no_delay  # noqa: E402
 from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import Stack, StackError, assistant_text  # noqa: E402
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto  # noqa: E402
@@ -178,6 +179,9 @@ def paho_client(
         clean_session=clean_session,
     )
     c.username_pw_set(user, password)
+    # Nagle off, as on every socket of Wren's own: the raw baselines are the best raw
+    # paho can do, not a client stalled by delayed ACKs.
+    c.on_socket_open = no_delay
     return c
 
 
