@@ -55,7 +55,7 @@ from server_bridge.wire import DEFAULT_LIMITS  # noqa: E402
 from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import Stack, StackError, assistant_text  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
-from tools.demo import BRIDGE_USER, PREFIX  # noqa: E402
+from tools.demo import PREFIX  # noqa: E402
 
 # Each position checkable: a lost, doubled or swapped piece changes the text.
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters
@@ -114,9 +114,15 @@ class Seen:
     body: dict[str, Any]
 
 
+# The sniffer's user, with the bridge's rights. Not the bridge's own user: the broker
+# binds client ids to users, so a second connection as the bridge would take over the
+# bridge's session.
+SNIFFER_USER = "bridge-sniffer"
+
+
 class Sniffer:
-    """A paho client logged in as the bridge user, recording every message on the
-    device topics it counts."""
+    """A paho client with the bridge's rights (SNIFFER_USER), recording every message on
+    the device topics it counts."""
 
     LEAVES = ("evt", "rpc", "rpc/res")
 
@@ -125,9 +131,9 @@ class Sniffer:
         self._cond = threading.Condition()
         self._subscribed = threading.Event()
         self._client = paho.Client(
-            CallbackAPIVersion.VERSION2, client_id="wren-bench-sniffer", protocol=paho.MQTTv311
+            CallbackAPIVersion.VERSION2, client_id=SNIFFER_USER, protocol=paho.MQTTv311
         )
-        self._client.username_pw_set(BRIDGE_USER, s.users[BRIDGE_USER])
+        self._client.username_pw_set(SNIFFER_USER, s.users[SNIFFER_USER])
         self._client.on_message = self._on_message
         self._client.on_subscribe = lambda *a: self._subscribed.set()
         self._client.connect(s.host, s.port)
@@ -269,7 +275,9 @@ def measure_counts(
 
 
 def stack(workdir: Path, server: ModelServer, micropython: str | None, **kw: Any) -> Stack:
-    """A Stack (started by `with`) whose bridge calls the test model server."""
+    """A Stack (started by `with`) whose bridge calls the test model server, with a user
+    for the Sniffer."""
+    kw.setdefault("extra_users", {SNIFFER_USER: "bridge"})
     return Stack(workdir, model_url=server.url, micropython=micropython, **kw)
 
 

@@ -11,8 +11,11 @@ a short list of recent refusals, logged with its kind, and answered where there 
 someone to answer: a board's RPC call with an RPC error, a host's req or ctl with an
 `error` event `{kind, msg, req?}` on that host's own P/h/T/D/evt, in the bridge's stream
 for that tenant and device (run id "_b", ids 1, 2, 3 ... kept in memory). Then the
-bridge carries on with the next message. Every paho callback is wrapped so an exception
-in our code is logged with its traceback and the network thread keeps running.
+bridge carries on with the next message. A retained message on any topic it reads but a
+board's status is refused (`retained`, told to no one: whoever sent it is long gone) and
+cleared at the broker; the bridge retains nothing but its own presence. Every paho
+callback is wrapped so an exception in our code is logged with its traceback and the
+network thread keeps running.
 
 Nothing is lost while the bridge or the broker is away. The bridge's MQTT session is
 persistent (clean session off, a stable client id): what boards send while it is
@@ -52,6 +55,7 @@ from server_bridge.wire import (
     MAX_ERROR_MSG,
     MAX_ID,
     REFUSALS,
+    RETAINED,
     TooLarge,
     UnknownDevice,
     check_host_ctl,
@@ -433,10 +437,39 @@ class Bridge:
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
         self._count("rx")
         topic = msg.topic
+        payload = bytes(msg.payload)
+        # Only presence (a board's status) is retained in the contract. Anything else the
+        # broker holds retained would come back at every subscribe, so at every bridge
+        # (re)start: a host's req run again, a board's rpc served again.
+        if not _is_status(topic):
+            if msg.retain:
+                self._clear_retained(client, topic)
+                return
+            if not payload:
+                # A retained message being cleared (our own clear comes back to us too:
+                # MQTT 3.1.1 has no "no local"). Nothing to act on and no one to answer.
+                self._count("rx.empty")
+                return
         try:
-            self._route(topic, bytes(msg.payload))
+            self._route(topic, payload)
         except REFUSALS as e:
             self._refuse(getattr(e, "kind", "bad_envelope"), topic, str(e))
+
+    def _clear_retained(self, client: mqtt.Client, topic: str) -> None:
+        """Refuse a retained message on a topic the bridge acts on, and clear it at the
+        broker (an empty retained publish; the bridge may write all of P/#).
+
+        Only what the broker delivers from its retained store carries the flag: a
+        publish that is live when it arrives comes with the flag off (MQTT 3.1.1 has no
+        retain-as-published), is indistinguishable from any other and is acted on once;
+        its stored copy is refused and cleared at the next subscribe that delivers it.
+        """
+        self._refuse(RETAINED, topic, "a retained message on an input topic is never acted on")
+        info = client.publish(topic, b"", qos=1, retain=True)
+        if info.rc == mqtt.MQTT_ERR_SUCCESS:
+            self._count("retained.cleared")
+        else:
+            log.warning("could not clear the retained message on %s: %s", topic, info.rc)
 
     # ------------------------------------------------------------------ routing
 
@@ -642,6 +675,12 @@ class Bridge:
                     topic,
                 )
             return
+
+
+def _is_status(topic: str) -> bool:
+    """P/d/D/status: the one topic the bridge reads that is retained by contract (the
+    bridge subscribes to nothing else ending in /status)."""
+    return topic.endswith("/status")
 
 
 def _levels(t: Topic) -> tuple[str, str]:

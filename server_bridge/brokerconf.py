@@ -7,10 +7,22 @@ The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
   `P/d/<id>/req`, `P/d/<id>/ctl` and `P/d/<id>/rpc/res` and writes only its own
   `P/d/<id>/status`, `hello`, `evt` and `rpc` (so only the bridge can publish the
   requests, control messages and RPC answers a board acts on);
-- a tenant's host user reads `P/h/<tenant>/+/evt` and writes `P/h/<tenant>/+/req` and
-  `P/h/<tenant>/+/ctl`, for that tenant only;
+- a tenant's host users read `P/h/<tenant>/+/evt` and write `P/h/<tenant>/+/req` and
+  `P/h/<tenant>/+/ctl`, for that tenant only; a tenant may have several host users,
+  one per host connection (see below);
 - devices and host users read `P/b/status`, the bridge's presence (a board fails its
   waiting RPC calls when the bridge goes offline); only the bridge writes it.
+
+Client ids are bound to users: the configuration says `use_username_as_clientid true`,
+so Mosquitto replaces whatever client id a client sends with its user name. Without it
+any authenticated user (another tenant's host, say) could connect with a board's client
+id (its device id) and knock the board off the broker, again and again. With it, a
+client id can only be taken over by a second connection of the same user, so every
+connection that must stay up needs a user of its own: the bridge process has its own
+(a second bridge process, another), each board is its own user already, and each host
+connection of a tenant gets a host user of its own (`acl_text` takes several per
+tenant). The persistent sessions of the bridge and the boards are kept under their
+user names.
 
 Device rules are Mosquitto `pattern` lines with `%u`, which apply to every user: a
 bridge or host user name that is also a registered device id would share that
@@ -30,6 +42,7 @@ import hashlib
 import hmac
 import os
 import re
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from server_bridge.topics import bridge_topic, check_id
@@ -129,22 +142,36 @@ def _check_prefix(prefix: str) -> None:
         raise ValueError(f"bad topic prefix {prefix!r}")
 
 
-def _check_tenants(bridge_user: str, tenants: dict[str, str]) -> None:
-    _check_user(bridge_user)
-    for tenant, host_user in tenants.items():
-        check_id(tenant, "tenant")  # the contract's id rule, from topics.py; a ValueError
-        _check_user(host_user)
-        if host_user == bridge_user:
-            raise ValueError("a host user cannot be the bridge user")
+def _names(users: str | Collection[str], what: str) -> list[str]:
+    """One user name or several, as a sorted list of distinct names (at least one)."""
+    names = sorted({users} if isinstance(users, str) else set(users))
+    if not names:
+        raise ValueError(f"{what} needs at least one user")
+    for user in names:
+        _check_user(user)
+    return names
 
 
-def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
+def acl_text(
+    prefix: str,
+    bridge_user: str | Collection[str],
+    tenants: Mapping[str, str | Collection[str]],
+) -> str:
     """A Mosquitto `acl_file` for the rules in this module's docstring.
 
-    `tenants` maps a tenant id to the MQTT user its hosts connect as.
+    `bridge_user` is the bridge's MQTT user, or several (one per bridge process: with
+    client ids bound to users, two processes of one user would knock each other off).
+    `tenants` maps a tenant id to the MQTT user its hosts connect as, or to several
+    (one per host connection, for the same reason).
     """
     _check_prefix(prefix)
-    _check_tenants(bridge_user, tenants)
+    bridges = _names(bridge_user, "the bridge")
+    hosts: dict[str, list[str]] = {}
+    for tenant, users in sorted(tenants.items()):
+        check_id(tenant, "tenant")  # the contract's id rule, from topics.py; a ValueError
+        hosts[tenant] = _names(users, f"tenant {tenant}")
+        if set(hosts[tenant]) & set(bridges):
+            raise ValueError("a host user cannot be a bridge user")
     out = [
         "# Wren broker ACL (written by server_bridge/brokerconf.py). Mosquitto denies whatever",
         "# is not granted here.",
@@ -158,11 +185,13 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
         "# Devices and hosts: the bridge's presence.",
         f"pattern read {bridge_topic(prefix)}",
     ]
-    out += ["", "# The bridge.", f"user {bridge_user}", f"topic readwrite {prefix}/#"]
-    for tenant, host_user in sorted(tenants.items()):
-        out += ["", f"# Hosts of tenant {tenant}.", f"user {host_user}"]
-        out += [f"topic read {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_READ]
-        out += [f"topic write {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_WRITE]
+    for user in bridges:
+        out += ["", "# The bridge.", f"user {user}", f"topic readwrite {prefix}/#"]
+    for tenant, users in hosts.items():
+        for user in users:
+            out += ["", f"# Hosts of tenant {tenant}.", f"user {user}"]
+            out += [f"topic read {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_READ]
+            out += [f"topic write {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_WRITE]
     return "\n".join(out) + "\n"
 
 
@@ -172,7 +201,8 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
 def secure_mosquitto_conf(directory: Path | str, users: dict[str, str], acl: str) -> str:
     """Write `passwords` and `acl` into `directory` and return the configuration lines
     that use them, to append to a Mosquitto config with `allow_anonymous false` (as
-    `tools.broker.start_mosquitto(extra_conf=..., allow_anonymous=False)` does).
+    `tools.broker.start_mosquitto(extra_conf=..., allow_anonymous=False)` does), after
+    its `listener` line: they also bind each client id to its user.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -180,6 +210,10 @@ def secure_mosquitto_conf(directory: Path | str, users: dict[str, str], acl: str
     acl_path = directory / "acl"
     _write_private(acl_path, acl)
     lines = [f"password_file {pw.resolve()}", f"acl_file {acl_path.resolve()}"]
+    # Client ids bound to users (see the module docstring). A listener option: these
+    # lines must follow the `listener` line they are for (start_mosquitto writes its
+    # listener first), and a config with several listeners needs it under each.
+    lines.append("use_username_as_clientid true")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         # Started as root, Mosquitto switches to the `mosquitto` user before it reads
         # these files, which are the caller's and private (0600), often in a private

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from server_bridge.topics import DEFAULT_PREFIX
 from server_bridge.wire import Limits
 
-__all__ = ["BridgeConfig"]
+__all__ = ["DEFAULT_CLIENT_ID", "BridgeConfig"]
+
+# The bridge's client id when it has no MQTT user to take it from.
+DEFAULT_CLIENT_ID = "wren-bridge"
 
 
 def _env(name: str) -> str | None:
@@ -33,8 +36,12 @@ class BridgeConfig:
     # boards send while the bridge is away waits at the broker under this id, and a
     # restarted bridge with the same id receives it. A second bridge process on the same
     # broker needs an id of its own: two with one id keep kicking each other off the
-    # broker (and would share one session's queue).
-    client_id: str = "wren-bridge"
+    # broker (and would share one session's queue). None (the default) follows the
+    # user: a broker configured by server_bridge/brokerconf.py uses the user name as
+    # the client id whatever the client sends (so a second process needs a user of its
+    # own there), and the id the bridge gives itself then matches the session it has;
+    # without a user, DEFAULT_CLIENT_ID.
+    client_id: str | None = None
     keepalive_s: int = 30
     # What the bridge accepts from boards and hosts. What it sends a board is sized by the
     # limits that board announced in its hello.
@@ -90,6 +97,8 @@ class BridgeConfig:
             raise ValueError(f"bad topic prefix {self.prefix!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"bad broker port {self.port}")
+        if self.client_id is None:
+            self.client_id = self.username or DEFAULT_CLIENT_ID
         if not isinstance(self.client_id, str) or not self.client_id:
             # A persistent session needs an id of its own (MQTT 3.1.1 refuses an empty one).
             raise ValueError("client_id must be a non-empty str")

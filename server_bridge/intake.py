@@ -71,6 +71,7 @@ from server_bridge.wire import (
     check_events,
     decode,
     encode,
+    is_bridge_run,
 )
 
 __all__ = ["DEVICE_OFFLINE", "DEVICE_RESTARTED", "EventIntake", "Window"]
@@ -193,6 +194,13 @@ class EventIntake:
         is refused.
         """
         envelopes = check_events(decode(payload, self._limits))
+        for env in envelopes:
+            if is_bridge_run(env["r"]):
+                # Hosts read `_b` as the bridge speaking (its refusals, its replay
+                # answers): a board writing there could tell a host anything in the
+                # bridge's name. The whole payload is refused, like any bad envelope.
+                self._count("evt.bridge_run", 1)
+                raise BadEnvelope(f"run id {env['r']!r} is the bridge's own stream")
         return self.accept(device, envelopes)
 
     def accept(self, device: DeviceRecord, envelopes: Iterable[dict[str, Any]]) -> int:

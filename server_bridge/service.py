@@ -26,7 +26,7 @@ from types import FrameType
 from typing import NoReturn, TextIO
 
 from server_bridge.bridge import Bridge
-from server_bridge.config import BridgeConfig
+from server_bridge.config import DEFAULT_CLIENT_ID, BridgeConfig
 from server_bridge.models.base import Provider
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
@@ -101,8 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--client-id",
         default=BridgeConfig.client_id,
-        help="MQTT client id of this bridge's persistent session (a second bridge process "
-        "on the same broker needs its own)",
+        help="MQTT client id of this bridge's persistent session (default: the --user, "
+        f"else {DEFAULT_CLIENT_ID}; a second bridge process on the same broker needs its "
+        "own, and on a broker that binds client ids to users, a user of its own)",
     )
     p.add_argument("--tenant", default="demo", help="tenant to create when the registry is new")
     p.add_argument(

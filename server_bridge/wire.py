@@ -37,6 +37,7 @@ __all__ = [
     "MAX_ID",
     "MAX_REASON",
     "REFUSALS",
+    "RETAINED",
     "Ack",
     "BadEnvelope",
     "BadTopic",
@@ -65,6 +66,7 @@ __all__ = [
     "decode",
     "encode",
     "is_ack",
+    "is_bridge_run",
 ]
 
 
@@ -117,6 +119,10 @@ class UnknownDevice(WireError):
 # the code that raises them (topics.py, tokens.py) and are re-exported here so a caller
 # catches one tuple.
 REFUSALS: tuple[type[ValueError], ...] = (WireError, BadTopic, TokenError)
+
+# The kind of a refusal that is not about the payload: a retained message on a topic the
+# bridge acts on (PROTOCOL.md "Errors"); refused before anything is decoded.
+RETAINED = "retained"
 
 
 # --------------------------------------------------------------------------- limits
@@ -301,6 +307,15 @@ def _opt_int(m: Mapping[str, Any], key: str, what: str) -> int | None:
 # The streams that are not runs: the board's device stream (DEVICE_RUN, "_", from
 # edge_runtime.events) and the bridge's own stream of answers to hosts on P/h/T/D/evt.
 BRIDGE_RUN = "_b"
+
+
+def is_bridge_run(run: str) -> bool:
+    """Is `run` a stream id of the bridge's own: `_b`, and every id that begins with "_"
+    but the board's device stream "_" (a board's runs are `<boot>.<n>`). Events under
+    them reach hosts from the bridge alone: a board's are refused."""
+    return run.startswith("_") and run != DEVICE_RUN
+
+
 # The event types of the contract, from the board's one space-separated str.
 EVENT_TYPES = frozenset(TYPE_NAMES.split())
 

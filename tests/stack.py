@@ -7,9 +7,14 @@ and a host client, each a part a test can stop, kill and start again.
 
 What runs:
 - **broker**: Mosquitto on a free loopback port with Wren's password file and ACL
-  (server_bridge/brokerconf.py, the users `bridge`, the device and `host-demo`), logging
-  connections and subscriptions (the harness reads them to know who is back after a
-  restart); with `persistence=True` it saves its sessions on SIGTERM and loads them again;
+  (server_bridge/brokerconf.py, the users `bridge`, the device and `host-demo`, and any
+  `extra_users`), logging connections and subscriptions (the harness reads them to know
+  who is back after a restart). It binds client ids to users, so a test that connects
+  alongside the bridge, the board or the host client does so as a user of its own:
+  `extra_users` maps each to its part — "bridge" (the bridge's rights: a second bridge
+  process, or a test speaking as the bridge), "device" (another registered device of
+  the tenant, with no board) or a tenant id (a host user of that tenant). With
+  `persistence=True` it saves its sessions on SIGTERM and loads them again;
   `broker_conf` lines are appended to its config (e.g. `set_tcp_nodelay true`).
 - **bridge**: `python -m tools.cli bridge ...` as a subprocess (the scripted demo model, or
   `--openai-base-url model_url --model model`), its stdout and stderr in `bridge.log`.
@@ -140,6 +145,7 @@ class Stack:
         bridge_args: Sequence[str] = (),
         bridge_verbose: bool = False,
         start_timeout_s: float = START_TIMEOUT_S,
+        extra_users: Mapping[str, str] | None = None,
     ) -> None:
         self._owned_dir: tempfile.TemporaryDirectory[str] | None = None
         if workdir is None:
@@ -159,7 +165,9 @@ class Stack:
         self.bridge_verbose = bridge_verbose
         self.start_timeout_s = start_timeout_s
 
-        self.users = {name: secrets.token_urlsafe(12) for name in (BRIDGE_USER, device, HOST_USER)}
+        self.extra_users = dict(extra_users or {})
+        names = (BRIDGE_USER, device, HOST_USER, *self.extra_users)
+        self.users = {name: secrets.token_urlsafe(12) for name in names}
         self.registry_path = workdir / "registry.json"
         self.bridge_log_path = workdir / "bridge.log"
         self.flash = workdir / "flash"
@@ -172,7 +180,6 @@ class Stack:
         self.bridge_proc: subprocess.Popen[bytes] | None = None
         self.board: VirtualBoard | None = None
         self.client: HostClient | None = None
-        self._host_client_id = f"wren-stack-host-{secrets.token_hex(4)}"
         self._broker_conf = ""
         self._bridge_wanted = False
         self._board_wanted = False
@@ -210,9 +217,13 @@ class Stack:
             raise StackError("board: the MicroPython unix port is not installed")
         self.workdir.mkdir(parents=True, exist_ok=True)
         broker_dir = self.workdir / "mosquitto"
-        tenants = {TENANT: HOST_USER}
+        bridges = [BRIDGE_USER, *(u for u, part in self.extra_users.items() if part == "bridge")]
+        tenants: dict[str, list[str]] = {TENANT: [HOST_USER]}
+        for user, part in self.extra_users.items():
+            if part not in ("bridge", "device"):
+                tenants.setdefault(part, []).append(user)
         conf = brokerconf.secure_mosquitto_conf(
-            broker_dir, self.users, brokerconf.acl_text(PREFIX, BRIDGE_USER, tenants)
+            broker_dir, self.users, brokerconf.acl_text(PREFIX, bridges, tenants)
         )
         conf += "log_type subscribe\n"
         if self.persistence:
@@ -221,7 +232,8 @@ class Stack:
         self._broker_conf = conf
         self._start_broker()
 
-        registry = provision(self.registry_path, TENANT, [(self.device, AGENT)])
+        devices = [self.device, *(u for u, part in self.extra_users.items() if part == "device")]
+        registry = provision(self.registry_path, TENANT, [(d, AGENT) for d in devices])
         secret = registry.tenant_secret(TENANT)
         assert secret is not None
         self.token = sign(bytes.fromhex(secret), TENANT, END_USER)
@@ -250,7 +262,6 @@ class Stack:
             username=HOST_USER,
             password=self.users[HOST_USER],
             prefix=PREFIX,
-            client_id=self._host_client_id,
         )
         try:
             self.client.connect(timeout=self.start_timeout_s)
@@ -343,19 +354,17 @@ class Stack:
         console's `link: up`."""
         deadline = time.monotonic() + self.start_timeout_s
         if self._bridge_wanted:
-            self._wait_subscribed("bridge", BRIDGE_USER, None, log_offset, deadline)
+            self._wait_subscribed("bridge", BRIDGE_USER, log_offset, deadline)
         if self._board_wanted:
             self._wait_console("link: up", console_mark, deadline, "board: reconnecting")
         if self.client is not None:
-            self._wait_subscribed("host", HOST_USER, self._host_client_id, log_offset, deadline)
+            self._wait_subscribed("host", HOST_USER, log_offset, deadline)
 
-    def _wait_subscribed(
-        self, what: str, user: str, client_id: str | None, offset: int, deadline: float
-    ) -> None:
-        """Wait for a connection of `user` (as `client_id`, if given) in the broker log
-        past `offset`, then a subscription of that connection. Mosquitto handles one
-        packet at a time, so once one topic of a SUBSCRIBE is logged the whole packet is
-        in force for anything published later."""
+    def _wait_subscribed(self, what: str, user: str, offset: int, deadline: float) -> None:
+        """Wait for a connection of `user` in the broker log past `offset`, then a
+        subscription of that connection (the broker logs it by its client id, which is
+        the user's name). Mosquitto handles one packet at a time, so once one topic of a
+        SUBSCRIBE is logged the whole packet is in force for anything published later."""
         while True:
             assert self.broker is not None
             try:
@@ -367,7 +376,7 @@ class Stack:
             ids: set[str] = set()
             for line in text.splitlines():
                 m = _CONNECTED.search(line)
-                if m and m.group(2) == user and client_id in (None, m.group(1)):
+                if m and m.group(2) == user:
                     ids.add(m.group(1))
                     continue
                 m = _SUBSCRIBED.match(line)

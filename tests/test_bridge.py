@@ -903,8 +903,12 @@ def test_config_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     cfg = BridgeConfig()
     assert (cfg.username, cfg.password, cfg.prefix) == ("bridge", "pw", "wren/v1")
     assert cfg.shared_subscription is False
-    # Stable: the bridge's session is persistent and found again by this id.
-    assert cfg.client_id == BridgeConfig().client_id == "wren-bridge"
+    # Stable: the bridge's session is persistent and found again by this id. It follows
+    # the user (a broker of brokerconf's makes it the user anyway), and is wren-bridge
+    # without one.
+    assert cfg.client_id == BridgeConfig().client_id == "bridge"
+    assert BridgeConfig(username=None).client_id == "wren-bridge"
+    assert BridgeConfig(client_id="mine").client_id == "mine"
     assert (cfg.replay_retry_s, cfg.replay_retry_max_s) == (2.0, 30.0)
     for bad in (
         {"prefix": "wren/#"},

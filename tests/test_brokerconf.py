@@ -17,7 +17,7 @@ import paho.mqtt.client as paho
 import pytest
 
 from server_bridge import brokerconf
-from tools.broker import start_mosquitto
+from tools.broker import MosquittoProcess, start_mosquitto
 
 TIMEOUT_S = 10.0
 P = "wren/v1"
@@ -110,34 +110,74 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         (P, "bad user", {}),
         (P, "bridge", {"Acme": "h"}),
         (P, "bridge", {"acme": "bridge"}),
+        (P, ["bridge", "b2"], {"acme": ["h1", "b2"]}),
+        (P, [], {}),
+        (P, "bridge", {"acme": []}),
     ):
         with pytest.raises(ValueError):
-            brokerconf.acl_text(*bad)
+            brokerconf.acl_text(*bad)  # type: ignore[arg-type]
+
+
+def test_acl_text_takes_a_user_per_connection() -> None:
+    # With client ids bound to users, each bridge process and each host connection has a
+    # user of its own; each gets the same rights as the one user did.
+    text = brokerconf.acl_text(P, ["bridge-b", "bridge"], {"acme": ["host-acme-2", "host-acme"]})
+    blocks = text.split("\n\n")[3:]
+    assert blocks == [
+        "# The bridge.\nuser bridge\ntopic readwrite wren/v1/#",
+        "# The bridge.\nuser bridge-b\ntopic readwrite wren/v1/#",
+        *(
+            f"# Hosts of tenant acme.\nuser {user}\n"
+            "topic read wren/v1/h/acme/+/evt\n"
+            "topic write wren/v1/h/acme/+/req\n"
+            "topic write wren/v1/h/acme/+/ctl" + ("\n" if user == "host-acme-2" else "")
+            for user in ("host-acme", "host-acme-2")
+        ),
+    ]
+
+
+def test_the_configuration_binds_client_ids_to_users(tmp_path: Path) -> None:
+    lines = brokerconf.secure_mosquitto_conf(tmp_path, {"u": "p"}, "").splitlines()
+    assert "use_username_as_clientid true" in lines
 
 
 # --- enforced by a real broker ----------------------------------------------------------------
 
 
 class Client:
-    def __init__(self, host: str, port: int, user: str | None, password: str | None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        user: str | None,
+        password: str | None,
+        client_id: str | None = None,
+        clean_session: bool = True,
+    ) -> None:
         self.messages: queue.Queue[paho.MQTTMessage] = queue.Queue()
         self.connacks: queue.Queue[Any] = queue.Queue()
         self.subacks: queue.Queue[Any] = queue.Queue()
+        self.disconnects: queue.Queue[Any] = queue.Queue()
         self.c = paho.Client(
-            paho.CallbackAPIVersion.VERSION2, client_id=f"t-{user}", protocol=paho.MQTTv311
+            paho.CallbackAPIVersion.VERSION2,
+            client_id=client_id or f"t-{user}",
+            protocol=paho.MQTTv311,
+            clean_session=clean_session,
         )
         if user is not None:
             self.c.username_pw_set(user, password)
         self.c.on_connect = lambda c, u, flags, rc, props: self.connacks.put(rc)
         self.c.on_subscribe = lambda c, u, mid, rcs, props: self.subacks.put(rcs)
         self.c.on_message = lambda c, u, msg: self.messages.put(msg)
+        self.c.on_disconnect = lambda c, u, flags, rc, props: self.disconnects.put(rc)
         self.c.connect(host, port, keepalive=30)
         self.c.loop_start()
         self.rc = self.connacks.get(timeout=TIMEOUT_S)
 
-    def subscribe(self, topic: str) -> None:
+    def subscribe(self, topic: str) -> list[Any]:
+        """Subscribe at QoS 1; the SUBACK's reason codes."""
         self.c.subscribe(topic, 1)
-        self.subacks.get(timeout=TIMEOUT_S)
+        return list(self.subacks.get(timeout=TIMEOUT_S))
 
     def publish(self, topic: str, payload: bytes) -> None:
         self.c.publish(topic, payload, 1).wait_for_publish(TIMEOUT_S)
@@ -162,16 +202,17 @@ class Secured:
     host: str
     port: int
     clients: list[Client]
+    broker: MosquittoProcess
 
-    def connect(self, user: str | None, password: str | None = None) -> Client:
+    def connect(self, user: str | None, password: str | None = None, **kw: Any) -> Client:
         if user is not None and password is None:
             password = USERS[user]
-        c = Client(self.host, self.port, user, password)
+        c = Client(self.host, self.port, user, password, **kw)
         self.clients.append(c)
         return c
 
-    def login(self, user: str) -> Client:
-        c = self.connect(user)
+    def login(self, user: str, **kw: Any) -> Client:
+        c = self.connect(user, **kw)
         assert not c.rc.is_failure, (user, c.rc)
         return c
 
@@ -181,7 +222,7 @@ def secured(tmp_path: Path) -> Iterator[Secured]:
     acl = brokerconf.acl_text(P, "bridge", TENANTS) + OBSERVER_ACL
     extra = brokerconf.secure_mosquitto_conf(tmp_path / "conf", USERS, acl)
     m = start_mosquitto(tmp_path / "mosquitto", extra_conf=extra, allow_anonymous=False)
-    s = Secured(m.host, m.port, [])
+    s = Secured(m.host, m.port, [], m)
     try:
         yield s
     finally:
@@ -349,3 +390,69 @@ def test_mosquitto_grants_exactly_the_listed_rights(secured: Secured) -> None:
     got = granted(secured, ALLOWED + DENIED)
     assert sorted(set(ALLOWED) - got, key=repr) == [], "refused although allowed"
     assert sorted(got & set(DENIED), key=repr) == [], "granted although denied"
+
+
+# --- identity: client ids bound to users -----------------------------------------------------
+
+# Mosquitto's log line when a connection takes over a client id in use.
+TAKEOVER = "already connected, closing old connection"
+
+
+def test_no_other_user_can_take_a_devices_client_id(secured: Secured) -> None:
+    # The board: a persistent session under its device id, as edge_runtime connects.
+    dev1 = secured.login("dev1", client_id="dev1", clean_session=False)
+    dev1.subscribe(f"{P}/d/dev1/req")
+    bridge = secured.login("bridge", client_id="dev1")
+    # Another tenant's host (and a neighbouring device) claim the board's client id, ten
+    # times. Each CONNACK comes after the broker dealt with the id: a takeover would be
+    # done (and logged) by then.
+    for n in range(10):
+        attacker = secured.login("host-other" if n % 2 else "dev2", client_id="dev1")
+        attacker.close()
+    assert TAKEOVER not in secured.broker.log()
+    assert dev1.disconnects.empty()
+    # The board's connection still works: the bridge reaches it (a bridge that had taken
+    # the id, as it asked to, would have cut the board off instead).
+    bridge.publish(f"{P}/d/dev1/req", b"still here")
+    assert dev1.until(b"still here") == [(f"{P}/d/dev1/req", b"still here")]
+    # The log names every connection by its user, whatever id it sent.
+    assert "as dev1 (p2, c0, k30, u'dev1')" in secured.broker.log()
+    assert "as host-other (p2, c1, k30, u'host-other')" in secured.broker.log()
+
+
+def test_a_second_connection_of_one_user_takes_over_the_first(secured: Secured) -> None:
+    # Why each host connection (and each bridge process) needs a user of its own.
+    first = secured.login("host-acme", client_id="one")
+    secured.login("host-acme", client_id="two")
+    first.disconnects.get(timeout=TIMEOUT_S)
+    assert TAKEOVER in secured.broker.log()
+
+
+def test_a_denied_subscription_is_granted_in_suback_and_delivers_nothing(
+    secured: Secured,
+) -> None:
+    """Mosquitto's acl_file (2.0.11) does not check a subscription against the ACL: the
+    SUBACK grants it and the ACL is applied to each message instead. PROTOCOL.md says
+    so; if a Mosquitto refuses here (0x80), update it."""
+    bridge = secured.login("bridge")
+    dev1 = secured.login("dev1")
+    host = secured.login("host-acme")
+    denied = [
+        (dev1, f"{P}/d/dev2/req"),
+        (dev1, f"{P}/d/+/req"),
+        (dev1, f"{P}/#"),
+        (host, f"{P}/h/other/+/evt"),
+        (host, f"{P}/d/+/req"),
+    ]
+    codes = {topic: reader.subscribe(topic) for reader, topic in denied}
+    assert all(not rc.is_failure for rcs in codes.values() for rc in rcs), codes
+    # Messages those filters match on topics neither reader may read.
+    bridge.publish(f"{P}/d/dev2/req", b"denied")
+    bridge.publish(f"{P}/h/other/dev2/evt", b"denied")
+    # Markers each reader may read, sent after: what was denied would have come first.
+    dev1.subscribe(f"{P}/d/dev1/req")
+    host.subscribe(f"{P}/h/acme/dev1/evt")
+    bridge.publish(f"{P}/d/dev1/req", b"marker")
+    bridge.publish(f"{P}/h/acme/dev1/evt", b"marker")
+    assert dev1.until(b"marker") == [(f"{P}/d/dev1/req", b"marker")]
+    assert host.until(b"marker") == [(f"{P}/h/acme/dev1/evt", b"marker")]

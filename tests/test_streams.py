@@ -28,7 +28,7 @@ from server_bridge.host.client import RequestRefused
 from server_bridge.host.reducer import RunSnapshot
 from tests.model_server import ModelServer, ToolCall, Turn
 from tests.stack import Stack, assistant_text, i686_binary
-from tools.demo import BRIDGE_USER, PREFIX
+from tools.demo import PREFIX
 
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters, each position checkable
 SLOW = 60.0
@@ -205,13 +205,17 @@ def test_one_event_per_character_still_fits_a_128k_board(
         assert deltas(s, snap) == 1200
 
 
+# A user with the bridge's rights, the only ones allowed to publish on a board's req, ctl
+# and rpc/res. Not the bridge's own user: the broker binds client ids to users, so a
+# second connection as the bridge would take over the bridge's session.
+JUNK_SENDER = {"bridge-junk": "bridge"}
+
+
 def _as_bridge(s: Stack) -> paho.Client:
-    """A paho client logged in as the bridge user: the only one allowed to publish on a
-    board's req, ctl and rpc/res."""
-    client = paho.Client(
-        CallbackAPIVersion.VERSION2, client_id="junk-sender", protocol=paho.MQTTv311
-    )
-    client.username_pw_set(BRIDGE_USER, s.users[BRIDGE_USER])
+    """A paho client logged in with the bridge's rights (JUNK_SENDER)."""
+    (user,) = JUNK_SENDER
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id=user, protocol=paho.MQTTv311)
+    client.username_pw_set(user, s.users[user])
     client.connect(s.host, s.port)
     client.loop_start()
     return client
@@ -231,7 +235,7 @@ def test_junk_on_every_board_topic_then_a_valid_request_runs(
         (b"\x91" * 2000 + b"\xc0", "too_deep"),
         (bytes([0xC1]) + bytes((i * 151 + 7) % 256 for i in range(300)), "bad_type"),
     ]
-    with Stack(tmp_path, model_url=server.url) as s:
+    with Stack(tmp_path, model_url=server.url, extra_users=JUNK_SENDER) as s:
         sender = _as_bridge(s)
         try:
             for leaf in ("req", "ctl", "rpc/res"):
@@ -291,7 +295,7 @@ def test_a_board_killed_mid_run_ends_the_run_and_its_refusals_after_the_reboot_r
     server: ModelServer, tmp_path: Path
 ) -> None:
     server.script[:] = [Turn(text=LONG, chunk_chars=4, delay_s=0.05)]
-    with Stack(tmp_path, model_url=server.url) as s:
+    with Stack(tmp_path, model_url=server.url, extra_users=JUNK_SENDER) as s:
         assert s.client is not None
         sender = _as_bridge(s)
         try:

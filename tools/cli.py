@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--cpython", action="store_true", help="run the board code on CPython")
 
-    a = sub.add_parser("ask", help="send one request as a host and show the run")
+    # A host user of its own (WREN_HOST_USER): a broker that binds client ids to users
+    # lets two connections of one user knock each other off (PROTOCOL.md "Identity").
+    a = sub.add_parser(
+        "ask", help="send one request as a host (an MQTT user of its own) and show the run"
+    )
     add_broker_arguments(a, "WREN_HOST_USER", "WREN_HOST_PASSWORD")
     a.add_argument("text")
     a.add_argument(

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -39,6 +39,10 @@ PREFIX = DEFAULT_PREFIX
 TENANT = "demo"
 AGENT = DEFAULT_AGENT
 BRIDGE_USER = "bridge"
+# The demo's terminal view. Another host process (`wren ask`) needs a host user of its
+# own: the broker uses the user name as the client id, and two connections with one
+# id knock each other off.
+HOST_USER = f"host-{TENANT}"
 START_TIMEOUT_S = 20.0
 RUN_TIMEOUT_S = 60.0
 
@@ -65,15 +69,24 @@ def _users(device: str) -> dict[str, str]:
     return {
         BRIDGE_USER: secrets.token_urlsafe(18),
         device: secrets.token_urlsafe(18),
-        f"host-{TENANT}": secrets.token_urlsafe(18),
+        HOST_USER: secrets.token_urlsafe(18),
     }
 
 
-def start_demo_broker(workdir: Path, users: dict[str, str]) -> BrokerHandle:
-    """Mosquitto with our password file and ACL: only these users, each in its own topics."""
-    tenants = {TENANT: f"host-{TENANT}"}
+def start_demo_broker(
+    workdir: Path,
+    users: dict[str, str],
+    bridges: Sequence[str] = (BRIDGE_USER,),
+    hosts: Sequence[str] = (HOST_USER,),
+) -> BrokerHandle:
+    """Mosquitto with our password file and ACL: only these users, each in its own topics.
+
+    `bridges` are the users with the bridge's rights and `hosts` the demo tenant's host
+    users: the broker binds client ids to users, so each connection that must stay up
+    alongside another has a user of its own (see server_bridge/brokerconf.py).
+    """
     extra = brokerconf.secure_mosquitto_conf(
-        workdir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, tenants)
+        workdir, users, brokerconf.acl_text(PREFIX, bridges, {TENANT: hosts})
     )
     try:
         m = start_mosquitto(workdir / "mosquitto", extra_conf=extra, allow_anonymous=False)
@@ -176,7 +189,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 device: Credentials(
                     os.environ.get("WREN_BOARD_USER", device), os.environ.get("WREN_BOARD_PASSWORD")
                 ),
-                f"host-{TENANT}": Credentials(
+                HOST_USER: Credentials(
                     os.environ.get("WREN_HOST_USER"), os.environ.get("WREN_HOST_PASSWORD")
                 ),
             }
@@ -247,7 +260,7 @@ def run_demo(args: argparse.Namespace) -> int:
             board,
         )
 
-        host_creds = creds[f"host-{TENANT}"]
+        host_creds = creds[HOST_USER]
         client = HostClient(
             host,
             port,

@@ -154,6 +154,11 @@ class HostClient:
 
     `token` is the session token for replay requests of devices this client only
     watches (see set_token); `replay_after_s` and `max_replay_wait_s` pace them.
+
+    A broker configured by server_bridge/brokerconf.py replaces `client_id` with the
+    user name (client ids bound to users, PROTOCOL.md "Identity"): each HostClient that
+    runs alongside another needs a host user of its own, or the two knock each other
+    off the broker.
     """
 
     def __init__(
