@@ -178,9 +178,7 @@ def acl_text(prefix: str, bridge_user: str, tenants: dict[str, str]) -> str:
 # The bytes bound keeps a flood of full 16 KiB events from taking the broker's memory
 # (a slow host's queue is bounded by it too; a host repairs what it lost by a replay).
 BROKER_QUEUES = (
-    "max_inflight_messages 100\n"
-    "max_queued_messages 100000\n"
-    "max_queued_bytes 268435456\n"
+    "max_inflight_messages 100\nmax_queued_messages 100000\nmax_queued_bytes 268435456\n"
 )
 
 

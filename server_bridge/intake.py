@@ -96,6 +96,7 @@ class EventLanes(Protocol):
 
     def has_room(self, tenant: str, device: str) -> bool: ...
 
+
 # Only the contract's envelope keys cross to hosts; anything else a board adds stays here.
 _ENVELOPE_KEYS = ("r", "i", "t", "ts", "n", "a", "k", "d")
 _PRESENCE = ("online", "offline")

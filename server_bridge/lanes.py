@@ -59,6 +59,11 @@ _DRAIN_S = 5.0
 # the PUBACK first): few at any time; the bound only guards against a mid that is never
 # claimed (a publish made outside the outbox).
 _EARLY_MAX = 1024
+# `_b` notices queued per tenant, over what else its host lane holds. Each answers one
+# host message, which the tenant's rate (host_burst, host_rate) already bounds: this is
+# the room for the refusals of a burst, beyond which a host that keeps sending is not
+# told again (counted `host.untold`).
+_NOTICES = 256
 
 
 class Kind:
@@ -144,6 +149,9 @@ class _Tenant:
     devices: OrderedDict[str, deque[_Msg]] = field(default_factory=OrderedDict)
     device_bytes: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
+    # `_b` notices among `host`: bounded apart, so a lane full of requests (or of one
+    # long replay answer) still has room to say so.
+    notices: int = 0
     # The host request rate: a token bucket.
     tokens: float = 0.0
     stamp: float = 0.0
@@ -260,11 +268,11 @@ class Outbox:
                 raise RateLimited(
                     f"tenant {tenant} is over its rate of {self._rate:g} requests a second"
                 )
-            if len(ten.host) >= self._host_cap:
+            if len(ten.host) - ten.notices >= self._host_cap:
                 self._count(f"tenant.{tenant}.busy", 1)
                 raise Busy(
-                    f"the bridge has {len(ten.host)} messages of tenant {tenant} waiting "
-                    "to go out; send it again later"
+                    f"the bridge has {len(ten.host) - ten.notices} messages of tenant "
+                    f"{tenant} waiting to go out; send it again later"
                 )
             ten.tokens -= 1.0
 
@@ -282,17 +290,19 @@ class Outbox:
     def notice(self, tenant: str, topic: str, payload: bytes) -> bool:
         """Queue an `error` of the bridge's `_b` stream for a tenant's hosts.
 
-        It may overflow the lane to twice its bound (refusals are what a full lane
-        causes); past that it is not queued, counted `host.untold` and logged once per
-        episode: the refusal itself is still counted and kept in Bridge.refusals.
+        Notices have a bound of their own, _NOTICES of them queued per tenant, over
+        whatever else the lane holds (refusals are what a full lane causes); past that
+        one is not queued, counted `host.untold` and logged once per episode: the
+        refusal itself is still counted and kept in Bridge.refusals.
         """
         with self._cond:
             ten = self._tenant(tenant)
-            if len(ten.host) >= 2 * self._host_cap:
+            if ten.notices >= _NOTICES:
                 self._count("host.untold", 1)
                 first, self._untold_episode = not self._untold_episode, True
             else:
                 ten.host.append(_Msg(topic, payload, Kind.NOTICE, tenant, 0))
+                ten.notices += 1
                 if tenant not in self._host_turn:
                     self._host_turn[tenant] = ten
                 self._cond.notify_all()
@@ -452,6 +462,8 @@ class Outbox:
         if self._host_turn:
             name, ten = next(iter(self._host_turn.items()))
             msg = ten.host.popleft()
+            if msg.kind == Kind.NOTICE:
+                ten.notices -= 1
             del self._host_turn[name]
             if ten.host:
                 self._host_turn[name] = ten  # to the back of the round

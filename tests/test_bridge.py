@@ -977,9 +977,7 @@ def test_busy_is_per_device(broker: MosquittoProcess, tmp_path: Path) -> None:
 def test_nothing_is_dropped_while_the_broker_is_away(tmp_path: Path) -> None:
     own = start_mosquitto(tmp_path / "own")
     registry = Registry(tmp_path / "r.json")
-    cfg = BridgeConfig(
-        host=own.host, port=own.port, max_inflight_messages=3, max_queued_messages=4
-    )
+    cfg = BridgeConfig(host=own.host, port=own.port, max_inflight_messages=3, max_queued_messages=4)
     bridge = Bridge(cfg, registry, ScriptedProvider())
     bridge.start()
     watcher: Peer | None = None
