@@ -14,6 +14,12 @@ for that tenant and device (run id "_b", ids 1, 2, 3 ... kept in memory). Then t
 bridge carries on with the next message. Every paho callback is wrapped so an exception
 in our code is logged with its traceback and the network thread keeps running.
 
+Everything the bridge publishes goes through its outbox (lanes.py): bounded lanes, a
+fair scheduler and one forwarder thread that hands paho what it has room for, so paho's
+network thread only decodes, validates and queues, and nothing the bridge took is
+dropped. A tenant's host requests are refused `rate_limited` or `busy` (on `_b`) when it
+is over its rate or its lane is full.
+
 Nothing is lost while the bridge or the broker is away. The bridge's MQTT session is
 persistent (clean session off, a stable client id): what boards send while it is
 stopped waits at the broker, and what it publishes while the broker is away paho keeps

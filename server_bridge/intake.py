@@ -36,6 +36,15 @@ through `on_device_reset`. An offline status naming a boot older than the one kn
 the late will of an earlier connection and changes nothing: taken as news, it would end
 the runs of the boot that is alive.
 
+Backpressure (PROTOCOL.md "Replay"): an in-order event goes to the bridge's lanes
+(`lanes`, lanes.Outbox), which may refuse it for want of room — its device's queue, its
+tenant's, or the memory budget that also pays for the events held past holes. A refused
+event is not taken: the run does not advance past it (it is "blocked", counted
+`evt.deferred.<why>`), nothing is asked while the lanes are full, and `tick` asks the
+board for it again once its device has room. Only the events the bridge makes itself
+(a gone board's gaps and run.failed) are taken regardless. So nothing the intake has
+advanced past is ever dropped.
+
 Hosts may ask for the recent events of a run (a bounded in-memory window per run). The
 durable event log is a later issue; until then a bridge restart forgets past events.
 

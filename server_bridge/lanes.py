@@ -430,7 +430,14 @@ class Outbox:
             with self._cond:
                 msg = None
                 while True:
-                    draining = self._stopping and time.monotonic() < self._draining_until
+                    # Draining at a stop only while connected: what paho keeps for a
+                    # reconnect dies with the process anyway.
+                    draining = (
+                        self._stopping
+                        and time.monotonic() < self._draining_until
+                        and self._client is not None
+                        and self._client.is_connected()
+                    )
                     if self._stopping and not draining:
                         return
                     if self._client is not None and self._outstanding < self._window:
