@@ -165,7 +165,7 @@ class Outbox:
         count: Count,
         budget: Budget,
         *,
-        window: int = 256,
+        window: int = 64,
         device_queue_bytes: int = 1 << 20,
         tenant_queue_bytes: int = 8 << 20,
         host_lane: int = 64,
