@@ -17,6 +17,12 @@ cleared at the broker; the bridge retains nothing but its own presence. Every pa
 callback is wrapped so an exception in our code is logged with its traceback and the
 network thread keeps running.
 
+Everything the bridge publishes goes through its outbox (lanes.py): bounded lanes, a
+fair scheduler and one forwarder thread that hands paho what it has room for, so paho's
+network thread only decodes, validates and queues, and nothing the bridge took is
+dropped. A tenant's host requests are refused `rate_limited` or `busy` (on `_b`) when it
+is over its rate or its lane is full.
+
 Nothing is lost while the bridge or the broker is away. The bridge's MQTT session is
 persistent (clean session off, a stable client id): what boards send while it is
 stopped waits at the broker, and what it publishes while the broker is away paho keeps
@@ -43,6 +49,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge import tokens
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
+from server_bridge.lanes import Budget, Kind, Outbox
 from server_bridge.models.base import Provider
 from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
@@ -75,8 +82,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 # a stalled provider's text several times that). A pass costs ~4 us on an idle bridge and
 # ~0.3 ms with 1024 runs all waiting on a replay and 64 calls in flight.
 _TICK_S = 0.05
-# How long an RPC worker sleeps before trying again to queue an answer on a full queue.
-_QUEUE_WAIT_S = 0.01
 # How long a clean stop waits for the broker to take its offline status.
 _STOP_STATUS_WAIT_S = 5.0
 
@@ -152,10 +157,18 @@ class Bridge:
         self._housekeeper: threading.Thread | None = None
         self._streams = _BridgeStreams()
         self._boot = uuid.uuid4().hex[:8]
-        # Set while publishes are being refused on a full queue: one log line per episode.
-        self._queue_full = False
-        # Set while publishes wait in paho for the broker to come back: likewise.
-        self._queued_offline = False
+        # Everything the bridge publishes goes through the outbox's lanes (lanes.py).
+        self.outbox = Outbox(
+            self._count,
+            Budget(config.memory_budget_bytes),
+            window=config.max_inflight_messages,
+            device_queue_bytes=config.device_queue_bytes,
+            tenant_queue_bytes=config.tenant_queue_bytes,
+            host_lane=config.host_lane,
+            host_rate=config.host_rate,
+            host_burst=config.host_burst,
+            board_lane=config.board_lane,
+        )
         self.intake = EventIntake(
             config.prefix,
             self._publish,
@@ -169,6 +182,8 @@ class Bridge:
             replay_retry_max_s=config.replay_retry_max_s,
             on_device_reset=self._device_reset,
             offline_grace_s=config.offline_grace_s,
+            lanes=self.outbox,
+            budget=self.outbox.budget,
         )
         self.rpc = RpcServer(
             provider,
@@ -268,7 +283,10 @@ class Bridge:
             clean_session=False,
         )
         client.enable_logger(logging.getLogger("wren.bridge.paho"))
-        # Without a bound paho keeps every QoS 1 message while the broker is away.
+        # The outbox hands paho at most max_inflight_messages unacknowledged messages,
+        # all of which paho may have on the wire at once; paho's own bound is the
+        # safety net above that (and what the few direct publishes, the presence, use).
+        client.max_inflight_messages_set(cfg.max_inflight_messages)
         client.max_queued_messages_set(cfg.max_queued_messages)
         if cfg.username is not None:
             client.username_pw_set(cfg.username, cfg.password)
@@ -283,6 +301,7 @@ class Bridge:
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
+        client.on_publish = self._on_publish
         self._ready.clear()
         self._start_error = None
         self._client = client
@@ -291,9 +310,11 @@ class Bridge:
         except OSError as e:
             self._client = None
             raise BridgeError(f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}") from e
+        self.outbox.start(client)
         client.loop_start()
         if not self._ready.wait(cfg.connect_timeout_s) or self._start_error is not None:
             why = self._start_error or f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
+            self.outbox.stop(drain_s=0)
             client.disconnect()
             client.loop_stop()
             self._client = None
@@ -320,6 +341,9 @@ class Bridge:
         self._stopping.set()
         client, self._client = self._client, None
         if client is not None:
+            # What the lanes hold goes to paho first (bounded); paho sends it now, or
+            # after the next connect of this persistent session.
+            self.outbox.stop()
             if self._connected:
                 # A clean DISCONNECT suppresses the last will, so the bridge says it itself.
                 self._say_offline(client)
@@ -385,9 +409,6 @@ class Bridge:
         self._count("connects")
         if flags.session_present:
             self._count("session.resumed")
-        if self._queued_offline:
-            self._queued_offline = False
-            log.info("reconnected: paho sends the messages it kept while the broker was away")
         # Subscribe on every connect: the session keeps the subscriptions, but a broker
         # that lost it (no persistence, or a first connect) must hear them again, and
         # the SUBACK is what start() waits for.
@@ -413,11 +434,8 @@ class Bridge:
         else:
             # Online once it serves, on every (re)connect: after a dropped connection the
             # will left "offline" retained until the bridge says otherwise.
-            client.publish(
-                bridge_topic(self.config.prefix),
-                self._status_payload("online"),
-                qos=1,
-                retain=True,
+            self.outbox.board(
+                bridge_topic(self.config.prefix), self._status_payload("online"), retain=True
             )
         self._ready.set()
 
@@ -432,6 +450,12 @@ class Bridge:
         if not self._stopping.is_set():
             self._count("disconnects")
             log.warning("bridge disconnected from the broker (%s); paho reconnects", reason_code)
+
+    @_guarded
+    def _on_publish(
+        self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any, properties: Any
+    ) -> None:
+        self.outbox.on_publish(mid)
 
     @_guarded
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
@@ -518,6 +542,10 @@ class Bridge:
         obj: Any = None
         try:
             obj = decode(payload, self.config.limits)
+            assert t.tenant is not None  # a host topic always has one
+            # Slowed, then refused by name: a tenant over its request rate, or whose
+            # lane is full, is told so (`rate_limited`, `busy`); nothing is dropped.
+            self.outbox.admit_host(t.tenant)
             if t.leaf == "req":
                 self._host_req(t, obj)
             else:
@@ -542,6 +570,13 @@ class Bridge:
     def _bridge_error(self, t: Topic, d: dict[str, Any]) -> None:
         """An `error` event `d` on the bridge stream `_b` of the topic's T and D."""
         assert t.tenant is not None  # a host topic always has one
+        assert t.tenant is not None  # a host topic always has one
+        topic, payload = self._bridge_event(t, d)
+        self.outbox.notice(t.tenant, topic, payload)
+
+    def _bridge_event(self, t: Topic, d: dict[str, Any]) -> tuple[str, bytes]:
+        """The next `error` event of the bridge stream `_b` of the topic's T and D."""
+        assert t.tenant is not None  # a host topic always has one
         env = {
             "r": BRIDGE_RUN,
             "i": self._streams.next_id(t.tenant, t.device),
@@ -549,7 +584,7 @@ class Bridge:
             "ts": int(time.time() * 1000),
             "d": d,
         }
-        self._publish(host_topic(self.config.prefix, t.tenant, t.device, "evt"), encode(env))
+        return host_topic(self.config.prefix, t.tenant, t.device, "evt"), encode(env)
 
     def _host_req(self, t: Topic, obj: Any) -> None:
         req = check_host_req(obj)
@@ -573,7 +608,8 @@ class Bridge:
                 f"the request is {len(payload)} bytes; device {record.device} takes at most "
                 f"{limits.max_payload} (its text at most {limits.max_str})"
             )
-        self._publish(device_topic(self.config.prefix, record.device, "req"), payload)
+        topic = device_topic(self.config.prefix, record.device, "req")
+        self.outbox.host(record.tenant, [(topic, payload)], Kind.REQ)
         self._count("host.req")
 
     def _host_ctl(self, t: Topic, obj: Any) -> None:
@@ -586,7 +622,8 @@ class Bridge:
         if ctl.op == "approve":
             # Who approved is whoever the token proves, not what the payload claims.
             out["by"] = session.user
-        self._publish(device_topic(self.config.prefix, record.device, "ctl"), encode(out))
+        topic = device_topic(self.config.prefix, record.device, "ctl")
+        self.outbox.host(record.tenant, [(topic, encode(out))], Kind.CTL)
         self._count("host.ctl")
 
     def _host_replay(self, t: Topic, record: DeviceRecord, run: str, after: int) -> None:
@@ -604,17 +641,19 @@ class Bridge:
             self._bridge_error(t, {"kind": "unknown_run", "r": run, "msg": msg})
             return
         held_from = window.first if window.first is not None else window.next
+        # The answer is one unit in the tenant's lane: the gap first, then the events.
+        out: list[tuple[str, bytes]] = []
         if after + 1 < held_from:
             lo, hi = after + 1, held_from - 1
-            self._bridge_error(
+            out.append(self._bridge_event(
                 t,
                 {"kind": "gap", "r": run, "from": lo, "to": hi,
                  "msg": f"events {lo}..{hi} are no longer held by the bridge"},
-            )  # fmt: skip
+            ))  # fmt: skip
             self._count("host.replay_gap")
         topic = host_topic(self.config.prefix, *_levels(t), "evt")
-        for env in window.events:
-            self._publish(topic, encode(env))
+        out += [(topic, encode(env)) for env in window.events]
+        self.outbox.host(record.tenant, out, Kind.REPLAY)
         self._count("host.replay_events", len(window.events))
 
     # ------------------------------------------------------------------ publishing
@@ -626,55 +665,13 @@ class Bridge:
         self._publish(topic, encode(answer), wait_until)
 
     def _publish(self, topic: str, payload: bytes, wait_until: float | None = None) -> None:
-        """Publish at QoS 1. On a full outgoing queue (config.max_queued_messages) a caller
-        that may wait (an RPC worker: `wait_until`, a time.monotonic() value) retries
-        until then; everyone else's message is dropped and counted, since the one thread
-        that frees room — paho's network thread, reading PUBACKs — must never wait."""
-        while True:
-            client = self._client
-            if client is None:
-                self._count("publish.dropped")
-                log.warning("not connected: dropped a message for %s", topic)
-                return
-            info = client.publish(topic, payload, qos=1)
-            if info.rc == mqtt.MQTT_ERR_SUCCESS:
-                self._count("tx")
-                if self._queue_full:
-                    self._queue_full = False
-                    log.info("the outgoing queue has room again")
-                return
-            if info.rc == mqtt.MQTT_ERR_NO_CONN:
-                # Not lost: paho keeps a QoS 1 message made while disconnected and sends
-                # it once it is connected again (counted; logged once per episode).
-                self._count("publish.queued_offline")
-                if not self._queued_offline:
-                    self._queued_offline = True
-                    log.warning(
-                        "the broker is away: keeping messages until it is back, first for %s",
-                        topic,
-                    )
-                return
-            if info.rc != mqtt.MQTT_ERR_QUEUE_SIZE:
-                # Anything else is lost and must be visible.
-                self._count("publish.not_sent")
-                log.warning("publish to %s returned %s", topic, mqtt.error_string(info.rc))
-                return
-            if (
-                wait_until is not None
-                and time.monotonic() < wait_until
-                and not self._stopping.is_set()
-            ):
-                time.sleep(_QUEUE_WAIT_S)
-                continue
-            self._count("publish.queue_full")
-            if not self._queue_full:
-                self._queue_full = True
-                log.warning(
-                    "outgoing queue full (%d messages): dropping messages, first for %s",
-                    self.config.max_queued_messages,
-                    topic,
-                )
-            return
+        """Queue a message of the bridge's own to a board: RPC answers and chunks, and
+        the intake's replay and cancel requests (the outbox's board lane, first in line).
+
+        An RPC worker (`wait_until`, a time.monotonic() value) waits while that lane is
+        over its bound; everyone else's message is taken at once, since what feeds the
+        lane is bounded where it is made (lanes.Outbox.board). Never dropped."""
+        self.outbox.board(topic, payload, wait_until)
 
 
 def _is_status(topic: str) -> bool:

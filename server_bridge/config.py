@@ -86,11 +86,38 @@ class BridgeConfig:
     offline_grace_s: float = 5.0
     # Recent refusals kept for diagnostics.
     refusals_kept: int = 100
-    # Outgoing QoS 1 messages paho keeps (in flight and queued, e.g. while the broker is
-    # away); past it a publish is refused and counted (`publish.queue_full`) instead of
-    # growing memory without bound. RPC workers wait for room; the network thread
-    # cannot (it is the one that frees room) and drops.
+    # What the bridge sends goes through lanes (lanes.py) and a forwarder that hands
+    # paho at most max_inflight_messages QoS 1 messages the broker has not acknowledged;
+    # paho puts them all on the wire at once (its default is 20). 64: an unpaced burst
+    # from 10 boards (2,000 events each, loopback, 2 cores) went through whole at 5.2k
+    # events/s with 20, 6.0k with 64, 5.2k with 256 and 4.2k with 1024; over a link with
+    # a round trip of r the window allows 64/r messages a second (64k/s at 1 ms), and a
+    # host request waits behind at most this many messages already handed to paho.
+    # paho's own bound on what it keeps (max_queued_messages) is the safety net above
+    # it, for the few publishes made outside the lanes (the presence at a stop).
+    max_inflight_messages: int = 64
     max_queued_messages: int = 1000
+    # The memory bound for events in the bridge: queued in the lanes plus held past a
+    # hole, in bytes, across every tenant. An event that finds it spent is not taken
+    # (deferred, `evt.deferred.budget`): its board sends it again on the intake's
+    # replay request once there is room. Per device and per tenant the lanes take at
+    # most device_queue_bytes and tenant_queue_bytes (`evt.deferred.device`,
+    # `evt.deferred.tenant`), so one device's flood slows itself, then its tenant, and
+    # the budget is what many busy tenants share. 64 MiB holds ~4,000 full 16 KiB
+    # events, or ~0.5 M typical 64-byte text deltas; 1 MiB per device is 64 full
+    # events, more than a board's ring (16) resends at once.
+    memory_budget_bytes: int = 64 << 20
+    device_queue_bytes: int = 1 << 20
+    tenant_queue_bytes: int = 16 << 20
+    # Host requests (req and ctl, replay included) of one tenant: at most host_rate a
+    # second, in bursts of host_burst (past it: `rate_limited`), and at most host_lane
+    # waiting to go out (past it: `busy`); both told to the tenant's hosts on `_b`.
+    host_rate: float = 50.0
+    host_burst: int = 100
+    host_lane: int = 64
+    # Messages of the bridge's own to boards waiting to go out (RPC answers, replay and
+    # cancel requests) past which an RPC worker waits before queueing more.
+    board_lane: int = 1024
 
     def __post_init__(self) -> None:
         if not self.prefix or any(ch in self.prefix for ch in "+#") or self.prefix.endswith("/"):
@@ -121,6 +148,18 @@ class BridgeConfig:
             "max_runs_per_device",
             "refusals_kept",
             "max_queued_messages",
+            "max_inflight_messages",
+            "memory_budget_bytes",
+            "device_queue_bytes",
+            "tenant_queue_bytes",
+            "host_burst",
+            "host_lane",
+            "board_lane",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.host_rate <= 0:
+            raise ValueError("host_rate must be > 0")
+        if self.max_queued_messages <= self.max_inflight_messages:
+            # paho's bound must leave room above what the lanes hand it.
+            raise ValueError("max_queued_messages must be > max_inflight_messages")

@@ -36,6 +36,15 @@ through `on_device_reset`. An offline status naming a boot older than the one kn
 the late will of an earlier connection and changes nothing: taken as news, it would end
 the runs of the boot that is alive.
 
+Backpressure (PROTOCOL.md "Replay"): an in-order event goes to the bridge's lanes
+(`lanes`, lanes.Outbox), which may refuse it for want of room — its device's queue, its
+tenant's, or the memory budget that also pays for the events held past holes. A refused
+event is not taken: the run does not advance past it (it is "blocked", counted
+`evt.deferred.<why>`), nothing is asked while the lanes are full, and `tick` asks the
+board for it again once its device has room. Only the events the bridge makes itself
+(a gone board's gaps and run.failed) are taken regardless. So nothing the intake has
+advanced past is ever dropped.
+
 Hosts may ask for the recent events of a run (a bounded in-memory window per run). The
 durable event log is a later issue; until then a bridge restart forgets past events.
 
@@ -56,9 +65,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, cast
+
+import msgpack
 
 from edge_runtime.events import TERMINAL
+from server_bridge.lanes import OVERHEAD, Budget
 from server_bridge.registry import DeviceRecord
 from server_bridge.topics import device_topic, host_topic
 from server_bridge.wire import (
@@ -74,7 +86,7 @@ from server_bridge.wire import (
     is_bridge_run,
 )
 
-__all__ = ["DEVICE_OFFLINE", "DEVICE_RESTARTED", "EventIntake", "Window"]
+__all__ = ["DEVICE_OFFLINE", "DEVICE_RESTARTED", "EventIntake", "EventLanes", "Window"]
 
 log = logging.getLogger("wren.bridge.intake")
 
@@ -84,6 +96,17 @@ Count = Callable[[str, int], None]
 # one) or went offline (boot: the one its will named), None when unknown.
 DeviceReset = Callable[[str, str, bool, "str | None"], None]
 
+
+class EventLanes(Protocol):
+    """Where events for hosts go (lanes.Outbox): they take an event or say why not."""
+
+    def offer_event(
+        self, tenant: str, device: str, topic: str, payload: bytes, force: bool = False
+    ) -> str | None: ...
+
+    def has_room(self, tenant: str, device: str) -> bool: ...
+
+
 # Only the contract's envelope keys cross to hosts; anything else a board adds stays here.
 _ENVELOPE_KEYS = ("r", "i", "t", "ts", "n", "a", "k", "d")
 _PRESENCE = ("online", "offline")
@@ -92,6 +115,11 @@ _STREAMS = (DEVICE_RUN, BRIDGE_RUN)
 # The `run.failed` messages of runs the bridge ends (customer-safe, PROTOCOL.md).
 DEVICE_RESTARTED = "the device restarted"
 DEVICE_OFFLINE = "the device went offline"
+
+
+def _unpack(payload: bytes) -> dict[str, Any]:
+    """An envelope the intake encoded itself (a held event): no limits to check."""
+    return cast(dict[str, Any], msgpack.unpackb(payload, raw=False))
 
 
 class Window(NamedTuple):
@@ -115,7 +143,9 @@ class _Run:
     # The board clock of that event: the events the bridge makes for the run carry it,
     # so `ts` never runs backwards within a run.
     last_ts: int = 0
-    held: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Events past a hole, by id: each the encoded envelope as it will go to hosts
+    # (bytes, charged to the memory budget, are a third of the decoded dict's size).
+    held: dict[int, bytes] = field(default_factory=dict)
     # Ranges the board reported lost (inclusive), only those not yet passed.
     lost: list[tuple[int, int]] = field(default_factory=list)
     # The replay request in progress: the expected id it last asked from (None: not
@@ -130,6 +160,9 @@ class _Run:
     # The bridge ended the run (its device restarted or went offline): later events of
     # it are dropped.
     ended: bool = False
+    # The lanes refused the event at `expected` (no room): not taken, and not asked for
+    # again until the device's lanes have room (tick).
+    blocked: bool = False
 
     @property
     def missing(self) -> bool:
@@ -155,6 +188,8 @@ class EventIntake:
         clock: Callable[[], float] = time.monotonic,
         on_device_reset: DeviceReset | None = None,
         offline_grace_s: float = 5.0,
+        lanes: EventLanes | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.prefix = prefix
         self._publish = publish
@@ -168,6 +203,13 @@ class EventIntake:
         self._retry_max_s = max(replay_retry_max_s, replay_retry_s)
         self._offline_grace_s = offline_grace_s
         self._clock = clock
+        # Without lanes (tests of the rules alone) events are published like the rest,
+        # always taken; without a budget held events are bounded by `hold` alone.
+        self._lanes = lanes
+        self._budget = budget
+        # Runs whose next event the lanes refused, waiting for room (tick).
+        self._blocked: dict[tuple[str, str], _Run] = {}
+        self._taken = 0
         # Called outside the lock, after what the reset published is on its way.
         self.on_device_reset = on_device_reset
         # paho's network thread feeds events; the bridge's housekeeping thread ticks
@@ -188,7 +230,7 @@ class EventIntake:
     # ------------------------------------------------------------------ events
 
     def handle_evt(self, device: DeviceRecord, payload: bytes) -> int:
-        """Decode, validate and accept one `evt` payload; returns events forwarded.
+        """Decode, validate and accept one `evt` payload; returns events taken for hosts.
 
         Raises a WireError (nothing of the payload is accepted) when any envelope in it
         is refused.
@@ -208,10 +250,13 @@ class EventIntake:
         out: list[tuple[str, bytes]] = []
         now = self._clock()
         with self._lock:
+            before = self._taken
             for env in envelopes:
                 self._count("evt.in", 1)
                 self._accept_one(device, env, now, out)
-        return self._send(out)
+            taken = self._taken - before
+        self._send(out)
+        return taken
 
     def _accept_one(
         self, device: DeviceRecord, env: dict[str, Any], now: float, out: list[tuple[str, bytes]]
@@ -236,20 +281,45 @@ class EventIntake:
             self._record_lost(st, int(d["from"]), min(int(d["to"]), i - 1))
         if i > st.highest:
             st.highest, st.last_ts = i, env["ts"]
+        clean = {k: env[k] for k in _ENVELOPE_KEYS if k in env}
         if i == st.expected:
-            self._deliver(st, env, out)
+            self._deliver(st, clean, out)
         elif len(st.held) < self._hold:
-            st.held[i] = env
-            self._count("evt.held", 1)
+            self._hold_one(st, i, encode(clean))
         elif i < max(st.held):
             # Full: keep the ids nearest the hole; the one dropped is resent by the replay
             # (st.highest remembers it was sent, so the asking goes on until it is back).
-            st.held.pop(max(st.held))
-            st.held[i] = env
+            self._unhold(st, max(st.held))
+            self._hold_one(st, i, encode(clean))
             self._count("evt.hold_overflow", 1)
         else:
             self._count("evt.hold_overflow", 1)
         self._advance(st, now, out)
+
+    def _hold_one(self, st: _Run, i: int, payload: bytes) -> None:
+        """Hold an event past a hole, if the memory budget has room; else it is deferred
+        like one the lanes refused (st.highest has it: a replay brings it again)."""
+        if self._budget is not None and not self._budget.take(len(payload) + OVERHEAD):
+            self._deferred(st, "budget")
+            self._block(st)
+            return
+        st.held[i] = payload
+        self._count("evt.held", 1)
+
+    def _unhold(self, st: _Run, i: int) -> bytes | None:
+        payload = st.held.pop(i, None)
+        if payload is not None and self._budget is not None:
+            self._budget.give(len(payload) + OVERHEAD)
+        return payload
+
+    def _unhold_all(self, st: _Run) -> None:
+        for i in list(st.held):
+            self._unhold(st, i)
+
+    def _deferred(self, st: _Run, why: str) -> None:
+        self._count("evt.deferred", 1)
+        self._count(f"evt.deferred.{why}", 1)
+        self._count(f"tenant.{st.tenant}.evt.deferred", 1)
 
     def _record_lost(self, st: _Run, lo: int, hi: int) -> None:
         """Add lo..hi (inclusive) to the run's lost ranges, merged with any it overlaps.
@@ -275,10 +345,16 @@ class EventIntake:
         st.lost = merged
 
     def _advance(self, st: _Run, now: float, out: list[tuple[str, bytes]]) -> None:
-        while True:
-            nxt = st.held.pop(st.expected, None)
+        while not st.blocked:
+            nxt = st.held.get(st.expected)
             if nxt is not None:
-                self._deliver(st, nxt, out)
+                # Released from the budget first: queued, the same bytes are charged
+                # again by the lanes; refused, they go back to the hold (taken before).
+                self._unhold(st, st.expected)
+                if not self._deliver(st, _unpack(nxt), out, nxt):
+                    if self._budget is not None:
+                        self._budget.force(len(nxt) + OVERHEAD)
+                    st.held[st.expected] = nxt
                 continue
             rng = next((r for r in st.lost if r[0] <= st.expected <= r[1]), None)
             if rng is None:
@@ -289,18 +365,46 @@ class EventIntake:
             self._count("evt.lost", target - st.expected)
             st.expected = target
         st.lost = [r for r in st.lost if r[1] >= st.expected]
-        if st.missing:
+        if st.blocked:
+            # Asked for again once the lanes have room (tick), not now: the board's
+            # answer would only be refused again.
+            pass
+        elif st.missing:
             self._maybe_replay(st, now, out)
         else:
             st.replay_for, st.replay_asks, st.replay_capped = None, 0, False
 
-    def _deliver(self, st: _Run, env: dict[str, Any], out: list[tuple[str, bytes]]) -> None:
-        clean = {k: env[k] for k in _ENVELOPE_KEYS if k in env}
+    def _deliver(
+        self,
+        st: _Run,
+        clean: dict[str, Any],
+        out: list[tuple[str, bytes]],
+        payload: bytes | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Hand an in-order event to the lanes (or `out`); False when the lanes refused
+        it: then the run does not advance, and is blocked until they have room.
+
+        `force` is for the events the bridge makes itself, which must go out."""
+        if payload is None:
+            payload = encode(clean)
+        topic = host_topic(self.prefix, st.tenant, st.device, "evt")
+        if self._lanes is None:
+            out.append((topic, payload))
+        else:
+            why = self._lanes.offer_event(st.tenant, st.device, topic, payload, force)
+            if why is not None:
+                self._deferred(st, why)
+                self._block(st)
+                return False
+        if st.blocked:
+            self._unblock(st)  # taken after all (the lanes had room again)
         st.recent.append(clean)
         st.expected = clean["i"] + 1
         if clean["t"] in TERMINAL:
             st.finished = True
-        out.append((host_topic(self.prefix, st.tenant, st.device, "evt"), encode(clean)))
+        self._taken += 1
+        return True
 
     def _maybe_replay(self, st: _Run, now: float, out: list[tuple[str, bytes]]) -> None:
         # One request per hole at a time. The board answers a request by resending its
@@ -351,10 +455,11 @@ class EventIntake:
         """
         holes: list[tuple[int, int]] = []
         failed = False
+        self._unblock(st)
         while st.missing:
-            nxt = st.held.pop(st.expected, None)
+            nxt = self._unhold(st, st.expected)
             if nxt is not None:
-                self._deliver(st, nxt, out)
+                self._deliver(st, _unpack(nxt), out, nxt, force=True)
                 continue
             rng = next((r for r in st.lost if r[0] <= st.expected <= r[1]), None)
             if rng is not None:
@@ -368,7 +473,7 @@ class EventIntake:
             holes.append((st.expected, end - 1))
             self._count("evt.lost", end - st.expected)
             st.expected = end
-        st.held.clear()
+        self._unhold_all(st)
         st.lost.clear()
         for lo, hi in holes:
             d = {
@@ -377,10 +482,10 @@ class EventIntake:
                 "to": hi,
                 "msg": f"events {lo}..{hi} never arrived: {msg}",
             }
-            self._deliver(st, self._made(st, "error", d), out)
+            self._deliver(st, self._made(st, "error", d), out, force=True)
         if not st.finished:
             d = {"err": {"kind": "device", "msg": msg}, "retryable": True}
-            self._deliver(st, self._made(st, "run.failed", d), out)
+            self._deliver(st, self._made(st, "run.failed", d), out, force=True)
             failed = True
         st.highest = st.expected - 1
         st.finished = st.ended = True
@@ -423,7 +528,17 @@ class EventIntake:
                 return st
         return next(iter(own.values()))
 
+    def _block(self, st: _Run) -> None:
+        st.blocked = True
+        self._blocked[st.device, st.run] = st
+
+    def _unblock(self, st: _Run) -> None:
+        st.blocked = False
+        self._blocked.pop((st.device, st.run), None)
+
     def _forget(self, old: _Run) -> None:
+        self._unblock(old)
+        self._unhold_all(old)
         del self._runs[(old.device, old.run)]
         own = self._by_device[old.device]
         del own[old.run]
@@ -452,13 +567,23 @@ class EventIntake:
         return forwarded
 
     def tick(self, now: float | None = None) -> None:
-        """Retry replay requests of runs still waiting on a hole (housekeeping thread)."""
+        """Retry replay requests of runs still waiting on a hole, and fetch again what the
+        lanes refused once they have room (housekeeping thread)."""
         now = self._clock() if now is None else now
         out: list[tuple[str, bytes]] = []
         gone: list[tuple[str, str | None, list[str]]] = []
         with self._lock:
+            lanes = self._lanes
+            if lanes is not None:
+                # Runs the lanes refused, once their device has room again: what is
+                # held goes out and the rest is asked for at once.
+                for st in list(self._blocked.values()):
+                    if lanes.has_room(st.tenant, st.device):
+                        self._unblock(st)
+                        st.replay_for, st.replay_asks, st.replay_capped = None, 0, False
+                        self._advance(st, now, out)
             for st in self._runs.values():
-                if st.missing:
+                if st.missing and not st.blocked:
                     self._maybe_replay(st, now, out)
             for device, (since, boot) in list(self._offline_since.items()):
                 if now - since >= self._offline_grace_s:

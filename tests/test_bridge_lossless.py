@@ -706,9 +706,10 @@ def test_the_bridge_rides_out_a_broker_restart(
         def while_down() -> None:
             wait_for(lambda: not w.bridge.connected, "the bridge to notice", SLOW)
             wait_for(lambda: not (board.connected or host.connected), "the peers to notice", SLOW)
-            # Forwarding an event while the broker is away: paho keeps it.
+            # Forwarding an event while the broker is away: paho keeps it (handed over
+            # by the forwarder thread).
             w.bridge.intake.accept(DEV, [ev(2, run="x")])
-            assert w.bridge.stats["publish.queued_offline"] == 1
+            wait_for(lambda: w.bridge.stats["publish.queued_offline"] == 1, "paho to keep it")
             assert w.bridge.stats["publish.not_sent"] == 0
 
         own_broker.restart(down=while_down)

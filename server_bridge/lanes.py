@@ -1,0 +1,538 @@
+"""What the bridge sends: bounded lanes, a fair scheduler, and a publisher that never drops.
+
+Every message the bridge publishes goes through an `Outbox`. The thread that makes a
+message (paho's network thread for events and host input, the housekeeping thread for
+replay retries, RPC workers for answers) only puts it in a lane; one forwarder thread
+takes messages out, in this order, and hands them to paho:
+
+1. the board lane: what the bridge itself sends boards (RPC answers and chunks, replay
+   and cancel `ctl`) and its presence — first, because a board's run waits on it;
+2. the host lanes, one per tenant, round robin: host `req` and `ctl` on their way to a
+   board, the bridge's answers on `_b`, replay answers — ahead of event fan-out, so a
+   tenant's request is never stuck behind another tenant's flood;
+3. the event lanes: round robin across tenants, then across that tenant's devices, one
+   message per turn, so a flooding device slows only itself and its own tenant.
+
+The publisher respects paho's capacity: it keeps at most `window` QoS 1 messages that
+paho holds and the broker has not acknowledged (counted by `on_publish`), and otherwise
+waits (bounded waits, woken by each acknowledgement). A message it took is never
+dropped: one paho refuses for a full queue goes back to the front and is tried again.
+
+Nothing is taken that there is no room for. An event is offered (`offer_event`) and
+refused, with the reason, when its device's queue, its tenant's queue or the global
+memory `Budget` is full; the intake then does not advance past it and fetches it again
+with its gap repair once `has_room` says so (intake.py). A host request that finds its
+tenant's lane full is refused `busy` (`host`), by name, on the tenant's `_b` stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import paho.mqtt.client as mqtt
+
+from server_bridge.wire import WireError
+
+__all__ = ["Budget", "Busy", "Kind", "Outbox", "RateLimited"]
+
+log = logging.getLogger("wren.bridge.lanes")
+
+Count = Callable[[str, int], None]
+
+# What a queued message costs besides its payload: the bytes object's header, the tuple
+# and the deque slot that hold it (CPython 3.11, 64-bit: 33 + 72 + 8, rounded up).
+OVERHEAD = 128
+# How long the forwarder sleeps at most between looks, should a wake-up be missed; and
+# how long it waits before trying again a message paho refused for a full queue.
+_IDLE_S = 0.5
+_RETRY_S = 0.01
+# How long stop() lets the forwarder drain the lanes into paho (connected or not, paho
+# keeps what it took for the next connection of this persistent session).
+_DRAIN_S = 5.0
+# Acknowledgements seen before their publish() returned (paho's network thread can read
+# the PUBACK first): few at any time; the bound only guards against a mid that is never
+# claimed (a publish made outside the outbox).
+_EARLY_MAX = 1024
+# `_b` notices queued per tenant, over what else its host lane holds. Each answers one
+# host message, which the tenant's rate (host_burst, host_rate) already bounds: this is
+# the room for the refusals of a burst, beyond which a host that keeps sending is not
+# told again (counted `host.untold`).
+_NOTICES = 256
+
+
+class Kind:
+    """What a message is, for the counters: `evt.forwarded` counts EVT only."""
+
+    EVT = "evt"  # a run event on its way to hosts (the board's, or one the bridge made)
+    BOARD = "board"  # RPC answers, replay and cancel ctl, the bridge's presence
+    REQ = "req"  # a host's request on its way to a board
+    CTL = "ctl"  # a host's ctl on its way to a board
+    NOTICE = "notice"  # the bridge's `_b` stream: refusals and replay answers' gaps
+    REPLAY = "replay"  # a host replay's answer, from the intake's window
+
+
+class Busy(WireError):
+    """A tenant's host lane is full: the request was not taken (send it again later)."""
+
+    kind = "busy"
+
+
+class RateLimited(WireError):
+    """A tenant sent more host requests than its configured rate allows."""
+
+    kind = "rate_limited"
+
+
+class Budget:
+    """Bytes of events the bridge holds — queued in the outbox, held by the intake past
+    a hole — in total, across every tenant: the process's memory bound for them.
+
+    `take` says no once the budget is spent (the event is deferred), except for a first
+    event into an empty budget, so one event as large as the budget still moves.
+    `force` is for the few events the bridge makes itself (a run's gap and run.failed
+    when its board is gone), which must go out: counted apart, in `forced`.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._used = 0
+        self.peak = 0
+        self.forced = 0
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self._used and self._used + n > self.limit:
+                return False
+            self._used += n
+            self.peak = max(self.peak, self._used)
+            return True
+
+    def force(self, n: int) -> None:
+        with self._lock:
+            self._used += n
+            self.forced += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+
+    def low(self) -> bool:
+        """At most half spent: room enough to fetch deferred events again."""
+        return self._used * 2 <= self.limit
+
+
+class _Msg(NamedTuple):
+    topic: str
+    payload: bytes
+    kind: str
+    tenant: str | None
+    cost: int  # bytes charged to the budget (events), released once paho has it
+    retain: bool = False
+
+
+@dataclass(eq=False)
+class _Tenant:
+    name: str
+    host: deque[_Msg] = field(default_factory=deque)
+    # Devices with queued events, in turn order (the one served goes to the end).
+    devices: OrderedDict[str, deque[_Msg]] = field(default_factory=OrderedDict)
+    device_bytes: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+    # `_b` notices among `host`: bounded apart, so a lane full of requests (or of one
+    # long replay answer) still has room to say so.
+    notices: int = 0
+    # The host request rate: a token bucket.
+    tokens: float = 0.0
+    stamp: float = 0.0
+
+
+class Outbox:
+    """Lanes, their scheduler and the publisher; see the module docstring."""
+
+    def __init__(
+        self,
+        count: Count,
+        budget: Budget,
+        *,
+        window: int = 64,
+        device_queue_bytes: int = 1 << 20,
+        tenant_queue_bytes: int = 8 << 20,
+        host_lane: int = 64,
+        host_rate: float = 50.0,
+        host_burst: int = 100,
+        board_lane: int = 1024,
+        max_tenants: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._count = count
+        self.budget = budget
+        self._window = window
+        self._device_cap = device_queue_bytes
+        self._tenant_cap = tenant_queue_bytes
+        self._host_cap = host_lane
+        self._rate = host_rate
+        self._burst = host_burst
+        self._board_cap = board_lane
+        self._max_tenants = max_tenants
+        self._clock = clock
+        # One lock for every lane; the forwarder waits on it for work and for room. It
+        # is never held while paho is called, and paho's callbacks (on_publish) take it
+        # only briefly, so no lock order with paho's own locks arises.
+        self._cond = threading.Condition(threading.Lock())
+        self._board: deque[_Msg] = deque()
+        self._retry: deque[_Msg] = deque()
+        # Tenants in least-recently-used order, bounded (a tenant's state is its lanes
+        # and its rate bucket; one with nothing queued is forgotten first).
+        self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
+        self._host_turn: OrderedDict[str, _Tenant] = OrderedDict()
+        self._event_turn: OrderedDict[str, _Tenant] = OrderedDict()
+        self._client: mqtt.Client | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._draining_until = 0.0
+        # QoS 1 messages paho holds that the broker has not acknowledged.
+        self._outstanding = 0
+        self._mids: set[int] = set()
+        self._early: set[int] = set()
+        self._untold_episode = False
+        self._full_episode = False
+
+    # ------------------------------------------------------------------ producers
+
+    def offer_event(
+        self, tenant: str, device: str, topic: str, payload: bytes, force: bool = False
+    ) -> str | None:
+        """Queue an event for hosts; None when taken, else why not: "device", "tenant"
+        (that queue is full) or "budget" (the memory budget is spent).
+
+        A queue that is empty always takes one event, however large, so the caps never
+        stop a device for good. `force` takes it whatever the caps say (the events the
+        bridge makes itself, a handful per run).
+        """
+        cost = len(payload) + OVERHEAD
+        with self._cond:
+            ten = self._tenant(tenant)
+            dev_bytes = ten.device_bytes.get(device, 0)
+            if force:
+                self.budget.force(cost)
+            elif dev_bytes and dev_bytes + cost > self._device_cap:
+                return "device"
+            elif ten.bytes and ten.bytes + cost > self._tenant_cap:
+                return "tenant"
+            elif not self.budget.take(cost):
+                return "budget"
+            lane = ten.devices.get(device)
+            if lane is None:
+                lane = ten.devices[device] = deque()
+            lane.append(_Msg(topic, payload, Kind.EVT, tenant, cost))
+            ten.device_bytes[device] = dev_bytes + cost
+            ten.bytes += cost
+            if tenant not in self._event_turn:
+                self._event_turn[tenant] = ten
+            self._cond.notify_all()
+        return None
+
+    def has_room(self, tenant: str, device: str) -> bool:
+        """Room to fetch a device's deferred events again: its queue, its tenant's and
+        the budget each at most half full (so one replay brings a good share at once)."""
+        with self._cond:
+            ten = self._tenants.get(tenant)
+            if ten is not None and (
+                ten.device_bytes.get(device, 0) * 2 > self._device_cap
+                or ten.bytes * 2 > self._tenant_cap
+            ):
+                return False
+        return self.budget.low()
+
+    def admit_host(self, tenant: str) -> None:
+        """Take one host request of `tenant` against its rate; raise RateLimited past it
+        and Busy when its lane is full (nothing is queued by this call)."""
+        with self._cond:
+            ten = self._tenant(tenant)
+            now = self._clock()
+            ten.tokens = min(float(self._burst), ten.tokens + (now - ten.stamp) * self._rate)
+            ten.stamp = now
+            if ten.tokens < 1.0:
+                self._count(f"tenant.{tenant}.rate_limited", 1)
+                raise RateLimited(
+                    f"tenant {tenant} is over its rate of {self._rate:g} requests a second"
+                )
+            if len(ten.host) - ten.notices >= self._host_cap:
+                self._count(f"tenant.{tenant}.busy", 1)
+                raise Busy(
+                    f"the bridge has {len(ten.host) - ten.notices} messages of tenant "
+                    f"{tenant} waiting to go out; send it again later"
+                )
+            ten.tokens -= 1.0
+
+    def host(self, tenant: str, messages: list[tuple[str, bytes]], kind: str) -> None:
+        """Queue a host request's messages (admitted by admit_host) in its tenant's lane,
+        in order. A replay answer is up to a run's window of events: the lane's bound is
+        counted in requests, each bringing at most that many messages."""
+        with self._cond:
+            ten = self._tenant(tenant)
+            ten.host.extend(_Msg(topic, payload, kind, tenant, 0) for topic, payload in messages)
+            if messages and tenant not in self._host_turn:
+                self._host_turn[tenant] = ten
+            self._cond.notify_all()
+
+    def notice(self, tenant: str, topic: str, payload: bytes) -> bool:
+        """Queue an `error` of the bridge's `_b` stream for a tenant's hosts.
+
+        Notices have a bound of their own, _NOTICES of them queued per tenant, over
+        whatever else the lane holds (refusals are what a full lane causes); past that
+        one is not queued, counted `host.untold` and logged once per episode: the
+        refusal itself is still counted and kept in Bridge.refusals.
+        """
+        with self._cond:
+            ten = self._tenant(tenant)
+            if ten.notices >= _NOTICES:
+                self._count("host.untold", 1)
+                first, self._untold_episode = not self._untold_episode, True
+            else:
+                ten.host.append(_Msg(topic, payload, Kind.NOTICE, tenant, 0))
+                ten.notices += 1
+                if tenant not in self._host_turn:
+                    self._host_turn[tenant] = ten
+                self._cond.notify_all()
+                self._untold_episode = False
+                return True
+        if first:
+            log.warning("tenant %s's host lane is full: refusals are not told to its hosts", tenant)
+        return False
+
+    def board(
+        self,
+        topic: str,
+        payload: bytes,
+        wait_until: float | None = None,
+        retain: bool = False,
+    ) -> None:
+        """Queue a message of the bridge's own to a board (or its presence), first in line.
+
+        Always taken: what feeds this lane is bounded elsewhere (one replay or cancel
+        request per run at a time, RPC chunks by each call's window). A caller that may
+        wait (an RPC worker, `wait_until` a time.monotonic() value) waits while the lane
+        holds more than its bound, so a model streaming faster than the broker takes it
+        is slowed, not queued without end.
+        """
+        with self._cond:
+            while (
+                wait_until is not None
+                and len(self._board) >= self._board_cap
+                and not self._stopping
+            ):
+                left = wait_until - time.monotonic()
+                if left <= 0:
+                    self._count("lanes.board_over", 1)
+                    break
+                self._cond.wait(min(left, _IDLE_S))
+            self._board.append(_Msg(topic, payload, Kind.BOARD, None, 0, retain))
+            self._cond.notify_all()
+
+    def _tenant(self, name: str) -> _Tenant:
+        ten = self._tenants.get(name)
+        if ten is None:
+            ten = _Tenant(name, tokens=float(self._burst), stamp=self._clock())
+            self._tenants[name] = ten
+            if len(self._tenants) > self._max_tenants:
+                self._forget_idle_tenant()
+        else:
+            self._tenants.move_to_end(name)
+        return ten
+
+    def _forget_idle_tenant(self) -> None:
+        # The oldest with nothing queued; a tenant forgotten starts with a full bucket.
+        for name, ten in self._tenants.items():
+            if not ten.host and not ten.devices:
+                del self._tenants[name]
+                return
+
+    # ------------------------------------------------------------------ readers
+
+    def depth(self) -> dict[str, int]:
+        """How much waits in the lanes now, and the budget: for stats and tests."""
+        with self._cond:
+            return {
+                "board": len(self._board) + len(self._retry),
+                "host": sum(len(t.host) for t in self._tenants.values()),
+                "events": sum(len(q) for t in self._tenants.values() for q in t.devices.values()),
+                "event_bytes": sum(t.bytes for t in self._tenants.values()),
+                "outstanding": self._outstanding,
+                "budget_used": self.budget.used,
+                "budget_peak": self.budget.peak,
+            }
+
+    def queued_bytes(self, tenant: str, device: str | None = None) -> int:
+        with self._cond:
+            ten = self._tenants.get(tenant)
+            if ten is None:
+                return 0
+            return ten.bytes if device is None else ten.device_bytes.get(device, 0)
+
+    # ------------------------------------------------------------------ the forwarder
+
+    def start(self, client: mqtt.Client) -> None:
+        """Start the forwarder on `client` (whose on_publish must call on_publish)."""
+        with self._cond:
+            self._client = client
+            self._stopping = False
+        self._thread = threading.Thread(
+            target=self._forward, name="wren-bridge-forwarder", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, drain_s: float = _DRAIN_S) -> int:
+        """Let the forwarder hand paho what is queued (for up to drain_s), then stop it;
+        returns how many messages were left unsent (counted `lanes.unsent_at_stop`)."""
+        thread = self._thread
+        with self._cond:
+            self._draining_until = time.monotonic() + drain_s
+            self._stopping = True
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(drain_s + 1.0)
+            self._thread = None
+        with self._cond:
+            self._client = None
+            left = len(self._board) + len(self._retry)
+            for ten in self._tenants.values():
+                left += len(ten.host) + sum(len(q) for q in ten.devices.values())
+        if left:
+            self._count("lanes.unsent_at_stop", left)
+            log.warning("stopping with %d messages not handed to the broker", left)
+        return left
+
+    def on_publish(self, mid: int) -> None:
+        """paho's on_publish (network thread, with paho's locks held): the broker has a
+        message. Only counts and wakes the forwarder; never calls paho."""
+        with self._cond:
+            if mid in self._mids:
+                self._mids.discard(mid)
+                self._outstanding -= 1
+                self._cond.notify_all()
+            elif len(self._early) < _EARLY_MAX:
+                self._early.add(mid)
+
+    def _forward(self) -> None:
+        while True:
+            with self._cond:
+                msg = None
+                while True:
+                    # Draining at a stop only while connected: what paho keeps for a
+                    # reconnect dies with the process anyway.
+                    draining = (
+                        self._stopping
+                        and time.monotonic() < self._draining_until
+                        and self._client is not None
+                        and self._client.is_connected()
+                    )
+                    if self._stopping and not draining:
+                        return
+                    if self._client is not None and self._outstanding < self._window:
+                        msg = self._next()
+                        if msg is not None:
+                            break
+                        if self._stopping:
+                            return  # drained
+                    self._cond.wait(_IDLE_S if not self._stopping else _RETRY_S)
+                self._outstanding += 1
+                client = self._client
+            try:
+                self._send(client, msg)
+            except Exception:
+                # Our bug, or paho's: logged and counted, and the message is not lost.
+                log.exception("the forwarder failed to publish to %s", msg.topic)
+                self._count("callback_errors", 1)
+                with self._cond:
+                    self._outstanding -= 1
+                    self._retry.appendleft(msg)
+                time.sleep(_RETRY_S)
+
+    def _next(self) -> _Msg | None:
+        """The next message by the lanes' order (module docstring); the lock is held."""
+        if self._retry:
+            return self._retry.popleft()
+        if self._board:
+            return self._board.popleft()
+        if self._host_turn:
+            name, ten = next(iter(self._host_turn.items()))
+            msg = ten.host.popleft()
+            if msg.kind == Kind.NOTICE:
+                ten.notices -= 1
+            del self._host_turn[name]
+            if ten.host:
+                self._host_turn[name] = ten  # to the back of the round
+            return msg
+        if self._event_turn:
+            name, ten = next(iter(self._event_turn.items()))
+            device, lane = next(iter(ten.devices.items()))
+            msg = lane.popleft()
+            del ten.devices[device]
+            left = ten.device_bytes[device] - msg.cost
+            if lane:
+                ten.devices[device] = lane  # to the back of its tenant's round
+                ten.device_bytes[device] = left
+            else:
+                del ten.device_bytes[device]
+            ten.bytes -= msg.cost
+            del self._event_turn[name]
+            if ten.devices:
+                self._event_turn[name] = ten
+            return msg
+        return None
+
+    def _send(self, client: mqtt.Client | None, msg: _Msg) -> None:
+        assert client is not None
+        info = client.publish(msg.topic, msg.payload, qos=1, retain=msg.retain)
+        rc = info.rc
+        with self._cond:
+            if rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+                # Taken: NO_CONN means paho keeps it and sends it once connected again.
+                if info.mid in self._early:
+                    self._early.discard(info.mid)
+                    self._outstanding -= 1
+                else:
+                    self._mids.add(info.mid)
+                if msg.cost:
+                    self.budget.give(msg.cost)
+                if self._full_episode:
+                    self._full_episode = False
+                    log.info("paho takes messages again")
+            elif rc == mqtt.MQTT_ERR_QUEUE_SIZE:
+                # paho's own bound (max_queued_messages) is above the window, so only a
+                # publish made outside the outbox gets here: wait, then the same message.
+                self._outstanding -= 1
+                self._retry.appendleft(msg)
+                first, self._full_episode = not self._full_episode, True
+            else:
+                self._outstanding -= 1
+                if msg.cost:
+                    self.budget.give(msg.cost)
+        if rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            self._count("tx", 1)
+            if rc == mqtt.MQTT_ERR_NO_CONN:
+                self._count("publish.queued_offline", 1)
+            if msg.kind == Kind.EVT:
+                self._count("evt.forwarded", 1)
+                self._count(f"tenant.{msg.tenant}.evt.forwarded", 1)
+        elif rc == mqtt.MQTT_ERR_QUEUE_SIZE:
+            self._count("publish.queue_full", 1)
+            if first:
+                log.warning("paho's outgoing queue is full: waiting, first for %s", msg.topic)
+            time.sleep(_RETRY_S)
+        else:
+            # Nothing else is expected; what could not be sent must be visible.
+            self._count("publish.not_sent", 1)
+            log.warning("publish to %s returned %s", msg.topic, mqtt.error_string(rc))
