@@ -81,6 +81,15 @@ except ImportError:
 OTHER = "other"  # the neighbour tenant of figure 4
 FLOOD_DEVICE = "flood1"
 HOST_USER = f"host-{TENANT}"
+# The broker binds client ids to users (use_username_as_clientid): a second connection
+# of one user takes over the first. So every connection that is up alongside another
+# has a user of its own, with the rights it needs: the raw chain's four clients (figure
+# 1) and the raw relay (figures 2, 3, 5) the bridge's, next to the bridge's own user.
+CHAIN_USERS = ("chain-source", "chain-bridge", "chain-board", "chain-sink")
+RELAY_USER = "bench-relay"
+# Mosquitto's notice when a connection takes over one of the same client id: counted in
+# each broker's log and reported, so a figure skewed by one user connected twice shows.
+TAKEOVER = "already connected, closing old connection"
 BOARD_COUNTS = (1, 10, 50)
 MANY_DEVICES = 1000
 ANSWER = "Hello from the model: the room is 21.5 degrees."
@@ -169,12 +178,11 @@ def presence(boot: str) -> tuple[bytes, bytes]:
 # --------------------------------------------------------------------------- paho helpers
 
 
-def paho_client(
-    client_id: str, user: str, password: str, clean_session: bool = True
-) -> paho.Client:
+def paho_client(user: str, password: str, clean_session: bool = True) -> paho.Client:
+    # The client id is the user's name: the broker would make it so anyway.
     c = paho.Client(
         CallbackAPIVersion.VERSION2,
-        client_id=client_id,
+        client_id=user,
         protocol=paho.MQTTv311,
         clean_session=clean_session,
     )
@@ -232,7 +240,6 @@ def _child_bridge(conf: dict[str, Any]) -> Callable[[str], Any]:
         username=conf["user"],
         password=conf["password"],
         prefix=PREFIX,
-        client_id=conf["client_id"],
     )
     bridge = Bridge(config, Registry(conf["registry"]), ScriptedProvider())
     bridge.start()
@@ -250,7 +257,7 @@ def _child_relay(conf: dict[str, Any]) -> Callable[[str], Any]:
     """Raw paho: every P/d/D/evt republished as it is to P/h/T/D/evt (T from a dict)."""
     tenant_of: dict[str, str] = conf["tenants"]
     counts = {"rx": 0, "tx": 0, "unknown": 0, "not_sent": 0}
-    c = paho_client(conf["client_id"], conf["user"], conf["password"])
+    c = paho_client(conf["user"], conf["password"])
 
     def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
         counts["rx"] += 1
@@ -277,7 +284,7 @@ def _child_relay(conf: dict[str, Any]) -> Callable[[str], Any]:
 def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
     """The host subscriber: keeps what arrives, counts holes per run when asked."""
     got: list[bytes] = []
-    c = paho_client(f"bench-host-{uuid.uuid4().hex[:8]}", conf["user"], conf["password"])
+    c = paho_client(conf["user"], conf["password"])
 
     def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
         # Only kept here (topic level D and payload), read at `tally`: the counter must not
@@ -328,7 +335,7 @@ def _child_flood(conf: dict[str, Any]) -> Callable[[str], Any]:
     """A device of another tenant sending valid runs on its own P/d/D/evt, QoS 1, as fast
     as the broker takes them (paho's queue bounded, so the rate is the broker's)."""
     device, boot = conf["device"], conf["boot"]
-    c = paho_client(device, device, conf["password"], clean_session=False)
+    c = paho_client(device, conf["password"], clean_session=False)
     c.max_inflight_messages_set(100)
     c.max_queued_messages_set(1000)
     connect(c, conf["host"], conf["port"])
@@ -533,18 +540,19 @@ def measure_first_delta(s: Stack, server: ModelServer, runs: int) -> list[FirstD
     return out
 
 
-def raw_chain(host: str, port: int, password: str, n: int) -> list[float]:
+def raw_chain(host: str, port: int, passwords: dict[str, str], n: int) -> list[float]:
     """Milliseconds from a source's publish to a sink's arrival over CHAIN_LEGS broker legs,
     QoS 1, one message at a time: two relay clients (as the bridge and the board) republish
-    each leg's message on the next leg at once. Logged in as the bridge user, on topics
-    nothing else reads."""
+    each leg's message on the next leg at once. Each client logged in as its own user of
+    CHAIN_USERS (bridge rights), on topics nothing else reads."""
+    source_user, bridge_user, board_user, sink_user = CHAIN_USERS
     legs = [f"{PREFIX}/bench/leg/{k}" for k in range(1, CHAIN_LEGS + 1)]
     arrivals: queue.Queue[float] = queue.Queue()
     clients: list[paho.Client] = []
     payload = bytes(range(100))  # about a msg.delta envelope
 
-    def relay(name: str, subs: list[str]) -> None:
-        c = paho_client(f"bench-chain-{name}-{uuid.uuid4().hex[:6]}", BRIDGE_USER, password)
+    def relay(user: str, subs: list[str]) -> None:
+        c = paho_client(user, passwords[user])
 
         def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
             k = legs.index(msg.topic)
@@ -556,13 +564,13 @@ def raw_chain(host: str, port: int, password: str, n: int) -> list[float]:
         clients.append(c)
 
     try:
-        sink = paho_client(f"bench-chain-sink-{uuid.uuid4().hex[:6]}", BRIDGE_USER, password)
+        sink = paho_client(sink_user, passwords[sink_user])
         sink.on_message = lambda *a: arrivals.put(time.monotonic())
         connect(sink, host, port, [legs[-1]])
         clients.append(sink)
-        relay("bridge", legs[0:-1:2])  # legs 1, 3, 5 -> 2, 4, 6
-        relay("board", legs[1:-1:2])  # legs 2, 4 -> 3, 5
-        source = paho_client(f"bench-chain-src-{uuid.uuid4().hex[:6]}", BRIDGE_USER, password)
+        relay(bridge_user, legs[0:-1:2])  # legs 1, 3, 5 -> 2, 4, 6
+        relay(board_user, legs[1:-1:2])  # legs 2, 4 -> 3, 5
+        source = paho_client(source_user, passwords[source_user])
         connect(source, host, port)
         clients.append(source)
         out = []
@@ -666,7 +674,13 @@ def quiet_tenant(
         if flooder is not None:
             flooder.close()
     log = s.bridge_log()[log_mark:]
-    for what in ("outgoing queue full", "refused", "forgetting unfinished run", "Traceback"):
+    for what in (
+        "outgoing queue full",
+        "refused",
+        "forgetting unfinished run",
+        "bridge disconnected",
+        "Traceback",
+    ):
         res.bridge_log[what] = log.count(what)
     return res
 
@@ -701,7 +715,7 @@ class SimBoard:
 
 def sim_board(device: str, password: str, host: str, port: int) -> SimBoard:
     boot = secrets.token_hex(4)
-    c = paho_client(device, device, password, clean_session=False)
+    c = paho_client(device, password, clean_session=False)
     c.will_set(
         f"{PREFIX}/d/{device}/status",
         msgpack.packb({"st": "offline", "boot": boot}),
@@ -887,39 +901,36 @@ def thousand_devices(
 
 def load_figures(
     workdir: Path, rates: Sequence[int], step_s: float, extra_conf: str
-) -> tuple[dict[str, dict[int, list[Step]]], dict[str, Rss], dict[str, dict[str, int]], str]:
+) -> tuple[dict[str, dict[int, list[Step]]], dict[str, Rss], dict[str, dict[str, int]], str, int]:
     """Figures 2, 3 and 5 on a broker of their own; also the relays' own counters after
-    figure 2."""
+    figure 2, and the broker's takeovers."""
     sim = [f"b{k:02d}" for k in range(max(BOARD_COUNTS))]
     many = [f"m{k:04d}" for k in range(MANY_DEVICES)]
-    users = {BRIDGE_USER: secrets.token_urlsafe(12), HOST_USER: secrets.token_urlsafe(12)}
-    users.update({d: secrets.token_urlsafe(12) for d in sim + many})
+    # One user per connection: the bridge, the raw relay (the bridge's rights), the host
+    # counter and each device.
+    names = [BRIDGE_USER, RELAY_USER, HOST_USER, *sim, *many]
+    users = {name: secrets.token_urlsafe(12) for name in names}
     progress(f"registry and broker for {len(sim) + len(many)} devices ...")
     registry = workdir / "registry.json"
     provision(registry, TENANT, [(d, AGENT) for d in sim + many]).close()
     broker_dir = workdir / "load-broker"
     conf = brokerconf.secure_mosquitto_conf(
-        broker_dir, users, brokerconf.acl_text(PREFIX, BRIDGE_USER, {TENANT: HOST_USER})
+        broker_dir,
+        users,
+        brokerconf.acl_text(PREFIX, [BRIDGE_USER, RELAY_USER], {TENANT: HOST_USER}),
     )
     broker = start_mosquitto(broker_dir, extra_conf=conf + extra_conf, allow_anonymous=False)
     version = broker.log().splitlines()[0] if broker.log() else ""
-    base: dict[str, Any] = {
-        "host": broker.host,
-        "port": broker.port,
-        "user": BRIDGE_USER,
-        "password": users[BRIDGE_USER],
-    }
+
+    def login(user: str) -> dict[str, Any]:
+        return {"host": broker.host, "port": broker.port, "user": user, "password": users[user]}
+
     relay_conf: dict[str, Any] = {
-        **base,
-        "client_id": "bench-raw-relay",
+        **login(RELAY_USER),
         "tenants": dict.fromkeys(sim + many, TENANT),
     }
-    bridge_conf: dict[str, Any] = {
-        **base,
-        "client_id": "wren-bridge-bench",
-        "registry": str(registry),
-    }
-    host_conf = {**base, "user": HOST_USER, "password": users[HOST_USER]}
+    bridge_conf: dict[str, Any] = {**login(BRIDGE_USER), "registry": str(registry)}
+    host_conf = login(HOST_USER)
     steps: dict[str, dict[int, list[Step]]] = {"raw": {}, "wren": {}}
     rss: dict[str, Rss] = {}
     counters: dict[str, dict[str, int]] = {}
@@ -951,10 +962,12 @@ def load_figures(
             finally:
                 relay.close()
         # Figure 5, the bridge first (a fresh process): the raw relay does not read status,
-        # so the retained statuses the devices leave matter to the bridge only.
+        # so the retained statuses the devices leave matter to the bridge only. The
+        # bridge takes up its user's session of figure 2, with nothing queued in it: the
+        # boards have been quiet since.
         for name, role, conf_ in (("wren", "bridge", bridge_conf), ("raw", "relay", relay_conf)):
             progress(f"figure 5: {name}, {MANY_DEVICES} devices ...")
-            relay = Child(role, {**conf_, "client_id": conf_["client_id"] + "-5"}, workdir)
+            relay = Child(role, conf_, workdir)
             try:
                 hello0 = relay.ask("stats").get("hello", 0) if role == "bridge" else 0
 
@@ -971,7 +984,7 @@ def load_figures(
                 progress(f"  {name}: RSS {rss[name].before_kib} -> {rss[name].after_kib} KiB")
             finally:
                 relay.close()
-    return steps, rss, counters, version
+    return steps, rss, counters, version, broker.log().count(TAKEOVER)
 
 
 # --------------------------------------------------------------------------- report
@@ -1020,6 +1033,8 @@ WREN_COUNTERS = (
     "publish.not_sent",
     "refused",
     "callback_errors",
+    "connects",
+    "disconnects",
 )
 
 
@@ -1211,10 +1226,17 @@ def main() -> None:
     started = time.monotonic()
     first: dict[str, tuple[list[FirstDelta], list[float]]] = {}
     quiet: tuple[QuietTenant, QuietTenant] | None = None
+    takeovers: dict[str, int] = {}  # broker -> connections taken over (TAKEOVER)
+    # Users with the bridge's rights for the raw chain of figure 1, next to the stack's bridge.
+    chain = dict.fromkeys(CHAIN_USERS, "bridge")
     with workdir_for(args.workdir) as work, ModelServer() as server:
         if not {"1", "4"} <= skip:
             progress("figures 1 and 4: stack with the board on the MicroPython unix port ...")
-            s = Stack(work / "stack-mpy", model_url=server.url, broker_conf=extra)
+            s = Stack(
+                work / "stack-mpy", model_url=server.url, broker_conf=extra, extra_users=chain
+            )
+            # Figure 4's flooder: a device of another tenant (provisioned below, once the
+            # registry is there), so not an extra_users "device" (those are demo's).
             s.users[FLOOD_DEVICE] = secrets.token_urlsafe(12)
             with s:
                 if "1" not in skip:
@@ -1222,7 +1244,7 @@ def main() -> None:
                     progress(f"  wren p50 {pct([x.total_ms for x in fd], 0.5):.1f} ms; raw chain")
                     first["board .mpy, MicroPython unix port"] = (
                         fd,
-                        raw_chain(s.host, s.port, s.users[BRIDGE_USER], args.latency_runs),
+                        raw_chain(s.host, s.port, s.users, args.latency_runs),
                     )
                 if "4" not in skip:
                     reg = provision(s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT)])
@@ -1239,22 +1261,30 @@ def main() -> None:
                     progress(
                         f"  completed {flooded.completed}/{args.requests}, lost {flooded.lost}"
                     )
+            takeovers["stack .mpy"] = s.broker_log().count(TAKEOVER)
             if "1" not in skip:
                 progress("figure 1: stack with the board on CPython ...")
                 with CPythonStack(
-                    work / "stack-cpython", model_url=server.url, mpy=False, broker_conf=extra
+                    work / "stack-cpython",
+                    model_url=server.url,
+                    mpy=False,
+                    broker_conf=extra,
+                    extra_users=chain,
                 ) as s:
                     fd = measure_first_delta(s, server, args.latency_runs)
                     first["board .py, CPython"] = (
                         fd,
-                        raw_chain(s.host, s.port, s.users[BRIDGE_USER], args.latency_runs),
+                        raw_chain(s.host, s.port, s.users, args.latency_runs),
                     )
+                takeovers["stack CPython"] = s.broker_log().count(TAKEOVER)
         steps: dict[str, dict[int, list[Step]]] = {}
         rss: dict[str, Rss] = {}
         counters: dict[str, dict[str, int]] = {}
         version = ""
         if not {"2", "3", "5"} <= skip:
-            steps, rss, counters, version = load_figures(work / "load", rates, args.step_s, extra)
+            steps, rss, counters, version, takeovers["load"] = load_figures(
+                work / "load", rates, args.step_s, extra
+            )
     print(f"command: {command}")
     print(
         f"machine: {os.cpu_count()} cores on loopback, shared by Mosquitto, the relay under "
@@ -1270,6 +1300,11 @@ def main() -> None:
         print_quiet(*quiet, args.spacing_s)
     if rss:
         print_rss(rss)
+    if takeovers:
+        print(
+            "\nbroker takeovers (a connection knocked off by a second one of its user; 0 "
+            "expected): " + ", ".join(f"{k} {v}" for k, v in takeovers.items())
+        )
     print(f"\n(total {time.monotonic() - started:.0f} s)")
 
 
