@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_stream import NAGLE_CONF, BenchError, pct  # noqa: E402
 
+from server_bridge import brokerconf  # noqa: E402
 from server_bridge.host.client import RequestRefused  # noqa: E402
 from server_bridge.host.reducer import RunSnapshot  # noqa: E402
 from server_bridge.registry import provision  # noqa: E402
@@ -72,11 +73,6 @@ from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import Stack, StackError, assistant_text  # noqa: E402
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto  # noqa: E402
 from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT  # noqa: E402
-
-try:  # moving to server_bridge/ on another branch
-    from server_bridge import brokerconf  # type: ignore[attr-defined,unused-ignore]
-except ImportError:
-    from tools import brokerconf  # type: ignore[no-redef,unused-ignore]
 
 OTHER = "other"  # the neighbour tenant of figure 4
 FLOOD_DEVICE = "flood1"
