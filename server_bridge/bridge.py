@@ -46,10 +46,11 @@ from typing import Any, NamedTuple, TypeVar
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from server_bridge import tokens
+from server_bridge import metrics, tokens
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
 from server_bridge.lanes import Budget, Kind, Outbox
+from server_bridge.metrics import prometheus_text
 from server_bridge.models.base import Provider
 from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
@@ -232,17 +233,48 @@ class Bridge:
         may be used again."""
         self.rpc.device_gone(device, msg, new_boot=new_boot, boot=boot)
 
+    def metrics_text(self) -> str:
+        """The counters and the bridge's present load in Prometheus text format
+        (server_bridge/metrics.py): what `wren bridge --stats` and a scraper read."""
+        depth = self.outbox.depth()
+        gauges = [
+            ("bridge.budget_bytes", self.outbox.budget.limit, "the memory budget for held events"),
+            ("bridge.budget_used_bytes", depth["budget_used"], "bytes of events held now"),
+            ("bridge.budget_peak_bytes", depth["budget_peak"], "most bytes ever held at once"),
+            ("bridge.queued_events", depth["events"], "events waiting in the tenant lanes"),
+            ("bridge.queued_host", depth["host"], "host requests and notices waiting"),
+            ("bridge.queued_board", depth["board"], "messages to boards waiting"),
+            ("bridge.unacked", depth["outstanding"], "publishes the broker has not acked"),
+            ("bridge.connected", int(self._connected), "1 while connected to the broker"),
+        ]
+        return prometheus_text(self.stats, gauges)
+
     def _count(self, name: str, n: int = 1) -> None:
         if n:
             with self._lock:
-                self._stats[name] += n
+                metrics.add(self._stats, name, n)
 
     def _refuse(self, kind: str, topic: str, msg: str) -> None:
+        tenant = self._tenant_of(topic)
         with self._lock:
-            self._stats["refused"] += 1
-            self._stats[f"refused.{kind}"] += 1
+            metrics.add(self._stats, "refused")
+            metrics.add(self._stats, f"refused.{kind}")
+            if tenant is not None:
+                metrics.add(self._stats, f"tenant.{tenant}.refused.{kind}")
             self._refusals.append(Refusal(kind, topic, msg))
         log.warning("refused %s on %s: %s", kind, topic, msg)
+
+    def _tenant_of(self, topic: str) -> str | None:
+        # Whose refusal it is, for the per-tenant counters: a host topic names its
+        # tenant; a device's is the registry's (None for a device it does not know).
+        try:
+            t = parse(self.config.prefix, topic)
+        except BadTopic:
+            return None
+        if t.tenant is not None:
+            return t.tenant
+        record = self.registry.device(t.device) if t.side == "d" else None
+        return record.tenant if record is not None else None
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -21,12 +21,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn, TextIO
 
 from server_bridge.bridge import Bridge
 from server_bridge.config import DEFAULT_CLIENT_ID, BridgeConfig
+from server_bridge.metrics import write_text_file
 from server_bridge.models.base import Provider
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
@@ -54,6 +56,12 @@ DEFAULT_BROKER = ("127.0.0.1", 1883)
 # runs (edge_runtime/demo.py).
 DEFAULT_AGENT = "thermostat"
 STOP_EXIT_CODE = 130  # what a shell reports for a process ended by Ctrl-C
+# The counters' export until the bridge serves HTTP (/metrics): a file beside the
+# registry, rewritten every few seconds (a scraper's usual interval is 15 s or more).
+DEFAULT_STATS_FILE = Path(".wren/bridge.prom")
+STATS_EVERY_S = 5.0
+
+log = logging.getLogger("wren.service")
 
 
 class ServiceError(RuntimeError):
@@ -79,6 +87,16 @@ def milliseconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
     if not value >= 0 or value == float("inf"):  # `not >=` also refuses nan
         raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
     return value
 
 
@@ -125,6 +143,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="hold a model's small text chunks up to MS before sending them to a board "
         f"(default {BridgeConfig.rpc_merge_s * 1000:g}; 0 sends each chunk as it comes)",
+    )
+    p.add_argument(
+        "--stats-file",
+        type=Path,
+        default=DEFAULT_STATS_FILE,
+        help="where the running bridge writes its counters in Prometheus text format "
+        "(node_exporter's textfile collector reads it; default %(default)s)",
+    )
+    p.add_argument(
+        "--stats-every",
+        type=seconds,
+        default=STATS_EVERY_S,
+        metavar="S",
+        help="seconds between two writes of --stats-file (default %(default)s)",
+    )
+    p.add_argument(
+        "--stats",
+        action="store_true",
+        help="print the counters the running bridge last wrote to --stats-file, and exit",
     )
 
 
@@ -217,13 +254,47 @@ def run(
             out.flush()
             # In one-second waits rather than one endless one, so that Ctrl-C (and
             # SIGTERM, see stop_on_sigterm) is seen on every platform.
-            while not stop.wait(1.0):
-                pass
-            return 0
+            next_stats = 0.0
+            while True:
+                if time.monotonic() >= next_stats:
+                    _write_stats(bridge, args.stats_file)
+                    next_stats = time.monotonic() + args.stats_every
+                if stop.wait(min(1.0, args.stats_every)):
+                    return 0
         finally:
             bridge.stop()
+            # The last counters, after the stop: what a restart starts again from zero.
+            _write_stats(bridge, args.stats_file)
     finally:
         registry.close()
+
+
+def _write_stats(bridge: Bridge, path: Path) -> None:
+    try:
+        write_text_file(path, bridge.metrics_text())
+    except OSError as e:
+        # The counters are for watching the bridge; failing to write them must not
+        # stop it serving. Logged at each attempt: a full disk should be seen.
+        log.warning("could not write the stats to %s: %s", path, e)
+
+
+def print_stats(path: Path, out: TextIO | None = None) -> int:
+    """`--stats`: the counters a running bridge last wrote, with their age (1 when
+    there are none to show)."""
+    out = out if out is not None else sys.stdout
+    try:
+        text = path.read_text()
+        age = time.time() - path.stat().st_mtime
+    except OSError as e:
+        print(
+            f"no bridge stats at {path} ({e.strerror}): is a bridge running with "
+            f"--stats-file {path}?",
+            file=sys.stderr,
+        )
+        return 1
+    out.write(f"# {path}, written {age:.0f} s ago\n{text}")
+    out.flush()
+    return 0
 
 
 def stop_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
@@ -245,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     setup_logging(args.verbose)
+    if args.stats:
+        return print_stats(args.stats_file)
     try:
         return run(args)
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ import pytest
 
 from server_bridge import service
 from server_bridge.config import BridgeConfig
+from server_bridge.host.client import HostClient, RequestRefused
 from server_bridge.registry import DeviceRecord, Registry
 from tools.broker import (
     MosquittoMissing,
@@ -300,3 +301,56 @@ def test_python_m_server_bridge_says_when_the_broker_is_unreachable(tmp_path: Pa
     assert proc.stderr.startswith(
         f"python -m server_bridge: could not connect to the broker at {address}: "
     ), proc.stderr
+
+
+def test_the_bridge_service_exports_its_counters_and_wren_bridge_stats_prints_them(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    """The counters in Prometheus text, per tenant where one is known, rewritten while
+    the service runs and once more when it stops; `--stats` reads them back."""
+    stats = tmp_path / "bridge.prom"
+    options = ["--broker", broker.address, "--client-id", "stats-test", "--tenant", "acme",
+               "--device", "st1", "--stats-file", str(stats), "--stats-every", "0.2"]  # fmt: skip
+    bridge = Proc([sys.executable, "-m", "server_bridge", *options], tmp_path)
+    bridge.wait_for("bridge: ")
+    # A host request with a forged token: refused bad_token, on tenant acme's topic.
+    with HostClient(broker.host, broker.port, "acme") as host:
+        host.connect(timeout=TIMEOUT_S)
+        req = host.request("st1", "not.a-token", "hi")
+        with pytest.raises(RequestRefused):
+            host.wait_run(req, timeout=TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while 'wren_refused_bad_token_total{tenant="acme"} 1' not in _read(stats):
+        assert time.monotonic() < deadline, _read(stats)
+        time.sleep(0.05)
+    text = _read(stats)
+    assert "wren_refused_bad_token_total 1\n" in text
+    assert "# TYPE wren_bridge_budget_bytes gauge\nwren_bridge_budget_bytes " in text
+    assert "wren_bridge_connected 1\n" in text
+    printed = subprocess.run(
+        wren("bridge", "--stats", "--stats-file", str(stats)),
+        env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.startswith(f"# {stats}, written ")
+    assert 'wren_refused_bad_token_total{tenant="acme"} 1' in printed.stdout
+    assert bridge.stop() == 130
+    assert "wren_bridge_connected 0\n" in _read(stats)  # the last export, after the stop
+
+
+def test_wren_bridge_stats_without_a_running_bridge_says_so(tmp_path: Path) -> None:
+    missing = tmp_path / "none.prom"
+    printed = subprocess.run(
+        wren("bridge", "--stats", "--stats-file", str(missing)),
+        env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert printed.returncode == 1
+    assert f"no bridge stats at {missing}" in printed.stderr
+    assert f"is a bridge running with --stats-file {missing}?" in printed.stderr
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""

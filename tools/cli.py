@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return demo_mod.run_demo(args)
         if args.command == "bridge":
+            if args.stats:
+                return service.print_stats(args.stats_file)
             return service.run(args)
         if args.command == "board":
             return demo_mod.run_board(args)
