@@ -124,19 +124,27 @@ async def model_loop(run):
     usage = {"in": 0, "out": 0, "reason": 0}
     for step in range(agent.max_steps):
         run.check_cancelled()
-        platform.collect()
         m = step + 1
         calls = []
-        await run.event("msg.start", {"m": m, "role": "assistant"})
         args = {"messages": messages, "tools": specs}
         if agent.model:
             args["model"] = agent.model
         if agent.max_tokens:
             args["max_tokens"] = agent.max_tokens
         deltas = _Deltas(run, m)
+        begun = False
         try:
+            # The call goes out first: the model's answer is what the run waits for, and
+            # whatever is queued ahead of it on the link (msg.start) or read ahead of it
+            # at the bridge holds it up. msg.start still comes before the turn's text.
             call = await run.rpc.start("llm.complete", args, run.id)
             try:
+                # A turn for the link to send the call, then the step's collection while
+                # the model works, rather than between the request and the call.
+                await platform.sleep_ms(0)
+                platform.collect()
+                await run.event("msg.start", {"m": m, "role": "assistant"})
+                begun = True
                 while True:
                     ch = await call.next(deltas.wait_ms(_IDLE_MS))
                     if ch is None:
@@ -154,11 +162,18 @@ async def model_loop(run):
                     elif isinstance(ch.get("tool"), dict):
                         await deltas.flush()
                         calls.append(ch["tool"])
-                await deltas.flush()
+                if deltas.n:
+                    await deltas.flush()
+                    # A turn for the link to send the turn's last text before msg.end,
+                    # run.done and the run's collection are made: the host is waiting
+                    # for the text, not for them.
+                    await platform.sleep_ms(0)
                 final = call.result
             finally:
                 run.rpc.end(call)
         except RpcError as e:
+            if not begun:
+                run.emit("msg.start", {"m": m, "role": "assistant"})
             await deltas.flush()
             run.emit("msg.end", {"m": m})
             raise RunFailed("llm", "the model is unavailable (%s)" % e.kind, True)

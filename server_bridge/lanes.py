@@ -13,6 +13,13 @@ takes messages out, in this order, and hands them to paho:
 3. the event lanes: round robin across tenants, then across that tenant's devices, one
    message per turn, so a flooding device slows only itself and its own tenant.
 
+When every lane is empty and nothing is being handed to paho, the thread that made a
+message hands it to paho itself (`_direct`) instead of waking the forwarder for it: it
+would be next in any order, and a thread's wake-up is a good share of a relay's latency
+(paho's own network thread then writes it, as it writes everything). One message is
+handed to paho at a time, by the forwarder or by such a producer (`_handing`), so the
+lanes' order holds.
+
 The publisher respects paho's capacity: it keeps at most `window` QoS 1 messages that
 paho holds and the broker has not acknowledged (counted by `on_publish`), and otherwise
 waits (bounded waits, woken by each acknowledgement). A message it took is never
@@ -207,6 +214,9 @@ class Outbox:
         self._early: set[int] = set()
         self._untold_episode = False
         self._full_episode = False
+        # A message is being handed to paho (by the forwarder, or by its producer on
+        # the direct path): nobody else hands one over meanwhile, so order holds.
+        self._handing = False
 
     # ------------------------------------------------------------------ producers
 
@@ -232,15 +242,20 @@ class Outbox:
                 return "tenant"
             elif not self.budget.take(cost):
                 return "budget"
-            lane = ten.devices.get(device)
-            if lane is None:
-                lane = ten.devices[device] = deque()
-            lane.append(_Msg(topic, payload, Kind.EVT, tenant, cost))
-            ten.device_bytes[device] = dev_bytes + cost
-            ten.bytes += cost
-            if tenant not in self._event_turn:
-                self._event_turn[tenant] = ten
-            self._cond.notify_all()
+            msg = _Msg(topic, payload, Kind.EVT, tenant, cost)
+            direct = self._direct()
+            if direct is None:
+                lane = ten.devices.get(device)
+                if lane is None:
+                    lane = ten.devices[device] = deque()
+                lane.append(msg)
+                ten.device_bytes[device] = dev_bytes + cost
+                ten.bytes += cost
+                if tenant not in self._event_turn:
+                    self._event_turn[tenant] = ten
+                self._cond.notify_all()
+        if direct is not None:
+            self._publish(direct, msg)
         return None
 
     def has_room(self, tenant: str, device: str) -> bool:
@@ -282,10 +297,16 @@ class Outbox:
         counted in requests, each bringing at most that many messages."""
         with self._cond:
             ten = self._tenant(tenant)
-            ten.host.extend(_Msg(topic, payload, kind, tenant, 0) for topic, payload in messages)
-            if messages and tenant not in self._host_turn:
-                self._host_turn[tenant] = ten
-            self._cond.notify_all()
+            direct = self._direct() if len(messages) == 1 else None
+            if direct is None:
+                ten.host.extend(
+                    _Msg(topic, payload, kind, tenant, 0) for topic, payload in messages
+                )
+                if messages and tenant not in self._host_turn:
+                    self._host_turn[tenant] = ten
+                self._cond.notify_all()
+        if direct is not None:
+            self._publish(direct, _Msg(*messages[0], kind, tenant, 0))
 
     def notice(self, tenant: str, topic: str, payload: bytes) -> bool:
         """Queue an `error` of the bridge's `_b` stream for a tenant's hosts.
@@ -338,8 +359,13 @@ class Outbox:
                     self._count("lanes.board_over", 1)
                     break
                 self._cond.wait(min(left, _IDLE_S))
-            self._board.append(_Msg(topic, payload, Kind.BOARD, None, 0, retain))
-            self._cond.notify_all()
+            msg = _Msg(topic, payload, Kind.BOARD, None, 0, retain)
+            direct = self._direct()
+            if direct is None:
+                self._board.append(msg)
+                self._cond.notify_all()
+        if direct is not None:
+            self._publish(direct, msg)
 
     def _tenant(self, name: str) -> _Tenant:
         ten = self._tenants.get(name)
@@ -440,7 +466,11 @@ class Outbox:
                     )
                     if self._stopping and not draining:
                         return
-                    if self._client is not None and self._outstanding < self._window:
+                    if (
+                        self._client is not None
+                        and self._outstanding < self._window
+                        and not self._handing
+                    ):
                         msg = self._next()
                         if msg is not None:
                             break
@@ -448,17 +478,49 @@ class Outbox:
                             return  # drained
                     self._cond.wait(_IDLE_S if not self._stopping else _RETRY_S)
                 self._outstanding += 1
+                self._handing = True
                 client = self._client
-            try:
-                self._send(client, msg)
-            except Exception:
-                # Our bug, or paho's: logged and counted, and the message is not lost.
-                log.exception("the forwarder failed to publish to %s", msg.topic)
-                self._count("callback_errors", 1)
-                with self._cond:
-                    self._outstanding -= 1
-                    self._retry.appendleft(msg)
+            assert client is not None
+            if not self._publish(client, msg):
                 time.sleep(_RETRY_S)
+
+    def _direct(self) -> mqtt.Client | None:
+        """The client, when the caller may hand its message to paho itself: nothing
+        queued, nothing being handed over, room in the window (the lock is held). The
+        caller then holds the handing turn and must call _publish; else None."""
+        if (
+            self._handing
+            or self._client is None
+            or self._stopping
+            or self._outstanding >= self._window
+            or self._retry
+            or self._board
+            or self._host_turn
+            or self._event_turn
+        ):
+            return None
+        self._outstanding += 1
+        self._handing = True
+        return self._client
+
+    def _publish(self, client: mqtt.Client, msg: _Msg) -> bool:
+        """Hand one message to paho, then give the handing turn back (the lock not
+        held); False when it failed and waits in the retry lane."""
+        ok = True
+        try:
+            self._send(client, msg)
+        except Exception:
+            # Our bug, or paho's: logged and counted, and the message is not lost.
+            log.exception("the bridge failed to publish to %s", msg.topic)
+            self._count("callback_errors", 1)
+            ok = False
+        with self._cond:
+            if not ok:
+                self._outstanding -= 1
+                self._retry.appendleft(msg)
+            self._handing = False
+            self._cond.notify_all()
+        return ok
 
     def _next(self) -> _Msg | None:
         """The next message by the lanes' order (module docstring); the lock is held."""

@@ -16,7 +16,9 @@ shuts the socket down and the call ends with a ModelError, releasing its worker.
 from __future__ import annotations
 
 import base64
+import heapq
 import http.client
+import itertools
 import json
 import logging
 import os
@@ -115,18 +117,24 @@ def _socket_of(response: Any) -> socket.socket | None:
 class _Watchdog:
     """Shuts a response's socket down at the deadline: a read blocked on a server that
     stopped sending then returns at once instead of at the socket timeout, and one that
-    keeps sending is stopped too. `fired` says why the stream ended."""
+    keeps sending is stopped too. `fired` says why the stream ended.
+
+    Every call's watchdog is kept by one thread (_Watchdogs), not a timer thread of its
+    own: starting a thread per call cost more than the rest of the provider's work
+    between the model's headers and its first text."""
 
     def __init__(self, response: Any, deadline: float | None) -> None:
         self.fired = False
+        self.deadline = deadline if deadline is not None else 0.0
+        self.cancelled = False
         self._sock = _socket_of(response)
-        self._timer: threading.Timer | None = None
         if deadline is not None and self._sock is not None:
-            self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
-            self._timer.daemon = True
-            self._timer.start()
+            _WATCHDOGS.add(self)
+        else:
+            self.cancelled = True
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
+        """Called by _Watchdogs with its lock held, so never after cancel() returned."""
         self.fired = True
         if self._sock is not None:
             try:
@@ -135,8 +143,64 @@ class _Watchdog:
                 pass  # already closed: the call ended on its own
 
     def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        if not self.cancelled:
+            _WATCHDOGS.cancel(self)
+
+
+class _Watchdogs:
+    """The watchdogs of the calls in flight, by deadline, and the one thread that fires
+    them (started at the first, a daemon). Bounded: a cancelled watchdog is dropped when
+    it reaches the top, and the heap is rebuilt without them once they are half of it,
+    so it holds at most about twice the calls in flight."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, _Watchdog]] = []
+        self._seq = itertools.count()
+        self._cancelled = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, dog: _Watchdog) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (dog.deadline, next(self._seq), dog))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="wren-model-watchdog", daemon=True
+                )
+                self._thread.start()
+            elif self._heap[0][2] is dog:
+                self._cond.notify()  # an earlier deadline than the thread waits for
+
+    def cancel(self, dog: _Watchdog) -> None:
+        with self._cond:
+            if dog.cancelled:
+                return
+            dog.cancelled = True
+            self._cancelled += 1
+            if self._cancelled * 2 > len(self._heap):
+                self._heap = [e for e in self._heap if not e[2].cancelled]
+                heapq.heapify(self._heap)
+                self._cancelled = 0
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][2].cancelled:
+                    heapq.heappop(self._heap)
+                    self._cancelled -= 1
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                left = self._heap[0][0] - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                dog = heapq.heappop(self._heap)[2]
+                dog.cancelled = True
+                dog.fire()
+
+
+_WATCHDOGS = _Watchdogs()
 
 
 def _text(value: Any) -> str:
