@@ -11,8 +11,13 @@ same Mosquitto in the same run (loopback).
    in as device users, status + hello, then runs of `run.started`, `msg.delta`s and
    `run.done`, ids 1, 2, 3 ..., msgpack, QoS 1) through the real Bridge (a child process
    of this script) to a host subscriber (another child) that finds holes per run; the
-   offered rate doubles until events are lost. Next to a raw paho relay (P/d/+/evt ->
-   P/h/T/D/evt) in a child process of its own.
+   offered rate doubles until events are lost. Each simulated board behaves as a real
+   one (SimBoard): the board's own Emitter keeps its rings (16 events and 1,536 bytes
+   of a run by default: --ring, --ring-bytes), answers the bridge's replay requests
+   from them and reports what they no longer hold as a gap; its link is paced like the
+   board's. Next to a raw paho relay (P/d/+/evt -> P/h/T/D/evt) in a child process of
+   its own, the same boards. Also the events/s delivered at each rate, so throughput
+   under the bridge's backpressure shows.
 3. CPU per relayed event of each relay process (/proc/PID/stat, user + system) at every
    rate step of figure 2.
 4. A quiet tenant during a neighbour's flood: tenant `other`'s device floods its own
@@ -28,9 +33,11 @@ same Mosquitto in the same run (loopback).
     python benchmarks/bench_bridge.py --nagle   # Mosquitto with Nagle on (set_tcp_nodelay false)
 
 Progress goes to stderr, the tables to stdout. Loss in figure 2 is counted at the host
-against what the boards sent; the simulated boards do not answer the bridge's replay
-requests (a real board's ring holds only its last 16 events of a run), so an event the
-bridge never received is lost. The machine has 2 cores shared by Mosquitto, the relay
+against the ids of the boards' runs: an id that never arrived is "reported lost" when a
+gap report that did arrive names it (the bridge deferred it and the ring overwrote it
+before the bridge asked again), else "lost silently" (must be 0 for Wren); the highest
+lossless rate has neither. The raw relay asks for nothing again, so what it does not
+deliver is lost. The machine has 2 cores shared by Mosquitto, the relay
 under test, the host counter and the load generator: where the generator could not offer
 the rate asked, the row says so (the machine, not Wren, is then the limit).
 """
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -50,6 +58,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +73,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench_stream import NAGLE_CONF, BenchError, pct  # noqa: E402
 
+from edge_runtime.events import DEVICE_RUN, RING, RING_BYTES, TERMINAL, Emitter  # noqa: E402
+from edge_runtime.link import Link  # noqa: E402
+from edge_runtime.runs import _DEVICE_RING, _RECENT_RUNS  # noqa: E402
 from server_bridge import brokerconf  # noqa: E402
 from server_bridge.host.client import RequestRefused  # noqa: E402
 from server_bridge.host.reducer import RunSnapshot  # noqa: E402
@@ -105,6 +117,23 @@ GENERATOR_SHORT = 0.9  # offered under this share of the asked rate: the generat
 CONNECT_BATCH = 50
 FLOOD_LEAD_S = 1.0  # figure 4: the flood alone before the first request and after the last
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Figure 2's simulated boards keep the real board's rings (SimBoard): the board's own
+# numbers, read from its code rather than written again here. Its runtime keeps the
+# rings of the active run, of the last RECENT_RUNS finished ones and of the device
+# stream (DEVICE_RING events); its link takes LINK_OUTBOX messages waiting and
+# LINK_INFLIGHT unacknowledged (board.py passes Link's defaults).
+RECENT_RUNS = _RECENT_RUNS
+DEVICE_RING = _DEVICE_RING
+_LINK = inspect.signature(Link).parameters
+LINK_OUTBOX: int = _LINK["outbox_size"].default
+LINK_INFLIGHT: int = _LINK["inflight"].default
+# `r: "_"` as msgpack spells it (a map key and value of one character each): how the
+# host counter tells a device-stream event without decoding every message.
+DEVICE_STREAM = msgpack.packb("r") + msgpack.packb(DEVICE_RUN)
+STALL_S = 30.0  # a board whose link takes nothing this long: the real run fails (stall_ms)
+# The bridge's log line when it forgets the state of a run it has not finished (over
+# max_runs_per_device): what that run still missed is never asked for again.
+FORGOT = "forgetting unfinished run"
 
 
 def progress(msg: str) -> None:
@@ -280,25 +309,33 @@ def _child_relay(conf: dict[str, Any]) -> Callable[[str], Any]:
 def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
     """The host subscriber: keeps what arrives, counts holes per run when asked."""
     got: list[bytes] = []
+    stream = [0]  # of them, events of the device streams "_" (a board's refusals)
     c = paho_client(conf["user"], conf["password"])
 
     def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
         # Only kept here (topic level D and payload), read at `tally`: the counter must not
         # be what falls behind.
         got.append(msg.topic.rsplit("/", 2)[1].encode() + b"\0" + msg.payload)
+        if DEVICE_STREAM in msg.payload:
+            stream[0] += 1
 
     c.on_message = on_message
     connect(c, conf["host"], conf["port"], [f"{PREFIX}/h/{TENANT}/+/evt"])
 
     def command(cmd: str) -> Any:
         if cmd == "count":
-            return len(got)
+            # Events of runs: a drain waits for the boards' runs, not their refusals.
+            return len(got) - stream[0]
         if cmd == "reset":
             got.clear()
+            stream[0] = 0
             return 0
         if cmd == "tally":
-            # "device run" -> [distinct ids, highest id, repeats, malformed]
+            # "device run" -> [distinct ids, highest id, repeats, ids reported lost]: the
+            # last, ids that did not arrive and that a gap report that did arrive names
+            # (an `error` {kind:"gap", from, to} of the run, PROTOCOL.md "Replay").
             ids: dict[str, set[int]] = {}
+            gaps: dict[str, list[tuple[int, int]]] = {}
             repeats: dict[str, int] = {}
             bad = 0
             for raw in list(got):
@@ -307,6 +344,9 @@ def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
                     env = msgpack.unpackb(payload)
                     key = f"{device.decode()} {env['r']}"
                     i = int(env["i"])
+                    d = env["d"]
+                    if env["t"] == "error" and d.get("kind") == "gap":
+                        gaps.setdefault(key, []).append((int(d["from"]), int(d["to"])))
                 except Exception:  # noqa: BLE001 - counted
                     bad += 1
                     continue
@@ -314,8 +354,15 @@ def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
                 if i in seen:
                     repeats[key] = repeats.get(key, 0) + 1
                 seen.add(i)
+
+            def reported(key: str) -> int:
+                named = {i for lo, hi in gaps.get(key, ()) for i in range(lo, hi + 1)}
+                return len(named - ids[key])
+
             return {
-                "runs": {k: [len(v), max(v), repeats.get(k, 0)] for k, v in ids.items()},
+                "runs": {
+                    k: [len(v), max(v), repeats.get(k, 0), reported(k)] for k, v in ids.items()
+                },
                 "malformed": bad,
                 "messages": len(got),
             }
@@ -457,6 +504,13 @@ class Child:
 
     def rss_kib(self) -> int:
         return proc_rss_kib(self.pid)
+
+    def log_count(self, text: str) -> int:
+        """Lines of the child's log (stderr) that hold `text`."""
+        try:
+            return self.log_path.read_text(errors="replace").count(text)
+        except OSError:
+            return 0
 
     def log_tail(self, n: int = 15) -> str:
         try:
@@ -684,18 +738,52 @@ def quiet_tenant(
 # --------------------------------------------------------------------------- figures 2, 3, 5
 
 
-@dataclass
 class SimBoard:
-    """A simulated board: a paho client logged in as the device user."""
+    """A simulated board: a paho client logged in as the device user, with the real
+    board's event side (edge_runtime.events.Emitter, the board's own code): per run a
+    ring of the last `ring` events and at most `ring_bytes` of them, kept for the active
+    run and the last RECENT_RUNS finished ones, and the device stream `"_"` (a ring of
+    DEVICE_RING). It answers the bridge's `ctl {op:"replay", r, after}` as
+    edge_runtime.runs does: the ring resends what it holds past `after` and reports what
+    it no longer holds as an `error` of kind gap with the run's next id; a run it no
+    longer holds is refused `unknown_run` on `"_"`.
 
-    device: str
-    client: paho.Client
-    boot: str
-    runs: int = 0
+    Its link is paced like the board's: paho takes at most LINK_OUTBOX + LINK_INFLIGHT
+    unacknowledged publishes (edge_runtime.link's outbox and in-flight window); one it
+    cannot take waits in the ring, and the board emits nothing new until its rings have
+    handed the link everything (the run waits for room, Runtime.flow). Only the broker's
+    PUBACKs free room, so the bridge's backpressure does not slow a board: it makes the
+    bridge ask for events later, which the ring may have overwritten by then.
+
+    Figure 5's devices use only `client`, `evt` and `next_run` (whole runs, no replay).
+    """
+
+    def __init__(
+        self, device: str, client: paho.Client, boot: str, ring: int, ring_bytes: int
+    ) -> None:
+        self.device, self.client, self.boot = device, client, boot
+        self.ring, self.ring_bytes = ring, ring_bytes
+        self.runs = 0
+        self._send = _publisher(client, self.evt)
+        # The paho thread (replay requests) and the generator (emits) share the rings.
+        self._lock = threading.Lock()
+        self.stream = self._emitter(DEVICE_RUN, min(ring, DEVICE_RING))
+        self.active: Emitter | None = None
+        self.recent: deque[Emitter] = deque(maxlen=RECENT_RUNS)
+        # Every run of the current step by id: its last id is what the host should get.
+        self.step_runs: dict[str, Emitter] = {}
+        self.counts = {"replays": 0, "gaps": 0, "unknown_run": 0}
 
     @property
     def evt(self) -> str:
         return f"{PREFIX}/d/{self.device}/evt"
+
+    @property
+    def ctl(self) -> str:
+        return f"{PREFIX}/d/{self.device}/ctl"
+
+    def _emitter(self, run: str, ring: int) -> Emitter:
+        return Emitter(run, msgpack.packb, self._send, board_ms, ring, self.ring_bytes)
 
     def say_hello(self) -> list[paho.MQTTMessageInfo]:
         status, hello = presence(self.boot)
@@ -708,8 +796,90 @@ class SimBoard:
         self.runs += 1
         return f"{self.boot}.{self.runs}"
 
+    def pump(self) -> bool:
+        """Hand the link what the rings hold and it has not had, the device stream first,
+        then the active run, then the finished ones (Runtime.pump_all); True when it has
+        had everything."""
+        with self._lock:
+            if not self.stream.pump():
+                return False
+            if self.active is not None and not self.active.pump():
+                return False
+            return all(e.pump() for e in self.recent)
 
-def sim_board(device: str, password: str, host: str, port: int) -> SimBoard:
+    def emit(self, t: str, d: dict[str, Any]) -> None:
+        """The next event of the active run (a new run at run.started); ends it at
+        run.done. The caller has waited for room (pump() True)."""
+        with self._lock:
+            if t == "run.started":
+                run = self.next_run()
+                self.active = self._emitter(run, self.ring)
+                self.step_runs[run] = self.active
+            assert self.active is not None
+            self.active.emit(t, d)
+            if t in TERMINAL:
+                self.recent.append(self.active)
+                self.active = None
+
+    def on_ctl(self, cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
+        try:
+            ctl = msgpack.unpackb(msg.payload)
+        except Exception:  # noqa: BLE001 - the bridge sends valid msgpack; not this test
+            return
+        if not isinstance(ctl, dict) or ctl.get("op") != "replay":
+            return
+        run, after = ctl.get("r"), ctl.get("after")
+        with self._lock:
+            self.counts["replays"] += 1
+            held = [self.stream, *self.recent] + ([self.active] if self.active else [])
+            emitter = next((e for e in held if e.run_id == run), None)
+            if emitter is None:
+                self.counts["unknown_run"] += 1
+                self.stream.emit(
+                    "error", {"kind": "unknown_run", "msg": f"run {run} is no longer held"}
+                )
+                return
+            before = emitter.last_id
+            emitter.replay(int(after))
+            self.counts["gaps"] += emitter.last_id - before
+
+    def begin_step(self) -> None:
+        with self._lock:
+            self.step_runs = {}
+            self.counts = dict.fromkeys(self.counts, 0)
+
+    def expected(self) -> dict[str, int]:
+        """Each run of the step ("device run") -> its last id, for every run of the step."""
+        with self._lock:
+            return {f"{self.device} {r}": e.last_id for r, e in self.step_runs.items()}
+
+
+def _publisher(client: paho.Client, topic: str) -> Callable[[bytes], bool]:
+    """The rings' way out: False (nothing queued) when the link has no room. A closure
+    over the client, not a method of the board: a board -> emitter -> board cycle would
+    keep figure 5's closed clients, and their sockets, until the garbage collector ran,
+    and paho's select() fails on a descriptor past 1023."""
+
+    def send(data: bytes) -> bool:
+        return bool(client.publish(topic, data, qos=1).rc == paho.MQTT_ERR_SUCCESS)
+
+    return send
+
+
+def board_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+def sim_board(
+    device: str,
+    password: str,
+    host: str,
+    port: int,
+    ring: int = RING,
+    ring_bytes: int = RING_BYTES,
+    replay: bool = False,
+) -> SimBoard:
+    """Connected; with `replay`, subscribed to its ctl and answering replays."""
     boot = secrets.token_hex(4)
     c = paho_client(device, password, clean_session=False)
     c.will_set(
@@ -718,8 +888,13 @@ def sim_board(device: str, password: str, host: str, port: int) -> SimBoard:
         qos=1,
         retain=True,
     )
-    connect(c, host, port)
-    return SimBoard(device, c, boot)
+    b = SimBoard(device, c, boot, ring, ring_bytes)
+    if replay:
+        c.max_inflight_messages_set(LINK_INFLIGHT)
+        c.max_queued_messages_set(LINK_OUTBOX + LINK_INFLIGHT)
+        c.message_callback_add(b.ctl, b.on_ctl)
+    connect(c, host, port, [b.ctl] if replay else ())
+    return b
 
 
 def wait_published(infos: Sequence[paho.MQTTMessageInfo], timeout: float) -> None:
@@ -734,35 +909,56 @@ def wait_published(infos: Sequence[paho.MQTTMessageInfo], timeout: float) -> Non
 class Step:
     asked: int  # events/s asked of the generator
     offered: float  # events/s it managed
-    sent: int
+    sent: int  # ids the boards' runs of the step have, gap reports included
     received: int  # distinct (device, run, id) at the host
-    lost: int
+    reported: int  # ids that did not arrive and a gap report that did arrive covers
     repeats: int
+    offer_s: float  # the generator's time
     drain_s: float  # from the last publish until the host count stood still
     cpu_s: float  # of the relay process over the step and its drain
+    replays: int = 0  # replay requests the boards answered
+    gap_reports: int = 0  # gap reports the boards emitted answering them
+    unknown_run: int = 0  # replay requests for runs the boards no longer held
+    deferred: int = 0  # the bridge's evt.deferred over the step and its drain
+    forgot: int = 0  # unfinished runs it forgot (its log's FORGOT: max_runs_per_device)
+
+    @property
+    def silent(self) -> int:
+        """Ids that never arrived and no report that arrived says are lost."""
+        return self.sent - self.received - self.reported
+
+    @property
+    def lossless(self) -> bool:
+        return not self.silent and not self.reported
 
     @property
     def short(self) -> bool:
         return self.offered < GENERATOR_SHORT * self.asked
 
     @property
+    def delivered_per_s(self) -> float:
+        """Distinct events at the host per second from the first publish to the last
+        arrival: the throughput, under backpressure too."""
+        return self.received / max(self.offer_s + self.drain_s, 1e-9)
+
+    @property
     def cpu_us_per_event(self) -> float:
         return self.cpu_s / self.received * 1e6 if self.received else float("nan")
 
 
-def offer(boards: Sequence[SimBoard], rate: int, seconds: float) -> tuple[dict[str, int], float]:
-    """Publish whole runs round-robin over the boards at `rate` events/s in total; returns
-    the runs sent ("device run" -> last id) and the rate achieved."""
+def offer(boards: Sequence[SimBoard], rate: int, seconds: float) -> tuple[int, float]:
+    """Emit whole runs round-robin over the boards at `rate` events/s in total, each
+    event through its board's ring once the board's link has room; returns the events
+    emitted and the seconds it took."""
     per_board = max(1, round(rate * seconds / len(boards) / RUN_LEN)) * RUN_LEN
-    plan: list[list[bytes]] = []
-    expected: dict[str, int] = {}
+    kinds: list[tuple[str, dict[str, Any]]] = [
+        ("run.started", {"agent": AGENT, "ver": "0.1.0", "req": "bench", "domain": "request",
+                         "input": "hi"}),
+        *[("msg.delta", {"m": 1, "text": DELTA_TEXT})] * (RUN_LEN - 2),
+        ("run.done", {"usage": {"in": 1, "out": RUN_LEN, "reason": 0}}),
+    ]  # fmt: skip
     for b in boards:
-        events: list[bytes] = []
-        while len(events) < per_board:
-            run = b.next_run()
-            events += run_events(run, RUN_LEN)
-            expected[f"{b.device} {run}"] = RUN_LEN
-        plan.append(events)
+        b.begin_step()
     total = per_board * len(boards)
     interval = 1.0 / rate
     nb = len(boards)
@@ -773,19 +969,27 @@ def offer(boards: Sequence[SimBoard], rate: int, seconds: float) -> tuple[dict[s
         if ahead > 0.001:
             time.sleep(ahead)
         b = boards[k % nb]
-        b.client.publish(b.evt, plan[k % nb][k // nb], qos=1)
-    elapsed = time.monotonic() - start
-    return expected, total / max(elapsed, 1e-9)
+        stall = time.monotonic() + STALL_S
+        while not b.pump():
+            if time.monotonic() > stall:
+                raise BenchError(f"board {b.device}: its link took nothing for {STALL_S} s")
+            time.sleep(0.0005)
+        b.emit(*kinds[(k // nb) % RUN_LEN])
+    return total, time.monotonic() - start
 
 
-def drain(host: Child, total: int) -> float:
-    """Wait until the host has `total` messages or its count stood still QUIET_S; seconds."""
+def drain(host: Child, total: Callable[[], int], pump: Callable[[], None]) -> float:
+    """Wait until the host has `total()` messages or its count stood still QUIET_S;
+    seconds. (A board's gap report adds an id, so the total is asked again.) `pump` at
+    each poll: what a board's link could not take when it answered a replay goes out
+    once it has room, as on the board (on_room)."""
     start = time.monotonic()
     last, since = -1, start
     while True:
+        pump()
         n = host.ask("count")
         now = time.monotonic()
-        if n >= total:
+        if n >= total():
             return now - start
         if n != last:
             last, since = n, now
@@ -800,20 +1004,52 @@ def measure_step(
     relay: Child, host: Child, boards: Sequence[SimBoard], rate: int, seconds: float
 ) -> Step:
     host.ask("reset")
+    bridge = relay.role == "bridge"
+    stats0 = relay.ask("stats") if bridge else {}
+    forgot0 = relay.log_count(FORGOT)
     cpu0 = relay.cpu_s()
-    expected, offered = offer(boards, rate, seconds)
-    total = sum(expected.values())
-    drain_s = drain(host, total)
+    emitted, offer_s = offer(boards, rate, seconds)
+
+    def expected() -> dict[str, int]:
+        return {k: v for b in boards for k, v in b.expected().items()}
+
+    def pump() -> None:
+        for b in boards:
+            b.pump()
+
+    drain_s = drain(host, lambda: sum(expected().values()), pump)
     cpu = relay.cpu_s() - cpu0
+    stats = relay.ask("stats") if bridge else {}
+
+    def grew(name: str) -> int:
+        return int(stats.get(name, 0) - stats0.get(name, 0))
+
     tally = host.ask("tally", timeout=60)
     runs = tally["runs"]
-    received = lost = repeats = 0
-    for key, last in expected.items():
-        distinct, _, rep = runs.get(key, (0, 0, 0))
+    received = reported = repeats = 0
+    want = expected()
+    for key in want:
+        distinct, _, rep, covered = runs.get(key, (0, 0, 0, 0))
         received += distinct
-        lost += last - distinct
+        reported += covered
         repeats += rep
-    return Step(rate, offered, total, received, lost, repeats, drain_s, cpu)
+    count = {k: sum(b.counts[k] for b in boards) for k in ("replays", "gaps", "unknown_run")}
+    return Step(
+        rate,
+        emitted / max(offer_s, 1e-9),
+        sum(want.values()),
+        received,
+        reported,
+        repeats,
+        offer_s,
+        drain_s,
+        cpu,
+        count["replays"],
+        count["gaps"],
+        count["unknown_run"],
+        grew("evt.deferred"),
+        relay.log_count(FORGOT) - forgot0,
+    )
 
 
 def ramp(
@@ -831,9 +1067,12 @@ def ramp(
         steps.append(st)
         progress(
             f"  {label}, {len(boards)} boards, {rate}/s: offered {st.offered:.0f}/s, "
-            f"lost {st.lost} of {st.sent}, {st.cpu_us_per_event:.0f} us CPU/event"
+            f"delivered {st.delivered_per_s:.0f}/s; of {st.sent} ids {st.reported} reported "
+            f"lost, {st.silent} lost silently; {st.replays} replays answered "
+            f"({st.unknown_run} unknown_run); bridge deferred {st.deferred}, forgot "
+            f"{st.forgot} unfinished runs; {st.cpu_us_per_event:.0f} us CPU/event"
         )
-        if st.lost:
+        if not st.lossless:
             lossy += 1
         if lossy > LOSSY_STEPS_AFTER or st.short:
             break
@@ -842,9 +1081,10 @@ def ramp(
 
 
 def highest_lossless(steps: Sequence[Step]) -> Step | None:
+    """The last step before the first with a silent loss or a gap."""
     best = None
     for st in steps:
-        if st.lost:
+        if not st.lossless:
             break
         best = st
     return best
@@ -896,7 +1136,12 @@ def thousand_devices(
 
 
 def load_figures(
-    workdir: Path, rates: Sequence[int], step_s: float, extra_conf: str
+    workdir: Path,
+    rates: Sequence[int],
+    step_s: float,
+    extra_conf: str,
+    ring: int = RING,
+    ring_bytes: int = RING_BYTES,
 ) -> tuple[dict[str, dict[int, list[Step]]], dict[str, Rss], dict[str, dict[str, int]], str, int]:
     """Figures 2, 3 and 5 on a broker of their own; also the relays' own counters after
     figure 2, and the broker's takeovers."""
@@ -942,7 +1187,9 @@ def load_figures(
 
         stack.callback(close_boards)
         for d in sim:
-            boards.append(sim_board(d, users[d], broker.host, broker.port))
+            boards.append(
+                sim_board(d, users[d], broker.host, broker.port, ring, ring_bytes, replay=True)
+            )
         # The raw relay first: the bridge's session (persistent) would stay at the broker
         # after it, collecting the relay's traffic.
         for name, role, conf_ in (("raw", "relay", relay_conf), ("wren", "bridge", bridge_conf)):
@@ -1024,6 +1271,12 @@ WREN_COUNTERS = (
     "evt.held",
     "evt.hold_overflow",
     "evt.duplicate",
+    "evt.deferred",
+    "evt.deferred.device",
+    "evt.deferred.tenant",
+    "evt.deferred.budget",
+    "replay.sent",
+    "evt.lost",
     "runs.evicted",
     "publish.queue_full",
     "publish.not_sent",
@@ -1039,6 +1292,8 @@ def print_load(
     step_s: float,
     counters: dict[str, dict[str, int]],
     factor: float,
+    ring: int,
+    ring_bytes: int,
 ) -> None:
     print()
     print(
@@ -1046,30 +1301,41 @@ def print_load(
         f"events ({len(DELTA_TEXT)}-char msg.delta),\n     {step_s:g} s per step, the rate "
         f"x{factor:g} until events are lost (so the highest lossless rate\n     is known to "
         f"within x{factor:g}: --factor); CPU of the relay process (user + system) per event "
-        "received"
+        f"received.\n     Each board keeps the real board's rings (last {ring} events and at "
+        f"most {ring_bytes} bytes of a run, for the active run\n     and the last "
+        f"{RECENT_RUNS} finished) and answers the bridge's replay requests from them; its "
+        f"link takes {LINK_OUTBOX} waiting\n     + {LINK_INFLIGHT} unacknowledged publishes "
+        "and the board waits for room (edge_runtime's own Emitter)"
     )
     for count in BOARD_COUNTS:
         print(f"\n{count} board{'s' if count > 1 else ''}")
         print(
-            f"{'asked/s':>8} | {'raw: offered':>12} {'lost':>7} {'us/evt':>7} {'drain s':>7} "
-            f"| {'wren: offered':>13} {'lost':>7} {'us/evt':>7} {'drain s':>7} | cpu ratio"
+            f"{'asked/s':>8} | {'raw: offered':>12} {'deliv/s':>7} {'lost':>6} {'us/evt':>6} "
+            f"{'drain':>5} | {'wren: offered':>13} {'deliv/s':>7} {'gap':>6} {'silent':>6} "
+            f"{'us/evt':>6} {'drain':>5} {'replays':>7} | cpu"
         )
         raw = {s.asked: s for s in steps["raw"][count]}
         wren = {s.asked: s for s in steps["wren"][count]}
         for rate in sorted(set(raw) | set(wren)):
             line = f"{rate:>8} |"
-            for st, width in ((raw.get(rate), 12), (wren.get(rate), 13)):
-                if st is None:
-                    line += f" {'-':>{width}} {'':>7} {'':>7} {'':>7} |"
-                else:
-                    mark = "*" if st.short else " "
-                    line += (
-                        f" {st.offered:>{width - 1}.0f}{mark} {st.lost:>7} "
-                        f"{st.cpu_us_per_event:>7.0f} {st.drain_s:>7.1f} |"
-                    )
             r, w = raw.get(rate), wren.get(rate)
+            if r is None:
+                line += f" {'-':>12} {'':>7} {'':>6} {'':>6} {'':>5} |"
+            else:
+                line += (
+                    f" {r.offered:>11.0f}{'*' if r.short else ' '} {r.delivered_per_s:>7.0f} "
+                    f"{r.silent + r.reported:>6} {r.cpu_us_per_event:>6.0f} {r.drain_s:>5.1f} |"
+                )
+            if w is None:
+                line += f" {'-':>13} {'':>7} {'':>6} {'':>6} {'':>6} {'':>5} {'':>7} |"
+            else:
+                line += (
+                    f" {w.offered:>12.0f}{'*' if w.short else ' '} {w.delivered_per_s:>7.0f} "
+                    f"{w.reported:>6} {w.silent:>6} {w.cpu_us_per_event:>6.0f} "
+                    f"{w.drain_s:>5.1f} {w.replays:>7} |"
+                )
             if r is not None and w is not None and r.received and w.received:
-                line += f" {w.cpu_us_per_event / r.cpu_us_per_event:8.1f}x"
+                line += f" {w.cpu_us_per_event / r.cpu_us_per_event:4.1f}x"
             print(line)
         br, bw = highest_lossless(steps["raw"][count]), highest_lossless(steps["wren"][count])
 
@@ -1084,7 +1350,7 @@ def print_load(
             return f"{b.offered:.0f}/s"
 
         print(
-            f"  highest lossless: raw {text(br, steps['raw'][count])}; "
+            f"  highest lossless (no silent loss, no gap): raw {text(br, steps['raw'][count])}; "
             f"wren {text(bw, steps['wren'][count])}"
         )
         if br is not None and bw is not None:
@@ -1096,13 +1362,31 @@ def print_load(
                 f"{br.cpu_us_per_event:.0f} us, wren {bw.cpu_us_per_event:.0f} us "
                 f"({bw.cpu_us_per_event / br.cpu_us_per_event:.1f}x)"
             )
+        tr, tw = steps["raw"][count][-1], steps["wren"][count][-1]
+        print(
+            f"  at the highest rate offered: raw offered {tr.offered:.0f}/s, delivered "
+            f"{tr.delivered_per_s:.0f}/s ({tr.silent} of {tr.sent} lost); wren offered "
+            f"{tw.offered:.0f}/s, delivered {tw.delivered_per_s:.0f}/s ({tw.reported} of "
+            f"{tw.sent} reported lost by the boards, {tw.silent} lost silently; "
+            f"{tw.unknown_run} replays of runs no longer held)"
+        )
+        print(
+            f"  wren there: the bridge deferred {tw.deferred} events and forgot {tw.forgot} "
+            f"unfinished runs (over max_runs_per_device, in its log only); the boards answered "
+            f"{tw.replays} replays ({tw.gap_reports} with a gap report)"
+        )
     print(
         "\n(* the generator offered less than 90% of the rate asked: the machine, not the "
-        "relay, was the limit.\n lost = events the boards sent that never reached the host "
-        "(distinct ids per run). us/evt = relay process\n CPU seconds over the step and its "
-        "drain / events received. Raw: paho, republishing each payload as it is;\n wren: "
-        "server_bridge.bridge.Bridge in its own process, registry of "
-        f"{max(BOARD_COUNTS) + MANY_DEVICES} devices)"
+        "relay, was the limit.\n deliv/s = distinct events at the host / (offer + drain "
+        "seconds): the throughput, under backpressure too.\n raw lost = events the boards "
+        "sent that never reached the host (a raw relay asks for no replay). Wren:\n gap = ids "
+        "that never arrived and that a board's gap report (which did arrive) names, lost "
+        "in\n the ring while the bridge deferred them; silent = ids that never arrived and "
+        "no report names (0 is\n Wren's promise); replays = replay requests the boards "
+        "answered. Highest lossless: no silent loss and\n no gap. us/evt = relay process CPU "
+        "seconds over the step and its drain / events received; cpu = wren/raw.\n Raw: paho, "
+        "republishing each payload as it is; wren: server_bridge.bridge.Bridge in its own "
+        f"process,\n registry of {max(BOARD_COUNTS) + MANY_DEVICES} devices)"
     )
     if "wren" in counters:
         c = counters["wren"]
@@ -1192,6 +1476,19 @@ def main() -> None:
     parser.add_argument(
         "--factor", type=float, default=2.0, help="figure 2 rate step factor (default 2)"
     )
+    parser.add_argument(
+        "--ring",
+        type=int,
+        default=RING,
+        help=f"figure 2: events a simulated board's ring keeps per run (default {RING}, "
+        "the board's)",
+    )
+    parser.add_argument(
+        "--ring-bytes",
+        type=int,
+        default=RING_BYTES,
+        help=f"figure 2: bytes a ring keeps at most (default {RING_BYTES}, the board's)",
+    )
     parser.add_argument("--requests", type=int, default=10, help="figure 4 (default 10)")
     parser.add_argument(
         "--spacing-s", type=float, default=0.3, help="figure 4 request spacing (default 0.3)"
@@ -1208,6 +1505,8 @@ def main() -> None:
         return
     if args.latency_runs < 10 or args.requests < 1 or args.step_s <= 0 or args.factor <= 1.05:
         parser.error("need --latency-runs >= 10, --requests >= 1, --step-s > 0, --factor > 1.05")
+    if args.ring < 1 or args.ring_bytes < 1:
+        parser.error("need --ring >= 1 and --ring-bytes >= 1")
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
     command = "python " + " ".join(
@@ -1279,7 +1578,7 @@ def main() -> None:
         version = ""
         if not {"2", "3", "5"} <= skip:
             steps, rss, counters, version, takeovers["load"] = load_figures(
-                work / "load", rates, args.step_s, extra
+                work / "load", rates, args.step_s, extra, args.ring, args.ring_bytes
             )
     print(f"command: {command}")
     print(
@@ -1291,7 +1590,7 @@ def main() -> None:
     if first:
         print_first_delta(first, args.latency_runs, args.nagle)
     if steps:
-        print_load(steps, args.step_s, counters, args.factor)
+        print_load(steps, args.step_s, counters, args.factor, args.ring, args.ring_bytes)
     if quiet is not None:
         print_quiet(*quiet, args.spacing_s)
     if rss:
