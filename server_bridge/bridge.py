@@ -176,6 +176,7 @@ class Bridge:
             count=self._count,
             limits=config.limits,
             keep=config.events_per_run,
+            window_bytes=config.window_bytes,
             hold=config.hold_per_run,
             max_runs=config.max_runs,
             max_runs_per_device=config.max_runs_per_device,
@@ -684,9 +685,9 @@ class Bridge:
             ))  # fmt: skip
             self._count("host.replay_gap")
         topic = host_topic(self.config.prefix, *_levels(t), "evt")
-        out += [(topic, encode(env)) for env in window.events]
+        out += [(topic, payload) for payload in window.payloads]
         self.outbox.host(record.tenant, out, Kind.REPLAY)
-        self._count("host.replay_events", len(window.events))
+        self._count("host.replay_events", len(window.payloads))
 
     # ------------------------------------------------------------------ publishing
 

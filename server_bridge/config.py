@@ -75,6 +75,15 @@ class BridgeConfig:
     # at once, again after replay_retry_s, then with the wait doubling up to
     # replay_retry_max_s, for as long as an id below the highest seen is missing.
     events_per_run: int = 256
+    # The replay windows of every run together, in bytes (each event its encoded length
+    # plus 128 of bookkeeping): past it the oldest events are evicted, finished runs'
+    # first, then the largest windows' (intake.py), and a host's replay of them is
+    # answered `gap`. Without it the windows grow with the fleet: 16 runs of 256 legal
+    # 16 KiB events pin 65 MiB of one device as decoded text, 520 MiB as small maps.
+    # 64 MiB keeps every window whole for typical traffic (max_runs 1024 runs of 256
+    # 64-character text deltas, 116 bytes each, is 61 MiB) and holds ~4,000 events at
+    # the size limit. With memory_budget_bytes it bounds the events the bridge keeps.
+    window_bytes: int = 64 << 20
     hold_per_run: int = 64
     max_runs: int = 1024
     max_runs_per_device: int = 16
@@ -143,6 +152,7 @@ class BridgeConfig:
             "rpc_max_inflight",
             "rpc_max_inflight_per_device",
             "events_per_run",
+            "window_bytes",
             "hold_per_run",
             "max_runs",
             "max_runs_per_device",

@@ -45,12 +45,27 @@ board for it again once its device has room. Only the events the bridge makes it
 (a gone board's gaps and run.failed) are taken regardless. So nothing the intake has
 advanced past is ever dropped.
 
-Hosts may ask for the recent events of a run (a bounded in-memory window per run). The
-durable event log is a later issue; until then a bridge restart forgets past events.
+Hosts may ask for the recent events of a run: the replay window, in memory. It keeps
+each forwarded event as the bytes that went to hosts (a replay answer sends them again),
+at most `keep` events per run, and all windows together at most `window_bytes` (each
+event charged its length plus OVERHEAD), across every device and tenant: the window is
+a cache of what already went out, so past its budget events are evicted, never refused.
+Eviction goes down to 7/8 of the budget, so a full budget is not trimmed at every event:
+first the finished runs' windows, least recently active first, down to their last event
+(all their events went out; a host that missed the end still learns how the run ended);
+then the oldest events of the largest windows, so a device flooding large events loses
+its own replay history before a quiet device loses any of its. An evicted event is no
+longer replayable from the bridge: a host asking for it is told `gap` on `_b`
+(bridge.py). The durable event log is a later issue; until then a bridge restart forgets
+past events.
 
 Run state is bounded twice: per device (`max_runs_per_device`), so a device that opens
 run after run only ever evicts its own oldest run states, never another tenant's; and in
-total (`max_runs`), the memory bound of the process.
+total (`max_runs`), the memory bound of the process. What a run record holds is bounded
+fleet-wide too: its window by `window_bytes`, its held events by the lanes' Budget (and
+`hold`), its lost ranges by `hold`; the rest is ~1.4 KB a run (~1.4 MiB at max_runs).
+Not bounded fleet-wide: the hello and status of every registered device, kept decoded
+until the bridge stops (one each, up to max_payload encoded, ~130 KB decoded at worst).
 
 Also kept here, in memory: each device's capabilities from P/d/D/hello (and the decode
 limits they announce, which the RPC layer sizes its answers by), its presence from
@@ -59,6 +74,8 @@ P/d/D/status and its last known boot id.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -125,7 +142,9 @@ def _unpack(payload: bytes) -> dict[str, Any]:
 class Window(NamedTuple):
     """What the intake still holds of a run, for a host's replay."""
 
-    events: list[dict[str, Any]]  # the forwarded events with id > after, in id order
+    # The forwarded events with id > after, in id order, each the envelope encoded as it
+    # went to hosts: a replay answer sends these bytes again.
+    payloads: list[bytes]
     first: int | None  # the lowest id still held (None: nothing forwarded yet)
     next: int  # the next id the run will forward
 
@@ -135,7 +154,6 @@ class _Run:
     device: str
     tenant: str
     run: str
-    recent: deque[dict[str, Any]]
     expected: int = 1
     # The highest id seen (delivered, held or dropped): while expected <= highest, ids
     # are missing and the board is asked for them.
@@ -163,6 +181,10 @@ class _Run:
     # The lanes refused the event at `expected` (no room): not taken, and not asked for
     # again until the device's lanes have room (tick).
     blocked: bool = False
+    # The replay window: (id, the envelope encoded as it went to hosts), oldest first,
+    # and what it is charged against the intake's window budget.
+    recent: deque[tuple[int, bytes]] = field(default_factory=deque)
+    recent_bytes: int = 0
 
     @property
     def missing(self) -> bool:
@@ -190,6 +212,7 @@ class EventIntake:
         offline_grace_s: float = 5.0,
         lanes: EventLanes | None = None,
         budget: Budget | None = None,
+        window_bytes: int = 64 << 20,
     ) -> None:
         self.prefix = prefix
         self._publish = publish
@@ -207,6 +230,12 @@ class EventIntake:
         # always taken; without a budget held events are bounded by `hold` alone.
         self._lanes = lanes
         self._budget = budget
+        # The replay windows' budget is the intake's own, apart from the lanes' Budget:
+        # that one refuses (what it pays for must never be dropped), this one evicts.
+        # Sharing one would let a cache of what already went out defer new events.
+        self._window_bytes = window_bytes
+        self._window_used = 0
+        self.window_peak = 0
         # Runs whose next event the lanes refused, waiting for room (tick).
         self._blocked: dict[tuple[str, str], _Run] = {}
         self._taken = 0
@@ -399,12 +428,80 @@ class EventIntake:
                 return False
         if st.blocked:
             self._unblock(st)  # taken after all (the lanes had room again)
-        st.recent.append(clean)
+        self._remember(st, clean["i"], payload)
         st.expected = clean["i"] + 1
         if clean["t"] in TERMINAL:
             st.finished = True
         self._taken += 1
         return True
+
+    # ------------------------------------------------------------------ replay window
+
+    def _remember(self, st: _Run, i: int, payload: bytes) -> None:
+        """Keep a forwarded event in its run's window, within `keep` events per run and
+        `window_bytes` in all (module docstring). While the lanes still queue it, the
+        window holds the same bytes object, not a copy (charged to both: conservative)."""
+        cost = len(payload) + OVERHEAD
+        st.recent.append((i, payload))
+        st.recent_bytes += cost
+        self._window_used += cost
+        if len(st.recent) > self._keep:
+            self._drop_oldest(st)
+        if self._window_used > self._window_bytes:
+            self._trim_windows()
+        self.window_peak = max(self.window_peak, self._window_used)
+
+    def _drop_oldest(self, st: _Run) -> None:
+        _, payload = st.recent.popleft()
+        cost = len(payload) + OVERHEAD
+        st.recent_bytes -= cost
+        self._window_used -= cost
+
+    def _trim_windows(self) -> None:
+        """Evict window events until the windows use at most 7/8 of their budget.
+
+        The slack makes a trim rare (once per budget/8 of new events, not at every
+        event of a flood), so its scan over every run (at most max_runs) costs little.
+        """
+        target = self._window_bytes - self._window_bytes // 8
+        evicted = 0
+        # Finished runs first, least recently active first (self._runs is in LRU order),
+        # each down to its last event (normally its terminal one).
+        for st in self._runs.values():
+            if self._window_used <= target:
+                break
+            if st.finished:
+                while len(st.recent) > 1 and self._window_used > target:
+                    self._drop_oldest(st)
+                    evicted += 1
+        if self._window_used > target:
+            # Then the largest windows lose their oldest events, largest first, each
+            # trimmed back into the heap: windows shrink towards a common size, and the
+            # small ones of quiet devices are the last to lose anything.
+            tie = itertools.count()
+            heap = [(-st.recent_bytes, next(tie), st) for st in self._runs.values() if st.recent]
+            heapq.heapify(heap)
+            while heap and self._window_used > target:
+                _, _, st = heapq.heappop(heap)
+                self._drop_oldest(st)
+                evicted += 1
+                if st.recent:
+                    heapq.heappush(heap, (-st.recent_bytes, next(tie), st))
+        if evicted:
+            self._count("window.evicted", evicted)
+
+    def _forget_window(self, st: _Run) -> None:
+        self._window_used -= st.recent_bytes
+        st.recent.clear()
+        st.recent_bytes = 0
+
+    @property
+    def window_used(self) -> int:
+        """Bytes the replay windows are charged, in all (at most window_bytes)."""
+        with self._lock:
+            return self._window_used
+
+    # ------------------------------------------------------------------ gap repair
 
     def _maybe_replay(self, st: _Run, now: float, out: list[tuple[str, bytes]]) -> None:
         # One request per hole at a time. The board answers a request by resending its
@@ -506,7 +603,7 @@ class EventIntake:
             self._runs.move_to_end(key)
             own.move_to_end(run)
             return st
-        st = _Run(device.device, device.tenant, run, deque(maxlen=self._keep))
+        st = _Run(device.device, device.tenant, run)
         self._runs[key] = st
         own[run] = st
         # A device over its own cap makes room among its own runs: a device that opens
@@ -539,6 +636,7 @@ class EventIntake:
     def _forget(self, old: _Run) -> None:
         self._unblock(old)
         self._unhold_all(old)
+        self._forget_window(old)
         del self._runs[(old.device, old.run)]
         own = self._by_device[old.device]
         del own[old.run]
@@ -596,10 +694,11 @@ class EventIntake:
     # ------------------------------------------------------------------ readers
 
     def events(self, device: str, run: str, after: int = 0) -> list[dict[str, Any]]:
-        """The recent forwarded events of a run with id > after (bounded window)."""
+        """The recent forwarded events of a run with id > after (bounded window), decoded."""
         with self._lock:
             st = self._runs.get((device, run))
-            return [dict(e) for e in st.recent if e["i"] > after] if st else []
+            payloads = [p for i, p in st.recent if i > after] if st else []
+        return [_unpack(p) for p in payloads]
 
     def window(self, device: str, run: str, after: int = 0) -> Window | None:
         """What a host's replay of a run can get: None when the run is unknown here."""
@@ -607,9 +706,11 @@ class EventIntake:
             st = self._runs.get((device, run))
             if st is None:
                 return None
-            events = [dict(e) for e in st.recent if e["i"] > after]
-            first = st.recent[0]["i"] if st.recent else None
-            return Window(events, first, st.expected)
+            # Ids are ascending in the window: what an eviction left is its newest part,
+            # so `first` is where the bridge's part of the run begins again.
+            payloads = [p for i, p in st.recent if i > after]
+            first = st.recent[0][0] if st.recent else None
+            return Window(payloads, first, st.expected)
 
     def highest(self, device: str, run: str) -> int | None:
         """The highest event id seen of a run (0 before any), None when unknown."""

@@ -204,6 +204,45 @@ def test_the_memory_budget_holds_under_a_flood(sized: MosquittoProcess, tmp_path
         f.close()
 
 
+def test_the_replay_window_budget_holds_under_a_flood(
+    sized: MosquittoProcess, tmp_path: Path
+) -> None:
+    budget = 256 * 1024
+    devices = {"f1": "demo", "f2": "other", "f3": "other"}
+    f = Fleet(sized, tmp_path, devices, window_bytes=budget)
+    try:
+        tally = f.tally()
+        boards = [f.board(d) for d in devices]
+        n = 400
+        burst_all(boards, n, "z" * 1000)  # ~1.1 MiB of windows per board without the bound
+        want = {(tenant, d, "r1"): n for d, tenant in devices.items()}
+        assert tally.wait_complete(want, BURST_WAIT), f.bridge.stats
+        intake = f.bridge.intake
+        assert intake.window_peak <= budget and intake.window_used <= budget
+        stats = f.bridge.stats
+        assert stats["window.evicted"] > 0
+        assert stats["evt.forwarded"] == len(devices) * n  # the window evicts, never defers
+
+        # A host's replay: what the window still holds comes back, the rest is a gap.
+        window = intake.window("f1", "r1")
+        assert window is not None and window.first is not None
+        first = window.first
+        assert 1 < first <= n
+        evt = f"{f.p}/h/demo/f1/evt"
+        host = Peer(f.broker, [evt])
+        f.closing.append(host)
+        tok = token("alice", tenant="demo")
+        host.send(f"{f.p}/h/demo/f1/ctl", {"op": "replay", "r": "r1", "after": 0, "tok": tok})
+        told = host.get(evt)
+        assert (told["r"], told["d"]["kind"], told["d"]["from"], told["d"]["to"]) == (
+            "_b", "gap", 1, first - 1
+        )  # fmt: skip
+        again = [host.get(evt) for _ in range(first, n + 1)]
+        assert [(e["r"], e["i"]) for e in again] == [("r1", i) for i in range(first, n + 1)]
+    finally:
+        f.close()
+
+
 def test_a_full_host_lane_refuses_busy_by_name(sized: MosquittoProcess, tmp_path: Path) -> None:
     f = Fleet(
         sized,

@@ -28,8 +28,9 @@ import pytest
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import DEVICE_OFFLINE, DEVICE_RESTARTED
+from server_bridge.lanes import OVERHEAD
 from server_bridge.models.scripted import ScriptedProvider
-from server_bridge.registry import Registry
+from server_bridge.registry import DeviceRecord, Registry
 from tests.test_bridge import (
     DEV,
     OTHER_SECRET,
@@ -809,5 +810,123 @@ def test_the_window_reader() -> None:
     it.accept(DEV, [ev(1), ev(3)])
     window = it.window("dev1", "r1", after=1)
     assert window is not None
-    assert (window.events, window.first, window.next) == ([ev(2), ev(3)], 2, 4)
+    events = [msgpack.unpackb(p, raw=False) for p in window.payloads]
+    assert (events, window.first, window.next) == ([ev(2), ev(3)], 2, 4)
     assert [e["i"] for e in it.events("dev1", "r1")] == [2, 3]  # events() unchanged
+
+
+# ---------------------------------------------------------------- the window's budget
+
+
+def window_bytes(it: Any, devices: list[str]) -> int:
+    """What the windows of these devices' runs hold, counted from what a replay gets."""
+    total = 0
+    for device in devices:
+        for run in it.runs(device):
+            window = it.window(device, run)
+            total += sum(len(p) + OVERHEAD for p in window.payloads)
+    return total
+
+
+def test_the_window_budget_holds_under_a_flood_from_several_devices() -> None:
+    budget = 64 * 1024
+    it = intake(Sink(), window_bytes=budget)
+    quiet = DeviceRecord("quiet", "calm", "x")
+    floods = [DeviceRecord(f"f{k}", f"t{k}", "x") for k in range(3)]
+    # The quiet device's run first: the oldest window of all, and the smallest.
+    it.accept(quiet, [ev(i) for i in range(1, 11)])
+    for i in range(1, 201):
+        for dev in floods:
+            for run in ("a", "b", "c", "d"):
+                it.accept(dev, [ev(i, run=run, m=1, text="z" * 1000)])
+                assert it.window_used <= budget
+    devices = ["quiet", *(d.device for d in floods)]
+    # The account matches what the windows hold, and never went over the budget.
+    assert window_bytes(it, devices) == it.window_used
+    assert it.window_peak <= budget
+    assert it.counts["window.evicted"] > 0
+    # The floods lost their oldest events, not the quiet device.
+    assert [e["i"] for e in it.events("quiet", "r1")] == list(range(1, 11))
+    for dev in floods:
+        for run in ("a", "b", "c", "d"):
+            window = it.window(dev.device, run)
+            assert window is not None and window.first is not None and window.first > 1
+            assert [e["i"] for e in it.events(dev.device, run)] == list(range(window.first, 201))
+
+
+def test_finished_runs_are_trimmed_first_down_to_their_end() -> None:
+    cost = len(msgpack.packb(ev(1, run="b", m=1, text="z" * 500))) + OVERHEAD
+    budget = 20 * cost
+    it = intake(Sink(), window_bytes=budget)
+    it.accept(DEV, [ev(i, run="a", m=1, text="z" * 500) for i in range(1, 6)])
+    it.accept(DEV, [ev(6, "run.done", run="a")])
+    # A live run fills the budget: the finished run loses its oldest events first.
+    it.accept(DEV, [ev(i, run="b", m=1, text="z" * 500) for i in range(1, 18)])
+    assert [e["i"] for e in it.events("dev1", "b")] == list(range(1, 18))
+    a = [e["i"] for e in it.events("dev1", "a")]
+    assert a == list(range(a[0], 7)) and a[0] > 1
+    # Then the live run's own oldest; the finished run keeps its end while larger
+    # windows remain: a host that missed it still learns how the run ended.
+    it.accept(DEV, [ev(i, run="b", m=1, text="z" * 500) for i in range(18, 41)])
+    assert [(e["i"], e["t"]) for e in it.events("dev1", "a")] == [(6, "run.done")]
+    window = it.window("dev1", "a")
+    assert window is not None and (window.first, window.next) == (6, 7)
+    b = [e["i"] for e in it.events("dev1", "b")]
+    assert b == list(range(b[0], 41)) and b[0] > 1
+    assert it.window_peak <= budget and window_bytes(it, ["dev1"]) == it.window_used
+
+
+def test_an_event_larger_than_the_window_budget_is_not_kept() -> None:
+    sink = Sink()
+    it = intake(sink, window_bytes=100)
+    it.accept(DEV, [ev(1, m=1, text="z" * 200), ev(2, "run.done")])
+    assert sink.evts() == [1, 2]  # forwarded all the same: the window is only a cache
+    assert it.window("dev1", "r1") == ([], None, 3)
+    assert it.window_used == 0 and it.window_peak <= 100
+
+
+def test_a_forgotten_run_gives_its_window_back() -> None:
+    it = intake(Sink(), max_runs_per_device=2)
+    for run in ("a", "b", "c"):
+        it.accept(DEV, [ev(1, run=run), ev(2, "run.done", run=run)])
+    assert it.runs("dev1") == ["b", "c"]
+    assert window_bytes(it, ["dev1"]) == it.window_used > 0
+
+
+def test_a_host_replay_of_evicted_events_is_told_gap(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    big = "z" * 1000
+    cost = len(msgpack.packb(ev(10, m=1, text=big))) + OVERHEAD
+    w = World(
+        broker,
+        tmp_path,
+        ScriptedProvider(),
+        window_bytes=4 * cost,
+        replay_retry_s=60,
+        replay_retry_max_s=60,
+    )
+    try:
+        tok = token("alice")
+        sent = [ev(i, m=1, text=big) for i in range(1, 11)]
+        w.board.send(w.d("evt"), sent)
+        assert host_events(w, 10) == sent
+        window = w.bridge.intake.window("dev1", "r1")
+        assert window is not None and window.first is not None
+        first = window.first
+        assert 1 < first <= 10 and w.bridge.intake.window_peak <= 4 * cost
+
+        w.host.send(w.h("ctl"), {"op": "replay", "r": "r1", "after": 0, "tok": tok})
+        told, *again = host_events(w, 1 + 11 - first)
+        assert (told["r"], told["i"], told["t"]) == ("_b", 1, "error")
+        assert {k: told["d"][k] for k in ("kind", "r", "from", "to")} == {
+            "kind": "gap", "r": "r1", "from": 1, "to": first - 1
+        }  # fmt: skip
+        assert again == sent[first - 1 :]  # the same envelopes as the first time
+
+        # Recent events still come back whole, with no gap.
+        w.host.send(w.h("ctl"), {"op": "replay", "r": "r1", "after": 8, "tok": tok})
+        assert host_events(w, 2) == sent[8:]
+        assert w.bridge.stats["host.replay_gap"] == 1
+    finally:
+        w.close()
