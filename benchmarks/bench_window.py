@@ -1,8 +1,6 @@
 """How much memory the intake's replay window pins while devices flood legal events.
 
-Not a test (pytest collects test_*.py only): a measurement, run by hand, e.g.
-
-    python -m tests.window_memory --devices 1 --runs 16 --shape items
+    python benchmarks/bench_window.py --devices 1 --runs 16 --shape items
 
 Each device sends `--runs` runs of `events_per_run` events (the window's per-run count)
 through EventIntake.handle_evt, as the bridge's network thread does, every event as
@@ -18,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 from pathlib import Path
 from typing import Any
 
 import msgpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
