@@ -424,7 +424,10 @@ class Runtime:
         run_id = msg.get("r")
         emitter = self.device_stream if run_id == DEVICE_RUN else self._find_emitter(run_id)
         if emitter is None:
-            self.refuse("unknown_run", "run %s is no longer held" % _clip(run_id))
+            # Naming the run (an id within the bound only): the bridge then knows the
+            # events it asked for are gone, and stops asking.
+            self.refuse("unknown_run", "run %s is no longer held" % _clip(run_id),
+                        {"r": run_id} if _is_id(run_id) else None)
             return
         emitter.replay(after)
 

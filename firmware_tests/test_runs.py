@@ -154,6 +154,14 @@ def test_replay_resends_what_the_ring_holds_and_reports_the_rest_as_a_gap():
         gap = got[-1]
         assert gap["t"] == "error" and gap["i"] == total + 1
         assert gap["d"]["kind"] == "gap" and gap["d"]["from"] == 1 and gap["d"]["to"] == total - 4
+        # A run it no longer holds: refused, naming the run (the bridge stops asking).
+        gone = "%s.99" % runtime.boot  # this boot's: another boot's is ignored, not refused
+        bridge.send("ctl", {"op": "replay", "r": gone, "after": 0})
+        bridge.send("ctl", {"op": "replay", "r": "x" * (MAX_ID + 1), "after": 0})
+        await bridge.wait_for(lambda: len(device_errors(bridge)) == 2)
+        named, unnamed = device_errors(bridge)
+        assert named["kind"] == "unknown_run" and named["r"] == gone
+        assert unnamed["kind"] == "unknown_run" and "r" not in unnamed  # not an id: not echoed
 
     run(with_board("tb-replay", body, settings={"ring": 4}))
 

@@ -187,6 +187,7 @@ class Bridge:
             lanes=self.outbox,
             budget=self.outbox.budget,
         )
+        self.intake.on_ids_lost = self._ids_lost
         self.rpc = RpcServer(
             provider,
             send=self._send_rpc,
@@ -227,6 +228,16 @@ class Bridge:
     def presence(self, device: str) -> dict[str, Any] | None:
         """A device's last P/d/D/status (`st` online/offline), None when unknown."""
         return self.intake.presence(device)
+
+    def _ids_lost(self, tenant: str, device: str, run: str, lo: int, hi: int, why: str) -> None:
+        """Events lo..hi of a run will never reach hosts through the bridge: say so on
+        the tenant's `_b` stream of that device, as a gap naming the run (the form of a
+        replay answer), so a host's transcript marks them missing instead of waiting."""
+        d = {"kind": "gap", "r": run, "from": lo, "to": hi, "msg": f"events {lo}..{hi}: {why}"}
+        topic, payload = self._bridge_event(Topic("h", device, "evt", tenant), d)
+        self.outbox.notice(tenant, topic, payload)
+        self._count("host.gaps_told")
+        self._count(f"tenant.{tenant}.host.gaps_told")
 
     def _device_reset(self, device: str, msg: str, new_boot: bool, boot: str | None) -> None:
         """A device restarted or went offline (the intake ended its runs): its calls in

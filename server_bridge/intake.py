@@ -112,6 +112,8 @@ Count = Callable[[str, int], None]
 # (device, customer-safe message, new boot?, boot): a device restarted (boot: the new
 # one) or went offline (boot: the one its will named), None when unknown.
 DeviceReset = Callable[[str, str, bool, "str | None"], None]
+# (tenant, device, run, first id, last id, why): ids hosts will never get from the bridge.
+IdsLost = Callable[[str, str, str, int, int, str], None]
 
 
 class EventLanes(Protocol):
@@ -191,6 +193,20 @@ class _Run:
         return self.expected <= self.highest
 
 
+def _holes(st: _Run) -> list[tuple[int, int]]:
+    """The ranges of ids from `expected` to `highest` that are not held (walked by the
+    held ids, at most `hold` of them: ids come from the board and may be huge)."""
+    holes: list[tuple[int, int]] = []
+    nxt = st.expected
+    for i in sorted(h for h in st.held if h >= st.expected):
+        if i > nxt:
+            holes.append((nxt, i - 1))
+        nxt = i + 1
+    if nxt <= st.highest:
+        holes.append((nxt, st.highest))
+    return holes
+
+
 class EventIntake:
     """Accepts board events and hello/status; publishes host fan-out, replay requests, and
     the end of the runs of a board that restarted or went offline."""
@@ -241,6 +257,11 @@ class EventIntake:
         self._taken = 0
         # Called outside the lock, after what the reset published is on its way.
         self.on_device_reset = on_device_reset
+        # Told (outside the lock) of ids hosts will never get from the bridge: those of a
+        # run it stopped tracking, or that the board no longer holds. The bridge says so
+        # on `_b` as a gap naming the run, so no loss is silent.
+        self.on_ids_lost: IdsLost | None = None
+        self._lost_notices: list[tuple[str, str, str, int, int, str]] = []
         # paho's network thread feeds events; the bridge's housekeeping thread ticks
         # replay retries; hosts read. One lock guards all run state. Publishing happens
         # after it is released, so no paho lock is ever taken while holding it.
@@ -284,12 +305,19 @@ class EventIntake:
                 self._count("evt.in", 1)
                 self._accept_one(device, env, now, out)
             taken = self._taken - before
+            notices, self._lost_notices = self._lost_notices, []
         self._send(out)
+        hook = self.on_ids_lost
+        for notice in notices:
+            if hook is not None:
+                hook(*notice)
         return taken
 
     def _accept_one(
         self, device: DeviceRecord, env: dict[str, Any], now: float, out: list[tuple[str, bytes]]
     ) -> None:
+        if env["r"] == DEVICE_RUN and env["t"] == "error":
+            self._board_refused(device, env["d"], now, out)
         st = self._run(device, env["r"])
         if st.ended:
             # The bridge ended this run for hosts and took the ids past what it had seen.
@@ -644,16 +672,48 @@ class EventIntake:
             del self._by_device[old.device]
 
     def _evict(self, old: _Run, why: str) -> None:
+        held = len(old.held)
         self._forget(old)
         self._count("runs.evicted", 1)
-        if old.held or old.missing or not old.finished:
+        if old.missing:
+            # Ids it had seen but not yet passed to hosts (held, deferred or still being
+            # asked for): nobody will ask the board for them now, so hosts are told.
+            self._count("evt.lost", old.highest - old.expected + 1)
+            self._ids_lost(
+                old, old.expected, old.highest, f"the bridge stopped tracking the run ({why})"
+            )
+        if old.missing or not old.finished:
             log.warning(
                 "forgetting unfinished run %s of %s (%d held events): %s",
                 old.run,
                 old.device,
-                len(old.held),
+                held,
                 why,
             )
+
+    def _ids_lost(self, st: _Run, lo: int, hi: int, why: str) -> None:
+        # Counted in evt.lost where the ids are passed over; this counts the telling.
+        self._count("evt.lost_told", hi - lo + 1)
+        self._lost_notices.append((st.tenant, st.device, st.run, lo, hi, why))
+
+    def _board_refused(
+        self, device: DeviceRecord, d: dict[str, Any], now: float, out: list[tuple[str, bytes]]
+    ) -> None:
+        # The board answers a replay for a run it no longer holds with `unknown_run`
+        # naming it: what the bridge was asking for is gone for good. Without this the
+        # bridge would go on asking, and hosts wait, for ever.
+        run = d.get("r")
+        if d.get("kind") != "unknown_run" or not isinstance(run, str):
+            return
+        st = self._runs.get((device.device, run))
+        if st is None or st.ended or not st.missing or st.replay_for is None:
+            return
+        holes = _holes(st)
+        for lo, hi in holes:
+            self._record_lost(st, lo, hi)
+        self._advance(st, now, out)
+        for lo, hi in holes:
+            self._ids_lost(st, lo, hi, "the board no longer holds these events")
 
     def _send(self, out: list[tuple[str, bytes]]) -> int:
         forwarded = 0

@@ -1161,3 +1161,67 @@ def test_a_gap_report_cannot_lose_ids_past_its_own() -> None:
     assert it.expected("dev1", "r1") == 4
     it.accept(DEV, [ev(4), ev(5, "run.done", usage={})])
     assert sink.evts() == [1, 3, 4, 5]
+
+
+def test_a_run_the_bridge_stops_tracking_with_ids_missing_is_told_to_hosts() -> None:
+    sink = Sink()
+    it = intake(sink, max_runs_per_device=2)
+    told: list[tuple[str, str, str, int, int, str]] = []
+    it.on_ids_lost = lambda *notice: told.append(notice)
+    it.accept(DEV, [ev(1, run="a"), ev(4, run="a")])  # a: 2..3 missing, 4 held
+    it.accept(DEV, [ev(1, run="b")])
+    assert told == []
+    it.accept(DEV, [ev(1, run="c")])  # over the device's cap: a, the oldest, goes
+    assert it.runs("dev1") == ["b", "c"]
+    assert [t[:5] for t in told] == [("acme", "dev1", "a", 2, 4)]
+    assert "stopped tracking" in told[0][5]
+    assert it.counts["evt.lost"] == 3  # type: ignore[attr-defined]
+    # A finished run with nothing missing goes without a word.
+    it.accept(DEV, [ev(2, "run.done", run="b", usage={})])
+    it.accept(DEV, [ev(1, run="d")])
+    assert len(told) == 1
+
+
+def test_the_boards_unknown_run_answer_to_a_replay_ends_the_asking() -> None:
+    sink = Sink()
+    it = intake(sink)
+    told: list[tuple[str, str, str, int, int, str]] = []
+    it.on_ids_lost = lambda *notice: told.append(notice)
+    it.accept(DEV, [ev(1), ev(5), ev(6, "run.done", usage={})])  # 2..4 missing
+    assert sink.ctls() == [{"op": "replay", "r": "r1", "after": 1}]
+    refusal = ev(1, "error", run="_", kind="unknown_run", msg="run r1 is no longer held")
+    refusal["d"]["r"] = "r1"
+    it.accept(DEV, [refusal])
+    # Held 5 and 6 go out, 2..4 are told lost, and nothing is asked again.
+    assert [t[:5] for t in told] == [("acme", "dev1", "r1", 2, 4)]
+    assert sink.evts() == [1, 5, 6, 1] and it.lost("dev1", "r1") == []
+    sink.now += 3600
+    it.tick()
+    assert len(sink.ctls()) == 1
+    # The same answer again, or one about a run not being asked for, changes nothing.
+    it.accept(DEV, [refusal])
+    it.accept(DEV, [{**refusal, "i": 2, "d": {**refusal["d"], "r": "other"}}])
+    assert len(told) == 1
+
+
+def test_a_run_the_board_no_longer_holds_is_told_to_hosts_as_a_gap(world: World) -> None:
+    world.board.send(world.d("evt"), ev(1))
+    world.board.send(world.d("evt"), [ev(4), ev(5, "run.done", usage={})])
+    assert world.board.get(world.d("ctl")) == {"op": "replay", "r": "r1", "after": 1}
+    # The board rebooted its memory of r1 away: it answers unknown_run, naming the run.
+    refusal = ev(1, "error", run="_", kind="unknown_run", msg="run r1 is no longer held")
+    refusal["d"]["r"] = "r1"
+    world.board.send(world.d("evt"), refusal)
+    got = [world.host.get(world.h("evt")) for _ in range(5)]
+    assert [(e["r"], e["i"]) for e in got[:3]] == [("r1", 1), ("r1", 4), ("r1", 5)]
+    assert ("_", 1) in [(e["r"], e["i"]) for e in got]  # the board's refusal itself
+    told = [e for e in got if e["r"] == "_b"]
+    assert len(told) == 1 and told[0]["t"] == "error"
+    assert {k: told[0]["d"][k] for k in ("kind", "r", "from", "to")} == {
+        "kind": "gap",
+        "r": "r1",
+        "from": 2,
+        "to": 3,
+    }
+    assert world.bridge.stats["host.gaps_told"] == 1
+    assert world.board.empty(world.d("ctl"))  # and it stops asking
