@@ -346,7 +346,11 @@ def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
                     i = int(env["i"])
                     d = env["d"]
                     if env["t"] == "error" and d.get("kind") == "gap":
-                        gaps.setdefault(key, []).append((int(d["from"]), int(d["to"])))
+                        # The bridge's own gap notices (on "_b") name their run in `r`.
+                        named = f"{device.decode()} {d['r']}" if env["r"] == "_b" else key
+                        gaps.setdefault(named, []).append((int(d["from"]), int(d["to"])))
+                    if env["r"] == "_b":
+                        continue
                 except Exception:  # noqa: BLE001 - counted
                     bad += 1
                     continue
@@ -357,11 +361,20 @@ def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
 
             def reported(key: str) -> int:
                 named = {i for lo, hi in gaps.get(key, ()) for i in range(lo, hi + 1)}
-                return len(named - ids[key])
+                return len(named - ids.get(key, set()))
 
+            # A run none of whose events arrived may still be named by the bridge's gap
+            # notice on "_b": it counts as reported, not as silent.
+            keys = set(ids) | set(gaps)
             return {
                 "runs": {
-                    k: [len(v), max(v), repeats.get(k, 0), reported(k)] for k, v in ids.items()
+                    k: [
+                        len(ids.get(k, ())),
+                        max(ids.get(k) or {0}),
+                        repeats.get(k, 0),
+                        reported(k),
+                    ]
+                    for k in keys
                 },
                 "malformed": bad,
                 "messages": len(got),

@@ -235,7 +235,7 @@ class Bridge:
         replay answer), so a host's transcript marks them missing instead of waiting."""
         d = {"kind": "gap", "r": run, "from": lo, "to": hi, "msg": f"events {lo}..{hi}: {why}"}
         topic, payload = self._bridge_event(Topic("h", device, "evt", tenant), d)
-        self.outbox.notice(tenant, topic, payload)
+        self.outbox.notice(tenant, topic, payload, loss=True)
         self._count("host.gaps_told")
         self._count(f"tenant.{tenant}.host.gaps_told")
 

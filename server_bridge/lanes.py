@@ -308,21 +308,28 @@ class Outbox:
         if direct is not None:
             self._publish(direct, _Msg(*messages[0], kind, tenant, 0))
 
-    def notice(self, tenant: str, topic: str, payload: bytes) -> bool:
+    def notice(self, tenant: str, topic: str, payload: bytes, loss: bool = False) -> bool:
         """Queue an `error` of the bridge's `_b` stream for a tenant's hosts.
 
         Notices have a bound of their own, _NOTICES of them queued per tenant, over
         whatever else the lane holds (refusals are what a full lane causes); past that
         one is not queued, counted `host.untold` and logged once per episode: the
-        refusal itself is still counted and kept in Bridge.refusals.
+        refusal itself is still counted and kept in Bridge.refusals. A `loss` notice
+        (events hosts will never get) is the one report of that loss, so it is always
+        queued, charged to the memory budget like an event until it is sent: each stands
+        for a run the bridge gave up, which events it took paid for.
         """
         with self._cond:
             ten = self._tenant(tenant)
-            if ten.notices >= _NOTICES:
+            if ten.notices >= _NOTICES and not loss:
                 self._count("host.untold", 1)
                 first, self._untold_episode = not self._untold_episode, True
             else:
-                ten.host.append(_Msg(topic, payload, Kind.NOTICE, tenant, 0))
+                cost = 0
+                if loss:
+                    cost = len(payload) + OVERHEAD
+                    self.budget.force(cost)
+                ten.host.append(_Msg(topic, payload, Kind.NOTICE, tenant, cost))
                 ten.notices += 1
                 if tenant not in self._host_turn:
                     self._host_turn[tenant] = ten
