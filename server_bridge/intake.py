@@ -87,6 +87,7 @@ from typing import Any, NamedTuple, Protocol, cast
 import msgpack
 
 from edge_runtime.events import TERMINAL
+from server_bridge.config import BridgeConfig
 from server_bridge.lanes import OVERHEAD, Budget
 from server_bridge.registry import DeviceRecord
 from server_bridge.topics import device_topic, host_topic
@@ -217,18 +218,18 @@ class EventIntake:
         publish: Publish,
         count: Count | None = None,
         limits: Limits = DEFAULT_LIMITS,
-        keep: int = 256,
-        hold: int = 64,
-        max_runs: int = 1024,
-        max_runs_per_device: int = 16,
-        replay_retry_s: float = 2.0,
-        replay_retry_max_s: float = 30.0,
+        keep: int = BridgeConfig.events_per_run,
+        hold: int = BridgeConfig.hold_per_run,
+        max_runs: int = BridgeConfig.max_runs,
+        max_runs_per_device: int = BridgeConfig.max_runs_per_device,
+        replay_retry_s: float = BridgeConfig.replay_retry_s,
+        replay_retry_max_s: float = BridgeConfig.replay_retry_max_s,
         clock: Callable[[], float] = time.monotonic,
         on_device_reset: DeviceReset | None = None,
-        offline_grace_s: float = 5.0,
+        offline_grace_s: float = BridgeConfig.offline_grace_s,
         lanes: EventLanes | None = None,
         budget: Budget | None = None,
-        window_bytes: int = 64 << 20,
+        window_bytes: int = BridgeConfig.window_bytes,
     ) -> None:
         self.prefix = prefix
         self._publish = publish

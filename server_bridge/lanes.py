@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import paho.mqtt.client as mqtt
 
+from server_bridge.config import BridgeConfig
 from server_bridge.wire import WireError
 
 __all__ = ["Budget", "Busy", "Kind", "Outbox", "RateLimited"]
@@ -172,13 +173,13 @@ class Outbox:
         count: Count,
         budget: Budget,
         *,
-        window: int = 64,
-        device_queue_bytes: int = 1 << 20,
-        tenant_queue_bytes: int = 8 << 20,
-        host_lane: int = 64,
-        host_rate: float = 50.0,
-        host_burst: int = 100,
-        board_lane: int = 1024,
+        window: int = BridgeConfig.max_inflight_messages,
+        device_queue_bytes: int = BridgeConfig.device_queue_bytes,
+        tenant_queue_bytes: int = BridgeConfig.tenant_queue_bytes,
+        host_lane: int = BridgeConfig.host_lane,
+        host_rate: float = BridgeConfig.host_rate,
+        host_burst: int = BridgeConfig.host_burst,
+        board_lane: int = BridgeConfig.board_lane,
         max_tenants: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

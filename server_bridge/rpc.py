@@ -59,6 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from server_bridge.config import BridgeConfig
 from server_bridge.models.base import Chunk, ModelError, Provider
 from server_bridge.redact import describe, scrubbed_traceback
 from server_bridge.registry import DeviceRecord
@@ -384,14 +385,14 @@ class RpcServer:
         refuse: Refuse,
         count: Count | None = None,
         limits: Limits = DEFAULT_LIMITS,
-        workers: int = 8,
-        max_inflight: int = 64,
-        max_inflight_per_device: int = 4,
-        llm_timeout_s: float = 120.0,
-        rpc_timeout_s: float = 30.0,
+        workers: int = BridgeConfig.rpc_workers,
+        max_inflight: int = BridgeConfig.rpc_max_inflight,
+        max_inflight_per_device: int = BridgeConfig.rpc_max_inflight_per_device,
+        llm_timeout_s: float = BridgeConfig.llm_timeout_s,
+        rpc_timeout_s: float = BridgeConfig.rpc_timeout_s,
         clock: Callable[[], float] = time.monotonic,
         device_limits: LimitsOf | None = None,
-        merge_s: float = 0.05,
+        merge_s: float = BridgeConfig.rpc_merge_s,
     ) -> None:
         self._send = send
         self._refuse = refuse
