@@ -28,17 +28,29 @@ A turn can also misbehave: answer an HTTP status with a body instead of a stream
 before answering, wait between chunks, or close the connection after some events (a
 dropped connection mid-stream: the chunked body ends without its last chunk).
 
+Connections are HTTP/1.1 keep-alive, as OpenAI's are: a connection carries request after
+request (the stream chunked, other answers with a Content-Length) until the client asks
+for `Connection: close`, or the server drops it on purpose (a turn that drops its stream,
+a request it could not read). `connections` counts the connections accepted, so a test
+can tell a reused connection from a new one. `idle_timeout_s` closes a connection idle
+that long between requests, as servers do; `drop_next` makes the next requests find
+their connection closed, unanswered and unrecorded (FIN, or RST with `reset`): on a
+reused connection, a server whose idle timer fired just as the request came.
+
 Every request body (parsed JSON) is recorded in `requests`, in arrival order, and the
 time.monotonic() at which each complete stream's last byte was written in `stream_ends`
 (by request number), so a benchmark in the same process can time what follows the model.
 `GET /v1/models` lists the one model. Waits (hangs, delays) end early when the server
-closes, so closing never waits out a hang.
+closes, and closing also shuts every open connection, so closing never waits out a hang
+or an idle keep-alive connection.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import ssl
+import struct
 import threading
 import time
 from collections import deque
@@ -119,9 +131,16 @@ class _Stopped(Exception):
 
 
 class ModelServer:
-    """The server; a context manager. `url` is the base URL a provider is given."""
+    """The server; a context manager. `url` is the base URL a provider is given: https
+    when `tls` (a server-side SSLContext) is given."""
 
-    def __init__(self, script: Sequence[Turn] = (), model: str = "wren-test-model") -> None:
+    def __init__(
+        self,
+        script: Sequence[Turn] = (),
+        model: str = "wren-test-model",
+        idle_timeout_s: float | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.script: list[Turn] = list(script)
         self.model = model
         self._overrides: deque[Turn] = deque()
@@ -129,13 +148,26 @@ class ModelServer:
         self._ends: dict[int, float] = {}
         self._cond = threading.Condition()
         self._closing = threading.Event()
+        self._accepted = 0
+        self._open: set[socket.socket] = set()
+        self._drops: deque[bool] = deque()  # one entry (reset?) per request to drop
         server = self
 
         class Handler(_Handler):
             owner = server
+            # StreamRequestHandler sets it on the socket: a wait for the next request
+            # longer than this ends the connection (http.server closes it quietly).
+            timeout = idle_timeout_s
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
+        self._tls = tls
+        if tls is not None:
+            # The handshake in the handler's thread (setup), not in accept on the
+            # server's: one slow client does not hold up the others.
+            self._httpd.socket = tls.wrap_socket(
+                self._httpd.socket, server_side=True, do_handshake_on_connect=False
+            )
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.05},
@@ -155,6 +187,15 @@ class ModelServer:
             self._httpd.shutdown()
             self._thread.join(timeout=5)
         self._httpd.server_close()
+        # Kept-alive connections: their handlers wait for a next request that no client
+        # may ever send. Shut down, each handler's read ends and its thread with it.
+        with self._cond:
+            still_open = list(self._open)
+        for sock in still_open:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # the handler closed it meanwhile
 
     def __enter__(self) -> ModelServer:
         return self.start()
@@ -173,9 +214,29 @@ class ModelServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        scheme = "https" if self._tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}/v1"
 
     # --- script and records ---------------------------------------------------------
+
+    def drop_next(self, n: int = 1, reset: bool = False) -> None:
+        """The next `n` chat requests find their connection closed: each is read, then
+        neither recorded nor answered, and the connection closed (with a FIN; with
+        `reset`, an RST)."""
+        with self._cond:
+            self._drops.extend([reset] * n)
+
+    @property
+    def connections(self) -> int:
+        """How many connections the server has accepted."""
+        with self._cond:
+            return self._accepted
+
+    @property
+    def open_connections(self) -> int:
+        """How many of them are still open (the server's end)."""
+        with self._cond:
+            return len(self._open)
 
     def override_next(self, *turns: Turn) -> None:
         """Answer the next requests with these turns, in order, whatever their conversation."""
@@ -227,6 +288,20 @@ class ModelServer:
                 return number, self._overrides.popleft()
             return number, self.script[count] if count < len(self.script) else None
 
+    def _opened(self, sock: socket.socket) -> None:
+        with self._cond:
+            self._accepted += 1
+            self._open.add(sock)
+
+    def _gone(self, sock: socket.socket) -> None:
+        with self._cond:
+            self._open.discard(sock)
+
+    def _take_drop(self) -> bool | None:
+        """None: answer this request; else drop it (with an RST?)."""
+        with self._cond:
+            return self._drops.popleft() if self._drops else None
+
     def _ended(self, number: int, at: float) -> None:
         with self._cond:
             self._ends[number] = at
@@ -239,8 +314,9 @@ class ModelServer:
 
 class _Handler(BaseHTTPRequestHandler):
     owner: ModelServer
-    # HTTP/1.1 so a stream can be sent with chunked transfer encoding, as OpenAI does;
-    # every response still closes its connection (urllib asks for that anyway).
+    # HTTP/1.1: streams sent with chunked transfer encoding, as OpenAI does, and the
+    # connection kept for the next request unless the client asks otherwise
+    # (`Connection: close`, or HTTP/1.0 without keep-alive; http.server reads both).
     protocol_version = "HTTP/1.1"
     # Each SSE event leaves when it is written, as from the servers this one stands for
     # (Go's net and Python's asyncio set TCP_NODELAY on every connection). With Nagle's
@@ -248,6 +324,20 @@ class _Handler(BaseHTTPRequestHandler):
     # for the client's delayed ACK (40 ms on Linux): the stream would arrive in bursts,
     # and the time of the last write would not be when the last event left.
     disable_nagle_algorithm = True
+
+    def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.settimeout(10)  # a client that never finishes its handshake
+            self.request.do_handshake()
+            self.request.settimeout(None)
+        super().setup()
+        self.owner._opened(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.owner._gone(self.connection)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: a test's output is the test's
@@ -261,14 +351,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         if self.path.rstrip("/") != "/v1/chat/completions":
-            self._answer(404, _error_body(404, f"no route {self.path}"))
+            # Whatever body came is not read: the connection cannot carry another request.
+            self._answer(404, _error_body(404, f"no route {self.path}"), close=True)
             return
         length = int(self.headers.get("Content-Length") or 0)
         if not 0 < length <= MAX_BODY:
-            self._answer(400, _error_body(400, "a JSON body is required"))
+            # The body is not read, so the connection cannot carry another request.
+            self._answer(400, _error_body(400, "a JSON body is required"), close=True)
+            return
+        raw = self.rfile.read(length)
+        if self._dropped():
             return
         try:
-            body = json.loads(self.rfile.read(length))
+            body = json.loads(raw)
         except ValueError:
             self._answer(400, _error_body(400, "the body is not JSON"))
             return
@@ -291,15 +386,29 @@ class _Handler(BaseHTTPRequestHandler):
         except (_Stopped, OSError):
             self.close_connection = True  # closing, or the client hung up: stop quietly
 
-    def _answer(self, status: int, text: str) -> None:
+    def _dropped(self) -> bool:
+        """Close the connection unanswered if drop_next asked for it."""
+        reset = self.owner._take_drop()
+        if reset is None:
+            return False
+        self.close_connection = True
+        if reset:
+            # An RST, not a FIN: with a zero linger the close resets, and closing here
+            # means the close (when finish() drops the socket's files) comes before the
+            # FIN the server would send on its way out.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+        return True
+
+    def _answer(self, status: int, text: str, close: bool = False) -> None:
         data = text.encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.send_header("Connection", "close")
+        if close or self.close_connection:
+            self.send_header("Connection", "close")  # sets close_connection
         self.end_headers()
         self.wfile.write(data)
-        self.close_connection = True
 
     # --- the stream -------------------------------------------------------------------
 
@@ -308,13 +417,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("Connection", "close")
+        if self.close_connection:
+            self.send_header("Connection", "close")  # the client asked for it
         self.end_headers()
-        self.close_connection = True
         sent = 0
         for event in _events(body, number, turn, self.owner.model):
             if turn.drop_after is not None and sent >= turn.drop_after:
                 # Mid-stream: the chunked body never gets its terminating chunk.
+                self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
             self.owner._sleep(turn.delay_s)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -274,3 +278,218 @@ def test_closing_the_server_ends_a_hang_at_once() -> None:
     server.close()
     t.join(JOIN_S)
     assert not t.is_alive() and isinstance(outcome[0], ModelError)
+
+
+# --- keep-alive: the provider's pool against the server's connections --------------------
+
+
+def provider_for(server: ModelServer, **kw: Any) -> OpenAIProvider:
+    return OpenAIProvider(server.url, "gpt-test", api_key="sk-test", **kw)
+
+
+def call(provider: OpenAIProvider, **kw: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    chunks: list[dict[str, Any]] = []
+    final = provider.complete(USER, TOOLS, chunks.append, **kw)
+    return chunks, final
+
+
+def wait_until(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + JOIN_S
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_second_call_reuses_the_connection(server: ModelServer) -> None:
+    server.script = [Turn(text="Hello there")]
+    provider = provider_for(server)
+    assert provider.pooled
+    for _ in range(3):
+        chunks, final = call(provider)
+        assert "".join(c["text"] for c in chunks) == "Hello there" and final["finish"] == "stop"
+    assert server.connections == 1 and len(server.requests) == 3
+    assert provider.idle == 1
+    provider.close()
+    assert provider.idle == 0
+    wait_until(lambda: server.open_connections == 0, "the closed pool left its socket open")
+
+
+def test_an_error_answer_costs_its_connection_not_the_next_call(server: ModelServer) -> None:
+    server.script = [Turn(text="fine")]
+    provider = provider_for(server)
+    call(provider)
+    server.override_next(Turn(status=503))
+    with pytest.raises(ModelError, match=r"HTTP 503"):
+        call(provider)
+    assert provider.idle == 0  # the error body was not read to its end
+    assert call(provider)[0] == [{"text": "fine"}]
+    assert server.connections == 2
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_used(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The server's idle timer closed the connection between calls: the provider sees the
+    # close before sending, and the call goes out on a new connection, once.
+    with ModelServer([Turn(text="again", chunk_chars=8)], idle_timeout_s=0.05) as server:
+        provider = provider_for(server)
+        call(provider)
+        wait_until(lambda: server.open_connections == 0, "the server never closed it")
+        with caplog.at_level(logging.INFO, logger="server_bridge.models.openai"):
+            assert call(provider)[0] == [{"text": "again"}]
+        assert server.connections == 2 and len(server.requests) == 2
+        assert "sending again" not in caplog.text  # seen before sending: no retry
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["fin", "rst"])
+def test_a_reused_connection_closed_as_the_request_arrives_is_retried_once(
+    server: ModelServer, reset: bool
+) -> None:
+    server.script = [Turn(text="Hello")]
+    provider = provider_for(server)
+    call(provider)
+    server.drop_next(1, reset=reset)  # the close races the request: it looks alive
+    chunks, final = call(provider)
+    assert "".join(c["text"] for c in chunks) == "Hello" and final["finish"] == "stop"
+    # The dropped request was never recorded: the model ran once per call.
+    assert server.connections == 2 and len(server.requests) == 2
+    assert provider.idle == 1
+
+
+def test_the_retry_is_one_and_only_for_a_reused_connection(server: ModelServer) -> None:
+    server.script = [Turn(text="Hello")]
+    provider = provider_for(server)
+    # A new connection closed unanswered: not retried (a retry would have succeeded).
+    server.drop_next(1)
+    with pytest.raises(ModelError, match="could not reach the model server"):
+        call(provider)
+    assert server.connections == 1 and server.requests == []
+    call(provider)
+    # Reused, dropped, and the one retry dropped too: the call fails; a second retry
+    # would have been answered.
+    server.drop_next(2)
+    with pytest.raises(ModelError, match="could not reach the model server"):
+        call(provider)
+    assert server.connections == 3 and len(server.requests) == 1
+    assert call(provider)[0] == [{"text": "Hell"}, {"text": "o"}]
+    assert server.connections == 4
+
+
+@pytest.mark.parametrize("drop_after", [0, 2], ids=["after-headers", "mid-stream"])
+def test_a_failure_after_the_first_byte_is_not_retried(
+    server: ModelServer, drop_after: int
+) -> None:
+    # On a reused connection: the answer had begun, so the call is not sent again (the
+    # model's work is paid for whether or not its answer is read).
+    server.script = [Turn(text="abcdefgh")]
+    provider = provider_for(server)
+    call(provider)
+    server.override_next(Turn(text="abcdefgh", drop_after=drop_after))
+    with pytest.raises(ModelError, match="ended the stream early"):
+        call(provider)
+    assert len(server.requests) == 2 and provider.idle == 0
+    assert call(provider)[0] == [{"text": "abcd"}, {"text": "efgh"}]
+    assert server.connections == 2
+
+
+def test_a_call_cut_by_the_deadline_does_not_poison_the_pool(server: ModelServer) -> None:
+    server.script = [Turn(text="abcdefgh")]
+    provider = provider_for(server)
+    call(provider)  # one idle connection, which the slow call below takes
+    server.override_next(Turn(text="x" * 400, chunk_chars=1, delay_s=0.01))
+    chunks: list[dict[str, Any]] = []
+    with pytest.raises(ModelError, match="did not finish in time"):
+        provider.complete(USER, TOOLS, chunks.append, deadline=time.monotonic() + 0.3)
+    assert chunks and provider.idle == 0  # shut by the watchdog: closed, not pooled
+    # The next call starts clean, on a new connection: no byte of the cut stream in it.
+    assert call(provider)[0] == [{"text": "abcd"}, {"text": "efgh"}]
+    assert server.connections == 2 and provider.idle == 1
+
+
+def test_idle_connections_are_bounded_and_closed_after_the_idle_time() -> None:
+    with ModelServer([Turn(text="slow", delay_s=0.05)]) as server:
+        provider = provider_for(server, max_idle=2, idle_s=0.2)
+        threads = [threading.Thread(target=call, args=(provider,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(JOIN_S)
+        # Four calls at once: four connections, one each; two kept.
+        assert server.connections == 4 and len(server.requests) == 4
+        assert provider.idle == 2
+        wait_until(lambda: server.open_connections == 2, "the extra two were not closed")
+        # Past the idle time, the timer thread closes the other two.
+        wait_until(lambda: provider.idle == 0, "idle connections outlived idle_s")
+        wait_until(lambda: server.open_connections == 0, "the swept sockets stayed open")
+        call(provider)  # and the pool goes on working after a sweep
+        assert server.connections == 5 and provider.idle == 1
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = str(d / "cert.pem"), str(d / "key.pem")
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def test_https_connections_are_reused_too(
+    tls_files: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = tls_files
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    # The client trusts the test certificate the way it trusts the system's CAs.
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
+    with ModelServer([Turn(text="secret")], tls=context) as server:
+        assert server.url.startswith("https://")
+        provider = provider_for(server)
+        for _ in range(3):
+            assert call(provider)[0] == [{"text": "secr"}, {"text": "et"}]
+        assert server.connections == 1
+        server.drop_next(1)
+        assert call(provider)[0] == [{"text": "secr"}, {"text": "et"}]
+        assert server.connections == 2 and len(server.requests) == 4
+
+
+def test_the_server_keeps_a_connection_alive_until_the_client_asks_to_close(
+    server: ModelServer,
+) -> None:
+    server.script = [Turn(text="a"), Turn(text="b")]
+    body = json.dumps({"model": "m", "stream": True, "messages": USER})
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=JOIN_S)
+    for headers in ({}, {"Connection": "close"}):
+        conn.request("POST", "/v1/chat/completions", body, headers)
+        response = conn.getresponse()
+        raw = response.read()
+        assert raw.endswith(b"data: [DONE]\n\n")
+    assert response.getheader("Connection") == "close" and response.will_close
+    conn.request("GET", "/v1/models")  # http.client opens a new connection
+    assert conn.getresponse().read()
+    conn.close()
+    assert server.connections == 2

@@ -493,3 +493,35 @@ def test_other_credentials_in_server_errors_are_scrubbed_from_the_log(
             run(OpenAIProvider(peer.url, "m", api_key=KEY))
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "revoked" in logged and "pa55word" not in logged and "sk-live-999" not in logged
+
+
+def test_a_proxy_keeps_the_urllib_path_and_no_proxy_or_loopback_pools(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    # Nothing is connected at construction: these hosts are never reached.
+    assert OpenAIProvider("https://models.example/v1", "m").pooled
+    monkeypatch.setenv("https_proxy", "http://proxy.example:3128")
+    monkeypatch.setenv("http_proxy", "http://proxy.example:3128")
+    # Through the proxy, by urllib, one connection per call.
+    assert not OpenAIProvider("https://models.example/v1", "m").pooled
+    assert not OpenAIProvider("http://models.example:8000/v1", "m").pooled
+    # A loopback server never goes through the proxy; nor a host no_proxy names.
+    assert OpenAIProvider("http://127.0.0.1:11434/v1", "m").pooled
+    monkeypatch.setenv("no_proxy", "models.example")
+    assert OpenAIProvider("https://models.example/v1", "m").pooled
+
+
+def test_a_proxied_provider_still_streams(peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The proxy is the peer itself (an absolute-URI request line); the base URL's host is
+    # not loopback, so the proxy applies and urllib carries the call.
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{peer.server.server_address[1]}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    peer.replies.append(Reply(parts=full_stream()))
+    provider = OpenAIProvider("http://models.example/v1", "m", api_key=KEY)
+    assert not provider.pooled
+    chunks, final = run(provider)
+    assert peer.seen[0].path == "http://models.example/v1/chat/completions"
+    assert final["finish"] == "tool_calls" and chunks[0] == {"reason": "Checking first."}

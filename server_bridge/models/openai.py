@@ -1,7 +1,19 @@
 """An OpenAI-compatible chat-completions provider (OpenAI, Ollama, llama.cpp server, vLLM).
 
-Stdlib only (urllib): one streaming POST to `{base_url}/chat/completions`, the SSE reply
-parsed line by line and turned into the contract's chunks (see models/base.py).
+Stdlib only (http.client): one streaming POST to `{base_url}/chat/completions`, the SSE
+reply parsed line by line and turned into the contract's chunks (see models/base.py).
+
+Connections: HTTP/1.1 keep-alive, http and https. Each provider keeps a small pool of
+idle connections to its server (at most `max_idle`, by default the bridge's RPC worker
+count; each closed after `idle_s` unused). One call holds one connection; it goes back
+to the pool only when its response was read to the end (the SSE `[DONE]` and the end of
+the HTTP body), so the next request starts on a clean connection and skips the TCP and
+TLS handshakes. A reused connection the server closed meanwhile (it fails before a byte
+of the answer arrives) is dropped and the request sent once more on a new one; nothing
+is ever sent again once any byte of the answer came, since a model call costs what it
+costs whether or not its answer is read. Where a proxy applies (HTTP(S)_PROXY, minus
+no_proxy, as urllib reads them), calls go through urllib's proxy handling instead, one
+connection per call, as before pooling.
 
 Errors: every failure becomes a ModelError whose message is safe to show a customer (it
 names no key, no URL, no server text); the detail goes to the log, with the key
@@ -10,7 +22,8 @@ scrubbed from it.
 Time: `timeout` bounds each wait on the socket; the call's `deadline` bounds the whole
 call. A server that keeps a stream open without finishing it (keep-alive comments, a
 slow trickle of tokens) would pass every per-read timeout, so at the deadline a watchdog
-shuts the socket down and the call ends with a ModelError, releasing its worker.
+shuts the socket down and the call ends with a ModelError, releasing its worker. A
+connection the watchdog shut is closed, never pooled.
 """
 
 from __future__ import annotations
@@ -23,7 +36,9 @@ import json
 import logging
 import os
 import re
+import select
 import socket
+import ssl
 import threading
 import time
 import urllib.error
@@ -33,6 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from server_bridge.config import BridgeConfig
 from server_bridge.models.base import Chunk, Final, ModelError
 from server_bridge.redact import scrub
 
@@ -43,6 +59,18 @@ log = logging.getLogger(__name__)
 MAX_LINE = 1 << 20
 # How much of an HTTP error body is read for the log.
 MAX_ERROR_BODY = 4096
+# How long an idle connection is kept for the next call. Servers close idle keep-alive
+# connections on timers of their own (uvicorn, under vLLM: 5 s; nginx: 75 s); one they
+# closed is seen before it is used, and a close that races the request is retried once.
+IDLE_S = 30.0
+# After `[DONE]`, how long to wait for the end of the HTTP body (the chunked terminator)
+# before giving up on reusing the connection: servers send it with the event or right
+# after. One that holds the response open past `[DONE]` costs its call this much, and its
+# connection is closed rather than pooled; the answer, already read, stands.
+DRAIN_S = 0.25
+# What may follow `[DONE]` before the body ends (a blank line, the chunked terminator).
+# A server that sends more does not get its connection reused.
+MAX_DRAIN = 4096
 
 # OpenAI function names must match this; ours may not (`memory.remember` has a dot), so
 # names are mapped on the way out and back on the way in.
@@ -114,68 +142,80 @@ def _socket_of(response: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
-class _Watchdog:
+class _Timed:
+    """Something the timer thread (_Timers) fires at `deadline`. `fire` returns when to
+    fire again, or None; `cancelled` is true while it is not waiting to fire."""
+
+    deadline: float = 0.0
+    cancelled: bool = True
+
+    def fire(self) -> float | None:
+        raise NotImplementedError
+
+
+class _Watchdog(_Timed):
     """Shuts a response's socket down at the deadline: a read blocked on a server that
     stopped sending then returns at once instead of at the socket timeout, and one that
-    keeps sending is stopped too. `fired` says why the stream ended.
+    keeps sending is stopped too. `fired` says why the stream ended, and that the
+    connection must not be reused.
 
-    Every call's watchdog is kept by one thread (_Watchdogs), not a timer thread of its
+    Every call's watchdog is kept by one thread (_Timers), not a timer thread of its
     own: starting a thread per call cost more than the rest of the provider's work
     between the model's headers and its first text."""
 
-    def __init__(self, response: Any, deadline: float | None) -> None:
+    def __init__(self, sock: socket.socket | None, deadline: float | None) -> None:
         self.fired = False
-        self.deadline = deadline if deadline is not None else 0.0
-        self.cancelled = False
-        self._sock = _socket_of(response)
-        if deadline is not None and self._sock is not None:
-            _WATCHDOGS.add(self)
-        else:
-            self.cancelled = True
+        self._sock = sock
+        if deadline is not None and sock is not None:
+            self.deadline = deadline
+            _TIMERS.add(self)
 
-    def fire(self) -> None:
-        """Called by _Watchdogs with its lock held, so never after cancel() returned."""
+    def fire(self) -> float | None:
+        """Called by _Timers with its lock held, so never after cancel() returned."""
         self.fired = True
         if self._sock is not None:
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # already closed: the call ended on its own
+        return None
 
     def cancel(self) -> None:
         if not self.cancelled:
-            _WATCHDOGS.cancel(self)
+            _TIMERS.cancel(self)
 
 
-class _Watchdogs:
-    """The watchdogs of the calls in flight, by deadline, and the one thread that fires
-    them (started at the first, a daemon). Bounded: a cancelled watchdog is dropped when
-    it reaches the top, and the heap is rebuilt without them once they are half of it,
-    so it holds at most about twice the calls in flight."""
+class _Timers:
+    """The watchdogs of the calls in flight and the pools' idle sweeps, by deadline, and
+    the one thread that fires them (started at the first, a daemon). Bounded: a
+    cancelled entry is dropped when it reaches the top, and the heap is rebuilt without
+    them once they are half of it, so it holds at most about twice the calls in flight
+    (plus one sweep per pool)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._heap: list[tuple[float, int, _Watchdog]] = []
+        self._heap: list[tuple[float, int, _Timed]] = []
         self._seq = itertools.count()
         self._cancelled = 0
         self._thread: threading.Thread | None = None
 
-    def add(self, dog: _Watchdog) -> None:
+    def add(self, entry: _Timed) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (dog.deadline, next(self._seq), dog))
+            entry.cancelled = False
+            heapq.heappush(self._heap, (entry.deadline, next(self._seq), entry))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="wren-model-watchdog", daemon=True
                 )
                 self._thread.start()
-            elif self._heap[0][2] is dog:
+            elif self._heap[0][2] is entry:
                 self._cond.notify()  # an earlier deadline than the thread waits for
 
-    def cancel(self, dog: _Watchdog) -> None:
+    def cancel(self, entry: _Timed) -> None:
         with self._cond:
-            if dog.cancelled:
+            if entry.cancelled:
                 return
-            dog.cancelled = True
+            entry.cancelled = True
             self._cancelled += 1
             if self._cancelled * 2 > len(self._heap):
                 self._heap = [e for e in self._heap if not e[2].cancelled]
@@ -195,12 +235,167 @@ class _Watchdogs:
                 if left > 0:
                     self._cond.wait(left)
                     continue
-                dog = heapq.heappop(self._heap)[2]
-                dog.cancelled = True
-                dog.fire()
+                entry = heapq.heappop(self._heap)[2]
+                entry.cancelled = True
+                again = entry.fire()
+                if again is not None:
+                    entry.deadline, entry.cancelled = again, False
+                    heapq.heappush(self._heap, (again, next(self._seq), entry))
 
 
-_WATCHDOGS = _Watchdogs()
+_TIMERS = _Timers()
+
+
+class _Unanswered(http.client.RemoteDisconnected):
+    """The connection closed or was reset before a byte of the response arrived: the
+    server never answered, so the request may be sent again on another connection."""
+
+
+# What sending on a connection the server has closed raises; no byte of an answer can
+# have been read yet. (SSLEOFError: the same, under TLS.)
+_SEND_STALE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, ssl.SSLEOFError)
+
+
+class _Response(http.client.HTTPResponse):
+    """An HTTPResponse that waits for the first byte of the answer before parsing it, so
+    a failure is known to come either before any byte (_Unanswered: safe to send again)
+    or after (never sent again)."""
+
+    def begin(self) -> None:
+        if self.headers is None:  # http.client calls begin() once per response
+            try:
+                first = self.fp.peek(1)
+            except (ConnectionResetError, ConnectionAbortedError) as e:
+                raise _Unanswered(f"reset before answering: {e}") from e
+            if not first:
+                raise _Unanswered("closed without answering")
+        super().begin()
+
+
+def _usable(sock: socket.socket | None) -> bool:
+    """Whether an idle connection can still carry a request: not once the server closed
+    it (the socket reads as ready: EOF) or sent something nobody asked for. One that
+    passes may still be closed by the time the request arrives; the retry covers that."""
+    if sock is None:
+        return False
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            ready = bool(poller.poll(0))
+        else:
+            ready = bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
+    if not ready:
+        return True
+    if isinstance(sock, ssl.SSLSocket):
+        # Ready may be only TLS records with nothing for us (a TLS 1.3 session ticket).
+        try:
+            sock.settimeout(0)
+            sock.recv(1)
+        except ssl.SSLWantReadError:
+            return True
+        except OSError:
+            return False
+    return False
+
+
+class _Pool(_Timed):
+    """A provider's idle keep-alive connections to its server.
+
+    A call takes one (the most recently used, the least likely to have been closed by the
+    server's own idle timer) or makes one, and puts it back only once its response was
+    read to the end. At most `max_idle` wait here (the newest kept); the timer thread
+    closes each once idle for `idle_s`, so an idle bridge holds no sockets."""
+
+    def __init__(self, max_idle: int, idle_s: float) -> None:
+        self.max_idle = max(0, max_idle)
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        # (time put back, connection), oldest first.
+        self._idle: list[tuple[float, http.client.HTTPConnection]] = []
+        self._armed = False  # the sweep waits in _TIMERS
+        self._closed = False
+
+    def take(self) -> http.client.HTTPConnection | None:
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if not self._idle:
+                    return None
+                since, conn = self._idle.pop()
+            if now - since < self.idle_s and _usable(conn.sock):
+                return conn
+            conn.close()
+
+    def put(self, conn: http.client.HTTPConnection) -> None:
+        drop: list[http.client.HTTPConnection] = []
+        arm = False
+        with self._lock:
+            if self._closed or self.max_idle == 0:
+                drop.append(conn)
+            else:
+                self._idle.append((time.monotonic(), conn))
+                while len(self._idle) > self.max_idle:
+                    drop.append(self._idle.pop(0)[1])
+                arm, self._armed = not self._armed, True
+        for c in drop:
+            c.close()
+        if arm:
+            # Outside our lock: the timer thread takes its lock, then ours (fire).
+            self.deadline = time.monotonic() + self.idle_s
+            _TIMERS.add(self)
+
+    def fire(self) -> float | None:
+        """The sweep, on the timer thread (its lock held): close the connections idle for
+        `idle_s`; when to look again, if any are left."""
+        now = time.monotonic()
+        with self._lock:
+            cut = 0
+            while cut < len(self._idle) and now - self._idle[cut][0] >= self.idle_s:
+                cut += 1
+            expired = self._idle[:cut]
+            del self._idle[:cut]
+            again = self._idle[0][0] + self.idle_s if self._idle else None
+            self._armed = again is not None
+        for _, conn in expired:
+            conn.close()
+        return again
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for _, conn in idle:
+            conn.close()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+
+def _drained(response: http.client.HTTPResponse, sock: socket.socket | None) -> bool:
+    """After `[DONE]`: read what is left of the body (a blank line, the chunked
+    terminator), waiting at most DRAIN_S; whether it ended cleanly, so the connection
+    may carry the next request. Never raises: the answer is already read, and a
+    connection that cannot be drained is only closed instead of pooled."""
+    if response.will_close or sock is None:
+        return False
+    try:
+        sock.settimeout(DRAIN_S)
+        response.read(MAX_DRAIN)
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+    return response.isclosed()
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The context urllib would use: the system's CAs, hostname checked; HTTP/1.1 over
+    ALPN, as http.client asks for it."""
+    context = ssl.create_default_context()
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 def _text(value: Any) -> str:
@@ -229,14 +424,16 @@ class OpenAIProvider:
         *,
         api_key_env: str = "OPENAI_API_KEY",
         timeout: float = 60,
+        max_idle: int = BridgeConfig.rpc_workers,
+        idle_s: float = IDLE_S,
     ) -> None:
         parts = urllib.parse.urlsplit(base_url.rstrip("/"))
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("base_url must be an http:// or https:// URL")
         self._basic: str | None = None
         if parts.username is not None:
-            # urllib does not send URL credentials itself; turn them into a header and
-            # keep them out of the URL that is logged or shown.
+            # http.client does not send URL credentials itself; turn them into a header
+            # and keep them out of the URL that is logged or shown.
             user = urllib.parse.unquote(parts.username)
             pwd = urllib.parse.unquote(parts.password or "")
             self._basic = base64.b64encode(f"{user}:{pwd}".encode()).decode()
@@ -245,13 +442,41 @@ class OpenAIProvider:
         # Local servers (Ollama, llama.cpp) need no key; None then means no header.
         self._api_key = api_key if api_key is not None else os.environ.get(api_key_env) or None
         self.timeout = timeout
-        # No proxy for loopback servers even when the environment names one: a local
-        # Ollama or llama.cpp server is never behind the corporate proxy.
         host = parts.hostname or ""
-        handlers: list[urllib.request.BaseHandler] = []
-        if host in ("localhost", "127.0.0.1", "::1"):
-            handlers.append(urllib.request.ProxyHandler({}))
-        self._opener = urllib.request.build_opener(*handlers)
+        self._host = host
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._path = (parts.path or "") + "/chat/completions"
+        if parts.query:
+            self._path += "?" + parts.query
+        # One TLS context for every connection: building one loads the CA store.
+        self._tls = _tls_context() if parts.scheme == "https" else None
+        # No proxy for loopback servers even when the environment names one: a local
+        # Ollama or llama.cpp server is never behind the corporate proxy. Where a proxy
+        # does apply, urllib speaks to it (CONNECT for https), one connection per call,
+        # unpooled; the environment is read here, once, as urllib's opener does.
+        netloc = host if parts.port is None else f"{host}:{parts.port}"
+        proxied = (
+            host not in ("localhost", "127.0.0.1", "::1")
+            and parts.scheme in urllib.request.getproxies()
+            and not urllib.request.proxy_bypass(netloc)
+        )
+        self._opener = urllib.request.build_opener() if proxied else None
+        self._pool = None if proxied else _Pool(max_idle, idle_s)
+
+    @property
+    def pooled(self) -> bool:
+        """Whether calls keep their connections for the next (no proxy applies)."""
+        return self._pool is not None
+
+    @property
+    def idle(self) -> int:
+        """How many idle connections the provider keeps for its next calls."""
+        return len(self._pool) if self._pool is not None else 0
+
+    def close(self) -> None:
+        """Close the idle connections; calls after this still work, unpooled."""
+        if self._pool is not None:
+            self._pool.close()
 
     def __repr__(self) -> str:
         # Never show the key, even in a debugger or a log of the provider object.
@@ -350,53 +575,150 @@ class OpenAIProvider:
         deadline: float | None = None,
     ) -> Final:
         body, names = self.build_request(messages, tools, model, max_tokens)
-        url = f"{self.base_url}/chat/completions"
-        request = urllib.request.Request(
-            url, data=json.dumps(body).encode(), headers=self._headers(), method="POST"
-        )
-        timeout = self.timeout
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ModelError(_TOO_SLOW)
-            # Connecting and waiting for the headers: no longer than the call has left.
-            timeout = min(timeout, left)
+        data = json.dumps(body).encode()
+        if self._opener is not None or self._pool is None:
+            return self._complete_by_proxy(data, emit, names, deadline)
+        conn, response = self._open(self._pool, data, deadline)
+        reusable = False
         try:
-            response = self._opener.open(request, timeout=timeout)
+            final, reusable = self._stream(response, conn.sock, emit, names, deadline, True)
+            return final
+        finally:
+            if reusable:
+                self._pool.put(conn)
+            else:
+                conn.close()
+
+    def _wait_bound(self, deadline: float | None) -> float:
+        """The bound on one wait on the socket: the per-read timeout, no longer than the
+        call has left (connecting and waiting for the headers included)."""
+        if deadline is None:
+            return self.timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ModelError(_TOO_SLOW)
+        return min(self.timeout, left)
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection
+        if self._tls is not None:
+            conn = http.client.HTTPSConnection(
+                self._host, self._port, timeout=timeout, context=self._tls
+            )
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        conn.response_class = _Response
+        conn.connect()  # sets TCP_NODELAY
+        return conn
+
+    def _open(
+        self, pool: _Pool, data: bytes, deadline: float | None
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send the request on an idle connection, or a new one; the connection and its
+        response, status 2xx, headers read. A reused connection that fails before a byte
+        of the answer (the server closed it meanwhile) is closed and the request sent
+        once more on a new connection; a new connection is not retried."""
+        conn = pool.take()
+        while True:
+            timeout = self._wait_bound(deadline)
+            reused = conn is not None
+            try:
+                if conn is None:
+                    conn = self._connect(timeout)
+                elif conn.sock is not None:
+                    conn.sock.settimeout(timeout)
+                try:
+                    conn.request("POST", self._path, data, self._headers())
+                except _SEND_STALE as e:
+                    raise _Unanswered(f"send failed: {e}") from e
+                response = conn.getresponse()
+            except _Unanswered as e:
+                if conn is not None:
+                    conn.close()
+                if not reused:
+                    raise self._unreachable(e) from None
+                log.info(
+                    "model server %s closed a kept-alive connection before answering (%s); "
+                    "sending again on a new one",
+                    self.base_url,
+                    e,
+                )
+                conn = None
+                continue
+            except (OSError, http.client.HTTPException) as e:
+                if conn is not None:
+                    conn.close()
+                raise self._unreachable(e) from None
+            if not 200 <= response.status < 300:
+                try:
+                    detail = response.read(MAX_ERROR_BODY).decode("utf-8", "replace")
+                except (OSError, http.client.HTTPException):
+                    detail = ""
+                conn.close()  # the rest of the error body is not read: not reusable
+                raise self._status_error(response.status, detail)
+            return conn, response
+
+    def _unreachable(self, e: BaseException) -> ModelError:
+        if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+            log.warning("model server %s timed out: %s", self.base_url, e)
+            return ModelError(_TIMED_OUT)
+        log.warning("model server %s unreachable: %s", self.base_url, self._scrub(str(e)))
+        return ModelError("could not reach the model server")
+
+    def _complete_by_proxy(
+        self, data: bytes, emit: Callable[[Chunk], None], names: _ToolNames, deadline: float | None
+    ) -> Final:
+        """The call through urllib, which speaks to the proxy the environment names: a
+        connection per call, closed at its end."""
+        opener = self._opener or urllib.request.build_opener()
+        url = f"{self.base_url}/chat/completions"
+        request = urllib.request.Request(url, data=data, headers=self._headers(), method="POST")
+        timeout = self._wait_bound(deadline)
+        try:
+            response = opener.open(request, timeout=timeout)
         except urllib.error.HTTPError as e:
             raise self._http_error(e) from None
-        except TimeoutError as e:
-            log.warning("model server %s timed out: %s", self.base_url, e)
-            raise ModelError(_TIMED_OUT) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            if isinstance(getattr(e, "reason", None), TimeoutError):
-                log.warning("model server %s timed out: %s", self.base_url, e)
-                raise ModelError(_TIMED_OUT) from None
-            log.warning("model server %s unreachable: %s", self.base_url, self._scrub(str(e)))
-            raise ModelError("could not reach the model server") from None
+            raise self._unreachable(e) from None
         with response:
-            watchdog = _Watchdog(response, deadline)
-            try:
-                return self._read_stream(response, emit, names, deadline)
-            except ModelError:
-                raise
-            except (OSError, ValueError, http.client.HTTPException) as e:
-                if watchdog.fired or _past(deadline):
-                    # The watchdog shut the socket: whatever the read raised, the reason
-                    # is the deadline.
-                    log.warning(
-                        "model stream from %s stopped at the call's deadline", self.base_url
-                    )
-                    raise ModelError(_TOO_SLOW) from None
-                if isinstance(e, TimeoutError):
-                    log.warning("model server %s timed out mid-stream: %s", self.base_url, e)
-                    raise ModelError(_TIMED_OUT) from None
-                if isinstance(e, ValueError):
-                    raise  # not a connection failure: a bug, reported as one
-                log.warning("model stream from %s broke: %s", self.base_url, self._scrub(str(e)))
-                raise ModelError("the connection to the model server broke") from None
-            finally:
-                watchdog.cancel()
+            return self._stream(response, _socket_of(response), emit, names, deadline, False)[0]
+
+    def _stream(
+        self,
+        response: Any,
+        sock: socket.socket | None,
+        emit: Callable[[Chunk], None],
+        names: _ToolNames,
+        deadline: float | None,
+        drain: bool,
+    ) -> tuple[Final, bool]:
+        """Read the streamed answer under the deadline's watchdog; the final, and
+        whether the connection may carry another request (with `drain`: the body was
+        read to its end and the watchdog never touched the socket)."""
+        watchdog = _Watchdog(sock, deadline)
+        try:
+            final, done = self._read_stream(response, emit, names, deadline)
+            ended = drain and done and _drained(response, sock)
+        except ModelError:
+            raise
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            if watchdog.fired or _past(deadline):
+                # The watchdog shut the socket: whatever the read raised, the reason
+                # is the deadline.
+                log.warning("model stream from %s stopped at the call's deadline", self.base_url)
+                raise ModelError(_TOO_SLOW) from None
+            if isinstance(e, TimeoutError):
+                log.warning("model server %s timed out mid-stream: %s", self.base_url, e)
+                raise ModelError(_TIMED_OUT) from None
+            if isinstance(e, ValueError):
+                raise  # not a connection failure: a bug, reported as one
+            log.warning("model stream from %s broke: %s", self.base_url, self._scrub(str(e)))
+            raise ModelError("the connection to the model server broke") from None
+        finally:
+            watchdog.cancel()
+        # Read after cancel(), which waits out a firing in progress: a socket the
+        # watchdog shut, even after the last byte was read, is never reused.
+        return final, ended and not watchdog.fired
 
     def _http_error(self, e: urllib.error.HTTPError) -> ModelError:
         try:
@@ -405,10 +727,12 @@ class OpenAIProvider:
             detail = ""
         finally:
             e.close()
+        return self._status_error(e.code, detail)
+
+    def _status_error(self, code: int, detail: str) -> ModelError:
         log.warning(
-            "model server %s answered HTTP %s: %s", self.base_url, e.code, self._scrub(detail)
+            "model server %s answered HTTP %s: %s", self.base_url, code, self._scrub(detail)
         )
-        code = e.code
         if code in (401, 403):
             msg = "the model server refused the credentials"
         elif code == 404:
@@ -427,7 +751,8 @@ class OpenAIProvider:
         emit: Callable[[Chunk], None],
         names: _ToolNames,
         deadline: float | None = None,
-    ) -> Final:
+    ) -> tuple[Final, bool]:
+        """The final, and whether the stream ended with `[DONE]`."""
         calls: dict[int, _CallParts] = {}
         usage = {"in": 0, "out": 0, "reason": 0}
         finish: str | None = None
@@ -505,7 +830,7 @@ class OpenAIProvider:
         # tool loop on the board reads the finish, so say what actually happened.
         if calls and finish in (None, "stop"):
             finish = "tool_calls"
-        return {"usage": usage, "finish": finish or "stop"}
+        return {"usage": usage, "finish": finish or "stop"}, done
 
     @staticmethod
     def _chunk(
