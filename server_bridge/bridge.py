@@ -403,6 +403,11 @@ class Bridge:
             self._housekeeper = None
         # Do not wait on a model call that may take minutes; queued calls are dropped.
         self.rpc.close(wait=False)
+        # A provider that keeps connections (the OpenAI one pools them) lets them go;
+        # a call still running keeps its own and closes it when it ends.
+        close = getattr(self.provider, "close", None)
+        if callable(close):
+            close()
         self._connected = False
 
     def __enter__(self) -> Bridge:

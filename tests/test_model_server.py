@@ -15,14 +15,20 @@ import ssl
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from server_bridge.bridge import Bridge
+from server_bridge.config import BridgeConfig
 from server_bridge.models.base import ModelError
 from server_bridge.models.openai import OpenAIProvider
+from server_bridge.registry import Registry
 from tests.model_server import ModelServer, ToolCall, Turn
+from tools.broker import MosquittoProcess
 
 USER: list[dict[str, Any]] = [{"role": "user", "content": "How warm is it in here?"}]
 TOOLS: list[dict[str, Any]] = [
@@ -493,3 +499,22 @@ def test_the_server_keeps_a_connection_alive_until_the_client_asks_to_close(
     assert conn.getresponse().read()
     conn.close()
     assert server.connections == 2
+
+
+def test_a_stopping_bridge_lets_its_providers_connections_go(
+    server: ModelServer, broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    server.script = [Turn(text="Hello there")]
+    provider = provider_for(server)
+    call(provider)
+    assert provider.idle == 1
+    tag = uuid.uuid4().hex[:8]
+    config = BridgeConfig(
+        host=broker.host, port=broker.port, username=None, password=None,
+        prefix=f"wren-pool-{tag}/v1", client_id=f"wren-bridge-{tag}",
+    )  # fmt: skip
+    bridge = Bridge(config, Registry(tmp_path / "registry.json"), provider)
+    bridge.start()
+    bridge.stop()
+    assert provider.idle == 0
+    wait_until(lambda: server.open_connections == 0, "the stopped bridge left a socket open")
