@@ -281,21 +281,30 @@ def run_demo(args: argparse.Namespace) -> int:
 
         def ask(text: str) -> int:
             view = LiveView(out)
+            # The view is drawn from paho's thread as events come, and once more from
+            # here when the run has ended: one at a time, so the last status line is
+            # always out before the next prompt.
+            drawing = threading.Lock()
 
             def show(_event: dict[str, Any], snap: Any) -> None:
                 # The client's snapshot, not the event into a second reducer: the client
                 # may step over a hole the bridge declared lost, which a reducer fed
                 # only the applied events would wait on for ever.
-                view.show(snap)
+                with drawing:
+                    view.show(snap)
 
             console.hold()
             client.on_event = show
             req = client.request(device, token, text)
+            snap = None
             try:
                 snap = _wait_run(client, req, board)
             finally:
                 client.on_event = None
-                view.close()
+                with drawing:
+                    if snap is not None:
+                        view.show(snap)  # draws only what the callbacks have not
+                    view.close()
                 console.release()
             count = sum(1 for e in client.events if e.get("r") == snap.run)
             # An answer with events missing is not a finished answer.
