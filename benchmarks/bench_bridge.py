@@ -77,6 +77,7 @@ from edge_runtime.events import DEVICE_RUN, RING, RING_BYTES, TERMINAL, Emitter 
 from edge_runtime.link import Link  # noqa: E402
 from edge_runtime.runs import _DEVICE_RING, _RECENT_RUNS  # noqa: E402
 from server_bridge import brokerconf  # noqa: E402
+from server_bridge.config import BridgeConfig  # noqa: E402
 from server_bridge.host.client import RequestRefused  # noqa: E402
 from server_bridge.host.reducer import RunSnapshot  # noqa: E402
 from server_bridge.registry import provision  # noqa: E402
@@ -109,7 +110,9 @@ CHAIN_WARMUP = 5
 START_TIMEOUT_S = 30.0
 CHILD_TIMEOUT_S = 15.0
 RUN_TIMEOUT_S = 30.0
-QUIET_S = 1.5  # a drain ends when the host count stood still this long ...
+# A drain ends when the host count stood still this long ... (longer than the bridge's
+# first two replay waits: a hole it is still asking a board about is not yet a loss)
+QUIET_S = BridgeConfig.replay_retry_s * 3 + 1.0
 DRAIN_MAX_S = 25.0  # ... or at the latest after this
 POLL_S = 0.1
 LOSSY_STEPS_AFTER = 1  # rate steps run past the first lossy one
@@ -130,6 +133,7 @@ LINK_INFLIGHT: int = _LINK["inflight"].default
 # `r: "_"` as msgpack spells it (a map key and value of one character each): how the
 # host counter tells a device-stream event without decoding every message.
 DEVICE_STREAM = msgpack.packb("r") + msgpack.packb(DEVICE_RUN)
+BRIDGE_STREAM = msgpack.packb("r") + msgpack.packb("_b")
 STALL_S = 30.0  # a board whose link takes nothing this long: the real run fails (stall_ms)
 # The bridge's log line when it forgets the state of a run it has not finished (over
 # max_runs_per_device): what that run still missed is never asked for again.
@@ -309,26 +313,29 @@ def _child_relay(conf: dict[str, Any]) -> Callable[[str], Any]:
 def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
     """The host subscriber: keeps what arrives, counts holes per run when asked."""
     got: list[bytes] = []
-    stream = [0]  # of them, events of the device streams "_" (a board's refusals)
+    # Distinct messages of runs: what a drain waits for. Not the device stream "_" (a
+    # board's refusals), not the bridge's "_b" (its gap notices), not a repeat (a run
+    # the bridge forgot and met again is forwarded again).
+    runs_seen: set[bytes] = set()
     c = paho_client(conf["user"], conf["password"])
 
     def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
         # Only kept here (topic level D and payload), read at `tally`: the counter must not
         # be what falls behind.
-        got.append(msg.topic.rsplit("/", 2)[1].encode() + b"\0" + msg.payload)
-        if DEVICE_STREAM in msg.payload:
-            stream[0] += 1
+        kept = msg.topic.rsplit("/", 2)[1].encode() + b"\0" + msg.payload
+        got.append(kept)
+        if DEVICE_STREAM not in msg.payload and BRIDGE_STREAM not in msg.payload:
+            runs_seen.add(kept)
 
     c.on_message = on_message
     connect(c, conf["host"], conf["port"], [f"{PREFIX}/h/{TENANT}/+/evt"])
 
     def command(cmd: str) -> Any:
         if cmd == "count":
-            # Events of runs: a drain waits for the boards' runs, not their refusals.
-            return len(got) - stream[0]
+            return len(runs_seen)
         if cmd == "reset":
             got.clear()
-            stream[0] = 0
+            runs_seen.clear()
             return 0
         if cmd == "tally":
             # "device run" -> [distinct ids, highest id, repeats, ids reported lost]: the
