@@ -855,8 +855,10 @@ class SimBoard:
             emitter = next((e for e in held if e.run_id == run), None)
             if emitter is None:
                 self.counts["unknown_run"] += 1
+                # Naming the run, as the board does (edge_runtime/runs.py _ctl_replay).
                 self.stream.emit(
-                    "error", {"kind": "unknown_run", "msg": f"run {run} is no longer held"}
+                    "error",
+                    {"kind": "unknown_run", "msg": f"run {run} is no longer held", "r": run},
                 )
                 return
             before = emitter.last_id
