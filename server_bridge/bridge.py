@@ -177,6 +177,7 @@ class Bridge:
             limits=config.limits,
             keep=config.events_per_run,
             window_bytes=config.window_bytes,
+            hello_bytes=config.hello_bytes,
             hold=config.hold_per_run,
             max_runs=config.max_runs,
             max_runs_per_device=config.max_runs_per_device,

@@ -84,6 +84,11 @@ class BridgeConfig:
     # 64-character text deltas, 116 bytes each, is 61 MiB) and holds ~4,000 events at
     # the size limit. With memory_budget_bytes it bounds the events the bridge keeps.
     window_bytes: int = 64 << 20
+    # Every device's last hello, as the bytes it came in, in all: past it the least
+    # recently announced are let go (their limits stay; bridge.hello() reads None). A
+    # board's hello with its tools is 1-2 KiB; 16 MiB keeps ~10,000 of them, or 1,000 at
+    # the 16 KiB size limit.
+    hello_bytes: int = 16 << 20
     hold_per_run: int = 64
     max_runs: int = 1024
     max_runs_per_device: int = 16
@@ -153,6 +158,7 @@ class BridgeConfig:
             "rpc_max_inflight_per_device",
             "events_per_run",
             "window_bytes",
+            "hello_bytes",
             "hold_per_run",
             "max_runs",
             "max_runs_per_device",

@@ -86,7 +86,7 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import msgpack
 
-from edge_runtime.events import TERMINAL
+from edge_runtime.events import MAX_ID, TERMINAL
 from server_bridge.config import BridgeConfig
 from server_bridge.lanes import OVERHEAD, Budget
 from server_bridge.registry import DeviceRecord
@@ -132,6 +132,8 @@ _ENVELOPE_KEYS = ("r", "i", "t", "ts", "n", "a", "k", "d")
 _PRESENCE = ("online", "offline")
 # Streams that are not runs: nothing is synthesized for them, they never "end".
 _STREAMS = (DEVICE_RUN, BRIDGE_RUN)
+# What of a board's status the bridge keeps (PROTOCOL.md "Topics": presence).
+_STATUS_KEYS = ("fw", "agent", "ver", "heap", "boot")
 # The `run.failed` messages of runs the bridge ends (customer-safe, PROTOCOL.md).
 DEVICE_RESTARTED = "the device restarted"
 DEVICE_OFFLINE = "the device went offline"
@@ -230,6 +232,7 @@ class EventIntake:
         lanes: EventLanes | None = None,
         budget: Budget | None = None,
         window_bytes: int = BridgeConfig.window_bytes,
+        hello_bytes: int = BridgeConfig.hello_bytes,
     ) -> None:
         self.prefix = prefix
         self._publish = publish
@@ -270,7 +273,14 @@ class EventIntake:
         # Both in least-recently-used order: every event moves its run to the end.
         self._runs: OrderedDict[tuple[str, str], _Run] = OrderedDict()
         self._by_device: dict[str, OrderedDict[str, _Run]] = {}
-        self._hello: dict[str, dict[str, Any]] = {}
+        # Each device's last hello as the bytes it came in (at most a payload, where the
+        # decoded form of a hello at the size limit takes ~130 KB), least recently
+        # announced first, all of them within hello_bytes: past it the oldest go (the
+        # bridge reads a hello's tools and fields only on request, capabilities()). Its
+        # limits, which every answer to the board is sized by, are kept apart, small.
+        self._hello: OrderedDict[str, bytes] = OrderedDict()
+        self._hello_bytes = hello_bytes
+        self._hello_used = 0
         self._device_limits: dict[str, Limits] = {}
         self._presence: dict[str, dict[str, Any]] = {}
         self._boot: dict[str, str] = {}
@@ -830,7 +840,7 @@ class EventIntake:
                 device.agent,
             )
         with self._lock:
-            self._hello[device.device] = obj
+            self._keep_hello(device.device, bytes(payload))
             self._device_limits[device.device] = limits
         self._presence_changed(device.device, boot, None)
         return obj
@@ -844,8 +854,15 @@ class EventIntake:
         obj = decode(payload, self._limits)
         if not isinstance(obj, dict) or obj.get("st") not in _PRESENCE:
             raise BadEnvelope('status must be a map with st "online" or "offline"')
-        presence = dict(obj)
-        presence["seen"] = time.time()
+        # Only what presence is: a status is up to a payload of anything, kept for every
+        # device; the fields the contract names, the strings cut to an id's length.
+        presence: dict[str, Any] = {"st": obj["st"], "seen": time.time()}
+        for key in _STATUS_KEYS:
+            value = obj.get(key)
+            if isinstance(value, str):
+                presence[key] = value[:MAX_ID]
+            elif isinstance(value, int) and not isinstance(value, bool):
+                presence[key] = value
         if not self._presence_changed(device.device, check_boot(obj, "status"), presence):
             return None
         return presence
@@ -960,8 +977,27 @@ class EventIntake:
             return self._device_limits.get(device)
 
     def capabilities(self, device: str) -> dict[str, Any] | None:
+        """The device's last hello, decoded (None before any, or once the hello budget
+        let it go)."""
         with self._lock:
-            return self._hello.get(device)
+            payload = self._hello.get(device)
+        return None if payload is None else cast(dict[str, Any], decode(payload, self._limits))
+
+    def _keep_hello(self, device: str, payload: bytes) -> None:
+        old = self._hello.pop(device, None)
+        if old is not None:
+            self._hello_used -= len(old)
+        self._hello[device] = payload
+        self._hello_used += len(payload)
+        while self._hello_used > self._hello_bytes and len(self._hello) > 1:
+            _, gone = self._hello.popitem(last=False)
+            self._hello_used -= len(gone)
+            self._count("hello.evicted", 1)
+
+    @property
+    def hello_used(self) -> int:
+        with self._lock:
+            return self._hello_used
 
     def presence(self, device: str) -> dict[str, Any] | None:
         with self._lock:

@@ -23,7 +23,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from server_bridge import tokens
+from server_bridge import tokens, wire
 from server_bridge.bridge import Bridge, BridgeError
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, RequestRefused
@@ -1225,3 +1225,48 @@ def test_a_run_the_board_no_longer_holds_is_told_to_hosts_as_a_gap(world: World)
     }
     assert world.bridge.stats["host.gaps_told"] == 1
     assert world.board.empty(world.d("ctl"))  # and it stops asking
+
+
+def _hello(tools: int) -> bytes:
+    return msgpack.packb(
+        {
+            "agent": "thermostat",
+            "boot": "0a0b0c0d",
+            "tools": [{"name": f"t{k}", "description": "d" * 100} for k in range(tools)],
+            "limits": {"payload": 8192, "str": 4096},
+        }
+    )
+
+
+def test_hellos_are_kept_within_their_budget_and_their_limits_always() -> None:
+    sink = Sink()
+    one = len(_hello(10))
+    it = intake(sink, hello_bytes=3 * one)
+    devices = [DeviceRecord(f"d{k}", "acme", "thermostat") for k in range(5)]
+    for device in devices:
+        it.handle_hello(device, _hello(10))
+        assert it.hello_used <= 3 * one
+    # The two announced first were let go; every device's limits stay.
+    assert [it.capabilities(d.device) is None for d in devices] == [True, True, False, False, False]
+    assert all(it.device_limits(d.device) == wire.Limits.from_hello({"payload": 8192, "str": 4096})
+               for d in devices)  # fmt: skip
+    assert it.counts["hello.evicted"] == 2  # type: ignore[attr-defined]
+    hello = it.capabilities("d4")
+    assert hello is not None and len(hello["tools"]) == 10
+    # A device saying hello again moves to the back and is charged once.
+    it.handle_hello(devices[2], _hello(10))
+    it.handle_hello(devices[0], _hello(10))
+    assert it.capabilities("d2") is not None and it.capabilities("d3") is None
+    assert it.hello_used == 3 * one
+
+
+def test_a_status_keeps_only_what_presence_is() -> None:
+    sink = Sink()
+    it = intake(sink)
+    status = {"st": "online", "fw": "f" * 5000, "heap": 90000, "boot": "0a0b0c0d",
+              "junk": ["x" * 3000] * 3, "agent": True}  # fmt: skip
+    it.handle_status(DEV, msgpack.packb(status))
+    presence = it.presence("dev1")
+    assert presence is not None
+    assert set(presence) == {"st", "seen", "fw", "heap", "boot"}
+    assert presence["fw"] == "f" * 64 and presence["heap"] == 90000
