@@ -14,6 +14,7 @@ running. Every wait is bounded; nothing asserts how long something took.
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,8 +188,11 @@ def test_twenty_long_answers_in_a_row_without_a_reconnect_or_heap_growth(
         # Collected at each run's end. The board's bounded tables fill over the first
         # runs (the last 16 request ids it remembers, the rings of its last two runs);
         # from then on the free heap is level: no run leaves anything behind. (Measured
-        # over 40 runs: level within a few blocks from run 17 on.)
-        settled, last = min(frees[16:20]), min(frees[20:24])
+        # over 40 runs: level within a few blocks from run 17 on.) Medians of four runs:
+        # one run's figure may dip by a packet still in the link's outbox when the free
+        # heap is read (a run's last events go out while it ends); something left
+        # behind by every run lowers all of them.
+        settled, last = statistics.median(frees[16:20]), statistics.median(frees[20:24])
         assert last >= settled - 512, str(frees)
 
 
