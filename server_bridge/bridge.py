@@ -620,7 +620,6 @@ class Bridge:
     def _bridge_error(self, t: Topic, d: dict[str, Any]) -> None:
         """An `error` event `d` on the bridge stream `_b` of the topic's T and D."""
         assert t.tenant is not None  # a host topic always has one
-        assert t.tenant is not None  # a host topic always has one
         topic, payload = self._bridge_event(t, d)
         self.outbox.notice(t.tenant, topic, payload)
 
