@@ -71,7 +71,7 @@ _EARLY_MAX = 1024
 # host message, which the tenant's rate (host_burst, host_rate) already bounds: this is
 # the room for the refusals of a burst, beyond which a host that keeps sending is not
 # told again (counted `host.untold`).
-_NOTICES = 256
+NOTICES_PER_TENANT = 256
 
 
 class Kind:
@@ -312,7 +312,7 @@ class Outbox:
     def notice(self, tenant: str, topic: str, payload: bytes, loss: bool = False) -> bool:
         """Queue an `error` of the bridge's `_b` stream for a tenant's hosts.
 
-        Notices have a bound of their own, _NOTICES of them queued per tenant, over
+        Notices have a bound of their own, NOTICES_PER_TENANT of them queued per tenant, over
         whatever else the lane holds (refusals are what a full lane causes); past that
         one is not queued, counted `host.untold` and logged once per episode: the
         refusal itself is still counted and kept in Bridge.refusals. A `loss` notice
@@ -322,7 +322,7 @@ class Outbox:
         """
         with self._cond:
             ten = self._tenant(tenant)
-            if ten.notices >= _NOTICES and not loss:
+            if ten.notices >= NOTICES_PER_TENANT and not loss:
                 self._count("host.untold", 1)
                 first, self._untold_episode = not self._untold_episode, True
             else:

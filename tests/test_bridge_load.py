@@ -8,6 +8,7 @@ no assertion is about how long something took.
 
 from __future__ import annotations
 
+import collections
 import threading
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
+from server_bridge.lanes import NOTICES_PER_TENANT, OVERHEAD, Budget, Outbox
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from tests.fakeboard import FakeBoard, HostTally
@@ -305,3 +307,19 @@ def test_a_tenant_over_its_rate_is_refused_rate_limited(
         assert f.bridge.stats["tenant.demo.rate_limited"] == 2
     finally:
         f.close()
+
+
+def test_a_loss_notice_is_queued_past_the_refusal_notices_cap() -> None:
+    """Refusal notices to a tenant's hosts are bounded (a flood of bad input must not
+    pin memory); a loss notice is the one report of events hosts will never get, so it
+    is always queued, and paid for from the memory budget until it is sent."""
+    counts: collections.Counter[str] = collections.Counter()
+    budget = Budget(1 << 20)
+    outbox = Outbox(lambda name, n: counts.update({name: n}), budget)
+    topic, payload = "p/h/demo/dev1/evt", b"\x80" * 40
+    told = [outbox.notice("demo", topic, payload) for _ in range(NOTICES_PER_TENANT + 3)]
+    assert told.count(True) == NOTICES_PER_TENANT and counts["host.untold"] == 3
+    assert budget.used == 0  # refusal notices are bounded by count, not charged
+    assert outbox.notice("demo", topic, payload, loss=True)
+    assert budget.used == len(payload) + OVERHEAD
+    assert outbox.depth()["host"] == NOTICES_PER_TENANT + 1
