@@ -94,6 +94,16 @@ def _no_delay(w):
         return 0
 
 
+def _unsent(w):
+    # Bytes a stream writer holds that its socket has not taken yet. MicroPython's
+    # stream keeps them in out_buf (and writes to the socket at once when it is empty);
+    # CPython's transport counts them.
+    buf = getattr(w, "out_buf", None)
+    if buf is not None:
+        return len(buf)
+    return w.transport.get_write_buffer_size()
+
+
 async def _close_late(t):
     try:
         w = (await t)[1]
@@ -193,6 +203,8 @@ class Link:
             return False
         if isinstance(payload, memoryview):
             payload = bytes(payload)  # a view of a buffer its owner will reuse
+        if self._send_now(topic, payload, qos, retain):
+            return True
         self._outbox.push((topic, payload, qos, retain))
         self._wake.set()
         return True
@@ -372,6 +384,55 @@ class Link:
 
     # --- sending --------------------------------------------------------------------
 
+    def _write_now(self, conn, *parts):
+        # Written at once, without a turn of the scheduler, when no other write is
+        # under way on this connection and nothing is left unsent before it; else
+        # False, and the caller goes the awaited way (_write). Latency: a board's
+        # event or ack waited for the sender task's next turn, behind whatever else
+        # the scheduler had ready (a run's next steps, a collection).
+        w = conn[1]
+        if conn is not self._conn or conn[2].locked() or _unsent(w):
+            return False
+        for p in parts:
+            w.write(p)
+        self._tx_at = platform.ticks_ms()
+        if _unsent(w):
+            self._wake.set()  # the socket took only part of it: the sender drains it
+        return True
+
+    def _send_now(self, topic, payload, qos, retain):
+        # publish()'s fast way: straight onto the socket when the message would be the
+        # sender's next anyway (connected and subscribed, nothing queued or waiting to
+        # be sent again ahead of it, room in flight). A write that fails takes the
+        # connection down; a QoS 1 message is then in flight and goes again, as it
+        # would after any loss of the connection.
+        conn = self._conn
+        if (conn is None or not self.connected or len(self._outbox)
+                or self._nsubs < len(self._subs) or len(self._inflight) >= self._inflight_max):
+            return False
+        for e in self._inflight:
+            if e[_SENT] is None:
+                return False
+        e = [self._new_pid() if qos else 0, topic, payload, retain, platform.ticks_ms(), False]
+        head = mqtt.publish_header(topic, _size(payload), qos, retain, False, e[0])
+        try:
+            if isinstance(payload, list):
+                done = self._write_now(conn, head, *payload)
+            else:
+                done = self._write_now(conn, head, payload)
+        except Exception as ex:
+            if qos:
+                e[_SENT] = None
+                self._inflight.append(e)
+            self._lost(conn, "send", ex)
+            return True
+        if not done:
+            return False
+        if qos:
+            self._inflight.append(e)
+        self.stats["sent"] += 1
+        return True
+
     async def _write(self, conn, *parts):
         # One lock per connection for every write: packets must not interleave, and on
         # MicroPython two tasks may not wait to write on one stream at the same time.
@@ -446,6 +507,8 @@ class Link:
                         self._inflight.append(e)
                     self._took()
                     await self._publish(conn, e, qos, False)
+                if _unsent(conn[1]) and conn is self._conn:
+                    await self._write(conn)  # what a direct write left: drain it
                 try:
                     await platform.wait_for_ms(self._wake.wait(), 4 * _TICK_MS)
                 except asyncio.TimeoutError:
@@ -520,7 +583,9 @@ class Link:
                         raise mqtt.MalformedPacket("QoS 2")  # we never subscribe with 2
                     if qos:
                         # After delivery: if we die first, the broker sends it again.
-                        await self._write(conn, mqtt.encode_puback(pid))
+                        ack = mqtt.encode_puback(pid)
+                        if not self._write_now(conn, ack):
+                            await self._write(conn, ack)
                 elif t == mqtt.PUBACK:
                     pid = mqtt.parse_packet_id(body)
                     for i in range(len(self._inflight)):

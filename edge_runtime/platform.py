@@ -93,9 +93,14 @@ def collect():
         gc.collect()
 
 
-def collect_often(fraction=8):
+def collect_often(fraction=4):
     # Collect whenever 1/fraction of the free heap has been allocated since the last
-    # collection, rather than only when an allocation fails (MicroPython only).
+    # collection, rather than only when an allocation fails (MicroPython only). A
+    # quarter: a run collects at its own quiet points (after its model call is out, at
+    # its end), and what a request allocates until its call is out (about 6 KB) then
+    # stays under the threshold; at an eighth a collection landed on that path and on
+    # a chunk's way to its msg.delta (0.2-0.3 ms each on the unix port; min heaps the
+    # same, bench_heap).
     if IS_MICROPYTHON:
         import gc
         gc.collect()

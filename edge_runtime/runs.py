@@ -78,10 +78,21 @@ class Run:
         self.task = None
         self.started = False
         self.cancel_reason = None
+        self.started_d = None  # run.started's fields until it is emitted (begin)
+
+    def begin(self):
+        # Emits run.started, once: the run's first event, whatever comes next. The model
+        # loop calls it just after its model call has gone, so the call does not wait
+        # behind it; every other way to emit calls it first.
+        d = self.started_d
+        if d is not None:
+            self.started_d = None
+            self.emitter.emit("run.started", d)
 
     def emit(self, etype, d=None, node=None):
         # Without waiting: a terminal event, say. What the link cannot take now waits
         # in the ring and goes out later.
+        self.begin()
         self.emitter.emit(etype, d, node)
 
     async def event(self, etype, d=None, node=None):
@@ -89,6 +100,7 @@ class Run:
         # event and nothing of this run waits ahead of it, then emit. Back-pressure
         # instead of loss: a slow link slows the run down.
         await self.runtime.flow(self.emitter)
+        self.begin()
         self.emitter.emit(etype, d, node)
 
     def check_cancelled(self):
@@ -470,14 +482,17 @@ class Runtime:
             if len(run.input) > _ECHO:
                 started["input"] = run.input[:_ECHO]
                 started["input_len"] = len(run.input)
-            run.emit("run.started", started)
+            run.started_d = started
             started = None
-            run.check_cancelled()
             handler = agent.handler
             if handler is None:
                 # The model loop is loaded when first needed: a device whose agent has a
-                # plain handler never spends heap on it.
+                # plain handler never spends heap on it. It emits run.started itself,
+                # once its model call is out: the call is what the run waits for.
                 from edge_runtime.toolloop import model_loop as handler
+            else:
+                run.begin()
+            run.check_cancelled()
             usage = await handler(run)
             run.emit("run.done", {"usage": usage or {}})
         except platform.asyncio.CancelledError:

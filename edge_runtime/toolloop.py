@@ -52,7 +52,7 @@ class _Deltas:
     # One assistant turn's streamed text and reasoning, coalesced into msg.delta and
     # reason.delta events: sent when delta_chars are pending (in pieces of that size)
     # or once the oldest pending character has waited delta_ms, and before any other
-    # event. A model streams tokens of a few characters; an event per token would be
+    # event; the turn's first text goes at once. A model streams tokens of a few characters; an event per token would be
     # hundreds of events (and ring slots, and MQTT messages) per answer.
 
     def __init__(self, run, m):
@@ -65,6 +65,7 @@ class _Deltas:
         self.text = []  # the turn's first _KEEP_TEXT characters, for the conversation
         self.kept = 0
         self.more = 0  # characters of the turn past those
+        self.sent = False  # whether an event of the turn's text has gone
 
     def wait_ms(self, idle_ms):
         # How long the caller may wait for the next chunk before pending text is due.
@@ -82,7 +83,9 @@ class _Deltas:
         self.n += len(text)
         if self.n >= self.run.delta_chars:
             await self.flush(False)
-        elif platform.ticks_diff(platform.ticks_ms(), self.since) >= self.run.delta_ms:
+        elif not self.sent or platform.ticks_diff(platform.ticks_ms(), self.since) >= self.run.delta_ms:
+            # The turn's first text goes at once: the user waits for the first words;
+            # coalescing pays off once text is flowing.
             await self.flush()
 
     async def flush(self, everything=True):
@@ -107,6 +110,7 @@ class _Deltas:
                         self.text = ["".join(self.text)]
                 self.more += len(piece) - len(keep)
             await self.run.event(self.kind, {"m": self.m, "text": piece})
+            self.sent = True
         if self.n:
             self.since = platform.ticks_ms()
 
@@ -138,6 +142,7 @@ async def model_loop(run):
             # whatever is queued ahead of it on the link (msg.start) or read ahead of it
             # at the bridge holds it up. msg.start still comes before the turn's text.
             call = await run.rpc.start("llm.complete", args, run.id)
+            run.begin()  # run.started, on the first step, right behind the call
             try:
                 # A turn for the link to send the call, then the step's collection while
                 # the model works, rather than between the request and the call.

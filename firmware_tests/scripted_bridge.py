@@ -29,7 +29,7 @@ def make_agent():
 
 # Turn n of the scripted model is chosen by how many assistant messages it was sent.
 SCRIPT = [
-    [{"text": "Let me "}, {"text": "check."}, {"tool": {"call": "c1", "name": "read_temperature", "input": "{}"}}],
+    [{"text": "Let"}, {"text": " me "}, {"text": "check."}, {"tool": {"call": "c1", "name": "read_temperature", "input": "{}"}}],
     [{"text": "It is 21.5 C."}],
 ]
 

@@ -95,15 +95,17 @@ def test_a_long_streamed_answer_is_coalesced_and_paced():
     run(with_board("tb-long", body, script, settings={"delta_ms": 60000}))
 
 
-def test_streamed_text_waits_at_most_delta_ms():
-    # A model that stops mid-answer: what came so far is sent once it has waited
-    # delta_ms, not held until more text comes.
-    script = [[{"text": "The answer "}, {"text": "is"}, {"hold": 1}]]
+def test_the_first_text_goes_at_once_and_later_text_waits_at_most_delta_ms():
+    # A model that stops mid-answer: the turn's first words go as they come (the user
+    # waits for them); what came after them is sent once it has waited delta_ms, not
+    # held until more text comes.
+    script = [[{"text": "The answer "}, {"text": "is"}, {"text": " 42"}, {"hold": 1}]]
 
     async def body(bridge, runtime):
         bridge.send("req", {"req": "wait1", "input": "x"})
-        await bridge.wait_for(lambda: _run_events(bridge, "msg.delta"))
-        assert [e["d"]["text"] for e in _run_events(bridge, "msg.delta")] == ["The answer is"]
+        await bridge.wait_for(lambda: len(_run_events(bridge, "msg.delta")) >= 2)
+        assert [e["d"]["text"] for e in _run_events(bridge, "msg.delta")] == ["The answer ",
+                                                                             "is 42"]
         assert not bridge.ended()
 
     run(with_board("tb-wait", body, script, settings={"delta_ms": 200}))

@@ -23,16 +23,18 @@ def test_one_request_runs_the_tool_loop_to_done():
         run_id = bridge.events[0]["r"]
         events = bridge.of_run(run_id)
         assert [e["i"] for e in events] == list(range(1, len(events) + 1))
-        # The two text chunks of the first turn are coalesced into one msg.delta.
-        assert _types(events) == ["run.started", "msg.start", "msg.delta", "msg.end",
+        # The first turn's first text goes at once; its next two chunks are coalesced
+        # into one msg.delta.
+        assert _types(events) == ["run.started", "msg.start", "msg.delta", "msg.delta", "msg.end",
                                   "tool.call", "tool.result", "msg.start", "msg.delta", "msg.end",
                                   "run.done"]
         started = events[0]["d"]
         assert started["req"] == "q1" and started["input"] == "How warm is it?"
         assert started["domain"] == "request" and started["agent"] == "thermostat"
-        assert events[2]["d"] == {"m": 1, "text": "Let me check."}
-        assert events[4]["d"] == {"call": "c1", "name": "read_temperature", "input": "{}", "client": False}
-        assert events[5]["d"] == {"call": "c1", "output": "21.5", "failed": False}
+        assert events[2]["d"] == {"m": 1, "text": "Let"}
+        assert events[3]["d"] == {"m": 1, "text": " me check."}
+        assert events[5]["d"] == {"call": "c1", "name": "read_temperature", "input": "{}", "client": False}
+        assert events[6]["d"] == {"call": "c1", "output": "21.5", "failed": False}
         assert events[-1]["d"]["usage"] == {"in": 20, "out": 10, "reason": 0}
         # The second model call carried the tool result back in the conversation.
         second = bridge.calls[1]["a"]["messages"]

@@ -23,7 +23,8 @@ board until it drops some. So:
   waits (bounded by the call's deadline) and the board sets the pace.
 - Text and reasoning are merged: held per call, one kind at a time, and sent when the
   board's `chunk` bytes are pending, when the oldest held piece has waited `merge_s`,
-  before any other chunk and before the final answer. `tick()` does the time-based flush
+  before any other chunk and before the final answer. The call's first chunk is not
+  held: it goes as soon as the provider sends it. `tick()` does the time-based flush
   for a provider that has gone quiet; it runs on the housekeeping thread and so never
   waits — held text that finds the window full waits for the worker's next emit or end.
 Only workers ever wait for the window. Paho's network thread (acks, calls, device_gone)
@@ -669,7 +670,9 @@ class RpcServer:
         state.held_bytes += size
         if state.held_bytes >= state.piece:
             self._flush(state, wait=True, full_only=True)
-        if state.held and now - state.held_since >= self._merge_s:
+        if state.held and (not state.sent or now - state.held_since >= self._merge_s):
+            # The call's first chunk goes at once: the user waits for the first words
+            # (time to first token); merging pays off only once text is flowing.
             self._flush(state, wait=True)
 
     def _flush(self, state: _Call, wait: bool, full_only: bool = False) -> int:

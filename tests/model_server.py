@@ -146,6 +146,7 @@ class ModelServer:
         self._overrides: deque[Turn] = deque()
         self._requests: list[dict[str, Any]] = []
         self._ends: dict[int, float] = {}
+        self._starts: dict[int, float] = {}
         self._cond = threading.Condition()
         self._closing = threading.Event()
         self._accepted = 0
@@ -250,6 +251,14 @@ class ModelServer:
             return list(self._requests)
 
     @property
+    def request_starts(self) -> dict[int, float]:
+        """time.monotonic() as each request's handling began (its headers read), by
+        request number: with stream_ends, the model server's own time, which a benchmark
+        can tell apart from the time of the client that called it."""
+        with self._cond:
+            return dict(self._starts)
+
+    @property
     def stream_ends(self) -> dict[int, float]:
         """time.monotonic() just after the last byte of each complete stream (its `[DONE]`
         event and the end of the chunked body) was written, by request number (1, 2, ...).
@@ -271,9 +280,9 @@ class ModelServer:
                 self._cond.wait(left)
             return list(self._requests)
 
-    def _record(self, body: dict[str, Any]) -> tuple[int, Turn | None]:
-        """Record a request; its number (1, 2, ...) and the turn that answers it (None:
-        the script has no turn for it)."""
+    def _record(self, body: dict[str, Any], start: float) -> tuple[int, Turn | None]:
+        """Record a request (handled from time.monotonic() `start`); its number (1, 2, ...)
+        and the turn that answers it (None: the script has no turn for it)."""
         messages = body.get("messages")
         count = (
             sum(1 for m in messages if isinstance(m, Mapping) and m.get("role") == "assistant")
@@ -284,6 +293,7 @@ class ModelServer:
             self._requests.append(body)
             self._cond.notify_all()
             number = len(self._requests)
+            self._starts[number] = start
             if self._overrides:
                 return number, self._overrides.popleft()
             return number, self.script[count] if count < len(self.script) else None
@@ -350,6 +360,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(200, json.dumps({"object": "list", "data": [model]}))
 
     def do_POST(self) -> None:  # noqa: N802
+        start = time.monotonic()
         if self.path.rstrip("/") != "/v1/chat/completions":
             # Whatever body came is not read: the connection cannot carry another request.
             self._answer(404, _error_body(404, f"no route {self.path}"), close=True)
@@ -370,7 +381,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             self._answer(400, _error_body(400, "the body is not a JSON object"))
             return
-        number, turn = self.owner._record(body)
+        number, turn = self.owner._record(body, start)
         try:
             if turn is None:
                 self._answer(500, _error_body(500, "the test script has no turn for this call"))

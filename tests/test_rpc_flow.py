@@ -337,7 +337,8 @@ def test_text_of_a_stalled_provider_goes_out_after_merge_s(stacks: Callable[...,
     s.board.wait(lambda: s.board.streams[1].text() == "abc", "the held text")
     got_abc.set()
     st = s.board.done(1)
-    assert [ch["ch"] for ch in st.chunks] == [{"text": "abc"}, {"text": "!"}]
+    # The first chunk goes at once (time to first token); "bc" waits merge_s.
+    assert [ch["ch"] for ch in st.chunks] == [{"text": "a"}, {"text": "bc"}, {"text": "!"}]
     assert_numbered(st)
     assert st.final is not None and "ok" in st.final
 
@@ -360,7 +361,8 @@ def test_held_text_goes_out_before_a_tool_call_and_another_kind(
     s.board.call(1)
     st = s.board.done(1)
     assert [ch["ch"] for ch in st.chunks] == [
-        {"reason": "Let me think"},
+        {"reason": "Let"},  # the call's first chunk: at once
+        {"reason": " me think"},
         {"text": "I will look."},
         tool,
         {"text": "Done."},
@@ -653,9 +655,11 @@ def test_merging_keeps_up_over_a_long_stream() -> None:
         wait_for(lambda: sent.final(1) is not None, "the final")
         pieces = [a["ch"]["text"] for a in sent.chunks(1)]
         assert "".join(pieces) == text
-        # Every chunk but the last is full up to a character boundary (16 bytes less at
-        # most 3); none goes out short because the stream has run longer than merge_s.
-        assert all(13 <= len(p.encode()) <= 16 for p in pieces[:-1])
+        # The first chunk goes at once, alone; every later chunk but the last is full up
+        # to a character boundary (16 bytes less at most 3): none goes out short because
+        # the stream has run longer than merge_s.
+        assert pieces[0] == text[0]
+        assert all(13 <= len(p.encode()) <= 16 for p in pieces[1:-1])
     finally:
         rpc.close()
 
