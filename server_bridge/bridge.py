@@ -643,6 +643,13 @@ class Bridge:
         out: dict[str, Any] = {"req": req.req, "usr": session.user, "input": req.input}
         if req.conv is not None:
             out["conv"] = req.conv
+        # The scope ticket: the board copies it into the run's memory calls, which then
+        # reach this user's and conversation's memory and no one else's.
+        secret = self.registry.tenant_secret(record.tenant)
+        if secret is not None:
+            out["sc"] = tokens.sign_scope(
+                bytes.fromhex(secret), record.tenant, record.device, session.user, req.conv
+            )
         if req.ttl is not None:
             out["ttl"] = req.ttl
         payload = encode(out)

@@ -1,7 +1,15 @@
-"""Session tokens: claims {ten, usr, exp} signed with the tenant's secret (HMAC-SHA256).
+"""Session tokens and scope tickets, signed with the tenant's secret (HMAC-SHA256).
 
-A token is `<base64url(msgpack claims)>.<base64url(hmac)>`. The bridge verifies it and
-takes the user id from it; nothing else in a host message names the user.
+A session token is `<base64url(msgpack claims)>.<base64url(hmac)>` with claims
+{ten, usr, exp}. The bridge verifies it and takes the user id from it; nothing else in a
+host message names the user.
+
+A scope ticket has the same form with claims {ten, dev, usr, conv, exp}: the bridge
+adds one to each request it forwards to a board, and the board copies it into the run's
+memory calls, so the bridge knows whose memory a call may touch without keeping any
+state, across its own restarts (PROTOCOL.md, "Scopes"). Tickets are signed with a key
+derived from the tenant's secret for that use alone: a ticket never verifies as a
+session token, nor a token as a ticket.
 """
 
 from __future__ import annotations
@@ -78,3 +86,86 @@ def verify(secret: bytes, token: object, tenant: str, now: float | None = None) 
     if exp < (time.time() if now is None else now):
         raise TokenError("session token has expired")
     return Session(ten, usr, exp)
+
+
+# A ticket outlives its run's longest wait on a person (a paused run, for hours).
+SCOPE_TTL_S = 7 * 24 * 3600
+_SCOPE_USE = b"wren/scope-ticket/v1"
+# Four ids of at most MAX_ID characters, an expiry and the keys: well under this.
+_MAX_TICKET = 1024
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whose memory a board's call may touch: the request's verified user and
+    conversation (None when the request had none), for one device of one tenant."""
+
+    tenant: str
+    device: str
+    user: str | None
+    conv: str | None
+    expires: int
+
+
+def _scope_key(secret: bytes) -> bytes:
+    return hmac.new(secret, _SCOPE_USE, hashlib.sha256).digest()
+
+
+def _optional_id(value: object) -> bool:
+    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_ID)
+
+
+def sign_scope(
+    secret: bytes,
+    tenant: str,
+    device: str,
+    user: str | None,
+    conv: str | None,
+    ttl_s: int = SCOPE_TTL_S,
+    now: float | None = None,
+) -> str:
+    """The scope ticket for a request the bridge forwards to `device`."""
+    for name, value in (("tenant", tenant), ("device", device)):
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_ID:
+            raise ValueError(f"a scope ticket's {name} must be a str of 1..{MAX_ID} chars")
+    if not _optional_id(user) or not _optional_id(conv):
+        raise ValueError(f"a scope ticket's user and conv are None or 1..{MAX_ID} chars")
+    exp = int((time.time() if now is None else now) + ttl_s)
+    body = msgpack.packb({"ten": tenant, "dev": device, "usr": user, "conv": conv, "exp": exp})
+    mac = hmac.new(_scope_key(secret), body, hashlib.sha256).digest()
+    return f"{_b64(body)}.{_b64(mac)}"
+
+
+def verify_scope(
+    secret: bytes, ticket: object, tenant: str, device: str, now: float | None = None
+) -> Scope:
+    """The scope a ticket proves, for a call made by `device` (the broker-authenticated
+    user of the call) of `tenant` (the registry's); TokenError when it proves none."""
+    if not isinstance(ticket, str) or ticket.count(".") != 1 or len(ticket) > _MAX_TICKET:
+        raise TokenError("malformed scope ticket")
+    body_text, mac_text = ticket.split(".")
+    try:
+        body = _unb64(body_text)
+        mac = _unb64(mac_text)
+    except (ValueError, TypeError) as e:
+        raise TokenError("malformed scope ticket") from e
+    want = hmac.new(_scope_key(secret), body, hashlib.sha256).digest()
+    if not hmac.compare_digest(want, mac):
+        raise TokenError("scope ticket signature does not verify")
+    try:
+        claims = msgpack.unpackb(body, max_str_len=MAX_ID, max_map_len=8, max_array_len=0)
+    except Exception as e:  # noqa: BLE001 - any decode failure is a malformed ticket
+        raise TokenError("malformed scope ticket claims") from e
+    if not isinstance(claims, dict):
+        raise TokenError("malformed scope ticket claims")
+    ten, dev, exp = claims.get("ten"), claims.get("dev"), claims.get("exp")
+    usr, conv = claims.get("usr"), claims.get("conv")
+    if not isinstance(ten, str) or not isinstance(dev, str) or not isinstance(exp, int):
+        raise TokenError("scope ticket lacks ten, dev or exp")
+    if not _optional_id(usr) or not _optional_id(conv):
+        raise TokenError("scope ticket has a malformed usr or conv")
+    if ten != tenant or dev != device:
+        raise TokenError("scope ticket is for another device")
+    if exp < (time.time() if now is None else now):
+        raise TokenError("scope ticket has expired")
+    return Scope(ten, dev, usr, conv, exp)

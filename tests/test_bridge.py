@@ -706,9 +706,14 @@ def test_host_req_carries_the_tokens_user(world: World) -> None:
          "tenant": "globex", "user": "root"},
     )  # fmt: skip
     got = world.board.get(world.d("req"))
+    ticket = got.pop("sc")
     assert got == {"req": "q1", "conv": "c1", "usr": "alice", "input": "How warm is it?",
                    "ttl": 60}  # fmt: skip
     assert world.bridge.stats["host.req"] == 1
+    # The scope ticket names the token's user, the request's conversation and the
+    # topic's device, whatever keys the payload carried.
+    scope = tokens.verify_scope(SECRET, ticket, "acme", "dev1")
+    assert (scope.user, scope.conv, scope.device) == ("alice", "c1", "dev1")
 
 
 def test_host_req_refusals(world: World) -> None:
@@ -734,7 +739,9 @@ def test_host_req_refusals(world: World) -> None:
     assert world.board.empty(world.d("req"))
     # Afterwards a valid request goes through, and it is the first the board sees.
     send(token("alice"), usr="admin")
-    assert world.board.get(world.d("req")) == {"req": "q", "usr": "alice", "input": "x"}
+    got = world.board.get(world.d("req"))
+    assert tokens.verify_scope(SECRET, got.pop("sc"), "acme", "dev1").user == "alice"
+    assert got == {"req": "q", "usr": "alice", "input": "x"}
 
 
 def test_host_ctl(world: World) -> None:
