@@ -117,12 +117,17 @@ _RECENT_DEVICES = 1024
 
 
 class RpcError(Exception):
-    """Raised by a handler: the call is answered `{c, err:{kind, msg}}`; msg is customer-safe."""
+    """Raised by a handler: the call is answered `{c, err:{kind, msg}}`; msg is customer-safe.
 
-    def __init__(self, kind: str, msg: str):
+    `extra` goes into the error map beside them (a `conflict` carries the current value
+    and version, PROTOCOL.md "Memory and durable state"); it never replaces kind or msg.
+    """
+
+    def __init__(self, kind: str, msg: str, extra: dict[str, Any] | None = None):
         super().__init__(f"{kind}: {msg}")
         self.kind = kind
         self.msg = msg
+        self.extra = dict(extra or {})
 
 
 class _CallOver(Exception):
@@ -135,8 +140,10 @@ class _Late(Exception):
     """A worker waited for the board's acks until the call's deadline."""
 
 
-def err(c: int | str | None, kind: str, msg: str) -> dict[str, Any]:
-    return {"c": c, "err": {"kind": kind, "msg": msg}}
+def err(
+    c: int | str | None, kind: str, msg: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"c": c, "err": {**(extra or {}), "kind": kind, "msg": msg}}
 
 
 def _log_failure(level: int, what: str, exc: BaseException) -> None:
@@ -575,7 +582,7 @@ class RpcServer:
                 return  # already ended (a timeout, a chunk the board cannot take, gone)
             except RpcError as e:
                 self._count("rpc.err", 1)
-                self._end(state, err(state.c, e.kind, e.msg))
+                self._end(state, err(state.c, e.kind, e.msg, e.extra))
                 return
             except Exception as e:
                 _log_failure(
