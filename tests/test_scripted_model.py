@@ -152,3 +152,62 @@ def test_from_file(tmp_path: Path) -> None:
     path.write_text(json.dumps({"turns": [[{"text": "abcdef"}]], "chunk_chars": 2}))
     chunks, _ = play(ScriptedProvider.from_file(path), [USER])
     assert chunks == [{"text": "ab"}, {"text": "cd"}, {"text": "ef"}]
+
+
+DIALOGUES: list[dict[str, Any]] = [
+    {
+        "when": "my usual",
+        "turns": [
+            [{"tool": {"name": "memory.recall", "input": {"query": "usual temperature"}}}],
+            [{"tool": {"name": "set_temperature", "input": {"celsius": "{last_tool_number}"}}}],
+            [{"text": "Set to your usual, {last_tool_output}."}],
+        ],
+    },
+    {"turns": [[{"text": "Hello."}]]},
+]
+
+
+def test_the_dialogue_is_chosen_by_the_first_user_message() -> None:
+    p = ScriptedProvider(DIALOGUES)
+    usual = {"role": "user", "content": "Set it to MY USUAL, please"}
+    chunks, final = play(p, [usual])
+    assert chunks == [
+        {"tool": {"call": "c1", "name": "memory.recall", "input": '{"query": "usual temperature"}'}}
+    ]
+    assert final["finish"] == "tool_calls"
+    chunks, _ = play(p, [{"role": "user", "content": "Hi"}])
+    assert text_of(chunks) == "Hello."
+
+
+def test_a_tool_input_takes_the_last_number_of_the_last_tool_output() -> None:
+    p = ScriptedProvider(DIALOGUES)
+    convo = [
+        {"role": "user", "content": "my usual"},
+        {"role": "assistant", "content": "", "tools": [{"call": "c1", "name": "memory.recall"}]},
+        {"role": "tool", "call": "c1", "content": "[recalled data] usual_celsius: 22"},
+    ]
+    chunks, _ = play(p, convo)
+    assert json.loads(chunks[0]["tool"]["input"]) == {"celsius": 22}  # a number, not "22"
+    convo[-1]["content"] = "[recalled data] usual_celsius: 22.5"
+    chunks, _ = play(p, convo)
+    assert json.loads(chunks[0]["tool"]["input"]) == {"celsius": 22.5}
+    assert chunks[0]["tool"]["call"] == "c2"
+
+
+def test_a_script_with_no_dialogue_for_the_request_fails_the_call_by_name() -> None:
+    p = ScriptedProvider([{"when": "only this", "turns": [[{"text": "x"}]]}])
+    with pytest.raises(ModelError, match="no scripted dialogue"):
+        play(p, [USER])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [{"when": "", "turns": [[{"text": "x"}]]}],
+        [{"when": 3, "turns": [[{"text": "x"}]]}],
+        [{"when": "a", "turns": [[{"nope": "x"}]]}],
+    ],
+)
+def test_malformed_dialogues_are_refused_at_load(bad: list[dict[str, Any]]) -> None:
+    with pytest.raises(ValueError):
+        ScriptedProvider(bad)

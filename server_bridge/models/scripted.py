@@ -11,13 +11,20 @@ messages already in it — so the provider keeps no state between calls: a retri
 plays the same turn, and several boards can share one provider. A text step may contain
 `{last_tool_output}`, replaced by the content of the conversation's last tool message,
 so a scripted demo honestly repeats what the board's tool returned instead of inventing
-a reading.
+a reading; a tool input's string value that is exactly `{last_tool_number}` becomes the
+last number in that content (a remembered setting, say, read back from memory).
+
+A script may also hold several dialogues, `{"when": "...", "turns": [...]}`: the first
+whose `when` the conversation's first user message contains (case-insensitively) plays,
+and one without `when` plays otherwise. So one scripted model can answer "set it to 22,
+my usual" and, in a later request, "set it to my usual" differently.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,10 +35,13 @@ from server_bridge.models.base import Chunk, Final, ModelError
 __all__ = ["DEMO_SCRIPT", "PLACEHOLDER", "ScriptedProvider"]
 
 PLACEHOLDER = "{last_tool_output}"
+NUMBER = "{last_tool_number}"
 NO_TOOL_OUTPUT = "(no tool output)"
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 Step = Mapping[str, Any]
-Script = Sequence[Sequence[Step]]
+Turns = Sequence[Sequence[Step]]
+Script = Turns | Sequence[Mapping[str, Any]]
 
 DEMO_SCRIPT: list[list[dict[str, Any]]] = [
     [
@@ -48,6 +58,43 @@ def _tokens(text: str) -> int:
     # Rough token count (about four characters a token): the script has no tokenizer
     # and usage only needs to be plausible and deterministic.
     return len(text) // 4
+
+
+Dialogue = tuple[str | None, list[list[dict[str, Any]]]]
+
+
+def _check_dialogues(script: object) -> list[Dialogue]:
+    """A script as (when, turns) dialogues: a plain list of turns is one, with no `when`."""
+    if not isinstance(script, Sequence) or isinstance(script, (str, bytes)):
+        raise ValueError("a script is a list of turns or of dialogues")
+    if not script or not all(isinstance(d, Mapping) and "turns" in d for d in script):
+        return [(None, _check_script(script))]
+    out: list[Dialogue] = []
+    for k, d in enumerate(script):
+        when = d.get("when")
+        if when is not None and (not isinstance(when, str) or not when):
+            raise ValueError(f"dialogue {k}: when must be a non-empty str")
+        out.append((when.lower() if when else None, _check_script(d["turns"])))
+    return out
+
+
+def _number_in(text: str) -> int | float | None:
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    value = float(found[-1])
+    return int(value) if value.is_integer() else value
+
+
+def _fill(value: Any, number: int | float | None) -> Any:
+    """A tool input with every string exactly NUMBER replaced (recursively)."""
+    if value == NUMBER:
+        return number
+    if isinstance(value, dict):
+        return {k: _fill(v, number) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, number) for v in value]
+    return value
 
 
 def _check_script(script: object) -> list[list[dict[str, Any]]]:
@@ -92,13 +139,16 @@ class ScriptedProvider:
     ) -> None:
         if chunk_chars < 1:
             raise ValueError("chunk_chars must be >= 1")
-        self.script = _check_script(script)
+        self.dialogues = _check_dialogues(script)
+        # The first dialogue's turns (the only ones of a plain script).
+        self.script = self.dialogues[0][1]
         self.chunk_chars = chunk_chars
         self.name = name
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], chunk_chars: int = 8) -> ScriptedProvider:
-        """Load a script from JSON: a list of turns, or {"turns": [...], "chunk_chars": n}."""
+        """Load a script from JSON: a list of turns or of dialogues, or
+        {"turns": [...], "chunk_chars": n}."""
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         if isinstance(data, dict):
             chunk_chars = int(data.get("chunk_chars", chunk_chars))
@@ -116,8 +166,9 @@ class ScriptedProvider:
         deadline: float | None = None,
     ) -> Final:
         msgs = [m for m in messages if isinstance(m, Mapping)]
+        script = self._dialogue(msgs)
         turn = sum(1 for m in msgs if m.get("role") == "assistant")
-        if turn >= len(self.script):
+        if turn >= len(script):
             raise ModelError("script exhausted")
         # Call ids continue from the tool calls already in the conversation, so they are
         # unique within it (c1, c2, ...) and the same on every replay of the call.
@@ -144,7 +195,7 @@ class ScriptedProvider:
                 raise ModelError("the scripted model did not finish in time")
             emit(chunk)
 
-        for step in self.script[turn]:
+        for step in script[turn]:
             if "text" in step:
                 text = step["text"].replace(PLACEHOLDER, last_tool)
                 for k in range(0, len(text), self.chunk_chars):
@@ -157,7 +208,7 @@ class ScriptedProvider:
                 reason += _tokens(text)
             else:
                 calls_so_far += 1
-                args = json.dumps(step["tool"]["input"])
+                args = json.dumps(_fill(step["tool"]["input"], _number_in(last_tool)))
                 send(
                     {
                         "tool": {
@@ -173,3 +224,16 @@ class ScriptedProvider:
             "usage": {"in": usage_in, "out": out, "reason": reason},
             "finish": "tool_calls" if called else "stop",
         }
+
+    def _dialogue(self, msgs: Sequence[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
+        first = next((m for m in msgs if m.get("role") == "user"), None)
+        text = str(first.get("content") or "").lower() if first is not None else ""
+        fallback = None
+        for when, turns in self.dialogues:
+            if when is None:
+                fallback = fallback if fallback is not None else turns
+            elif when in text:
+                return turns
+        if fallback is None:
+            raise ModelError("no scripted dialogue for this request")
+        return fallback
