@@ -57,6 +57,12 @@ depend on what it was embedded with, and a rebuilt index equals an incremental o
 Nothing here imports numpy, onnxruntime or tokenizers until an embedder is built, so
 the bridge starts without them.
 
+Measured (benchmarks/bench_recall.py, 2 cores; the benchmark prints the rest):
+MRR@10 0.939 for MiniLM against 0.798 for BM25 on 157 queries; loading the model takes
+0.3-0.4 s; embedding 120-270 chunks/s; at 10,000 rows a search takes about 5 ms at the
+median, 4 of them embedding the query (the product itself 0.1-0.7 ms), BM25 about 1 ms;
+a full rebuild takes 37-65 s in embedding mode, 0.1-0.2 s in BM25.
+
 Threads
 -------
 Every public method may be called from any thread. Text analysis and embedding run
