@@ -151,9 +151,11 @@ CHILD = textwrap.dedent(
     me = Caller("acme", "dev1", "kiosk", user="ann", fields=fields)
     start = int(sys.argv[2])
     for i in range(start, start + 100000):
-        r = svc.handle(me, "state.commit", {{"writes": [{{"field": "count", "value": 1, "w": f"c:{{i}}"}}]}})
+        write = {{"field": "count", "value": 1, "w": f"c:{{i}}"}}
+        r = svc.handle(me, "state.commit", {{"writes": [write]}})
         assert "err" not in r["results"][0], r
-        svc.handle(me, "mem.remember", {{"field": "log", "key": f"k{{i}}", "value": i, "w": f"l:{{i}}"}})
+        row = {{"field": "log", "key": f"k{{i}}", "value": i, "w": f"l:{{i}}"}}
+        svc.handle(me, "mem.remember", row)
         print(i, flush=True)
     """
 )
