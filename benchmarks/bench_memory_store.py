@@ -167,11 +167,12 @@ def main() -> None:
             f"cost follows the rows of the one collection written, not the store's size."
         )
         if per_row_us > 0:
+            # Where a write costs 10 ms: the fsync floor plus the rows of its file.
+            limit_rows = max(0.0, 10 - f50) / per_row_us * 1000
             print(
-                f"Past about {max(0, (10 - t0) / per_row_us * 1000 + r0):,.0f} rows in one "
-                "collection a write takes over 10 ms: there the one-file-per-collection "
-                "layout stops scaling (keep a field's max well below it, or move to a "
-                "database-server backend)."
+                f"Past about {limit_rows:,.0f} rows in one collection a write takes over "
+                "10 ms: there the one-file-per-collection layout stops scaling (keep a "
+                "field's max below it, or move to a database-server backend)."
             )
     print(f"\n(reproduce: {COMMAND}{' --quick' if args.quick else ''})")
 
