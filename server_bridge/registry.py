@@ -280,10 +280,10 @@ class Registry:
         """Refuse a new broker user or device named like an existing one. The caller
         holds the lock, in a change."""
         q = Query()
-        if self._users.get(q.user == name) is not None:
-            raise RegistryError(f"broker user {name!r} already exists")
         if self._devices.get(q.device == name) is not None:
             raise RegistryError(f"{name!r} is a device")
+        if self._users.get(q.user == name) is not None:
+            raise RegistryError(f"broker user {name!r} already exists")
 
     # ------------------------------------------------------------------ tenants
 

@@ -26,7 +26,6 @@ from server_bridge import brokerconf, service
 from server_bridge.registry import BRIDGE, DEVICE, HOST, DeviceRecord, Registry, host_user
 from server_bridge.service import DEFAULT_AGENT, add_broker_arguments, broker_address
 from server_bridge.topics import DEFAULT_PREFIX
-from tools import demo as demo_mod
 
 DEFAULT_REGISTRY = Path(".wren/registry.json")
 DEFAULT_BROKER_DIR = Path(".wren/broker")
@@ -401,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, service.stop_on_sigterm)
     service.setup_logging(args.verbose)
+    if args.command in REGISTRY_COMMANDS:
+        return _registry_command(args)
+    # The demo's parts (the bridge, the host client, the board) only for the commands
+    # that run them: the registry commands start several times faster without them.
+    from tools import demo as demo_mod
+
     try:
         if args.command == "demo":
             return demo_mod.run_demo(args)
@@ -414,8 +419,6 @@ def main(argv: list[str] | None = None) -> int:
             return demo_mod.run_ask(args)
         if args.command == "hil":
             return _run_hil(args)
-        if args.command in REGISTRY_COMMANDS:
-            return _registry_command(args)
     except KeyboardInterrupt:
         print("\nstopped", file=sys.stderr)
         return service.STOP_EXIT_CODE
