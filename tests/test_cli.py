@@ -552,7 +552,8 @@ def test_registry_commands_refuse_bad_input_in_one_line_and_change_nothing(
         ("bridge-user", "add", "a:b"): "cannot be written to the broker's files",
         ("bridge-user", "add", "b2", "--rotate"): "unknown broker user 'b2'",
         ("host-user", "add", "h2", "--tenant", "nobody"): "unknown tenant 'nobody'",
-        ("host-user", "add", "host-acme", "--tenant", "globex", "--rotate"): "not a host user",
+        ("host-user", "add", "host-acme", "--tenant", "globex", "--rotate"): "not a host user of",
+        ("bridge-user", "add", "host-acme", "--rotate"): "is not a bridge user",
     }
     # All at once (each is a process of its own): each must refuse, so the file is the
     # same at the end only if none of them wrote it.

@@ -240,7 +240,8 @@ def _rotate_or_add(reg: Registry, name: str, role: str, tenant: str | None, entr
         # user yet: rotating gives it its first.
         reg.add_user(name, role, tenant, entry)
     elif user.role != role or user.tenant != tenant:
-        raise CommandError(f"broker user {name!r} is not a {role} user of this tenant")
+        whose = f" of tenant {tenant}" if tenant else ""
+        raise CommandError(f"broker user {name!r} is not a {role} user{whose}")
     else:
         reg.set_password_hash(name, entry)
 
@@ -254,6 +255,7 @@ def _print_password(out: TextIO, user: str, password: str, login: str) -> None:
 
 def _user_add(args: argparse.Namespace, role: str, out: TextIO) -> None:
     tenant = args.tenant if role == HOST else None
+    brokerconf.check_user(args.user)  # before a new registry's directory is made
     with _open(args.registry, create=role == BRIDGE) as reg:
         password, entry = _new_login()
         if args.rotate:
