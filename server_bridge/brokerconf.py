@@ -42,6 +42,7 @@ import hashlib
 import hmac
 import os
 import re
+import secrets
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
@@ -54,9 +55,15 @@ __all__ = [
     "HOST_READ",
     "HOST_WRITE",
     "acl_text",
+    "check_entry",
     "check_password",
+    "check_user",
     "hash_password",
+    "mosquitto_conf",
+    "new_password",
     "secure_mosquitto_conf",
+    "write_broker_files",
+    "write_password_entries",
     "write_password_file",
 ]
 
@@ -66,6 +73,8 @@ DEFAULT_ITERATIONS = 101  # mosquitto_passwd's default for $7$ (sha512-pbkdf2)
 
 # A user name that fits on a password-file line and in an ACL `user` line.
 _USER = re.compile(r"[^\s:#+/]{1,128}")
+# A `$7$` entry as hash_password and mosquitto_passwd write it.
+_ENTRY = re.compile(r"\$7\$[1-9][0-9]{0,9}\$[A-Za-z0-9+/]+={0,2}\$[A-Za-z0-9+/]+={0,2}")
 # A prefix of plain topic levels (no wildcards, no empty level).
 _PREFIX = re.compile(r"[^/+#\s]+(/[^/+#\s]+)*")
 
@@ -94,11 +103,23 @@ def hash_password(
     return f"$7${iterations}${salt64}${digest64}"
 
 
+def new_password() -> str:
+    """A new random broker password: 32 characters of [A-Za-z0-9_-] (192 bits), which
+    need no quoting in JSON, a shell or a password-file line."""
+    return secrets.token_urlsafe(24)
+
+
+def check_entry(entry: str) -> str:
+    """`entry` if it is a `$7$` password entry, else ValueError: what is stored for the
+    broker must be a hash, never a password by mistake."""
+    if not isinstance(entry, str) or not _ENTRY.fullmatch(entry):
+        raise ValueError("not a $7$ password entry")
+    return entry
+
+
 def check_password(password: str, entry: str) -> bool:
     """Does `password` match a `$7$` entry (ours or mosquitto_passwd's)?"""
-    parts = entry.split("$")
-    if len(parts) != 5 or parts[0] != "" or parts[1] != "7":
-        raise ValueError("not a $7$ password entry")
+    parts = check_entry(entry).split("$")
     iterations = int(parts[2])
     salt = base64.b64decode(parts[3])
     expected = base64.b64decode(parts[4])
@@ -106,18 +127,28 @@ def check_password(password: str, entry: str) -> bool:
     return hmac.compare_digest(digest, expected)
 
 
-def _check_user(user: str) -> None:
-    if not _USER.fullmatch(user):
+def check_user(user: str) -> str:
+    """`user` if it can be written to the password file and the ACL, else ValueError."""
+    if not isinstance(user, str) or not _USER.fullmatch(user):
         raise ValueError(f"user name {user!r} cannot be written to the broker's files")
+    return user
 
 
-def write_password_file(path: Path | str, users: dict[str, str]) -> Path:
-    """Write `user:$7$...` lines, readable by the owner only (they guard every device)."""
+def write_password_file(path: Path | str, users: Mapping[str, str]) -> Path:
+    """Write `user:$7$...` lines for these users and passwords (hashed here), readable
+    by the owner only (they guard every device)."""
+    return write_password_entries(
+        path, {check_user(user): hash_password(pw) for user, pw in users.items()}
+    )
+
+
+def write_password_entries(path: Path | str, entries: Mapping[str, str]) -> Path:
+    """Write `user:$7$...` lines from entries already hashed (a registry keeps only
+    those), readable by the owner only."""
     path = Path(path)
-    lines = []
-    for user, password in sorted(users.items()):
-        _check_user(user)
-        lines.append(f"{user}:{hash_password(password)}\n")
+    lines = [
+        f"{check_user(user)}:{check_entry(entry)}\n" for user, entry in sorted(entries.items())
+    ]
     _write_private(path, "".join(lines))
     return path
 
@@ -149,7 +180,7 @@ def _names(users: str | Collection[str], what: str) -> list[str]:
     if not names:
         raise ValueError(f"{what} needs at least one user")
     for user in names:
-        _check_user(user)
+        check_user(user)
     return names
 
 
@@ -211,15 +242,22 @@ BROKER_QUEUES = (
 )
 
 
-def secure_mosquitto_conf(directory: Path | str, users: dict[str, str], acl: str) -> str:
+def secure_mosquitto_conf(directory: Path | str, users: Mapping[str, str], acl: str) -> str:
     """Write `passwords` and `acl` into `directory` and return the configuration lines
     that use them, to append to a Mosquitto config with `allow_anonymous false` (as
     `tools.broker.start_mosquitto(extra_conf=..., allow_anonymous=False)` does), after
     its `listener` line: they also bind each client id to its user.
     """
+    return write_broker_files(
+        directory, {check_user(user): hash_password(pw) for user, pw in users.items()}, acl
+    )
+
+
+def write_broker_files(directory: Path | str, entries: Mapping[str, str], acl: str) -> str:
+    """`secure_mosquitto_conf` for password entries already hashed (`user` -> `$7$...`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    pw = write_password_file(directory / "passwords", users)
+    pw = write_password_entries(directory / "passwords", entries)
     acl_path = directory / "acl"
     _write_private(acl_path, acl)
     lines = [f"password_file {pw.resolve()}", f"acl_file {acl_path.resolve()}"]
@@ -233,3 +271,43 @@ def secure_mosquitto_conf(directory: Path | str, users: dict[str, str], acl: str
         # directory too. Keep the caller's identity rather than loosen the files.
         lines.append("user root")
     return "\n".join(lines) + "\n" + BROKER_QUEUES
+
+
+def mosquitto_conf(
+    directory: Path | str,
+    entries: Mapping[str, str],
+    acl: str,
+    port: int = 1883,
+    bind: str | None = None,
+) -> Path:
+    """Write a complete Mosquitto configuration into `directory`: `passwords` (from
+    entries already hashed), `acl` and `mosquitto.conf`, which listens on `port` (on
+    `bind`, or every interface), authenticates every client and uses the other two.
+    Returns the path of `mosquitto.conf`, for `mosquitto -c`.
+
+    Written again with other users, the files are replaced whole (each by a rename), so
+    a broker sent SIGHUP reloads either the old or the new ones, never half of each.
+    """
+    if not 0 < port < 65536:
+        raise ValueError(f"bad port {port}")
+    if bind is not None and not re.fullmatch(r"[^\s#]+", bind):
+        raise ValueError(f"bad listener address {bind!r}")
+    directory = Path(directory)
+    lines = write_broker_files(directory, entries, acl)
+    listener = f"listener {port}" + (f" {bind}" if bind else "")
+    text = (
+        "# Wren's broker (written by server_bridge/brokerconf.py from the registry; written\n"
+        "# again after every change of its users: then send Mosquitto SIGHUP to reload).\n"
+        # The security options are the listener's own: they must follow its line.
+        f"{listener}\n"
+        "allow_anonymous false\n"
+        # The boards' and the bridge's persistent sessions, and what waits in them,
+        # survive a broker restart only when the broker saves them.
+        "persistence true\n"
+        f"persistence_location {directory.resolve()}/\n"
+        # Nagle off, as on every socket of Wren's path (server_bridge/tcp.py says why).
+        "set_tcp_nodelay true\n" + lines
+    )
+    conf = directory / "mosquitto.conf"
+    _write_private(conf, text)
+    return conf

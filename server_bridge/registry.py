@@ -1,8 +1,18 @@
-"""The bridge's registry: tenants (with their token secrets) and devices.
+"""The bridge's registry: tenants (with their token secrets), devices and broker users.
 
 A device's identity is its broker-authenticated MQTT user, which the broker's ACL binds
 to its topic subtree; the registry maps that device id to the tenant that owns it and
 the agent it runs. Nothing in a payload is consulted for that mapping.
+
+The broker's users are kept here too (`users`: name, role, tenant and the `$7$` hash of
+the password, never the password), so that Mosquitto's password file and ACL follow
+from the registry (`wren broker-files`): a device's user is its device id, a tenant's
+host users are `host-<tenant>` and others, and the bridge has users of its own. User
+names and device ids share one name space, since the ACL's device rules apply to any
+user whose name is a device id.
+
+Every change is one write of the file, whatever it touches (a device and its user are
+added together or not at all).
 
 Every bridge message looks up its device (and a session token its tenant) on paho's
 single network thread, so lookups are served from records parsed once per version of
@@ -15,29 +25,47 @@ the file and compares the bytes; it parses only if they differ.
 
 from __future__ import annotations
 
+import copy
 import os
 import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tinydb import Query
+from tinydb import Query, TinyDB
 
 from edge_runtime.events import MAX_ID
+from server_bridge.brokerconf import check_entry, check_user
 from server_bridge.store import (
     AtomicJSONStorage,
     FileVersion,
-    open_db,
     parse_document,
     settled,
 )
 from server_bridge.topics import check_id
 
-__all__ = ["DeviceRecord", "Registry", "RegistryError", "provision"]
+__all__ = [
+    "BRIDGE",
+    "DEVICE",
+    "HOST",
+    "ROLES",
+    "BrokerUser",
+    "DeviceRecord",
+    "Registry",
+    "RegistryError",
+    "host_user",
+    "provision",
+]
+
+# The roles of a broker user: what the ACL grants it (server_bridge/brokerconf.py).
+BRIDGE = "bridge"
+HOST = "host"
+DEVICE = "device"
+ROLES = (BRIDGE, HOST, DEVICE)
 
 # An agent name is an id like any other (the board sends it in hello and status).
 MAX_AGENT = MAX_ID
@@ -52,6 +80,22 @@ class DeviceRecord:
     device: str
     tenant: str
     agent: str
+
+
+@dataclass(frozen=True)
+class BrokerUser:
+    """A broker user: `tenant` is None for a bridge user; `password_hash` is the `$7$`
+    entry of Mosquitto's password file (kept out of the repr all the same)."""
+
+    user: str
+    role: str
+    tenant: str | None
+    password_hash: str = field(repr=False)
+
+
+def host_user(tenant: str) -> str:
+    """The host user `wren tenant add` makes for a tenant (the name the demo uses too)."""
+    return f"host-{check_id(tenant, 'tenant')}"
 
 
 def _check_agent(agent: object) -> str:
@@ -89,6 +133,9 @@ class _Snapshot:
     device_docs: tuple[dict[str, Any], ...]
     by_tenant: dict[str, dict[str, Any]]
     by_device: dict[str, dict[str, Any]]
+    # A registry written before users were kept has no `users` table: none, then.
+    user_docs: tuple[dict[str, Any], ...] = ()
+    by_user: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 _EMPTY = _Snapshot(None, b"", True, (), (), {}, {})
@@ -116,6 +163,7 @@ def _parse(version: FileVersion, data: bytes, seen_at_ns: int, path: object) -> 
         return replace(_EMPTY, version=version, data=data, settled=settled(version, seen_at_ns))
     tenant_docs = _table_docs(doc, "tenants", path)
     device_docs = _table_docs(doc, "devices", path)
+    user_docs = _table_docs(doc, "users", path)
     return _Snapshot(
         version,
         data,
@@ -124,22 +172,65 @@ def _parse(version: FileVersion, data: bytes, seen_at_ns: int, path: object) -> 
         device_docs,
         _index(tenant_docs, "tenant"),
         _index(device_docs, "device"),
+        user_docs,
+        _index(user_docs, "user"),
     )
 
 
+class _OneWriteStorage(AtomicJSONStorage):
+    """The registry's storage: while a change is open (`begin`), TinyDB's writes are
+    held in memory and its reads see them; `commit` writes the result once.
+
+    TinyDB writes the whole file once per table operation, so a change of two tables
+    (a device and its broker user) would otherwise be two writes, and a crash or a full
+    disk between them would leave one without the other.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], create_dirs: bool = True, **json_kw: Any):
+        super().__init__(path, create_dirs, **json_kw)
+        self._open = False
+        self._pending: dict[str, dict[str, Any]] | None = None
+
+    def begin(self) -> None:
+        self._open, self._pending = True, None
+
+    def commit(self) -> None:
+        pending = self._pending
+        self.abort()
+        if pending is not None:
+            super().write(pending)
+
+    def abort(self) -> None:
+        self._open, self._pending = False, None
+
+    def read(self) -> dict[str, dict[str, Any]] | None:
+        if self._pending is not None:
+            # A copy: TinyDB changes what `read` returns before it writes it back.
+            return copy.deepcopy(self._pending)
+        return super().read()
+
+    def write(self, data: dict[str, dict[str, Any]]) -> None:
+        if self._open:
+            self._pending = data
+        else:
+            super().write(data)
+
+
 class Registry:
-    """Tenants {tenant, secret (hex)} and devices {device, tenant, agent} in one TinyDB file."""
+    """Tenants {tenant, secret (hex)}, devices {device, tenant, agent} and broker users
+    {user, role, tenant, hash} in one TinyDB file."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = path
-        self._db = open_db(path)
+        self._db = TinyDB(path, storage=_OneWriteStorage)
         # cache_size=0: TinyDB's per-table query cache would keep serving results after
         # another process (the provisioning CLI) changed the file.
         self._tenants = self._db.table("tenants", cache_size=0)
         self._devices = self._db.table("devices", cache_size=0)
+        self._users = self._db.table("users", cache_size=0)
         storage = self._db.storage
-        if not isinstance(storage, AtomicJSONStorage):
-            raise TypeError("the registry needs its file on an AtomicJSONStorage")
+        if not isinstance(storage, _OneWriteStorage):
+            raise TypeError("the registry needs its file on its own storage")
         self._storage = storage
         # The parsed file behind every lookup; None until the first lookup and after a
         # write through this registry.
@@ -172,21 +263,42 @@ class Registry:
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
+        """One change: what it writes reaches the file in one write when it returns, and
+        not at all when it raises (a refusal found after a first table was changed)."""
         with self._lock:
+            self._storage.begin()
             try:
                 yield
+                self._storage.commit()
             finally:
+                self._storage.abort()
                 # Written or not (a failed rename leaves the old file), the next lookup
                 # reads the file as it now is rather than trust a version compare.
                 self._snap = None
 
+    def _check_name_free(self, name: str) -> None:
+        """Refuse a new broker user or device named like an existing one. The caller
+        holds the lock, in a change."""
+        q = Query()
+        if self._devices.get(q.device == name) is not None:
+            raise RegistryError(f"{name!r} is a device")
+        if self._users.get(q.user == name) is not None:
+            raise RegistryError(f"broker user {name!r} already exists")
+
     # ------------------------------------------------------------------ tenants
 
-    def add_tenant(self, tenant: str, secret: bytes | str | None = None) -> str:
+    def add_tenant(
+        self,
+        tenant: str,
+        secret: bytes | str | None = None,
+        *,
+        host_password_hash: str | None = None,
+    ) -> str:
         """Register a tenant; returns its token secret as hex (generated when not given).
 
         Secrets are hex strings at this API and in the file; `bytes.fromhex` gives the
-        key for tokens.sign / tokens.verify.
+        key for tokens.sign / tokens.verify. With `host_password_hash` (a `$7$` entry)
+        the tenant's host user `host_user(tenant)` is added in the same write.
         """
         check_id(tenant, "tenant")
         if secret is None:
@@ -201,6 +313,8 @@ class Registry:
                 # Replacing a secret silently would void every live session token.
                 raise RegistryError(f"tenant {tenant!r} already exists")
             self._tenants.insert({"tenant": tenant, "secret": secret_hex})
+            if host_password_hash is not None:
+                self._insert_user(host_user(tenant), HOST, tenant, host_password_hash)
         return secret_hex
 
     def tenant_secret(self, tenant: str) -> str | None:
@@ -233,15 +347,44 @@ class Registry:
             old = self._devices.get(q.device == device)
             if isinstance(old, dict) and old.get("tenant") != tenant:
                 raise RegistryError(f"device {device!r} belongs to another tenant")
+            user = self._users.get(q.user == device)
+            if isinstance(user, dict) and user.get("role") != DEVICE:
+                # The ACL's device rules would give that user this device's topics.
+                raise RegistryError(f"{device!r} is a broker user of role {user.get('role')!r}")
             self._devices.upsert(
                 {"device": device, "tenant": tenant, "agent": agent}, q.device == device
             )
         return DeviceRecord(device, tenant, agent)
 
+    def enroll_device(
+        self, device: str, tenant: str, agent: str, password_hash: str
+    ) -> DeviceRecord:
+        """Register a new device with its broker user (the device id, with this `$7$`
+        password entry), in one write. Unlike `add_device`, a device that exists is
+        refused, as is a name a broker user already has."""
+        check_id(device, "device")
+        check_id(tenant, "tenant")
+        _check_agent(agent)
+        check_entry(password_hash)
+        q = Query()
+        with self._writing():
+            if self._tenants.get(q.tenant == tenant) is None:
+                raise RegistryError(f"unknown tenant {tenant!r}")
+            if self._devices.get(q.device == device) is not None:
+                raise RegistryError(f"device {device!r} already exists")
+            self._check_name_free(device)
+            self._devices.insert({"device": device, "tenant": tenant, "agent": agent})
+            self._users.insert(
+                {"user": device, "role": DEVICE, "tenant": tenant, "hash": password_hash}
+            )
+        return DeviceRecord(device, tenant, agent)
+
     def remove_device(self, device: str) -> bool:
+        """Remove a device and its broker user; False when there was no such device."""
         check_id(device, "device")
         q = Query()
         with self._writing():
+            self._users.remove((q.user == device) & (q.role == DEVICE))
             return bool(self._devices.remove(q.device == device))
 
     def device(self, device: str) -> DeviceRecord | None:
@@ -251,6 +394,12 @@ class Registry:
             doc = self._current().by_device.get(device)
         return None if doc is None else _record(doc)
 
+    def devices(self) -> list[DeviceRecord]:
+        """Every device, by id."""
+        with self._lock:
+            docs = self._current().device_docs
+        return sorted((_record(d) for d in docs), key=lambda r: r.device)
+
     def devices_of(self, tenant: str) -> list[DeviceRecord]:
         check_id(tenant, "tenant")
         with self._lock:
@@ -258,6 +407,86 @@ class Registry:
         return sorted(
             (_record(d) for d in docs if d.get("tenant") == tenant), key=lambda r: r.device
         )
+
+    # ------------------------------------------------------------------ broker users
+
+    def add_user(
+        self, user: str, role: str, tenant: str | None, password_hash: str
+    ) -> BrokerUser:
+        """Add a bridge user (`tenant` None) or a host user of an existing tenant, with
+        its `$7$` password entry. A device's user comes with the device
+        (`enroll_device`). A name already taken, by a user or a device, is refused."""
+        with self._writing():
+            return self._insert_user(user, role, tenant, password_hash)
+
+    def _insert_user(
+        self, user: str, role: str, tenant: str | None, password_hash: str
+    ) -> BrokerUser:
+        """The caller holds the lock, in a change."""
+        check_user(user)
+        check_entry(password_hash)
+        if role == BRIDGE:
+            if tenant is not None:
+                raise RegistryError("a bridge user belongs to no tenant")
+        elif role == HOST:
+            if tenant is None:
+                raise RegistryError("a host user belongs to a tenant")
+            check_id(tenant, "tenant")
+            if self._tenants.get(Query().tenant == tenant) is None:
+                raise RegistryError(f"unknown tenant {tenant!r}")
+        else:
+            raise RegistryError(f"role must be {BRIDGE!r} or {HOST!r}, not {role!r}")
+        self._check_name_free(user)
+        self._users.insert({"user": user, "role": role, "tenant": tenant, "hash": password_hash})
+        return BrokerUser(user, role, tenant, password_hash)
+
+    def set_password_hash(self, user: str, password_hash: str) -> BrokerUser:
+        """Give an existing broker user a new `$7$` password entry (its old password stops
+        working once the broker's files are written again and reloaded)."""
+        check_user(user)
+        check_entry(password_hash)
+        q = Query()
+        with self._writing():
+            doc = self._users.get(q.user == user)
+            if not isinstance(doc, dict):
+                raise RegistryError(f"unknown broker user {user!r}")
+            self._users.update({"hash": password_hash}, q.user == user)
+        return replace(_user(doc), password_hash=password_hash)
+
+    def set_device_password_hash(self, device: str, password_hash: str) -> BrokerUser:
+        """A new `$7$` password entry for a registered device's broker user, which is
+        added when the device has none (one registered before users were kept, or by
+        `add_device`)."""
+        check_id(device, "device")
+        check_entry(password_hash)
+        q = Query()
+        with self._writing():
+            record = self._devices.get(q.device == device)
+            if not isinstance(record, dict):
+                raise RegistryError(f"unknown device {device!r}")
+            tenant = str(record["tenant"])
+            doc = self._users.get(q.user == device)
+            if doc is None:
+                self._users.insert(
+                    {"user": device, "role": DEVICE, "tenant": tenant, "hash": password_hash}
+                )
+            elif isinstance(doc, dict) and doc.get("role") == DEVICE:
+                self._users.update({"hash": password_hash}, q.user == device)
+            else:
+                raise RegistryError(f"broker user {device!r} is not the device's")
+        return BrokerUser(device, DEVICE, tenant, password_hash)
+
+    def user(self, user: str) -> BrokerUser | None:
+        """A broker user, or None when the registry does not know it."""
+        with self._lock:
+            doc = self._current().by_user.get(user)
+        return None if doc is None else _user(doc)
+
+    def users(self) -> list[BrokerUser]:
+        """Every broker user, by name."""
+        with self._lock:
+            docs = self._current().user_docs
+        return sorted((_user(d) for d in docs), key=lambda u: u.user)
 
     def close(self) -> None:
         with self._lock:
@@ -298,3 +527,13 @@ def provision(
 
 def _record(doc: dict[str, Any]) -> DeviceRecord:
     return DeviceRecord(str(doc["device"]), str(doc["tenant"]), str(doc["agent"]))
+
+
+def _user(doc: dict[str, Any]) -> BrokerUser:
+    tenant = doc.get("tenant")
+    return BrokerUser(
+        str(doc["user"]),
+        str(doc["role"]),
+        None if tenant is None else str(tenant),
+        str(doc["hash"]),
+    )

@@ -24,14 +24,16 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from server_bridge.bridge import Bridge
 from server_bridge.config import DEFAULT_CLIENT_ID, BridgeConfig
 from server_bridge.metrics import write_text_file
 from server_bridge.models.base import Provider
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
+
+if TYPE_CHECKING:
+    from server_bridge.bridge import Bridge
 
 __all__ = [
     "DEFAULT_AGENT",
@@ -232,6 +234,10 @@ def run(
     out = out if out is not None else sys.stdout
     stop = stop if stop is not None else threading.Event()
     config = bridge_config(args)
+    # Imported here, not with this module: every `wren` command builds its parser from
+    # this module, and the bridge (paho and all) is most of a command's start-up time.
+    from server_bridge.bridge import Bridge
+
     registry = provision(args.registry, args.tenant, _devices(args.device))
     try:
         provider, what = model_provider(args)

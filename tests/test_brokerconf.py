@@ -75,6 +75,47 @@ def test_password_file_is_private(tmp_path: Path) -> None:
         brokerconf.write_password_file(tmp_path / "bad", {"a:b": "x"})
 
 
+def test_password_entries_are_written_as_stored_and_only_entries(tmp_path: Path) -> None:
+    entries = {"dev1": brokerconf.hash_password("a"), "bridge": brokerconf.hash_password("b")}
+    path = brokerconf.write_password_entries(tmp_path / "passwords", entries)
+    assert path.read_text() == f"bridge:{entries['bridge']}\ndev1:{entries['dev1']}\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+    for bad in ({"dev1": "a plain password"}, {"dev1": "$7$101$abc"}, {"a b": entries["dev1"]}):
+        with pytest.raises(ValueError):
+            brokerconf.write_password_entries(tmp_path / "bad", bad)
+    assert not (tmp_path / "bad").exists()
+    assert brokerconf.check_entry(entries["dev1"]) == entries["dev1"]
+    password = brokerconf.new_password()
+    assert re.fullmatch(r"[A-Za-z0-9_-]{32}", password) and password != brokerconf.new_password()
+
+
+def test_mosquitto_conf_is_a_whole_config_using_the_files(tmp_path: Path) -> None:
+    entries = {"bridge": brokerconf.hash_password("b")}
+    acl = brokerconf.acl_text(P, "bridge", {})
+    conf = brokerconf.mosquitto_conf(tmp_path / "broker", entries, acl, 18830, "127.0.0.1")
+    assert conf == tmp_path / "broker" / "mosquitto.conf"
+    lines = conf.read_text().splitlines()
+    directory = (tmp_path / "broker").resolve()
+    options = [line for line in lines if line and not line.startswith("#")]
+    # The listener first: the security options after it are that listener's.
+    assert options[:2] == ["listener 18830 127.0.0.1", "allow_anonymous false"]
+    for line in (
+        f"password_file {directory / 'passwords'}",
+        f"acl_file {directory / 'acl'}",
+        "use_username_as_clientid true",
+        "persistence true",
+        f"persistence_location {directory}/",
+    ):
+        assert line in options
+    assert (tmp_path / "broker" / "acl").read_text() == acl
+    assert brokerconf.mosquitto_conf(tmp_path / "b2", entries, acl).read_text().count(
+        "\nlistener 1883\n"
+    ) == 1
+    for port, bind in ((0, None), (70000, None), (1883, "a b")):
+        with pytest.raises(ValueError):
+            brokerconf.mosquitto_conf(tmp_path / "b3", entries, acl, port, bind)
+
+
 # --- ACL text ----------------------------------------------------------------
 
 

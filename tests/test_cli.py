@@ -3,27 +3,33 @@ broker of the test's own, and `wren demo` failing loudly when a part cannot star
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from server_bridge import service
+from server_bridge.brokerconf import check_password
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, RequestRefused
 from server_bridge.registry import DeviceRecord, Registry
+from tests.test_brokerconf import Client, P
 from tools.broker import (
     MosquittoMissing,
     MosquittoProcess,
     free_port,
     mosquitto_binary,
     start_mosquitto,
+    wait_for_port,
 )
 from tools.cli import build_parser
 
@@ -356,3 +362,212 @@ def _read(path: Path) -> str:
         return path.read_text()
     except FileNotFoundError:
         return ""
+
+
+# --- the registry from the command line -------------------------------------------------------
+
+
+def _registry_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        wren(*args), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def _ok(cwd: Path, *args: str) -> str:
+    proc = _registry_cli(cwd, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _printed_password(stdout: str, user: str) -> str:
+    """The password `tenant add`, `bridge-user add` and `host-user add` print once."""
+    [line] = [x for x in stdout.splitlines() if x.startswith(f"password for {user}: ")]
+    return line.split(": ", 1)[1]
+
+
+def _printed_settings(stdout: str) -> dict[str, object]:
+    """The settings.json line `device add` prints, the password in it."""
+    [line] = [x.strip() for x in stdout.splitlines() if x.strip().startswith("{")]
+    settings: dict[str, object] = json.loads(line)
+    return settings
+
+
+class _Mosquitto:
+    """`mosquitto -c` on the config `wren broker-files` wrote, as a user starts it."""
+
+    def __init__(self, conf: Path, port: int) -> None:
+        exe = mosquitto_binary()
+        assert exe is not None  # the tests need Mosquitto (tools/setup.sh installs it)
+        self.log_path = conf.parent / "mosquitto.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=log)
+        wait_for_port("127.0.0.1", port)
+        assert self.proc.poll() is None, self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=15)
+
+
+def test_a_device_added_by_the_cli_logs_in_with_its_printed_password_and_only_as_itself(
+    tmp_path: Path,
+) -> None:
+    _ok(tmp_path, "tenant", "add", "acme")
+    _ok(tmp_path, "tenant", "add", "other")
+    bridge_pw = _printed_password(_ok(tmp_path, "bridge-user", "add", "bridge"), "bridge")
+    dev1 = _printed_settings(_ok(tmp_path, "device", "add", "dev1", "--tenant", "acme"))
+    dev2 = _printed_settings(_ok(tmp_path, "device", "add", "dev2", "--tenant", "other"))
+    assert dev1["device"] == "dev1" and dev1["port"] == 1883
+    port = free_port()
+    out = tmp_path / "broker"
+    files = ["broker-files", "--out", str(out), "--port", str(port), "--bind", "127.0.0.1"]
+    said = _ok(tmp_path, *files)
+    assert f"start Mosquitto:  mosquitto -c {(out / 'mosquitto.conf').resolve()}" in said
+    broker = _Mosquitto(out / "mosquitto.conf", port)
+    clients: list[Client] = []
+
+    def connect(user: str, password: object) -> Client:
+        c = Client("127.0.0.1", port, user, str(password))
+        clients.append(c)
+        return c
+
+    try:
+        bridge = connect("bridge", bridge_pw)
+        assert not bridge.rc.is_failure
+        bridge.subscribe(f"{P}/#")
+        device = connect("dev1", dev1["password"])
+        assert not device.rc.is_failure
+        # Its own topics: what it writes reaches the bridge, what the bridge sends it
+        # reaches it. Another device's topics: neither.
+        device.subscribe(f"{P}/d/dev1/req")
+        device.subscribe(f"{P}/d/dev2/req")
+        device.publish(f"{P}/d/dev1/evt", b"own evt")
+        device.publish(f"{P}/d/dev2/evt", b"forged evt")
+        device.publish(f"{P}/d/dev1/hello", b"marker")
+        assert bridge.until(b"marker") == [
+            (f"{P}/d/dev1/evt", b"own evt"),
+            (f"{P}/d/dev1/hello", b"marker"),
+        ]
+        bridge.publish(f"{P}/d/dev2/req", b"for dev2")
+        bridge.publish(f"{P}/d/dev1/req", b"for dev1")
+        assert device.until(b"for dev1") == [(f"{P}/d/dev1/req", b"for dev1")]
+        # A wrong password, and another device's, are refused.
+        assert connect("dev1", "not-the-password").rc.is_failure
+        assert connect("dev1", dev2["password"]).rc.is_failure
+        # A device added and one removed: written again, and reloaded (SIGHUP), the
+        # broker takes the new one and refuses the removed one.
+        dev3 = _printed_settings(_ok(tmp_path, "device", "add", "dev3", "--tenant", "acme"))
+        _ok(tmp_path, "device", "remove", "dev2")
+        _ok(tmp_path, *files)
+        broker.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + TIMEOUT_S
+        while connect("dev3", dev3["password"]).rc.is_failure:
+            assert time.monotonic() < deadline, broker.log_path.read_text()
+            time.sleep(0.1)
+        assert connect("dev2", dev2["password"]).rc.is_failure
+    finally:
+        for c in clients:
+            c.close()
+        broker.stop()
+
+
+def test_passwords_are_never_shown_again_nor_stored(tmp_path: Path) -> None:
+    tenant_out = _ok(tmp_path, "tenant", "add", "acme")
+    host_pw = _printed_password(tenant_out, "host-acme")
+    assert "shown this once: it cannot be shown again" in tenant_out
+    printed = _ok(tmp_path, "device", "add", "dev1", "--tenant", "acme", "--agent", "kiosk",
+                  "--broker", "192.168.1.10:1884")  # fmt: skip
+    settings = _printed_settings(printed)
+    password = str(settings["password"])
+    assert settings == {"device": "dev1", "password": password, "host": "192.168.1.10",
+                        "port": 1884}  # fmt: skip
+    assert printed.count(password) == 1  # printed once, in the settings.json line
+    assert "the password is shown this once: it cannot be shown again" in printed
+    _ok(tmp_path, "tenant", "add", "globex")
+    _ok(tmp_path, "device", "add", "dev2", "--tenant", "globex")
+    listed = _ok(tmp_path, "device", "list")
+    assert listed.splitlines() == [
+        "DEVICE  TENANT  AGENT",
+        "dev1    acme    kiosk",
+        "dev2    globex  thermostat",
+    ]
+    assert _ok(tmp_path, "device", "list", "--tenant", "globex").splitlines() == [
+        "DEVICE  TENANT  AGENT",
+        "dev2    globex  thermostat",
+    ]
+    stored = (tmp_path / ".wren" / "registry.json").read_text()
+    with Registry(tmp_path / ".wren" / "registry.json") as registry:
+        entry = registry.user("dev1")
+        assert entry is not None and check_password(password, entry.password_hash)
+    for secret in (password, host_pw):
+        assert secret not in stored and secret not in listed
+    assert entry.password_hash not in listed and "$7$" not in listed
+    # A new password for the device: the old one no longer matches.
+    rotated = _printed_settings(_ok(tmp_path, "device", "add", "dev1", "--tenant", "acme",
+                                    "--rotate"))  # fmt: skip
+    with Registry(tmp_path / ".wren" / "registry.json") as registry:
+        entry = registry.user("dev1")
+        assert entry is not None and check_password(str(rotated["password"]), entry.password_hash)
+        assert not check_password(password, entry.password_hash)
+        assert registry.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
+
+
+def test_registry_commands_refuse_bad_input_in_one_line_and_change_nothing(
+    tmp_path: Path,
+) -> None:
+    missing = _registry_cli(tmp_path, "device", "list")
+    assert (missing.returncode, missing.stdout) == (1, "")
+    assert missing.stderr == (
+        "wren device list: no registry at .wren/registry.json (`wren tenant add` creates one)\n"
+    )
+    assert not (tmp_path / ".wren").exists()
+    _ok(tmp_path, "tenant", "add", "acme")
+    _ok(tmp_path, "tenant", "add", "globex")
+    _ok(tmp_path, "device", "add", "dev1", "--tenant", "acme")
+    no_bridge = _registry_cli(tmp_path, "broker-files")
+    assert no_bridge.stderr == (
+        "wren broker-files: the registry has no bridge user: add one with "
+        "`wren bridge-user add bridge`\n"
+    )
+    _ok(tmp_path, "bridge-user", "add", "bridge")
+    registry = tmp_path / ".wren" / "registry.json"
+    before = registry.read_bytes()
+    bad = {
+        ("tenant", "add", "acme"): "tenant 'acme' already exists",
+        ("tenant", "add", "Acme"): "invalid tenant level 'Acme'",
+        ("tenant", "add", "nobody", "--rotate"): "unknown tenant 'nobody'",
+        ("device", "add", "dev2", "--tenant", "nobody"): "unknown tenant 'nobody'",
+        ("device", "add", "dev/2", "--tenant", "acme"): "invalid device level 'dev/2'",
+        ("device", "add", "Dev2", "--tenant", "acme"): "invalid device level 'Dev2'",
+        ("device", "add", "dev1", "--tenant", "acme"): "device 'dev1' already exists",
+        ("device", "add", "dev1", "--tenant", "globex"): "device 'dev1' already exists",
+        ("device", "add", "host-acme", "--tenant", "acme"): "broker user 'host-acme' already",
+        ("device", "add", "bridge", "--tenant", "acme"): "broker user 'bridge' already exists",
+        ("device", "add", "dev2", "--tenant", "acme", "--rotate"): "unknown device 'dev2'",
+        ("device", "add", "dev1", "--tenant", "globex", "--rotate"): "another tenant",
+        ("device", "remove", "dev2"): "unknown device 'dev2'",
+        ("bridge-user", "add", "bridge"): "broker user 'bridge' already exists",
+        ("bridge-user", "add", "dev1"): "'dev1' is a device",
+        ("bridge-user", "add", "a:b"): "cannot be written to the broker's files",
+        ("bridge-user", "add", "b2", "--rotate"): "unknown broker user 'b2'",
+        ("host-user", "add", "h2", "--tenant", "nobody"): "unknown tenant 'nobody'",
+        ("host-user", "add", "host-acme", "--tenant", "globex", "--rotate"): "not a host user of",
+        ("bridge-user", "add", "host-acme", "--rotate"): "is not a bridge user",
+    }
+    # All at once (each is a process of its own): each must refuse, so the file is the
+    # same at the end only if none of them wrote it.
+    with ThreadPoolExecutor(8) as pool:
+        procs = dict(zip(bad, pool.map(lambda a: _registry_cli(tmp_path, *a), bad), strict=True))
+    for args, says in bad.items():
+        proc = procs[args]
+        assert proc.returncode == 1, (args, proc.stdout, proc.stderr)
+        assert proc.stdout == "", args
+        [line] = proc.stderr.splitlines()
+        assert line.startswith(f"wren {args[0]} {args[1]}: ") and says in line, (args, line)
+    assert registry.read_bytes() == before
+    # A usage error is argparse's (exit 2): --agent is what --rotate keeps.
+    usage = _registry_cli(tmp_path, "device", "add", "dev1", "--tenant", "acme", "--rotate",
+                          "--agent", "x")  # fmt: skip
+    assert usage.returncode == 2 and "not allowed with argument --rotate" in usage.stderr
+    assert registry.read_bytes() == before

@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 from tinydb import Query
 
-from server_bridge.registry import DeviceRecord, Registry, RegistryError, provision
+from server_bridge.brokerconf import hash_password
+from server_bridge.registry import (
+    BRIDGE,
+    DEVICE,
+    HOST,
+    BrokerUser,
+    DeviceRecord,
+    Registry,
+    RegistryError,
+    host_user,
+    provision,
+)
 from server_bridge.store import AtomicJSONStorage, open_db
 from server_bridge.topics import BadTopic
 
@@ -412,3 +423,144 @@ def test_provision_adds_only_what_is_missing(tmp_path: Path) -> None:
         assert reg.device("dev9") == DeviceRecord("dev9", "globex", "kiosk")
     with pytest.raises(BadTopic):
         provision(path, "acme", [("no/slash", "kiosk")])
+
+
+# ---------------------------------------------------------------- broker users
+
+# `$7$` entries (brokerconf.hash_password with a fixed salt, so the tests stay fast).
+HASH_A = hash_password("password-a", salt=b"\x01" * 12)
+HASH_B = hash_password("password-b", salt=b"\x02" * 12)
+
+
+def test_broker_users_by_role(tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "reg.json")
+    reg.add_tenant("acme", SECRET, host_password_hash=HASH_A)
+    assert host_user("acme") == "host-acme"
+    reg.add_user("bridge", BRIDGE, None, HASH_B)
+    reg.add_user("host-acme-2", HOST, "acme", HASH_B)
+    assert reg.enroll_device("dev1", "acme", "kiosk", HASH_A) == DeviceRecord(
+        "dev1", "acme", "kiosk"
+    )
+    assert reg.users() == [
+        BrokerUser("bridge", BRIDGE, None, HASH_B),
+        BrokerUser("dev1", DEVICE, "acme", HASH_A),
+        BrokerUser("host-acme", HOST, "acme", HASH_A),
+        BrokerUser("host-acme-2", HOST, "acme", HASH_B),
+    ]
+    assert reg.user("dev1") == BrokerUser("dev1", DEVICE, "acme", HASH_A)
+    assert reg.user("nobody") is None
+    assert HASH_A not in repr(reg.users())  # not a password, but not for logs either
+    assert reg.devices() == [DeviceRecord("dev1", "acme", "kiosk")]
+    # A new password: the entry changes, nothing else.
+    assert reg.set_password_hash("host-acme", HASH_B) == BrokerUser(
+        "host-acme", HOST, "acme", HASH_B
+    )
+    assert reg.user("host-acme") == BrokerUser("host-acme", HOST, "acme", HASH_B)
+    # Removing a device removes its login.
+    assert reg.remove_device("dev1")
+    assert reg.user("dev1") is None and reg.device("dev1") is None
+
+
+def test_broker_user_names_and_device_ids_share_one_name_space(tmp_path: Path) -> None:
+    # The ACL's device rules apply to any user named like a device: a bridge or host
+    # user that is also a device id would get that device's topics.
+    reg = Registry(tmp_path / "reg.json")
+    reg.add_tenant("acme", SECRET, host_password_hash=HASH_A)
+    reg.add_tenant("globex", SECRET)
+    reg.add_user("bridge", BRIDGE, None, HASH_A)
+    reg.enroll_device("dev1", "acme", "kiosk", HASH_A)
+    reg.add_device("legacy", "acme", "kiosk")  # no broker user (as `wren bridge` adds one)
+    before = (tmp_path / "reg.json").read_bytes()
+    refusals: list[tuple[Callable[..., object], tuple[object, ...]]] = [
+        (reg.enroll_device, ("dev1", "acme", "kiosk", HASH_B)),  # exists
+        (reg.enroll_device, ("legacy", "acme", "kiosk", HASH_B)),  # exists, without login
+        (reg.enroll_device, ("bridge", "acme", "kiosk", HASH_B)),  # a bridge user's name
+        (reg.enroll_device, ("host-acme", "acme", "kiosk", HASH_B)),
+        (reg.enroll_device, ("dev2", "nobody", "kiosk", HASH_B)),  # unknown tenant
+        (reg.add_device, ("bridge", "acme", "kiosk")),
+        (reg.add_user, ("dev1", BRIDGE, None, HASH_B)),  # a device's name
+        (reg.add_user, ("legacy", HOST, "acme", HASH_B)),
+        (reg.add_user, ("bridge", BRIDGE, None, HASH_B)),  # exists
+        (reg.add_user, ("host-x", HOST, "nobody", HASH_B)),  # unknown tenant
+        (reg.add_user, ("host-x", HOST, None, HASH_B)),
+        (reg.add_user, ("b2", BRIDGE, "acme", HASH_B)),
+        (reg.add_user, ("d9", DEVICE, "acme", HASH_B)),  # devices come with their device
+        (reg.add_user, ("b2", BRIDGE, None, "plain password")),  # never a password
+        (reg.add_user, ("bad name", BRIDGE, None, HASH_B)),
+        (reg.add_tenant, ("acme",)),
+        (reg.set_password_hash, ("nobody", HASH_B)),
+        (reg.set_password_hash, ("bridge", "plain password")),
+        (reg.set_device_password_hash, ("ghost", HASH_B)),
+    ]
+    for method, args in refusals:
+        with pytest.raises(ValueError):  # RegistryError, BadTopic: ValueErrors
+            method(*args)
+    assert (tmp_path / "reg.json").read_bytes() == before
+    # A tenant's host user is refused with the tenant when its name is taken.
+    reg.add_user("host-initech", BRIDGE, None, HASH_A)
+    with pytest.raises(RegistryError):
+        reg.add_tenant("initech", host_password_hash=HASH_B)
+    assert reg.tenant_secret("initech") is None
+
+
+def test_a_device_and_its_login_are_written_together_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "reg.json"
+    reg = Registry(path)
+    reg.add_tenant("acme", SECRET)
+    writes: list[dict[str, object]] = []
+    real_write = AtomicJSONStorage.write
+
+    def counted(self: AtomicJSONStorage, data: dict[str, dict[str, object]]) -> None:
+        writes.append(json.loads(json.dumps(data)))
+        real_write(self, data)
+
+    monkeypatch.setattr(AtomicJSONStorage, "write", counted)
+    reg.enroll_device("dev1", "acme", "kiosk", HASH_A)
+    assert len(writes) == 1 and set(writes[0]) == {"tenants", "devices", "users"}
+    # The second table's insert fails after the first table changed: the file keeps
+    # neither, and the registry goes on as before.
+    before = path.read_bytes()
+
+    def broken_insert(document: object) -> int:
+        raise OSError("the disk is full")
+
+    monkeypatch.setattr(reg._users, "insert", broken_insert)
+    with pytest.raises(OSError):
+        reg.enroll_device("dev2", "acme", "kiosk", HASH_A)
+    assert path.read_bytes() == before and len(writes) == 1
+    monkeypatch.undo()
+    assert reg.device("dev2") is None
+    reg.enroll_device("dev2", "acme", "kiosk", HASH_B)
+    assert Registry(path).user("dev2") == BrokerUser("dev2", DEVICE, "acme", HASH_B)
+
+
+def test_a_registry_without_the_users_table_still_loads(tmp_path: Path) -> None:
+    # A file written before broker users were kept: tenants and devices only.
+    path = tmp_path / "reg.json"
+    doc = {
+        "tenants": {"1": {"tenant": "acme", "secret": SECRET.hex()}},
+        "devices": {"1": {"device": "dev1", "tenant": "acme", "agent": "thermostat"}},
+    }
+    path.write_text(json.dumps(doc))
+    reg = Registry(path)
+    assert reg.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
+    assert reg.users() == [] and reg.user("dev1") is None
+    # The old device gets its login; the old tables are as they were.
+    reg.set_device_password_hash("dev1", HASH_A)
+    assert reg.user("dev1") == BrokerUser("dev1", DEVICE, "acme", HASH_A)
+    reg.set_device_password_hash("dev1", HASH_B)
+    assert reg.users() == [BrokerUser("dev1", DEVICE, "acme", HASH_B)]
+    data = json.loads(path.read_text())
+    assert data["tenants"] == doc["tenants"] and data["devices"] == doc["devices"]
+
+
+def test_another_process_adding_a_user_is_seen(tmp_path: Path) -> None:
+    path = tmp_path / "reg.json"
+    running = Registry(path)
+    running.add_tenant("acme", SECRET)
+    assert running.users() == []
+    Registry(path).enroll_device("dev9", "acme", "kiosk", HASH_A)
+    assert running.user("dev9") == BrokerUser("dev9", DEVICE, "acme", HASH_A)
+    assert running.device("dev9") == DeviceRecord("dev9", "acme", "kiosk")

@@ -1,22 +1,42 @@
-"""The `wren` command line: demo, bridge, virtual board, ask.
+"""The `wren` command line: demo, bridge, virtual board, ask, and the registry.
 
 wren demo [--once]                 broker + bridge + virtual board + terminal view
 wren bridge --broker HOST:PORT     the server bridge on its own
 wren board --virtual               the board runtime on the MicroPython unix port
 wren ask "question"                send one request as a host and watch the run
+wren tenant add T                  a tenant and its host user (password printed once)
+wren device add D --tenant T       a device and its broker user (password printed once)
+wren device list | remove D        the registry's devices
+wren bridge-user add NAME          a bridge's broker user (password printed once)
+wren host-user add NAME --tenant T another host user of a tenant (password printed once)
+wren broker-files                  Mosquitto's password file, ACL and config from the registry
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import TextIO
 
-from server_bridge import service
-from server_bridge.service import add_broker_arguments, broker_address
-from tools import demo as demo_mod
+from server_bridge import brokerconf, service
+from server_bridge.registry import BRIDGE, DEVICE, HOST, DeviceRecord, Registry, host_user
+from server_bridge.service import DEFAULT_AGENT, add_broker_arguments, broker_address
+from server_bridge.topics import DEFAULT_PREFIX
+
+DEFAULT_REGISTRY = Path(".wren/registry.json")
+DEFAULT_BROKER_DIR = Path(".wren/broker")
+# The commands that change or read the registry (handled by `_registry_command`).
+REGISTRY_COMMANDS = ("tenant", "device", "bridge-user", "host-user", "broker-files")
+ONCE = "shown this once: it cannot be shown again (the registry keeps only its hash)"
+RELOAD = "next: `wren broker-files`, then SIGHUP to the Mosquitto that uses them"
+
+
+class CommandError(Exception):
+    """A registry command refused; the message is the one line the user sees."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--device", default="thermo1")
     a.add_argument("--user-id", default="cli-user", help="the end user the session token names")
     a.add_argument("--timeout", type=float, default=60.0)
+    _add_registry_parsers(sub)
     h = sub.add_parser("hil", help="run the board tests on a target through its raw REPL")
     target = h.add_mutually_exclusive_group(required=True)
     target.add_argument("--pty", action="store_true", help="the unix port on a pseudo-terminal")
@@ -93,6 +114,276 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--broker", type=broker_address, metavar="HOST:PORT", help="for broker tests")
     h.add_argument("module", nargs="*", help="test modules (default: all)")
     return parser
+
+
+def _registry_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--registry",
+        type=Path,
+        default=DEFAULT_REGISTRY,
+        help="the registry file (default %(default)s, where `wren bridge` keeps it)",
+    )
+
+
+def _rotate_option(p: argparse._ActionsContainer, what: str) -> None:
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        help=f"{what} exists: give its broker user a new password (the old one works until "
+        "the broker files are written again and reloaded)",
+    )
+
+
+def _add_registry_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    t = sub.add_parser("tenant", help="tenants in the registry")
+    tsub = t.add_subparsers(dest="action", required=True)
+    ta = tsub.add_parser(
+        "add", help="add a tenant (a new token secret) and its host user host-T; prints "
+        "the host user's password once"
+    )  # fmt: skip
+    ta.add_argument("tenant")
+    _registry_option(ta)
+    _rotate_option(ta, "the tenant")
+
+    d = sub.add_parser("device", help="devices in the registry")
+    dsub = d.add_subparsers(dest="action", required=True)
+    da = dsub.add_parser(
+        "add", help="add a device and its broker user; prints its password once, as a "
+        "line of the board's settings.json"
+    )  # fmt: skip
+    da.add_argument("device")
+    da.add_argument("--tenant", required=True)
+    how = da.add_mutually_exclusive_group()
+    how.add_argument(
+        "--agent", help=f"the agent the board runs (default {DEFAULT_AGENT}, the demo's)"
+    )
+    _rotate_option(how, "the device")
+    da.add_argument(
+        "--broker",
+        type=broker_address,
+        metavar="HOST:PORT",
+        help="the broker as the board reaches it, for the settings.json line",
+    )
+    _registry_option(da)
+    dr = dsub.add_parser("remove", help="remove a device and its broker user")
+    dr.add_argument("device")
+    _registry_option(dr)
+    dl = dsub.add_parser("list", help="the registry's devices: device, tenant, agent")
+    dl.add_argument("--tenant", help="only this tenant's")
+    _registry_option(dl)
+
+    b = sub.add_parser("bridge-user", help="the bridge's broker users")
+    bsub = b.add_subparsers(dest="action", required=True)
+    ba = bsub.add_parser("add", help="add a bridge user; prints its password once")
+    ba.add_argument("user")
+    _registry_option(ba)
+    _rotate_option(ba, "the user")
+
+    h = sub.add_parser("host-user", help="a tenant's host users (one per host connection)")
+    hsub = h.add_subparsers(dest="action", required=True)
+    ha = hsub.add_parser("add", help="add a host user to a tenant; prints its password once")
+    ha.add_argument("user")
+    ha.add_argument("--tenant", required=True)
+    _registry_option(ha)
+    _rotate_option(ha, "the user")
+
+    f = sub.add_parser(
+        "broker-files",
+        help="write Mosquitto's password file, ACL and mosquitto.conf from the registry",
+    )
+    _registry_option(f)
+    f.add_argument(
+        "--out", type=Path, default=DEFAULT_BROKER_DIR, help="directory (default %(default)s)"
+    )
+    f.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, help="topic prefix (default %(default)s)"
+    )
+    f.add_argument("--port", type=int, default=1883, help="listener port (default %(default)s)")
+    f.add_argument("--bind", help="listener address (default: every interface)")
+
+
+# --- the registry commands: thin over server_bridge.registry and brokerconf ---------------
+
+
+def _open(path: Path, create: bool = False) -> Registry:
+    if not create and not path.exists():
+        # Not created on the way: a mistyped path would otherwise start an empty registry.
+        raise CommandError(f"no registry at {path} (`wren tenant add` creates one)")
+    return Registry(path)
+
+
+def _new_login() -> tuple[str, str]:
+    """A new password and its `$7$` entry; only the entry is ever stored."""
+    password = brokerconf.new_password()
+    return password, brokerconf.hash_password(password)
+
+
+def _tenant_add(args: argparse.Namespace, out: TextIO) -> None:
+    name = host_user(args.tenant)
+    with _open(args.registry, create=True) as reg:
+        password, entry = _new_login()
+        if not args.rotate:
+            reg.add_tenant(args.tenant, host_password_hash=entry)
+            print(f"tenant {args.tenant}: added, with host user {name}", file=out)
+        else:
+            if reg.tenant_secret(args.tenant) is None:
+                raise CommandError(f"unknown tenant {args.tenant!r}")
+            _rotate_or_add(reg, name, HOST, args.tenant, entry)
+            print(f"tenant {args.tenant}: new password for host user {name}", file=out)
+    _print_password(out, name, password, f"WREN_HOST_USER={name} WREN_HOST_PASSWORD=...")
+
+
+def _rotate_or_add(reg: Registry, name: str, role: str, tenant: str | None, entry: str) -> None:
+    user = reg.user(name)
+    if user is None:
+        # A tenant from before users were kept (or made by `wren bridge`) has no host
+        # user yet: rotating gives it its first.
+        reg.add_user(name, role, tenant, entry)
+    elif user.role != role or user.tenant != tenant:
+        whose = f" of tenant {tenant}" if tenant else ""
+        raise CommandError(f"broker user {name!r} is not a {role} user{whose}")
+    else:
+        reg.set_password_hash(name, entry)
+
+
+def _print_password(out: TextIO, user: str, password: str, login: str) -> None:
+    print(f"password for {user}: {password}", file=out)
+    print(f"  {ONCE}", file=out)
+    print(f"  it logs in with {login}", file=out)
+    print(RELOAD, file=out)
+
+
+def _user_add(args: argparse.Namespace, role: str, out: TextIO) -> None:
+    tenant = args.tenant if role == HOST else None
+    brokerconf.check_user(args.user)  # before a new registry's directory is made
+    with _open(args.registry, create=role == BRIDGE) as reg:
+        password, entry = _new_login()
+        if args.rotate:
+            if reg.user(args.user) is None:
+                raise CommandError(f"unknown broker user {args.user!r}")
+            _rotate_or_add(reg, args.user, role, tenant, entry)
+            print(f"{role} user {args.user}: new password", file=out)
+        else:
+            reg.add_user(args.user, role, tenant, entry)
+            whose = f" (tenant {tenant})" if tenant else ""
+            print(f"{role} user {args.user}{whose}: added", file=out)
+    env = "WREN_BRIDGE" if role == BRIDGE else "WREN_HOST"
+    _print_password(out, args.user, password, f"{env}_USER={args.user} {env}_PASSWORD=...")
+
+
+def _device_add(args: argparse.Namespace, out: TextIO) -> None:
+    with _open(args.registry) as reg:
+        password, entry = _new_login()
+        if args.rotate:
+            record = reg.device(args.device)
+            if record is None:
+                raise CommandError(f"unknown device {args.device!r}")
+            if record.tenant != args.tenant:
+                raise CommandError(f"device {args.device!r} belongs to another tenant")
+            reg.set_device_password_hash(args.device, entry)
+            said = f"device {args.device}: new password (tenant {record.tenant})"
+        else:
+            record = reg.enroll_device(
+                args.device, args.tenant, args.agent or DEFAULT_AGENT, entry
+            )
+            said = f"device {args.device}: added (tenant {record.tenant}, agent {record.agent})"
+    host, port = args.broker or ("BROKER_HOST", 1883)
+    settings = {"device": args.device, "password": password, "host": host, "port": port}
+    print(said, file=out)
+    print("settings.json for the board (host and port: the broker as the board reaches it):",
+          file=out)  # fmt: skip
+    print(f"  {json.dumps(settings)}", file=out)
+    print(f"  the password is {ONCE}", file=out)
+    print("  copy it to the board's flash: mpremote cp settings.json :settings.json", file=out)
+    print(RELOAD, file=out)
+
+
+def _device_remove(args: argparse.Namespace, out: TextIO) -> None:
+    with _open(args.registry) as reg:
+        if not reg.remove_device(args.device):
+            raise CommandError(f"unknown device {args.device!r}")
+    print(f"device {args.device}: removed, with its broker user", file=out)
+    print(RELOAD, file=out)
+
+
+def _device_list(args: argparse.Namespace, out: TextIO) -> None:
+    with _open(args.registry) as reg:
+        devices = reg.devices_of(args.tenant) if args.tenant else reg.devices()
+        logins = {u.user for u in reg.users() if u.role == DEVICE}
+    rows = [("DEVICE", "TENANT", "AGENT")] + [(d.device, d.tenant, d.agent) for d in devices]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    for device, tenant, agent in rows:
+        print(f"{device:<{widths[0]}}  {tenant:<{widths[1]}}  {agent}", file=out)
+    _warn_without_login([d for d in devices if d.device not in logins])
+
+
+def _warn_without_login(devices: list[DeviceRecord]) -> None:
+    # A device registered by `wren bridge --device` (or before users were kept) has no
+    # broker user: the broker files leave it out, so it cannot log in until it gets one.
+    for d in devices:
+        print(
+            f"note: device {d.device} has no broker password "
+            f"(`wren device add {d.device} --tenant {d.tenant} --rotate` gives it one)",
+            file=sys.stderr,
+        )
+
+
+def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
+    with _open(args.registry) as reg:
+        users = reg.users()
+        devices = reg.devices()
+    bridges = [u.user for u in users if u.role == BRIDGE]
+    if not bridges:
+        raise CommandError(
+            "the registry has no bridge user: add one with `wren bridge-user add bridge`"
+        )
+    hosts: dict[str, list[str]] = {}
+    for u in users:
+        if u.role == HOST and u.tenant is not None:
+            hosts.setdefault(u.tenant, []).append(u.user)
+    acl = brokerconf.acl_text(args.prefix, bridges, hosts)
+    conf = brokerconf.mosquitto_conf(
+        args.out, {u.user: u.password_hash for u in users}, acl, args.port, args.bind
+    )
+    logins = {u.user for u in users if u.role == DEVICE}
+    _warn_without_login([d for d in devices if d.device not in logins])
+    listener = f"{args.bind or '*'}:{args.port}"
+    print(
+        f"wrote {args.out / 'passwords'} ({len(users)} users), {args.out / 'acl'}, {conf}"
+        f" (listener {listener})",
+        file=out,
+    )
+    print(f"start Mosquitto:  mosquitto -c {conf.resolve()}", file=out)
+    print(
+        "a Mosquitto started with it reloads the users and the ACL on SIGHUP:  "
+        "kill -HUP <its pid>",
+        file=out,
+    )
+
+
+def _registry_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out if out is not None else sys.stdout
+    name = f"wren {args.command}" + (f" {args.action}" if getattr(args, "action", None) else "")
+    try:
+        if args.command == "tenant":
+            _tenant_add(args, out)
+        elif args.command == "device" and args.action == "add":
+            _device_add(args, out)
+        elif args.command == "device" and args.action == "remove":
+            _device_remove(args, out)
+        elif args.command == "device":
+            _device_list(args, out)
+        elif args.command == "bridge-user":
+            _user_add(args, BRIDGE, out)
+        elif args.command == "host-user":
+            _user_add(args, HOST, out)
+        else:
+            _broker_files(args, out)
+    except (CommandError, ValueError, OSError) as e:
+        # RegistryError and topics.BadTopic are ValueErrors, as is a corrupt registry file.
+        print(f"{name}: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _run_hil(args: argparse.Namespace) -> int:
@@ -111,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, service.stop_on_sigterm)
     service.setup_logging(args.verbose)
+    if args.command in REGISTRY_COMMANDS:
+        return _registry_command(args)
+    # The demo's parts (the bridge, the host client, the board) only for the commands
+    # that run them: the registry commands start several times faster without them.
+    from tools import demo as demo_mod
+
     try:
         if args.command == "demo":
             return demo_mod.run_demo(args)
