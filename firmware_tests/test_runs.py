@@ -130,7 +130,9 @@ def test_requests_beyond_concurrency_and_queue_are_refused_busy():
         err = await _fill_until_busy(bridge, "b")
         assert err["kind"] == "busy" and err["req"] == "b3"
         assert len(runtime.active) == 1 and len(runtime._queue) == 2
-        # Cancelling the running one admits the next from the queue.
+        # Cancelling the running one admits the next from the queue. (Its run.started
+        # follows its model call, so it may come after the refusal.)
+        await bridge.wait_for(lambda: any(e["t"] == "run.started" for e in bridge.events))
         run_id = [e for e in bridge.events if e["t"] == "run.started"][0]["r"]
         bridge.send("ctl", {"op": "cancel", "r": run_id, "reason": "user stopped it"})
         await bridge.wait_for(lambda: any(e["t"] == "run.cancelled" for e in bridge.events))

@@ -50,6 +50,8 @@ from server_bridge import metrics, tokens
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
 from server_bridge.lanes import Budget, Kind, Outbox
+from server_bridge.memory import calls as memory_calls
+from server_bridge.memory.service import MemoryService
 from server_bridge.metrics import prometheus_text
 from server_bridge.models.base import Provider
 from server_bridge.redact import MASK, scrub
@@ -142,10 +144,19 @@ def _guarded(fn: F) -> F:
 class Bridge:
     """One bridge process's link to the broker and everything behind it."""
 
-    def __init__(self, config: BridgeConfig, registry: Registry, provider: Provider) -> None:
+    def __init__(
+        self,
+        config: BridgeConfig,
+        registry: Registry,
+        provider: Provider,
+        memory: MemoryService | None = None,
+    ) -> None:
         self.config = config
         self.registry = registry
         self.provider = provider
+        # Durable memory (state.*, mem.*, core.*): without it those methods are
+        # unknown_method, as before the memory service existed.
+        self.memory = memory
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._refusals: deque[Refusal] = deque(maxlen=config.refusals_kept)
@@ -203,6 +214,8 @@ class Bridge:
             device_limits=self.intake.device_limits,
             merge_s=config.rpc_merge_s,
         )
+        if memory is not None:
+            memory_calls.register(self.rpc, memory, registry, self.hello, self.intake.device_limits)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -368,6 +381,11 @@ class Bridge:
             target=self._housekeeping, name="wren-bridge-housekeeping", daemon=True
         )
         self._housekeeper.start()
+        if self.memory is not None and self.memory.index is not None:
+            # The index is rebuilt from the store, never trusted across a restart; in the
+            # background, since embedding many rows takes a while (recall answers from
+            # what is indexed so far meanwhile).
+            threading.Thread(target=self._reindex, name="wren-memory-reindex", daemon=True).start()
         log.info(
             "bridge %s serving %s on %s:%d with provider %s",
             cfg.client_id,
@@ -376,6 +394,16 @@ class Bridge:
             cfg.port,
             getattr(self.provider, "name", "?"),
         )
+
+    def _reindex(self) -> None:
+        assert self.memory is not None
+        try:
+            n = self.memory.reindex()
+        except Exception:  # logged, not swallowed: recall then serves what it has
+            log.exception("rebuilding the memory recall index failed")
+            self._count("callback_errors")
+            return
+        log.info("memory recall index rebuilt: %d rows", n)
 
     def stop(self) -> None:
         """Say offline, disconnect and stop the threads; calls still running get no answer.

@@ -410,9 +410,7 @@ class Registry:
 
     # ------------------------------------------------------------------ broker users
 
-    def add_user(
-        self, user: str, role: str, tenant: str | None, password_hash: str
-    ) -> BrokerUser:
+    def add_user(self, user: str, role: str, tenant: str | None, password_hash: str) -> BrokerUser:
         """Add a bridge user (`tenant` None) or a host user of an existing tenant, with
         its `$7$` password entry. A device's user comes with the device
         (`enroll_device`). A name already taken, by a user or a device, is refused."""

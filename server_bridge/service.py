@@ -34,6 +34,7 @@ from server_bridge.registry import provision
 
 if TYPE_CHECKING:
     from server_bridge.bridge import Bridge
+    from server_bridge.memory import MemoryService
 
 __all__ = [
     "DEFAULT_AGENT",
@@ -118,6 +119,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every option of the bridge service, on `p`."""
     add_broker_arguments(p, "WREN_BRIDGE_USER", "WREN_BRIDGE_PASSWORD")
     p.add_argument("--registry", type=Path, default=Path(".wren/registry.json"))
+    p.add_argument(
+        "--memory-dir",
+        type=Path,
+        default=None,
+        help="where durable memory is kept (default: memory/ beside --registry)",
+    )
     p.add_argument(
         "--client-id",
         default=BridgeConfig.client_id,
@@ -222,6 +229,16 @@ def _devices(specs: list[str]) -> list[tuple[str, str]]:
 # --- the process ----------------------------------------------------------------------------
 
 
+def memory_service(args: argparse.Namespace) -> MemoryService:
+    """The durable memory at --memory-dir (memory/ beside the registry), with the recall
+    index (MiniLM when installed, else BM25), which the bridge rebuilds as it starts."""
+    from server_bridge.memory import MemoryService, TinyMemoryStore
+    from server_bridge.memory.recall import RecallIndex
+
+    directory = args.memory_dir or Path(args.registry).parent / "memory"
+    return MemoryService(TinyMemoryStore(directory), index=RecallIndex("auto"))
+
+
 def run(
     args: argparse.Namespace, stop: threading.Event | None = None, out: TextIO | None = None
 ) -> int:
@@ -241,7 +258,7 @@ def run(
     registry = provision(args.registry, args.tenant, _devices(args.device))
     try:
         provider, what = model_provider(args)
-        bridge = Bridge(config, registry, provider)
+        bridge = Bridge(config, registry, provider, memory_service(args))
         # stop() also after a start that failed or was interrupted: it shuts down the
         # RPC pool the bridge made, and is a no-op for the connection it never had.
         try:

@@ -116,7 +116,14 @@ class Peer:
 class World:
     """A running bridge, its registry, a board peer for dev1 and a host peer for acme."""
 
-    def __init__(self, broker: MosquittoProcess, tmp: Path, provider: Any, **config: Any) -> None:
+    def __init__(
+        self,
+        broker: MosquittoProcess,
+        tmp: Path,
+        provider: Any,
+        memory: Any = None,
+        **config: Any,
+    ) -> None:
         self.p = f"wren-test-{uuid.uuid4().hex[:8]}/v1"
         self.registry = Registry(tmp / "registry.json")
         self.registry.add_tenant("acme", SECRET)
@@ -137,7 +144,7 @@ class World:
             prefix=self.p,
             **config,
         )
-        self.bridge = Bridge(cfg, self.registry, provider)
+        self.bridge = Bridge(cfg, self.registry, provider, memory)
         self.bridge.start()
         p = self.p
         self.board = Peer(broker, [f"{p}/d/dev1/rpc/res", f"{p}/d/dev1/req", f"{p}/d/dev1/ctl"])

@@ -108,9 +108,12 @@ def test_mosquitto_conf_is_a_whole_config_using_the_files(tmp_path: Path) -> Non
     ):
         assert line in options
     assert (tmp_path / "broker" / "acl").read_text() == acl
-    assert brokerconf.mosquitto_conf(tmp_path / "b2", entries, acl).read_text().count(
-        "\nlistener 1883\n"
-    ) == 1
+    assert (
+        brokerconf.mosquitto_conf(tmp_path / "b2", entries, acl)
+        .read_text()
+        .count("\nlistener 1883\n")
+        == 1
+    )
     for port, bind in ((0, None), (70000, None), (1883, "a b")):
         with pytest.raises(ValueError):
             brokerconf.mosquitto_conf(tmp_path / "b3", entries, acl, port, bind)

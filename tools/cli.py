@@ -195,9 +195,7 @@ def _add_registry_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParse
     f.add_argument(
         "--out", type=Path, default=DEFAULT_BROKER_DIR, help="directory (default %(default)s)"
     )
-    f.add_argument(
-        "--prefix", default=DEFAULT_PREFIX, help="topic prefix (default %(default)s)"
-    )
+    f.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix (default %(default)s)")
     f.add_argument("--port", type=int, default=1883, help="listener port (default %(default)s)")
     f.add_argument("--bind", help="listener address (default: every interface)")
 
@@ -283,9 +281,7 @@ def _device_add(args: argparse.Namespace, out: TextIO) -> None:
             reg.set_device_password_hash(args.device, entry)
             said = f"device {args.device}: new password (tenant {record.tenant})"
         else:
-            record = reg.enroll_device(
-                args.device, args.tenant, args.agent or DEFAULT_AGENT, entry
-            )
+            record = reg.enroll_device(args.device, args.tenant, args.agent or DEFAULT_AGENT, entry)
             said = f"device {args.device}: added (tenant {record.tenant}, agent {record.agent})"
     host, port = args.broker or ("BROKER_HOST", 1883)
     settings = {"device": args.device, "password": password, "host": host, "port": port}
@@ -355,8 +351,7 @@ def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
     )
     print(f"start Mosquitto:  mosquitto -c {conf.resolve()}", file=out)
     print(
-        "a Mosquitto started with it reloads the users and the ACL on SIGHUP:  "
-        "kill -HUP <its pid>",
+        "a Mosquitto started with it reloads the users and the ACL on SIGHUP:  kill -HUP <its pid>",
         file=out,
     )
 

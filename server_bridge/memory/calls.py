@@ -1,0 +1,107 @@
+"""The memory methods as RPC handlers: who is calling, and answers the board can take.
+
+The service (service.py) answers for a `Caller`; this module builds one for each call
+from trusted sources only (PROTOCOL.md, "Scopes"):
+- tenant, device and agent from the registry record of the call's MQTT user;
+- the declared fields from that device's last hello;
+- user and conversation from the scope ticket `sc` the bridge signed into the request
+  (tokens.verify_scope, bound to this device); a call without one reaches the agent,
+  subject and tenant scopes only, and a bad or expired one is `bad_token`.
+A `tenant`, `user` or `device` key anywhere in the arguments is data and changes none of
+that.
+
+Answers go back on the board's receive buffer, so one larger than the payload its hello
+announced is refused `too_large` (ask for fewer rows) instead of being sent to be read
+past.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from server_bridge import tokens
+from server_bridge.memory.errors import MemoryFault
+from server_bridge.memory.service import Caller, MemoryService
+from server_bridge.registry import Registry
+from server_bridge.rpc import CallContext, Emit, RpcError, RpcServer
+from server_bridge.wire import BOARD_DEFAULTS, Limits, encode
+
+__all__ = ["caller_of", "register"]
+
+log = logging.getLogger("wren.bridge.memory")
+
+HelloOf = Callable[[str], Mapping[str, Any] | None]
+LimitsOf = Callable[[str], Limits | None]
+# What an answer's envelope adds around `ok`: {c, s, ok} with a call id of up to 64.
+_ENVELOPE = 96
+
+
+def caller_of(
+    ctx: CallContext, args: Mapping[str, Any], registry: Registry, hello_of: HelloOf
+) -> Caller:
+    """The Caller of one call; RpcError(bad_token) for a scope ticket that proves nothing."""
+    record = ctx.device
+    user = conv = None
+    ticket = args.get("sc")
+    if ticket is not None:
+        secret = registry.tenant_secret(record.tenant)
+        if secret is None:
+            raise RpcError("bad_token", f"no tenant {record.tenant!r} to verify the ticket against")
+        try:
+            scope = tokens.verify_scope(bytes.fromhex(secret), ticket, record.tenant, record.device)
+        except tokens.TokenError as e:
+            raise RpcError("bad_token", str(e)) from None
+        user, conv = scope.user, scope.conv
+    hello = hello_of(record.device) or {}
+    fields = hello.get("fields")
+    return Caller(
+        tenant=record.tenant,
+        device=record.device,
+        agent=record.agent,
+        user=user,
+        conv=conv,
+        run=ctx.call.r,
+        fields=fields if isinstance(fields, list) else (),
+    )
+
+
+def register(
+    rpc: RpcServer,
+    service: MemoryService,
+    registry: Registry,
+    hello_of: HelloOf,
+    limits_of: LimitsOf,
+) -> None:
+    """Add every method of `service` to the RPC table."""
+    for method in service.methods:
+        rpc.register(method, _handler(service, method, registry, hello_of, limits_of))
+
+
+def _handler(
+    service: MemoryService,
+    method: str,
+    registry: Registry,
+    hello_of: HelloOf,
+    limits_of: LimitsOf,
+) -> Callable[[CallContext, dict[str, Any], Emit], Any]:
+    def handler(ctx: CallContext, args: dict[str, Any], emit: Emit) -> Any:
+        caller = caller_of(ctx, args, registry, hello_of)
+        try:
+            result = service.handle(caller, method, args)
+        except MemoryFault as e:
+            raise RpcError(e.kind, e.msg, e.extra) from None
+        limits = limits_of(ctx.device.device) or BOARD_DEFAULTS
+        size = len(encode(result)) + _ENVELOPE
+        if size > limits.max_payload:
+            # Applied, if it was a write (a repeat of its w answers the same): only the
+            # answer is too large for the board to read.
+            raise RpcError(
+                "too_large",
+                f"the answer to {method} is {size} bytes; device {ctx.device.device} reads "
+                f"at most {limits.max_payload}: ask for fewer rows (limit, k)",
+            )
+        return result
+
+    return handler
