@@ -32,7 +32,7 @@ SECRET = bytes(range(32))
 
 
 def test_tenants_and_devices(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json")
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
     assert reg.add_tenant("acme", SECRET) == SECRET.hex()
     generated = reg.add_tenant("globex")
     assert len(bytes.fromhex(generated)) == 32 and generated != SECRET.hex()
@@ -51,7 +51,7 @@ def test_tenants_and_devices(tmp_path: Path) -> None:
 
 
 def test_secret_is_stored_as_hex(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json")
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
     reg.add_tenant("acme", SECRET.hex())
     reg.close()
     data = json.loads((tmp_path / "reg.json").read_text())
@@ -60,10 +60,10 @@ def test_secret_is_stored_as_hex(tmp_path: Path) -> None:
 
 def test_persists_across_reopen(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "reg.json"
-    with Registry(path) as reg:
+    with Registry(path, recheck_s=0) as reg:
         reg.add_tenant("acme", SECRET)
         reg.add_device("dev1", "acme", "thermostat")
-    reg2 = Registry(path)
+    reg2 = Registry(path, recheck_s=0)
     assert reg2.tenant_secret("acme") == SECRET.hex()
     assert reg2.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
 
@@ -72,15 +72,15 @@ def test_another_process_writing_is_seen(tmp_path: Path) -> None:
     # The provisioning CLI adds a device while the bridge runs: the bridge's open
     # registry must see it without a restart.
     path = tmp_path / "reg.json"
-    running = Registry(path)
+    running = Registry(path, recheck_s=0)
     running.add_tenant("acme", SECRET)
     assert running.device("dev9") is None
-    Registry(path).add_device("dev9", "acme", "kiosk")
+    Registry(path, recheck_s=0).add_device("dev9", "acme", "kiosk")
     assert running.device("dev9") == DeviceRecord("dev9", "acme", "kiosk")
 
 
 def test_ids_are_checked(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json")
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
     with pytest.raises(BadTopic):
         reg.add_tenant("Acme")
     reg.add_tenant("acme", SECRET)
@@ -92,7 +92,7 @@ def test_ids_are_checked(tmp_path: Path) -> None:
 
 
 def test_consistency_rules(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json")
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
     reg.add_tenant("acme", SECRET)
     reg.add_tenant("globex", SECRET)
     with pytest.raises(RegistryError):
@@ -136,7 +136,7 @@ def test_crash_between_write_and_rename_leaves_the_old_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "db.json"
-    reg = Registry(path)
+    reg = Registry(path, recheck_s=0)
     reg.add_tenant("acme", SECRET)
     before = path.read_bytes()
 
@@ -149,7 +149,7 @@ def test_crash_between_write_and_rename_leaves_the_old_file(
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["db.json"]  # temp file cleaned up
-    reopened = Registry(path)
+    reopened = Registry(path, recheck_s=0)
     assert reopened.tenants() == ["acme"]
 
 
@@ -174,7 +174,7 @@ def test_a_corrupt_file_is_an_error_not_an_empty_registry(tmp_path: Path) -> Non
     path = tmp_path / "reg.json"
     path.write_text('{"tenants": {"1": {"tenant": "acme"')
     with pytest.raises(ValueError):
-        Registry(path).tenants()
+        Registry(path, recheck_s=0).tenants()
 
 
 def test_storage_reads_none_for_a_new_file(tmp_path: Path) -> None:
@@ -215,7 +215,7 @@ def _backdate(path: Path, seconds: float) -> None:
 
 def test_two_registries_on_one_file_see_each_others_writes(tmp_path: Path) -> None:
     path = tmp_path / "reg.json"
-    bridge, cli = Registry(path), Registry(path)
+    bridge, cli = Registry(path, recheck_s=0), Registry(path, recheck_s=0)
     assert bridge.device("dev1") is None and bridge.tenants() == []
     cli.add_tenant("acme", SECRET)
     assert bridge.tenant_secret("acme") == SECRET.hex()
@@ -237,7 +237,7 @@ def test_two_registries_on_one_file_see_each_others_writes(tmp_path: Path) -> No
 
 def test_a_write_by_another_process_is_seen_on_the_next_lookup(tmp_path: Path) -> None:
     path = tmp_path / "reg.json"
-    bridge = Registry(path)
+    bridge = Registry(path, recheck_s=0)
     bridge.add_tenant("acme", SECRET)
     bridge.add_device("dev1", "acme", "kiosk")
     _backdate(path, 3600)  # a settled version: lookups trust it without reading
@@ -246,7 +246,7 @@ def test_a_write_by_another_process_is_seen_on_the_next_lookup(tmp_path: Path) -
         assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
 
     def in_child(code: str) -> None:
-        script = f"from server_bridge.registry import Registry\nreg = Registry({str(path)!r})\n"
+        script = f"from server_bridge.registry import Registry\nreg = Registry({str(path)!r}, recheck_s=0)\n"
         subprocess.run([sys.executable, "-c", script + code], cwd=REPO, check=True, timeout=60)
 
     in_child("reg.add_device('dev2', 'acme', 'panel')")
@@ -260,9 +260,9 @@ def test_an_unsettled_version_is_checked_against_the_bytes(tmp_path: Path) -> No
     # The hole a version-only cache has: same inode, mtime and size, other bytes. While
     # the mtime is recent such a file can exist, so the lookup reads and compares.
     path = tmp_path / "reg.json"
-    Registry(path).add_tenant("acme", SECRET)
-    Registry(path).add_device("dev1", "acme", "kiosk")
-    bridge = Registry(path)
+    Registry(path, recheck_s=0).add_tenant("acme", SECRET)
+    Registry(path, recheck_s=0).add_device("dev1", "acme", "kiosk")
+    bridge = Registry(path, recheck_s=0)
     assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
     _forge_in_place(path, b'"kiosk"', b'"panel"')
     assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "panel")
@@ -273,11 +273,11 @@ def test_a_settled_version_is_trusted_without_reading(tmp_path: Path) -> None:
     # version, so the lookup trusts it. Shown by a forged in-place rewrite (not something
     # our storage ever does) going unseen, until a real write renames a new file in.
     path = tmp_path / "reg.json"
-    cli = Registry(path)
+    cli = Registry(path, recheck_s=0)
     cli.add_tenant("acme", SECRET)
     cli.add_device("dev1", "acme", "kiosk")
     _backdate(path, 3600)
-    bridge = Registry(path)
+    bridge = Registry(path, recheck_s=0)
     assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
     _forge_in_place(path, b'"kiosk"', b'"panel"')
     assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
@@ -288,7 +288,7 @@ def test_a_settled_version_is_trusted_without_reading(tmp_path: Path) -> None:
 
 def test_a_file_turning_corrupt_or_missing_is_not_served_from_the_cache(tmp_path: Path) -> None:
     path = tmp_path / "reg.json"
-    bridge = Registry(path)
+    bridge = Registry(path, recheck_s=0)
     bridge.add_tenant("acme", SECRET)
     bridge.add_device("dev1", "acme", "kiosk")
     assert bridge.device("dev1") is not None
@@ -340,7 +340,7 @@ def test_lookups_answer_as_tinydb_queries_did(tmp_path: Path, malformed: bool) -
         "other": {"1": {"k": 1}},
     }
     path.write_text(json.dumps(doc))
-    reg = Registry(path)
+    reg = Registry(path, recheck_s=0)
     db = open_db(path)
     tenants, devices = db.table("tenants", cache_size=0), db.table("devices", cache_size=0)
     q = Query()
@@ -373,9 +373,9 @@ def test_lookups_from_many_threads_while_another_registry_writes(tmp_path: Path)
     # The bridge looks up from paho's network thread (and RPC threads) while the
     # provisioning CLI writes: every answer is either "not yet" or the right record.
     path = tmp_path / "reg.json"
-    writer = Registry(path)
+    writer = Registry(path, recheck_s=0)
     writer.add_tenant("acme", SECRET)
-    bridge = Registry(path)
+    bridge = Registry(path, recheck_s=0)
     n = 40
     wrong: list[object] = []
     done = threading.Event()
@@ -433,7 +433,7 @@ HASH_B = hash_password("password-b", salt=b"\x02" * 12)
 
 
 def test_broker_users_by_role(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json")
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
     reg.add_tenant("acme", SECRET, host_password_hash=HASH_A)
     assert host_user("acme") == "host-acme"
     reg.add_user("bridge", BRIDGE, None, HASH_B)
@@ -464,7 +464,7 @@ def test_broker_users_by_role(tmp_path: Path) -> None:
 def test_broker_user_names_and_device_ids_share_one_name_space(tmp_path: Path) -> None:
     # The ACL's device rules apply to any user named like a device: a bridge or host
     # user that is also a device id would get that device's topics.
-    reg = Registry(tmp_path / "reg.json")
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
     reg.add_tenant("acme", SECRET, host_password_hash=HASH_A)
     reg.add_tenant("globex", SECRET)
     reg.add_user("bridge", BRIDGE, None, HASH_A)
@@ -507,7 +507,7 @@ def test_a_device_and_its_login_are_written_together_or_not_at_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "reg.json"
-    reg = Registry(path)
+    reg = Registry(path, recheck_s=0)
     reg.add_tenant("acme", SECRET)
     writes: list[dict[str, object]] = []
     real_write = AtomicJSONStorage.write
@@ -533,7 +533,7 @@ def test_a_device_and_its_login_are_written_together_or_not_at_all(
     monkeypatch.undo()
     assert reg.device("dev2") is None
     reg.enroll_device("dev2", "acme", "kiosk", HASH_B)
-    assert Registry(path).user("dev2") == BrokerUser("dev2", DEVICE, "acme", HASH_B)
+    assert Registry(path, recheck_s=0).user("dev2") == BrokerUser("dev2", DEVICE, "acme", HASH_B)
 
 
 def test_a_registry_without_the_users_table_still_loads(tmp_path: Path) -> None:
@@ -544,7 +544,7 @@ def test_a_registry_without_the_users_table_still_loads(tmp_path: Path) -> None:
         "devices": {"1": {"device": "dev1", "tenant": "acme", "agent": "thermostat"}},
     }
     path.write_text(json.dumps(doc))
-    reg = Registry(path)
+    reg = Registry(path, recheck_s=0)
     assert reg.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
     assert reg.users() == [] and reg.user("dev1") is None
     # The old device gets its login; the old tables are as they were.
@@ -558,9 +558,28 @@ def test_a_registry_without_the_users_table_still_loads(tmp_path: Path) -> None:
 
 def test_another_process_adding_a_user_is_seen(tmp_path: Path) -> None:
     path = tmp_path / "reg.json"
-    running = Registry(path)
+    running = Registry(path, recheck_s=0)
     running.add_tenant("acme", SECRET)
     assert running.users() == []
-    Registry(path).enroll_device("dev9", "acme", "kiosk", HASH_A)
+    Registry(path, recheck_s=0).enroll_device("dev9", "acme", "kiosk", HASH_A)
     assert running.user("dev9") == BrokerUser("dev9", DEVICE, "acme", HASH_A)
     assert running.device("dev9") == DeviceRecord("dev9", "acme", "kiosk")
+
+
+def test_another_processs_write_is_seen_within_recheck_s_and_this_ones_at_once(
+    tmp_path: Path,
+) -> None:
+    # The bridge looks a device up for every message; between checks of the file it
+    # trusts its snapshot for recheck_s. Its own writes are seen at once.
+    path = tmp_path / "reg.json"
+    Registry(path, recheck_s=0).add_tenant("acme", SECRET)
+    now = [100.0]
+    bridge = Registry(path, recheck_s=0.25, clock=lambda: now[0])
+    assert bridge.device("dev9") is None
+    Registry(path, recheck_s=0).add_device("dev9", "acme", "kiosk")
+    now[0] += 0.2
+    assert bridge.device("dev9") is None  # not looked at again yet
+    now[0] += 0.1
+    assert bridge.device("dev9") == DeviceRecord("dev9", "acme", "kiosk")
+    bridge.add_device("dev10", "acme", "kiosk")
+    assert bridge.device("dev10") is not None  # no wait for its own write
