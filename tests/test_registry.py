@@ -246,7 +246,10 @@ def test_a_write_by_another_process_is_seen_on_the_next_lookup(tmp_path: Path) -
         assert bridge.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
 
     def in_child(code: str) -> None:
-        script = f"from server_bridge.registry import Registry\nreg = Registry({str(path)!r}, recheck_s=0)\n"
+        script = (
+            "from server_bridge.registry import Registry\n"
+            f"reg = Registry({str(path)!r}, recheck_s=0)\n"
+        )
         subprocess.run([sys.executable, "-c", script + code], cwd=REPO, check=True, timeout=60)
 
     in_child("reg.add_device('dev2', 'acme', 'panel')")
