@@ -256,7 +256,18 @@ def _c_decode(payload: bytes | bytearray | memoryview, limits: Limits) -> Any:
         )
     except (ValueError, TypeError):  # msgpack's refusals; an unhashable map key
         return _ASK_THE_CODEC
+    # Nesting needs a container header byte per level, so a payload with no more bytes
+    # that could be one than the limit cannot be too deep: one C pass instead of a walk
+    # of every container (a tenth of an event's cost), for nearly every event.
+    if len(bytes(payload).translate(None, _NOT_CONTAINER_HEADS)) <= limits.max_depth:
+        return obj
     return _ASK_THE_CODEC if _deeper_than(obj, limits.max_depth) else obj
+
+
+# Every byte but those that may head a container: fixmap 0x80-0x8f, fixarray 0x90-0x9f,
+# array 16/32 0xdc-0xdd, map 16/32 0xde-0xdf (string bytes in that range only make the
+# count an overestimate).
+_NOT_CONTAINER_HEADS = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
 
 
 def _deeper_than(obj: Any, limit: int) -> bool:
