@@ -194,9 +194,9 @@ def test_an_answer_over_the_boards_payload_is_refused_too_large(mw: MemoryWorld)
 def test_core_backup_and_restore(mw: MemoryWorld) -> None:
     sc = mw.ticket("ann")
     assert ok(mw.rpc("core.load", {"sc": sc, "scope": "user"})) == {"ver": 0}
-    doc = {"profile": "Prefers 22 C. Wakes at 7."}
+    doc = "Prefers 22 C. Wakes at 7."
     assert ok(mw.rpc("core.sync", {"sc": sc, "scope": "user", "ver": 1, "doc": doc, "w": "s1"}))
-    old = mw.rpc("core.sync", {"sc": sc, "scope": "user", "ver": 1, "doc": {"profile": "older"},
+    old = mw.rpc("core.sync", {"sc": sc, "scope": "user", "ver": 1, "doc": "older",
                                "w": "s2"})  # fmt: skip
     assert kind(old) == "conflict" and old["err"]["doc"] == doc
     assert ok(mw.rpc("core.load", {"sc": sc, "scope": "user"}))["doc"] == doc

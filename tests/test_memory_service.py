@@ -26,6 +26,7 @@ FIELDS: list[dict[str, Any]] = [
     {"name": "shared", "dur": "tenant", "kind": "collection", "vis": "public"},
     {"name": "secret", "dur": "tenant", "vis": "private"},
     {"name": "persona", "dur": "agent", "core": True, "max": 20},
+    {"name": "profile", "dur": "user", "core": True, "max": 100},
     {"name": "scratch"},
 ]
 
@@ -361,16 +362,14 @@ def test_forget_leaves_a_tombstone(tmp_path: Path, svc: MemoryService) -> None:
     # A new write of the key is a new row, past the forgotten version.
     assert svc.handle(me, "mem.remember", {**put, "w": "4"})["ver"] == 2
     # Core: a backup older than the forget does not bring the field back.
-    assert svc.handle(
-        me, "core.sync", {"scope": "agent", "ver": 1, "doc": {"persona": "kind"}, "w": "5"}
-    ) == {"ver": 1}
+    assert svc.handle(me, "core.sync", {"scope": "agent", "ver": 1, "doc": "kind", "w": "5"}) == {
+        "ver": 1
+    }
     assert svc.handle(me, "mem.forget", {"field": "persona", "w": "6"})["forgotten"] is True
-    assert svc.handle(me, "core.load", {"scope": "agent"}) == {"ver": 2, "doc": {}}
-    e = fault(
-        svc, me, "core.sync", {"scope": "agent", "ver": 2, "doc": {"persona": "kind"}, "w": "7"}
-    )
-    assert e.kind == "conflict" and e.extra == {"ver": 2, "doc": {}}
-    assert svc.handle(me, "core.load", {"scope": "agent"}) == {"ver": 2, "doc": {}}
+    assert svc.handle(me, "core.load", {"scope": "agent"}) == {"ver": 2, "doc": ""}
+    e = fault(svc, me, "core.sync", {"scope": "agent", "ver": 2, "doc": "kind", "w": "7"})
+    assert e.kind == "conflict" and e.extra == {"ver": 2, "doc": ""}
+    assert svc.handle(me, "core.load", {"scope": "agent"}) == {"ver": 2, "doc": ""}
     # Same after a restart.
     again = MemoryService(TinyMemoryStore(tmp_path / "mem", svc.clock), clock=svc.clock)
     assert again.handle(me, "mem.remember", put) == {"key": "k", "ver": 1}
@@ -380,13 +379,13 @@ def test_forget_leaves_a_tombstone(tmp_path: Path, svc: MemoryService) -> None:
 def test_core_sync_and_load(svc: MemoryService) -> None:
     me = caller()
     assert svc.handle(me, "core.load", {"scope": "user"}) == {"ver": 0}
-    assert svc.handle(
-        me, "core.sync", {"scope": "user", "ver": 3, "doc": {"p": "x"}, "w": "1"}
-    ) == {"ver": 3}
-    assert svc.handle(me, "core.load", {"scope": "user"}) == {"ver": 3, "doc": {"p": "x"}}
+    assert svc.handle(me, "core.sync", {"scope": "user", "ver": 3, "doc": "x", "w": "1"}) == {
+        "ver": 3
+    }
+    assert svc.handle(me, "core.load", {"scope": "user"}) == {"ver": 3, "doc": "x"}
     assert svc.handle(caller(user="bob"), "core.load", {"scope": "user"}) == {"ver": 0}
     assert (
-        fault(svc, me, "core.sync", {"scope": "user", "ver": 3, "doc": {}, "w": "2"}).kind
+        fault(svc, me, "core.sync", {"scope": "user", "ver": 3, "doc": "", "w": "2"}).kind
         == "conflict"
     )
     assert (
@@ -394,7 +393,7 @@ def test_core_sync_and_load(svc: MemoryService) -> None:
             svc,
             me,
             "core.sync",
-            {"scope": "agent", "ver": 1, "doc": {"persona": "p" * 21}, "w": "3"},
+            {"scope": "agent", "ver": 1, "doc": "p" * 21, "w": "3"},
         ).kind
         == "over_limit"
     )
@@ -540,8 +539,8 @@ def test_recall_through_an_index(tmp_path: Path, clock: Clock) -> None:
         ),
         ("mem.cas", {"field": "status", "value": 1, "if_ver": "1", "w": "1"}, "bad_envelope"),
         ("mem.recall", {"query": ""}, "bad_envelope"),
-        ("core.sync", {"scope": "agent", "ver": 0, "doc": {}, "w": "1"}, "bad_envelope"),
-        ("core.sync", {"scope": "agent", "ver": 1, "doc": [], "w": "1"}, "bad_envelope"),
+        ("core.sync", {"scope": "agent", "ver": 0, "doc": "", "w": "1"}, "bad_envelope"),
+        ("core.sync", {"scope": "agent", "ver": 1, "doc": {}, "w": "1"}, "bad_envelope"),
     ],
 )
 def test_refusals_name_their_kind(

@@ -898,9 +898,10 @@ class MemoryService:
         """Forget a row (a tombstone keeps its version), a slot's value (`key` absent), or
         a core field's text in its scope's core backup.
 
-        Decided: forgetting a core field removes it from the stored core doc and raises
-        the doc's version by one, so a backup made before the forget (its `ver` not
-        above the new one) is refused `conflict` by core.sync and cannot bring it back.
+        Decided: forgetting a core field empties its scope's stored core document and
+        raises the document's version by one, so a backup made before the forget (its
+        `ver` not above the new one) is refused `conflict` by core.sync and cannot
+        bring it back.
         """
         decl = self._decl(caller, args)
         ref = self._ref(caller, decl.dur, decl.name)
@@ -930,10 +931,9 @@ class MemoryService:
                 changes["slots"] = {decl.name: None}
                 changes["tomb"] = {decl.name: {"ver": cur["ver"], "at": now}}
             core = tx.table(SLOTS, "core").get("doc")
-            if decl.core and core is not None and decl.name in core["doc"]:
-                doc = {k: v for k, v in core["doc"].items() if k != decl.name}
+            if decl.core and core is not None and core["doc"]:
                 ver = core["ver"] + 1
-                rec = {"ver": ver, "doc": doc, "at": now, "sz": _size(doc, "doc")}
+                rec = {"ver": ver, "doc": "", "at": now, "sz": _size("", "doc")}
                 changes["core"] = {"doc": rec}
                 forgotten = True
             return _Plan({"key": None, "forgotten": forgotten}, changes)
@@ -1117,6 +1117,13 @@ class MemoryService:
 
     # ------------------------------------------------------------------ core
 
+    def _core_decl(self, caller: Caller, scope: str) -> FieldDecl:
+        """The core field that declares a scope's document (its `max` is the limit)."""
+        for decl in caller.decls.values():
+            if decl.core and decl.dur == scope:
+                return decl
+        raise E.UnknownField(f"no core field declared for the {scope} scope")
+
     def _core_ref(self, caller: Caller, args: Mapping[str, Any]) -> ScopeRef:
         scope = args.get("scope")
         if scope not in ("agent", "user"):
@@ -1127,13 +1134,11 @@ class MemoryService:
         ref = self._core_ref(caller, args)
         ver = _arg_int(args, "ver", 1, 2**53, None)
         doc = args.get("doc")
-        if not isinstance(doc, dict):
-            raise E.BadEnvelope("doc must be a map")
-        _check_value(doc, "doc")
-        for name, text in doc.items():
-            decl = caller.decls.get(name)
-            if decl is not None and decl.core and isinstance(text, str) and len(text) > decl.max:
-                raise E.OverLimit(f"core field {name} holds at most {decl.max} characters")
+        if not isinstance(doc, str):
+            raise E.BadEnvelope("doc must be a str")
+        decl = self._core_decl(caller, ref.scope)
+        if len(doc) > decl.max:
+            raise E.OverLimit(f"core memory {decl.name} holds at most {decl.max} characters")
 
         def plan(tx: ScopeTxn, now: float) -> _Plan:
             cur = tx.table(SLOTS, "core").get("doc")
