@@ -3,7 +3,7 @@
 # feed their results back, and stop when it answers without calling a tool.
 import json
 
-from edge_runtime import platform
+from edge_runtime import codec, platform
 from edge_runtime.agent import RunFailed
 from edge_runtime.rpc import RpcError
 
@@ -46,6 +46,28 @@ async def _run_tool(tool, input_text):
         return _tool_output(value), False
     except Exception as e:  # the model sees a failed tool as its error text
         return "%s: %s" % (type(e).__name__, e), True
+
+
+async def _memory_tool(run, mem, cid, name, input_text):
+    # A memory tool: on the event stream as a server tool (client false), and with its
+    # name only ("{}" in, "" out) when it touches a private field or core memory.
+    args = None
+    if isinstance(input_text, str):
+        try:
+            args = json.loads(input_text) if input_text else {}
+        except ValueError:
+            pass
+    private = mem.private(name, args)
+    await run.event("tool.call", {"call": cid, "name": name,
+                                  "input": "{}" if private else input_text, "client": False})
+    if not isinstance(args, dict):
+        output, failed = "arguments must be a JSON object", True
+    else:
+        output, failed = await mem.call(name, args, private)
+        output = _tool_output(output)
+    await run.event("tool.result", {"call": cid, "output": "" if private else output,
+                                    "failed": failed})
+    return output, failed
 
 
 class _Deltas:
@@ -120,16 +142,77 @@ class _Deltas:
 _IDLE_MS = const(1000)
 
 
+def _chars(msg):
+    n = len(msg.get("content") or "")
+    for t in msg.get("tools") or ():
+        n += len(t.get("name") or "") + len(t.get("input") or "")
+    return n
+
+
+async def _fit(run, messages, fixed, first):
+    # The conversation within the agent's context_chars: instructions, core memory and
+    # what is in view (`fixed` characters) are always sent, and so are the request and
+    # the latest turn; past that, whole turns (an assistant message with its tool
+    # results) are left out oldest first, for good (the heap gets them back), and a
+    # guard event says how much. messages[first] is the oldest turn: before it come the
+    # system message, what is in view (if anything) and the request.
+    total = fixed
+    for msg in messages[first - 1:]:
+        total += _chars(msg)
+    dropped = chars = 0
+    budget = run.agent.context_chars
+    while total > budget:
+        end = first + 1
+        while end < len(messages) and messages[end]["role"] == "tool":
+            end += 1
+        if end >= len(messages):
+            break  # only the latest turn is left
+        for msg in messages[first:end]:
+            total -= _chars(msg)
+            chars += _chars(msg)
+        dropped += end - first
+        del messages[first:end]
+    if dropped:
+        await run.event("guard", {"name": "context", "action": "trimmed",
+                                  "detail": "%d messages, %d characters left out" % (dropped, chars)})
+
+
 async def model_loop(run):
     agent = run.agent
     messages = [{"role": "system", "content": agent.instructions},
                 {"role": "user", "content": run.input}]
     specs = [t.model_spec() for t in agent.tools.values()]
+    mem = None
+    viewing = False  # whether messages[1] is what memory.load keeps in view
+    if agent.fields:
+        # Loaded only for an agent that declares fields: the memory tools and core memory.
+        from edge_runtime.memtools import Memory
+        mem = Memory(run)
+        await mem.start()
+        specs.extend(mem.specs())
+    # Encoded once for the whole run: every model call carries them unchanged.
+    specs = codec.Raw(codec.encode(specs))
     usage = {"in": 0, "out": 0, "reason": 0}
     for step in range(agent.max_steps):
         run.check_cancelled()
         m = step + 1
         calls = []
+        fixed = len(agent.instructions)
+        if mem is not None:
+            # Core memory as it is now (an edit shows in the next call), after the
+            # instructions; what memory.load keeps in view in a message of its own after
+            # them, marked as recalled data.
+            core = mem.system()
+            messages[0]["content"] = agent.instructions + "\n\n" + core if core else agent.instructions
+            fixed = len(messages[0]["content"])
+            view = mem.in_view()
+            if viewing:
+                del messages[1]
+            viewing = view is not None
+            if viewing:
+                messages.insert(1, {"role": "user", "content": view})
+                fixed += len(view)
+        await _fit(run, messages, fixed, 3 if viewing else 2)
         args = {"messages": messages, "tools": specs}
         if agent.model:
             args["model"] = agent.model
@@ -211,12 +294,15 @@ async def model_loop(run):
             cid = call.get("call")
             input_text = call.get("input") or "{}"
             tool = agent.tools.get(name) if isinstance(name, str) else None
-            await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
-                                          "client": False})
-            if tool is None:
-                output, failed = "no tool named %s" % name, True
+            if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
+                output, failed = await _memory_tool(run, mem, cid, name, input_text)
             else:
-                output, failed = await _run_tool(tool, input_text)
-            await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
+                await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
+                                              "client": False})
+                if tool is None:
+                    output, failed = "no tool named %s" % name, True
+                else:
+                    output, failed = await _run_tool(tool, input_text)
+                await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
             messages.append({"role": "tool", "call": cid, "content": output})
     raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)
