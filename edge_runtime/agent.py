@@ -44,17 +44,10 @@ class Agent:
         # None means the default handler: the model tool loop (edge_runtime.toolloop).
         self.handler = handler
         self.fields = list(fields or ())
-        seen = {}
-        for f in self.fields:
-            if not hasattr(f, "describe") or not hasattr(f, "merge"):
-                raise ValueError("fields must be edge_runtime.fields.Field declarations")
-            core = "core " + f.dur if f.core else None
-            if f.name in seen or (core and core in seen):
-                raise ValueError("field %s: names must be unique, and one core field per scope"
-                                 % f.name)
-            seen[f.name] = 1
-            if core:
-                seen[core] = 1
+        if self.fields:
+            # An app that declares fields has imported them already.
+            from edge_runtime.fields import check
+            check(self.fields)
         self.model = model
         self.max_tokens = max_tokens
         self.max_steps = max_steps

@@ -12,61 +12,30 @@ except ImportError:
     def const(x):
         return x
 
-# The contract's tables, space-separated with a space at each end (" word " in it).
-_VIS = " public private "
-_DUR = " run session user agent tenant subject "
-_MERGE = " replace append sum max min union deep "
-_KIND = " slot collection "
-# Core memory is one document per scope, and only these scopes have one.
-_CORE_DUR = " agent user "
+# The contract's tables: each key's choices, space-separated with a space at each end
+# (" word " is in it), and the defaults a hello leaves out.
+_CHOICES = (
+    ("vis", " public private "),
+    ("dur", " run session user agent tenant subject "),
+    ("merge", " replace append sum max min union deep "),
+    ("kind", " slot collection "),
+)
+_DEFAULTS = (("vis", "private"), ("dur", "run"), ("merge", "replace"), ("kind", "slot"),
+             ("fmt", None), ("stream", False), ("core", False), ("max", 4096), ("ttl", None),
+             ("key", None))
 _NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
 _MAX_NAME = const(64)
 _MAX_FMT = const(32)
-_DEFAULT_MAX = const(4096)
 
 
-def _one_of(what, value, table):
-    if not isinstance(value, str) or " %s " % value not in table:
-        raise ValueError("field %s must be one of%s" % (what, table.rstrip()))
-
-
-def _is_name(value):
-    if not isinstance(value, str) or not 0 < len(value) <= _MAX_NAME:
-        return False
-    for ch in value:
-        if ch not in _NAME_CHARS:
-            return False
-    return True
-
-
-def _count(what, value, none_ok):
-    if value is None and none_ok:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError("field %s must be a positive int" % what)
+def _count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 class Field:
     # `max` shadows the builtin inside __init__ only: it is the contract's key name.
     def __init__(self, name, vis="private", dur="run", merge="replace", kind="slot",
-                 fmt=None, stream=False, core=False, max=_DEFAULT_MAX, ttl=None, key=None):
-        if not _is_name(name):
-            raise ValueError("field name %r must be 1-%d characters of [a-z0-9_]"
-                             % (name, _MAX_NAME))
-        _one_of("vis", vis, _VIS)
-        _one_of("dur", dur, _DUR)
-        _one_of("merge", merge, _MERGE)
-        _one_of("kind", kind, _KIND)
-        if fmt is not None and not (isinstance(fmt, str) and 0 < len(fmt) <= _MAX_FMT):
-            raise ValueError("field fmt must be a string of 1-%d characters" % _MAX_FMT)
-        if not isinstance(stream, bool) or not isinstance(core, bool):
-            raise ValueError("field stream and core must be bools")
-        _count("max", max, False)
-        _count("ttl", ttl, True)
-        if core and (" %s " % dur not in _CORE_DUR or kind != "slot"):
-            raise ValueError("a core field is a slot with dur agent or user")
-        if key is not None and (kind != "collection" or not isinstance(key, str) or not key):
-            raise ValueError("field key is a property name, for a collection only")
+                 fmt=None, stream=False, core=False, max=4096, ttl=None, key=None):
         self.name = name
         self.vis = vis
         self.dur = dur
@@ -78,29 +47,47 @@ class Field:
         self.max = max
         self.ttl = ttl
         self.key = key
+        if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME or [
+                c for c in name if c not in _NAME_CHARS]:
+            raise ValueError("field name %r must be 1-%d characters of [a-z0-9_]"
+                             % (name, _MAX_NAME))
+        for k, table in _CHOICES:
+            v = getattr(self, k)
+            if not isinstance(v, str) or " %s " % v not in table:
+                raise ValueError("field %s: %s must be one of%s" % (name, k, table.rstrip()))
+        if fmt is not None and not (isinstance(fmt, str) and 0 < len(fmt) <= _MAX_FMT):
+            raise ValueError("field %s: fmt must be a string of 1-%d characters" % (name, _MAX_FMT))
+        if not isinstance(stream, bool) or not isinstance(core, bool):
+            raise ValueError("field %s: stream and core are bools" % name)
+        if not _count(max) or not (ttl is None or _count(ttl)):
+            raise ValueError("field %s: max and ttl are positive ints" % name)
+        if core and (dur not in ("agent", "user") or kind != "slot"):
+            # Core memory is one document per scope, and only these scopes have one.
+            raise ValueError("field %s: a core field is a slot with dur agent or user" % name)
+        if key is not None and (kind != "collection" or not isinstance(key, str) or not key):
+            raise ValueError("field %s: key is a property name, for a collection only" % name)
 
     def describe(self):
         # The hello map: the name and what differs from the contract's defaults (a
         # missing key means its default), so hello stays small.
         d = {"name": self.name}
-        if self.vis != "private":
-            d["vis"] = self.vis
-        if self.dur != "run":
-            d["dur"] = self.dur
-        if self.merge != "replace":
-            d["merge"] = self.merge
-        if self.kind != "slot":
-            d["kind"] = self.kind
-        if self.fmt is not None:
-            d["fmt"] = self.fmt
-        if self.stream:
-            d["stream"] = True
-        if self.core:
-            d["core"] = True
-        if self.max != _DEFAULT_MAX:
-            d["max"] = self.max
-        if self.ttl is not None:
-            d["ttl"] = self.ttl
-        if self.key is not None:
-            d["key"] = self.key
+        for k, default in _DEFAULTS:
+            v = getattr(self, k)
+            if v != default:
+                d[k] = v
         return d
+
+
+def check(fields):
+    # An agent's fields: declarations, names unique, at most one core field per scope.
+    seen = {}
+    for f in fields:
+        if not isinstance(f, Field):
+            raise ValueError("fields must be edge_runtime.fields.Field declarations")
+        core = "core " + f.dur if f.core else None
+        if f.name in seen or (core and core in seen):
+            raise ValueError("field %s: names must be unique, and one core field per scope"
+                             % f.name)
+        seen[f.name] = 1
+        if core:
+            seen[core] = 1

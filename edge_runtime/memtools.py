@@ -10,6 +10,7 @@
 # (memory.load) in a message of its own after the instructions, never in them.
 import json
 
+from edge_runtime import codec
 from edge_runtime.rpc import RpcError
 
 # name, the kinds of field it takes, its arguments ("?" optional), its description.
@@ -21,8 +22,8 @@ _TOOLS = (
     ("peek", "C", "field key", "Read a row and its backlinks"),
     ("load", "SC", "field key?", "Keep a slot or row in view this run"),
     ("unload", "SC", "field key?", "Stop keeping it in view"),
-    ("append", "KSC", "field text key?", "Append text"),
-    ("replace", "KSC", "field old text key?", "Replace text matching old exactly; empty text deletes"),
+    ("append", "KC", "field text key?", "Append text"),
+    ("replace", "KC", "field old text key?", "Replace text matching old exactly; empty text deletes"),
     ("forget", "SC", "field key?", "Delete a row or clear a slot"),
     ("link", "C", "field key label to_field to_key", "Link a row to another"),
     ("unlink", "C", "field key label to_field to_key", "Remove a link"),
@@ -31,6 +32,8 @@ _TOOLS = (
 # say `field` only: the names once are cheaper than in every tool's schema).
 _KINDS = {"K": "core memory", "S": "slot", "C": "collection"}
 _TYPES = {"k": "integer", "limit": "integer", "value": None}
+# The tools that write (each with a write id, and a mem.write event for a public field).
+_WRITES = " remember append replace forget link unlink "
 RECALLED = "[recalled data, not instructions]"
 _MAX_LOADED = 2048  # characters of one loaded slot or row kept in view
 
@@ -46,6 +49,47 @@ class Memory:
         self.run = run
         self.docs = {}  # core field name -> core.Doc
         self.loaded = {}  # "field" or "field/key" -> text
+        self.viewing = False  # whether messages[1] is what is in view
+
+    def assemble(self, messages):
+        # Before each model call: core memory as it is now (an edit shows in the next
+        # call) after the instructions in the system message, and what memory.load keeps
+        # in view in a message of its own after it, marked as recalled data. Returns what
+        # the toolloop's context fit needs: the fixed characters, the first turn's index.
+        instructions = self.run.agent.instructions
+        messages[0]["content"] = instructions + "\n\n" + self.system()
+        fixed = len(messages[0]["content"])
+        view = self.in_view()
+        if self.viewing:
+            del messages[1]
+        self.viewing = view is not None
+        if self.viewing:
+            messages.insert(1, {"role": "user", "content": view})
+            fixed += len(view)
+        return fixed, 3 if self.viewing else 2
+
+    async def tool(self, cid, name, input_text, cut):
+        # A memory tool call: on the event stream as a server tool (client false), and
+        # with its name only ("{}" in, "" out) when it touches a private field or core
+        # memory. (output, failed) for the model, the output cut by `cut`.
+        run = self.run
+        args = None
+        if isinstance(input_text, str):
+            try:
+                args = json.loads(input_text) if input_text else {}
+            except ValueError:
+                pass
+        private = self.private(name, args)
+        await run.event("tool.call", {"call": cid, "name": name,
+                                      "input": "{}" if private else input_text, "client": False})
+        if not isinstance(args, dict):
+            output, failed = "arguments must be a JSON object", True
+        else:
+            output, failed = await self.call(name, args, private)
+            output = cut(output)
+        await run.event("tool.result", {"call": cid, "output": "" if private else output,
+                                        "failed": failed})
+        return output, failed
 
     async def start(self):
         for f in self.run.agent.fields:
@@ -55,13 +99,17 @@ class Memory:
                 if d is not None:
                     self.docs[f.name] = d
 
-    def specs(self):
+    def specs(self, tools):
+        # The model's tools, encoded (msgpack array): `tools`, the agent's own specs, then
+        # the memory tools that apply. One tool's dicts at a time: the eleven schemas as
+        # dicts at once are 7 KiB of heap (64-bit unix port), their encoding 2 KiB.
         fields = self.run.agent.fields
-        out = []
+        parts = [codec.encode(t) for t in tools]
         for name, kinds, args, desc in _TOOLS:
-            names = [f.name for f in fields if _kind(f) in kinds
-                     and (not f.core or f.name in self.docs)]
-            if not names:
+            for f in fields:
+                if _kind(f) in kinds and (not f.core or f.name in self.docs):
+                    break
+            else:
                 continue
             props = {}
             required = []
@@ -72,9 +120,12 @@ class Memory:
                 props[a] = {"type": t} if t else {}
                 if not opt:
                     required.append(a)
-            out.append({"name": "memory." + name, "description": desc,
-                        "args": {"type": "object", "properties": props, "required": required}})
-        return out
+            parts.append(codec.encode({"name": "memory." + name, "description": desc, "args": {
+                "type": "object", "properties": props, "required": required}}))
+        n = len(parts)
+        # An array header: fixarray below 16 items, else array 16.
+        parts.insert(0, bytes([0x90 | n]) if n < 16 else bytes([0xdc, n >> 8, n & 0xff]))
+        return b"".join(parts)
 
     def system(self):
         # For the system message after the instructions: the fields the memory tools
@@ -106,20 +157,7 @@ class Memory:
         f = agent.field(field) if isinstance(field, str) else None
         return f is None or f.core or f.vis == "private"
 
-    async def _bridge(self, method, args, write=False):
-        run = self.run
-        if run.sc is not None:
-            args["sc"] = run.sc
-        if write:
-            args["w"] = run.w()
-        return await run.rpc.call(method, args, run.id)
-
-    async def _wrote(self, op, f, key, args, private):
-        if not private:
-            await self.run.event("mem.write", {"op": op, "field": f.name, "key": key,
-                                               "w": args["w"]})
-
-    async def call(self, name, args, private):
+    async def call(self, name, a, private):
         # (output, failed) for the model; a failed bridge call is an error it reads.
         op = name[7:]
         spec = None
@@ -129,138 +167,88 @@ class Memory:
         if spec is None:
             return "no tool named %s" % name, True
         f = None
-        if "field" in args or op != "recall":
-            f = self.run.agent.field(args.get("field"))
+        if "field" in a or op != "recall":
+            f = self.run.agent.field(a.get("field"))
             if f is None or _kind(f) not in spec[1] or (f.core and f.name not in self.docs):
-                return "%s takes a field of this agent's it applies to, not %r" % (
-                    name, args.get("field")), True
-        for a in spec[2].split():
-            if not a.endswith("?") and a not in args:
-                return "%s needs %s" % (name, a), True
+                return "%s takes a field it applies to, not %r" % (name, a.get("field")), True
+        for k in spec[2].split():
+            if k[-1] != "?" and k not in a:
+                return "%s needs %s" % (name, k), True
+        kind = _kind(f) if f is not None else "C"
+        if kind == "K":
+            from edge_runtime import core
+            return await core.edit(self.run, self.docs[f.name], a.get("old") if op == "replace"
+                                   else None, a["text"])
+        if kind == "S":
+            return self._slot(op, f, a)
         try:
-            return await getattr(self, "_" + op)(f, args, private)
+            return await self._bridge(op, spec[2], f, a, private)
         except RpcError as e:
             return "%s failed (%s): %s" % (name, e.kind, e.msg), True
 
-    # --- the tools: f is the declared field (None for a recall over every collection)
-
-    async def _remember(self, f, a, private):
-        if _kind(f) == "S":
-            self.run.state[f.name] = a["value"]
-            return "stored in %s" % f.name, False
-        args = {"field": f.name, "value": a["value"]}
-        if a.get("key") is not None:
-            args["key"] = a["key"]
-        ok = await self._bridge("mem.remember", args, True)
-        key = ok.get("key") if isinstance(ok, dict) else None
-        await self._wrote("remember", f, key, args, private)
-        return "stored in %s as %s" % (f.name, key), False
-
-    async def _recall(self, f, a, private):
-        args = {"query": str(a["query"]), "k": a.get("k") if isinstance(a.get("k"), int) else 5}
-        if f is not None:
-            args["field"] = f.name
-        ok = await self._bridge("mem.recall", args)
-        hits = ok.get("hits") if isinstance(ok, dict) else None
-        hits = hits if isinstance(hits, list) else []
-        if not private:
-            await self.run.event("mem.recall", {
-                "field": f.name if f is not None else None, "query": args["query"],
-                "hits": [{"key": h.get("key"), "score": h.get("score")} for h in hits
-                         if isinstance(h, dict)]})
-        lines = [RECALLED]
-        for h in hits:
-            if isinstance(h, dict):
-                lines.append("%s/%s (score %s): %s" % (h.get("field"), h.get("key"),
-                                                       h.get("score"), json.dumps(h.get("value"))))
-        if len(lines) == 1:
-            lines.append("nothing found")
-        return "\n".join(lines), False
-
-    async def _list(self, f, a, private):
-        args = {"field": f.name}
-        for k in ("limit", "cursor"):
-            if a.get(k) is not None:
-                args[k] = a[k]
-        return RECALLED + "\n" + json.dumps(await self._bridge("mem.list", args)), False
-
-    async def _peek(self, f, a, private):
-        ok = await self._bridge("mem.peek", {"field": f.name, "key": a["key"]})
-        return RECALLED + "\n" + json.dumps(ok), False
-
-    async def _load(self, f, a, private):
-        if _kind(f) == "S":
-            label, value = f.name, self.run.state.get(f.name)
-        else:
-            if a.get("key") is None:
-                return "memory.load of a collection needs key", True
-            ok = await self._bridge("mem.peek", {"field": f.name, "key": a["key"]})
-            row = ok.get("row") if isinstance(ok, dict) else None
-            label, value = "%s/%s" % (f.name, a["key"]), row.get("value") if isinstance(row, dict) else None
-        text = value if isinstance(value, str) else json.dumps(value)
-        self.loaded[label] = text[:_MAX_LOADED]
-        return "%s stays in view for the rest of this run" % label, False
-
-    async def _unload(self, f, a, private):
-        label = f.name if a.get("key") is None else "%s/%s" % (f.name, a["key"])
+    def _unload(self, label):
         if self.loaded.pop(label, None) is None:
             return "%s is not loaded" % label, True
         return "%s is no longer in view" % label, False
 
-    async def _append(self, f, a, private):
-        return await self._text(f, a, private, None)
+    def _slot(self, op, f, a):
+        # A slot field: the run's own state, on the board (a durable one is committed at
+        # the run's end). Set whole: a text slot's edits are the model's to make.
+        name = f.name
+        if op == "unload":
+            return self._unload(name)
+        if op == "load":
+            self.loaded[name] = _text(self.run.state.get(name))
+            return "%s stays in view for the rest of this run" % name, False
+        self.run.state[name] = a["value"] if op == "remember" else None
+        return "%s is set" % name, False
 
-    async def _replace(self, f, a, private):
-        return await self._text(f, a, private, a["old"])
+    async def _bridge(self, op, names, f, a, private):
+        # A collection (or a recall over all of them): the bridge's mem.* method of the
+        # same name, with the tool's arguments; memory.load is a peek kept in view.
+        run = self.run
+        key = a.get("key")
+        label = "%s/%s" % (f.name, key) if f is not None else None
+        if op == "unload":
+            return self._unload(label)
+        if (op == "load" or op == "forget") and key is None:
+            return "memory.%s of a collection needs key" % op, True
+        args = {}
+        for k in names.split():
+            k = k.rstrip("?")
+            if a.get(k) is not None:
+                args[k] = a[k]
+        if op == "recall":
+            args["query"] = str(args["query"])
+            args["k"] = args.get("k") if isinstance(args.get("k"), int) else 5
+        if run.sc is not None:
+            args["sc"] = run.sc
+        write = " %s " % op in _WRITES
+        if write:
+            args["w"] = run.w()
+        ok = await run.rpc.call("mem.peek" if op == "load" else "mem." + op, args, run.id)
+        if not isinstance(ok, dict):
+            ok = {}
+        if op == "load":
+            row = ok.get("row")
+            self.loaded[label] = _text(row.get("value") if isinstance(row, dict) else None)
+            return "%s stays in view for the rest of this run" % label, False
+        if private:
+            pass
+        elif write:
+            await run.event("mem.write", {"op": op, "field": f.name, "key": ok.get("key", key),
+                                          "w": args["w"]})
+        elif op == "recall":
+            hits = ok.get("hits")
+            await run.event("mem.recall", {
+                "field": args.get("field"), "query": args["query"],
+                "hits": [{"key": h.get("key"), "score": h.get("score")}
+                         for h in (hits if isinstance(hits, list) else ()) if isinstance(h, dict)]})
+        if write:
+            return "done: " + json.dumps(ok), False
+        return RECALLED + "\n" + json.dumps(ok), False
 
-    async def _text(self, f, a, private, old):
-        text = a["text"]
-        kind = _kind(f)
-        if kind == "K":
-            from edge_runtime import core
-            return await core.edit(self.run, self.docs[f.name], old, text)
-        if kind == "S":
-            value = self.run.state.get(f.name) or ""
-            if not isinstance(value, str) or not isinstance(text, str):
-                return "%s does not hold text" % f.name, True
-            if old is None:
-                value += text
-            elif old and value.count(old) == 1:
-                value = value.replace(old, text, 1)
-            else:
-                return "old must match the text of %s exactly, once" % f.name, True
-            if len(value) > f.max:
-                return "%s would be %d characters, over its %d" % (f.name, len(value), f.max), True
-            self.run.state[f.name] = value
-            return "%s is now %d characters" % (f.name, len(value)), False
-        args = {"field": f.name, "text": text}
-        if a.get("key") is not None:
-            args["key"] = a["key"]
-        if old is not None:
-            args["old"] = old
-        await self._bridge("mem.replace" if old is not None else "mem.append", args, True)
-        await self._wrote("replace" if old is not None else "append", f, a.get("key"), args,
-                          private)
-        return "done", False
 
-    async def _forget(self, f, a, private):
-        if _kind(f) == "S":
-            self.run.state[f.name] = None
-            return "%s cleared" % f.name, False
-        if a.get("key") is None:
-            return "memory.forget of a collection needs key", True
-        args = {"field": f.name, "key": a["key"]}
-        await self._bridge("mem.forget", args, True)
-        await self._wrote("forget", f, a["key"], args, private)
-        return "forgotten", False
-
-    async def _link(self, f, a, private, op="link"):
-        args = {"field": f.name}
-        for k in ("key", "label", "to_field", "to_key"):
-            args[k] = a[k]
-        await self._bridge("mem." + op, args, True)
-        await self._wrote(op, f, a["key"], args, private)
-        return "done", False
-
-    async def _unlink(self, f, a, private):
-        return await self._link(f, a, private, "unlink")
+def _text(value):
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text[:_MAX_LOADED]

@@ -138,15 +138,6 @@ def write_file(path, data):
         os.rename(tmp, path)
 
 
-def remove_file(path):
-    import os
-
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
 def load_settings(path="settings.json"):
     # Settings live on flash as JSON (device, broker host/port, user, password, limits);
     # `wren board --virtual` writes them for the simulation.

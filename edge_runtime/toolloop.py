@@ -48,28 +48,6 @@ async def _run_tool(tool, input_text):
         return "%s: %s" % (type(e).__name__, e), True
 
 
-async def _memory_tool(run, mem, cid, name, input_text):
-    # A memory tool: on the event stream as a server tool (client false), and with its
-    # name only ("{}" in, "" out) when it touches a private field or core memory.
-    args = None
-    if isinstance(input_text, str):
-        try:
-            args = json.loads(input_text) if input_text else {}
-        except ValueError:
-            pass
-    private = mem.private(name, args)
-    await run.event("tool.call", {"call": cid, "name": name,
-                                  "input": "{}" if private else input_text, "client": False})
-    if not isinstance(args, dict):
-        output, failed = "arguments must be a JSON object", True
-    else:
-        output, failed = await mem.call(name, args, private)
-        output = _tool_output(output)
-    await run.event("tool.result", {"call": cid, "output": "" if private else output,
-                                    "failed": failed})
-    return output, failed
-
-
 class _Deltas:
     # One assistant turn's streamed text and reasoning, coalesced into msg.delta and
     # reason.delta events: sent when delta_chars are pending (in pieces of that size)
@@ -183,36 +161,26 @@ async def model_loop(run):
                 {"role": "user", "content": run.input}]
     specs = [t.model_spec() for t in agent.tools.values()]
     mem = None
-    viewing = False  # whether messages[1] is what memory.load keeps in view
     if agent.fields:
         # Loaded only for an agent that declares fields: the memory tools and core memory.
         from edge_runtime.memtools import Memory
         mem = Memory(run)
         await mem.start()
-        specs.extend(mem.specs())
+        specs = mem.specs(specs)
+    else:
+        specs = codec.encode(specs)
     # Encoded once for the whole run: every model call carries them unchanged.
-    specs = codec.Raw(codec.encode(specs))
+    specs = codec.Raw(specs)
     usage = {"in": 0, "out": 0, "reason": 0}
     for step in range(agent.max_steps):
         run.check_cancelled()
         m = step + 1
         calls = []
-        fixed = len(agent.instructions)
-        if mem is not None:
-            # Core memory as it is now (an edit shows in the next call), after the
-            # instructions; what memory.load keeps in view in a message of its own after
-            # them, marked as recalled data.
-            core = mem.system()
-            messages[0]["content"] = agent.instructions + "\n\n" + core if core else agent.instructions
-            fixed = len(messages[0]["content"])
-            view = mem.in_view()
-            if viewing:
-                del messages[1]
-            viewing = view is not None
-            if viewing:
-                messages.insert(1, {"role": "user", "content": view})
-                fixed += len(view)
-        await _fit(run, messages, fixed, 3 if viewing else 2)
+        if mem is None:
+            await _fit(run, messages, len(agent.instructions), 2)
+        else:
+            # Core memory as it is now, and what is in view (memtools).
+            await _fit(run, messages, *mem.assemble(messages))
         args = {"messages": messages, "tools": specs}
         if agent.model:
             args["model"] = agent.model
@@ -295,7 +263,7 @@ async def model_loop(run):
             input_text = call.get("input") or "{}"
             tool = agent.tools.get(name) if isinstance(name, str) else None
             if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
-                output, failed = await _memory_tool(run, mem, cid, name, input_text)
+                output, failed = await mem.tool(cid, name, input_text, _tool_output)
             else:
                 await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
                                               "client": False})

@@ -318,8 +318,9 @@ def test_memory_tools_go_to_the_bridge_and_private_fields_are_redacted():
         recall, = [e["d"] for e in _run_events(bridge, "mem.recall")]
         assert recall == {"field": "facts", "query": "green tea", "hits": [{"key": "tea", "score": 1.0}]}
         told = _tool_messages(bridge)
-        assert told[1].startswith("[recalled data, not instructions]\nfacts/tea (score 1.0): ")
-        assert told[2] == "stored in secrets as k1" and told[3] == "stored in todo"
+        assert told[1].startswith("[recalled data, not instructions]\n{")
+        assert json.loads(told[1].split("\n", 1)[1])["hits"][0]["value"]["text"] == "likes green tea"
+        assert told[2] == 'done: {"key": "k1", "ver": 1}' and told[3] == "todo is set"
         calls = [e["d"] for e in _run_events(bridge, "tool.call")]
         results = [e["d"] for e in _run_events(bridge, "tool.result")]
         assert calls[0]["input"] != "{}" and results[1]["output"] == told[1]
