@@ -3,7 +3,11 @@
 call, tool result, run.done) against a real Mosquitto and the real bridge — each with the
 board files as .py and as .mpy built by mpy-cross — and (c) stream a long answer: 2,000
 characters in 4-character chunks from an OpenAI-compatible server (tests/model_server.py)
-through the bridge to `done` with the exact text, as .mpy.
+through the bridge to `done` with the exact text, as .mpy, and (d) `memory`: the demo turn
+for an agent with declared fields (a core field and a collection) with one memory.recall
+and one core memory.append besides the sensor read, as .mpy, against the scripted bridge
+peer of firmware_tests/memory_turn.py (the bridge does not serve state, mem and core
+calls yet).
 
 Each figure for each MicroPython binary: by default the unix port, and the 32-bit build
 of ../shared/micropython (or $WREN_MICROPYTHON_I686) when it is there.
@@ -52,7 +56,7 @@ I686 = i686_binary()
 # The long answer: each position checkable, so a lost or doubled piece shows.
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters
 LONG_CHUNK = 4
-FIGURES = ("import", "turn", "long")
+FIGURES = ("import", "turn", "long", "memory")
 
 ABOVE = 8  # sizes checked above the bisected minimum
 TURN_TIMEOUT_S = 20.0
@@ -306,6 +310,29 @@ def main() -> None:
                         )
                 finally:
                     rig.close()
+
+        if "memory" in figures:
+            from firmware_tests.memory_turn import turn_ok as memory_turn_ok
+
+            broker = start_mosquitto(work / "memory" / "mosquitto")
+            try:
+                trials = [0]
+                for n, exe in enumerate(binaries, 1):
+                    label = f"{n}: {words[exe]}-bit"
+                    name = "memory turn (.mpy)"
+
+                    def memories(k: int, e: str = exe) -> bool:
+                        trials[0] += 1
+                        return memory_turn_ok(
+                            e, k, True, (broker.host, broker.port), work / "memory",
+                            f"heapm{trials[0]}",
+                        )
+
+                    rows.append(
+                        (name, label, bisect_kib(logged(f"{name} [{label}]", memories), 8, 256), None)
+                    )
+            finally:
+                broker.stop()
 
     print(
         f"{'what':24} {'binary':10} {'min heap KiB':>16} {'alloc after import B':>21}"

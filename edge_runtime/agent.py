@@ -32,18 +32,34 @@ class Tool:
 
 
 class Agent:
+    # fields: edge_runtime.fields.Field declarations (names unique, at most one core
+    # field per scope: core memory is one document per scope). context_chars bounds what
+    # one model call carries: instructions, core memory and the conversation, trimmed
+    # oldest first to fit (toolloop).
     def __init__(self, name, version, instructions, handler=None, fields=None,
-                 model=None, max_tokens=None, max_steps=8):
+                 model=None, max_tokens=None, max_steps=8, context_chars=6000):
         self.name = name
         self.version = version
         self.instructions = instructions
         # None means the default handler: the model tool loop (edge_runtime.toolloop).
         self.handler = handler
-        self.fields = fields or []
+        self.fields = list(fields or ())
+        if self.fields:
+            # An app that declares fields has imported them already.
+            from edge_runtime.fields import check
+            check(self.fields)
         self.model = model
         self.max_tokens = max_tokens
         self.max_steps = max_steps
+        self.context_chars = context_chars
         self.tools = {}
+
+    def field(self, name):
+        # A declared field by name, or None (an undeclared key is private and run-scoped).
+        for f in self.fields:
+            if f.name == name:
+                return f
+        return None
 
     def tool(self, name, description, args=None):
         # Decorator: @agent.tool("read_temperature", "Read the room sensor in °C")
@@ -54,3 +70,6 @@ class Agent:
 
     def describe(self):
         return [t.describe() for t in self.tools.values()]
+
+    def describe_fields(self):
+        return [f.describe() for f in self.fields]

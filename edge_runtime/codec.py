@@ -363,6 +363,16 @@ _NONE_TYPE = type(None)
 _EXACT = (str, int, dict, list, tuple, float, bool, _NONE_TYPE, bytes, bytearray, memoryview)
 
 
+class Raw:
+    # A value encoded already (`data`, msgpack bytes): written as those bytes, and lent
+    # by encode_parts rather than copied. What a run sends in every model call unchanged
+    # (its tools) is encoded once, and costs neither a tree of dicts on the heap for the
+    # whole run nor room in each call's block.
+
+    def __init__(self, data):
+        self.data = data
+
+
 def _base_type(obj):
     for base in (int, float, str, bytes, bytearray, memoryview, dict, list, tuple):
         if isinstance(obj, base):
@@ -427,6 +437,16 @@ class Encoder:
         # before each descent, so a cyclic or hostile object stops at max_depth.
         t = type(obj)
         if t not in _EXACT:
+            if t is Raw:
+                data = obj.data
+                if self._lent is not None:
+                    self._lent.append((pos, data))
+                    return pos
+                end = pos + len(data)
+                if end > self._limit:
+                    raise self._full()
+                self._buf[pos:end] = data
+                return end
             t = _base_type(obj)
         if t is str:
             data = _utf8(obj)
@@ -505,6 +525,10 @@ def size(obj, max_depth=MAX_DEPTH, lent=None):
 def _size(obj, room, depth, lent):
     t = type(obj)
     if t not in _EXACT:
+        if t is Raw:
+            if lent is not None:
+                lent[0] += len(obj.data)
+            return len(obj.data)
         t = _base_type(obj)
     if t is str:
         n = len(_utf8(obj))
@@ -555,7 +579,7 @@ def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
     # the whole conversation — texts the run holds anyway — so this way it costs a small
     # buffer for its structure instead of a second copy of every text in one block,
     # which a fragmented board heap may not have. Strs are immutable: the parts stay
-    # valid for as long as they are kept (a QoS 1 resend).
+    # valid for as long as they are kept (a QoS 1 resend); so are a Raw's bytes.
     lent = [0]
     n = size(obj, max_depth, lent)
     if n > max_payload:

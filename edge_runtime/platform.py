@@ -121,6 +121,23 @@ def read_file(path):
         return None
 
 
+def write_file(path, data):
+    # Whole or not at all: written to a temporary file beside it, then renamed over it,
+    # so a reset mid-write leaves the old file, never half of the new one. A FAT volume
+    # will not rename onto an existing file; there the old one goes first (a reset in
+    # that instant leaves the temporary file, and no file under the name).
+    import os
+
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.remove(path)
+        os.rename(tmp, path)
+
+
 def load_settings(path="settings.json"):
     # Settings live on flash as JSON (device, broker host/port, user, password, limits);
     # `wren board --virtual` writes them for the simulation.

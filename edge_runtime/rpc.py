@@ -32,12 +32,15 @@ CHUNK = 256
 
 class RpcError(Exception):
     # The bridge answered with `err`, the call could not go on (kind "timeout", "gap",
-    # "link", "bridge_offline"), or could not be sent ("unsendable").
+    # "link", "bridge_offline"), or could not be sent ("unsendable"). `detail` is the
+    # bridge's whole `err` map, for refusals that carry more (a core backup's `conflict`
+    # carries the stored `ver` and `doc`).
 
-    def __init__(self, kind, msg):
+    def __init__(self, kind, msg, detail=None):
         super().__init__("%s: %s" % (kind, msg))
         self.kind = kind
         self.msg = msg
+        self.detail = detail
 
 
 class Call:
@@ -205,7 +208,7 @@ class RpcClient:
         if err is not None:
             kind = err.get("kind", "internal") if isinstance(err, dict) else "internal"
             text = err.get("msg", "") if isinstance(err, dict) else str(err)
-            call.fail(RpcError(kind, text))
+            call.fail(RpcError(kind, text, err if isinstance(err, dict) else None))
             return
         call.result = msg.get("ok")
         call.finished = True

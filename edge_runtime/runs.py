@@ -71,6 +71,15 @@ class Run:
         self.input = msg["input"]
         self.conv = msg.get("conv")
         self.user = msg.get("usr")
+        # The scope ticket the bridge added to the req: copied unchanged into every
+        # state, mem and core call of the run (None when the req had none).
+        self.sc = msg.get("sc")
+        # The run's field values, declared or not: a key no declaration names is private
+        # and stays on the board with the run. Durable slot fields are seeded here at the
+        # start and what the run changed of them is committed at its end (state.py).
+        self.state = {}
+        self.loaded = None  # what state.load gave, encoded (state.py)
+        self._writes = 0
         self.delta_chars = runtime.delta_chars
         self.delta_ms = runtime.delta_ms
         self.emitter = Emitter(run_id, runtime.encode, runtime.send_event, platform.time_ms,
@@ -102,6 +111,11 @@ class Run:
         await self.runtime.flow(self.emitter)
         self.begin()
         self.emitter.emit(etype, d, node)
+
+    def w(self):
+        # The next write id of the run, "<run id>:<seq>": the bridge applies each once.
+        self._writes += 1
+        return "%s:%d" % (self.id, self._writes)
 
     def check_cancelled(self):
         if self.cancel_reason is not None:
@@ -137,6 +151,11 @@ class Runtime:
         self.delta_ms = max(1, settings.get("delta_ms", _DEFAULT_DELTA_MS))
         self.stall_ms = settings.get("stall_ms", _DEFAULT_STALL_MS)
         self.bridge_grace_ms = settings.get("bridge_grace_ms", _DEFAULT_BRIDGE_GRACE_MS)
+        # Where the board keeps its files (core memory): a directory prefix on flash.
+        self.flash_dir = settings.get("flash_dir", "")
+        # Commits that failed, sent again on the next connection (state.py bounds them).
+        self.commits = []
+        self.resending = False
         self.link = None
         self.rpc = RpcClient(self.publish_msg, self._base + "rpc", self._online,
                              window=self.limits["window"], room=self._call_room)
@@ -190,11 +209,14 @@ class Runtime:
         # The bridge's presence is heard again from its retained status.
         self._bridge_up = None
         self.pump_all()
+        if self.commits:
+            from edge_runtime import state
+            platform.asyncio.create_task(state.resend(self))
 
     def say_hello(self):
         self.publish_msg(self._base + "hello", {
             "agent": self.agent.name, "ver": self.agent.version, "fw": firmware(),
-            "boot": self.boot, "fields": self.agent.fields, "tools": self.agent.describe(),
+            "boot": self.boot, "fields": self.agent.describe_fields(), "tools": self.agent.describe(),
             "limits": self.limits}, _QOS1)
 
     def encode(self, msg):
@@ -374,6 +396,9 @@ class Runtime:
                 self.refuse("bad_envelope", "req field %s must be an id of 1-%d chars" % (key, MAX_ID),
                             {"req": req})
                 return
+        if msg.get("sc") is not None and not isinstance(msg["sc"], str):
+            self.refuse("bad_envelope", "req field sc must be a string", {"req": req})
+            return
         if req in self._seen:
             # The idempotency key: a repeated request starts nothing new.
             self.stats["duplicate"] += 1
@@ -493,7 +518,16 @@ class Runtime:
             else:
                 run.begin()
             run.check_cancelled()
+            state = None
+            for f in agent.fields:
+                if f.dur != "run" and f.kind == "slot" and not f.core:
+                    # Loaded only for an agent with durable slot fields.
+                    from edge_runtime import state
+                    await state.load(run)
+                    break
             usage = await handler(run)
+            if state is not None:
+                await state.commit(run)
             run.emit("run.done", {"usage": usage or {}})
         except platform.asyncio.CancelledError:
             run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})

@@ -3,7 +3,7 @@
 # feed their results back, and stop when it answers without calling a tool.
 import json
 
-from edge_runtime import platform
+from edge_runtime import codec, platform
 from edge_runtime.agent import RunFailed
 from edge_runtime.rpc import RpcError
 
@@ -120,16 +120,67 @@ class _Deltas:
 _IDLE_MS = const(1000)
 
 
+def _chars(msg):
+    n = len(msg.get("content") or "")
+    for t in msg.get("tools") or ():
+        n += len(t.get("name") or "") + len(t.get("input") or "")
+    return n
+
+
+async def _fit(run, messages, fixed, first):
+    # The conversation within the agent's context_chars: instructions, core memory and
+    # what is in view (`fixed` characters) are always sent, and so are the request and
+    # the latest turn; past that, whole turns (an assistant message with its tool
+    # results) are left out oldest first, for good (the heap gets them back), and a
+    # guard event says how much. messages[first] is the oldest turn: before it come the
+    # system message, what is in view (if anything) and the request.
+    total = fixed
+    for msg in messages[first - 1:]:
+        total += _chars(msg)
+    dropped = chars = 0
+    budget = run.agent.context_chars
+    while total > budget:
+        end = first + 1
+        while end < len(messages) and messages[end]["role"] == "tool":
+            end += 1
+        if end >= len(messages):
+            break  # only the latest turn is left
+        for msg in messages[first:end]:
+            total -= _chars(msg)
+            chars += _chars(msg)
+        dropped += end - first
+        del messages[first:end]
+    if dropped:
+        await run.event("guard", {"name": "context", "action": "trimmed",
+                                  "detail": "%d messages, %d characters left out" % (dropped, chars)})
+
+
 async def model_loop(run):
     agent = run.agent
     messages = [{"role": "system", "content": agent.instructions},
                 {"role": "user", "content": run.input}]
     specs = [t.model_spec() for t in agent.tools.values()]
+    mem = None
+    if agent.fields:
+        # Loaded only for an agent that declares fields: the memory tools and core memory.
+        from edge_runtime.memtools import Memory
+        mem = Memory(run)
+        await mem.start()
+        specs = mem.specs(specs)
+    else:
+        specs = codec.encode(specs)
+    # Encoded once for the whole run: every model call carries them unchanged.
+    specs = codec.Raw(specs)
     usage = {"in": 0, "out": 0, "reason": 0}
     for step in range(agent.max_steps):
         run.check_cancelled()
         m = step + 1
         calls = []
+        if mem is None:
+            await _fit(run, messages, len(agent.instructions), 2)
+        else:
+            # Core memory as it is now, and what is in view (memtools).
+            await _fit(run, messages, *mem.assemble(messages))
         args = {"messages": messages, "tools": specs}
         if agent.model:
             args["model"] = agent.model
@@ -211,12 +262,15 @@ async def model_loop(run):
             cid = call.get("call")
             input_text = call.get("input") or "{}"
             tool = agent.tools.get(name) if isinstance(name, str) else None
-            await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
-                                          "client": False})
-            if tool is None:
-                output, failed = "no tool named %s" % name, True
+            if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
+                output, failed = await mem.tool(cid, name, input_text, _tool_output)
             else:
-                output, failed = await _run_tool(tool, input_text)
-            await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
+                await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
+                                              "client": False})
+                if tool is None:
+                    output, failed = "no tool named %s" % name, True
+                else:
+                    output, failed = await _run_tool(tool, input_text)
+                await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
             messages.append({"role": "tool", "call": cid, "content": output})
     raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)

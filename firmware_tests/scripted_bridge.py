@@ -2,6 +2,8 @@
 # wires one, for the board tests that need both (test_runs, test_flow). A second Link
 # plays the bridge: it answers llm.complete from the script, collects events and sends
 # ctl; nothing of the runtime is replaced. Not a test module: it holds no tests.
+import json
+
 from edge_runtime import codec
 from edge_runtime import platform
 from edge_runtime.agent import Agent
@@ -34,6 +36,206 @@ SCRIPT = [
 ]
 
 
+class Refused(Exception):
+    def __init__(self, kind, msg, extra=None):
+        super().__init__(msg)
+        self.err = {"kind": kind, "msg": msg}
+        if extra:
+            self.err.update(extra)
+
+
+def _merge(merge, old, value):
+    if merge == "sum":
+        return (old or 0) + value
+    if merge in ("max", "min"):
+        if old is None:
+            return value
+        return max(old, value) if merge == "max" else min(old, value)
+    if merge == "append" and old is not None:
+        return old + value
+    if merge == "union" and old is not None:
+        return old + [x for x in value if x not in old]
+    if merge == "deep" and isinstance(old, dict) and isinstance(value, dict):
+        out = dict(old)
+        for k in value:
+            if value[k] is None:
+                out.pop(k, None)
+            else:
+                out[k] = _merge("deep", out.get(k), value[k])
+        return out
+    return value
+
+
+class Memory:
+    # The bridge's durable store as an in-memory table the tests read: slot values and
+    # versions, collection rows, core documents, and the write-id ledger (a write id is
+    # applied once; a repeat gets the first answer). `fail` holds refusals to answer
+    # instead, per method, first in first out: {"state.commit": [{"kind": "busy", ...}]}.
+    # The user scope is told apart by the scope ticket, which the tests make up.
+    def __init__(self):
+        self.values = {}
+        self.vers = {}
+        self.rows = {}  # field -> {key: row}
+        self.cores = {}  # scope (user scope: "user:" + sc) -> {"ver", "doc"}
+        self.ledger = {}
+        self.fail = {}
+        self._keys = 0
+
+    def serve(self, m, a, decls):
+        fails = self.fail.get(m)
+        if fails:
+            raise Refused(**fails.pop(0))
+        w = a.get("w")
+        if w is not None and w in self.ledger:
+            return self.ledger[w]
+        serve = getattr(self, "_" + m.replace(".", "_"), None)
+        if serve is None:
+            raise Refused("unknown_method", "no method %s" % m)
+        ok = serve(a, decls)
+        if w is not None:
+            self.ledger[w] = ok
+        return ok
+
+    def _field(self, a, decls, name=None):
+        name = name or a.get("field")
+        if name not in decls:
+            raise Refused("unknown_field", "no field %s" % name)
+        if decls[name].get("dur") in ("user", "session") and not a.get("sc"):
+            raise Refused("no_scope", "no user in the call's scope")
+        return decls[name]
+
+    def _state_load(self, a, decls):
+        values, vers = {}, {}
+        for name in a["fields"]:
+            self._field(a, decls, name)
+            if name in self.values:
+                values[name], vers[name] = self.values[name], self.vers.get(name, 1)
+        return {"values": values, "vers": vers}
+
+    def _state_commit(self, a, decls):
+        results = []
+        for wr in a["writes"]:
+            name = wr["field"]
+            if wr["w"] in self.ledger:
+                results.append(self.ledger[wr["w"]])
+                continue
+            try:
+                d = self._field(a, decls, name)
+            except Refused as e:
+                results.append({"field": name, "w": wr["w"], "err": e.err})
+                continue
+            self.values[name] = _merge(d.get("merge", "replace"), self.values.get(name), wr["value"])
+            self.vers[name] = self.vers.get(name, 0) + 1
+            result = {"field": name, "w": wr["w"], "ver": self.vers[name]}
+            self.ledger[wr["w"]] = result
+            results.append(result)
+        return {"results": results}
+
+    def _table(self, a, decls):
+        d = self._field(a, decls)
+        return d, self.rows.setdefault(a["field"], {})
+
+    def _row(self, a, decls):
+        table = self._table(a, decls)[1]
+        if a.get("key") not in table:
+            raise Refused("not_found", "no row %s" % a.get("key"))
+        return table[a["key"]]
+
+    def _mem_remember(self, a, decls):
+        d, table = self._table(a, decls)
+        key = a.get("key")
+        value = a["value"]
+        if key is None and d.get("key") and isinstance(value, dict):
+            key = value.get(d["key"])
+        if key is None:
+            self._keys += 1
+            key = "k%d" % self._keys
+        row = table.get(key) or {"key": key, "ver": 0, "links": []}
+        row["value"] = value
+        row["ver"] += 1
+        table[key] = row
+        return {"key": key, "ver": row["ver"]}
+
+    def _mem_recall(self, a, decls):
+        words = a["query"].lower().split()
+        hits = []
+        for name in ([a["field"]] if a.get("field") else list(self.rows)):
+            for row in self.rows.get(name, {}).values():
+                text = json.dumps(row["value"]).lower()
+                score = sum(1 for w in words if w in text) / max(1, len(words))
+                if score:
+                    hits.append({"field": name, "key": row["key"], "score": score,
+                                 "value": row["value"]})
+        hits.sort(key=lambda h: -h["score"])
+        return {"hits": hits[:a.get("k", 5)]}
+
+    def _mem_list(self, a, decls):
+        rows = list(self._table(a, decls)[1].values())
+        return {"rows": rows[::-1][:a.get("limit", 10)], "cursor": None}
+
+    def _mem_peek(self, a, decls):
+        return {"row": self._row(a, decls), "backlinks": []}
+
+    def _mem_forget(self, a, decls):
+        self._row(a, decls)
+        del self.rows[a["field"]][a["key"]]
+        return {"key": a["key"], "forgotten": True}
+
+    def _mem_link(self, a, decls):
+        row = self._row(a, decls)
+        row["links"].append({"label": a["label"], "to_field": a["to_field"], "to_key": a["to_key"]})
+        row["ver"] += 1
+        return {"ver": row["ver"]}
+
+    def _mem_unlink(self, a, decls):
+        row = self._row(a, decls)
+        row["links"] = [k for k in row["links"] if not (
+            k["label"] == a["label"] and k["to_field"] == a["to_field"] and k["to_key"] == a["to_key"])]
+        row["ver"] += 1
+        return {"ver": row["ver"]}
+
+    def _text(self, a, decls, edit):
+        if a.get("key") is not None:
+            row = self._row(a, decls)
+            row["value"] = edit(row["value"] or "")
+            row["ver"] += 1
+            return {"ver": row["ver"]}
+        self._field(a, decls)
+        name = a["field"]
+        self.values[name] = edit(self.values.get(name) or "")
+        self.vers[name] = self.vers.get(name, 0) + 1
+        return {"ver": self.vers[name]}
+
+    def _mem_append(self, a, decls):
+        return self._text(a, decls, lambda old: old + a["text"])
+
+    def _mem_replace(self, a, decls):
+        def edit(old):
+            if a["old"] not in old:
+                raise Refused("not_found", "no such text")
+            return old.replace(a["old"], a["text"], 1)
+        return self._text(a, decls, edit)
+
+    def _scope(self, a):
+        if a["scope"] == "user":
+            if not a.get("sc"):
+                raise Refused("no_scope", "no user in the call's scope")
+            return "user:" + a["sc"]
+        return a["scope"]
+
+    def _core_sync(self, a, decls):
+        scope = self._scope(a)
+        held = self.cores.get(scope)
+        if held is not None and a["ver"] <= held["ver"]:
+            raise Refused("conflict", "a newer backup is stored", {"ver": held["ver"], "doc": held["doc"]})
+        self.cores[scope] = {"ver": a["ver"], "doc": a["doc"]}
+        return {"ver": a["ver"]}
+
+    def _core_load(self, a, decls):
+        held = self.cores.get(self._scope(a))
+        return dict(held) if held else {"ver": 0}
+
+
 class ScriptedBridge:
     # Plays the bridge's side of the contract: numbered chunks, never more than the
     # board's window past its acks, the final answer counting the chunks. A script step
@@ -58,6 +260,12 @@ class ScriptedBridge:
         self.link.subscribe(self.base + "rpc", 1)
         self.link.subscribe(self.base + "hello", 1)
         self.hellos = []
+        self.memory = Memory()
+        # Turn n of the script: by how many assistant messages the call carries, or (when
+        # the board trims its context, which drops old turns) by how many model calls of
+        # its run came before it.
+        self.turn_by_calls = False
+        self._turns = {}
         self._news = platform.asyncio.Event()  # set by every message the bridge takes
 
     @property
@@ -78,15 +286,42 @@ class ScriptedBridge:
                     self.stops.append(msg["c"])
                 return
             self.calls.append(msg)
+            if msg.get("m") == "llm.complete":
+                # The tools by name only: kept for every call, their schemas would fill
+                # the heap the test shares with the board.
+                msg["a"]["tools"] = [t["name"] for t in msg["a"].get("tools") or ()]
+                r = msg.get("r")
+                self._turns[msg["c"]] = n = self._turns.get(r, 0)
+                self._turns[r] = n + 1
             if self.answer_rpc:
                 self.answer(msg)
 
     def answer(self, call):
         platform.asyncio.create_task(self._answer(call))
 
+    def mem_calls(self, method=None):
+        return [c for c in self.calls if c.get("m") != "llm.complete"
+                and (method is None or c["m"] == method)]
+
+    def llm_calls(self):
+        return [c for c in self.calls if c.get("m") == "llm.complete"]
+
     async def _answer(self, call):
-        turn = sum(1 for m in call["a"]["messages"] if m["role"] == "assistant")
         c = call["c"]
+        if call.get("m") != "llm.complete":
+            decls = {}
+            for d in self.hello.get("fields") or ():
+                decls[d["name"]] = d
+            try:
+                ans = {"c": c, "s": 0, "ok": self.memory.serve(call["m"], call["a"], decls)}
+            except Refused as e:
+                ans = {"c": c, "s": 0, "err": e.err}
+            await self.put("rpc/res", ans)
+            return
+        if self.turn_by_calls:
+            turn = self._turns[c]
+        else:
+            turn = sum(1 for m in call["a"]["messages"] if m["role"] == "assistant")
         if turn >= len(self.script):
             await self.put("rpc/res", {"c": c, "s": 0, "err": {"kind": "llm", "msg": "script exhausted"}})
             return

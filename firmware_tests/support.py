@@ -40,3 +40,22 @@ def broker_address():
         return None
     host, port = spec.rsplit(":", 1)
     return host, int(port)
+
+
+def scratch(name):
+    # A path prefix for the files a test's board writes (core memory): under /tmp where
+    # there is one (CPython, the unix port), else the board's own flash root.
+    try:
+        os.stat("/tmp")
+        return "/tmp/wren-fw-%s-" % name
+    except (OSError, AttributeError):
+        return name + "-"
+
+
+def remove(*paths):
+    for p in paths:
+        for path in (p, p + ".tmp"):
+            try:
+                os.remove(path)
+            except OSError:
+                pass

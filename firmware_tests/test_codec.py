@@ -303,6 +303,18 @@ def test_size_is_the_encoded_length_and_encode_exact_allocates_just_that():
     raises(BadType, codec.size, {1, 2})
 
 
+def test_a_raw_value_is_written_as_its_bytes_and_lent_by_encode_parts():
+    tools = [{"name": "t%d" % n, "args": {"type": "object"}} for n in range(3)]
+    raw = codec.Raw(encode(tools))
+    msg = {"messages": ["x" * 300, "hi"], "tools": raw}
+    whole = encode({"messages": ["x" * 300, "hi"], "tools": tools})
+    assert encode(msg) == whole and codec.size(msg) == len(whole)
+    parts = codec.encode_parts(msg)
+    assert b"".join(bytes(p) for p in parts) == whole
+    assert any(p is raw.data for p in parts)  # lent, not copied
+    raises(TooLarge, codec.encode_exact, msg, len(whole) - 1)
+
+
 def test_encode_depth():
     nested = None
     for _ in range(16):

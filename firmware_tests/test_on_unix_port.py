@@ -21,13 +21,14 @@ from tools.virtual_board import install_package, micropython_binary
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 HEAP = {"mpy": "128K", "py": "256K"}
-# test_runs and test_flow host a second Link (the scripted bridge, which keeps every event
+# test_runs, test_flow and test_memory host a second Link (the scripted bridge, which keeps every event
 # and call it sees) and a large test module in the same heap as the runtime under test,
 # so on the unix port they get more than a board needs; the board's own heap is measured
 # alone (tests/test_streams.py, benchmarks/bench_heap.py).
 HEAP_OVERRIDE = {
     "test_runs": {"mpy": "256K", "py": "384K"},
     "test_flow": {"mpy": "256K", "py": "384K"},
+    "test_memory": {"mpy": "256K", "py": "384K"},
 }
 # MODULES and NEEDS_BROKER (modules whose tests get the session broker's address, see
 # conftest.py) come from tools/hil.py, which runs the same modules on real boards.
