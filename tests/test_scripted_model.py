@@ -148,7 +148,7 @@ def test_from_file(tmp_path: Path) -> None:
     path = tmp_path / "demo.json"
     path.write_text(json.dumps(DEMO_SCRIPT))
     provider = ScriptedProvider.from_file(path)
-    assert provider.script == DEMO_SCRIPT
+    assert provider.dialogues == ScriptedProvider(DEMO_SCRIPT).dialogues
     path.write_text(json.dumps({"turns": [[{"text": "abcdef"}]], "chunk_chars": 2}))
     chunks, _ = play(ScriptedProvider.from_file(path), [USER])
     assert chunks == [{"text": "ab"}, {"text": "cd"}, {"text": "ef"}]
@@ -167,7 +167,7 @@ DIALOGUES: list[dict[str, Any]] = [
 ]
 
 
-def test_the_dialogue_is_chosen_by_the_first_user_message() -> None:
+def test_the_dialogue_is_chosen_by_the_user_messages() -> None:
     p = ScriptedProvider(DIALOGUES)
     usual = {"role": "user", "content": "Set it to MY USUAL, please"}
     chunks, final = play(p, [usual])
