@@ -328,9 +328,8 @@ def main() -> None:
                             f"heapm{trials[0]}",
                         )
 
-                    rows.append(
-                        (name, label, bisect_kib(logged(f"{name} [{label}]", memories), 8, 256), None)
-                    )
+                    probe = logged(f"{name} [{label}]", memories)
+                    rows.append((name, label, bisect_kib(probe, 8, 256), None))
             finally:
                 broker.stop()
 

@@ -151,7 +151,7 @@ def main() -> int:
             if n < args.calls:
                 results["remember"].append(ms)
                 results["raw"].append(raw.round_trip(f"{P}/bench/echo", payload)[0])
-        for n in range(args.calls):
+        for _ in range(args.calls):
             q = " ".join(rng.choice(WORDS) for _ in range(3))
             results["recall"].append(wren("mem.recall", {"query": q, "k": 5}))
             results["raw"].append(raw.round_trip(f"{P}/bench/echo", payload)[0])
