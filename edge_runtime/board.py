@@ -36,5 +36,7 @@ def start(agent, settings=None):
     if "device" not in settings:
         platform.log("settings.json has no device id; nothing to start")
         return
-    platform.connect_wifi(settings)
+    if settings.get("wifi"):
+        from edge_runtime import wifi
+        wifi.connect(settings)
     platform.asyncio.run(run_board(agent, settings))

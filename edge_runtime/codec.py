@@ -102,9 +102,9 @@ class BadType(CodecError):
 # length/count of a str, bin, array or map. When nothing follows (size 0), _ARGS[i] is
 # the value itself (nil, bool) or why the byte is refused. Bytes rather than a dict of
 # tuples: one small object on the board heap, where the dict took 3.7 KiB (64-bit).
-_ARGS = (None, False, True, ">B", ">H", ">I", ">Q", ">b", ">h", ">i", ">q", ">f", ">d",
-         "ext type", "reserved byte 0xc1")
-_SIZES = b"\x00\x00\x00\x01\x02\x04\x08\x01\x02\x04\x08\x04\x08\x00\x00"
+_ARGS = const((None, False, True, ">B", ">H", ">I", ">Q", ">b", ">h", ">i", ">q", ">f", ">d",
+               "ext type", "reserved byte 0xc1"))
+_SIZES = const(b"\x00\x00\x00\x01\x02\x04\x08\x01\x02\x04\x08\x04\x08\x00\x00")
 _A_NIL = const(0)  # indexes into _ARGS and _SIZES
 _A_FALSE = const(1)
 _A_TRUE = const(2)
@@ -140,13 +140,13 @@ _HEAD = bytes((
 
 # 0x80..0xbf by high nibble: fixmap, fixarray, fixstr (two nibbles). Their count sits in
 # the header's low bits, so they need no table row per byte.
-_FIX_KIND = (_K_MAP, _K_ARRAY, _K_STR, _K_STR)
+_FIX_KIND = const((_K_MAP, _K_ARRAY, _K_STR, _K_STR))
 
 # Well-formed UTF-8 (Unicode 15, table 3-7): lead byte range -> continuation bytes and
 # the range allowed for the FIRST of them (later ones are always 0x80..0xbf). Those
 # narrow first ranges are what exclude overlong forms, surrogates and code points past
 # U+10FFFF.
-_UTF8 = (
+_UTF8 = const((
     (0xc2, 0xdf, 1, 0x80, 0xbf),
     (0xe0, 0xe0, 2, 0xa0, 0xbf),
     (0xe1, 0xec, 2, 0x80, 0xbf),
@@ -155,7 +155,7 @@ _UTF8 = (
     (0xf0, 0xf0, 3, 0x90, 0xbf),
     (0xf1, 0xf3, 3, 0x80, 0xbf),
     (0xf4, 0xf4, 3, 0x80, 0x8f),
-)
+))
 
 # MicroPython's str() only checks the shape of UTF-8 and lets surrogates, overlong forms
 # and code points past U+10FFFF through; CPython (the bridge) refuses them. Found out
@@ -309,42 +309,42 @@ def decode(data, max_payload=MAX_PAYLOAD, max_str=MAX_STR, max_items=MAX_ITEMS,
 # and field together, encoded size). The first row whose bound the key is under is the
 # smallest encoding, which is the one msgpack.packb picks. A format of None marks a fix
 # family: the value (or length) is OR-ed into the header byte.
-_UINT_HEADS = (
+_UINT_HEADS = const((
     (_FIXINT_END, 0, None, 1),
     (0x100, _UINT8, ">BB", 2),
     (0x10000, _UINT16, ">BH", 3),
     (0x100000000, _UINT32, ">BI", 5),
     (0x10000000000000000, _UINT64, ">BQ", 9),
-)
+))
 # Keyed by -1 - value, so -1 is 0 and the bounds read like the unsigned ones.
-_NINT_HEADS = (
+_NINT_HEADS = const((
     (_NEGFIX_END, _NEGFIX, None, 1),
     (0x80, _INT8, ">Bb", 2),
     (0x8000, _INT16, ">Bh", 3),
     (0x80000000, _INT32, ">Bi", 5),
     (0x8000000000000000, _INT64, ">Bq", 9),
-)
-_STR_HEADS = (
+))
+_STR_HEADS = const((
     (_FIXSTR_END, _FIXSTR, None, 1),
     (0x100, _STR8, ">BB", 2),
     (0x10000, _STR16, ">BH", 3),
     (0x100000000, _STR32, ">BI", 5),
-)
-_BIN_HEADS = (
+))
+_BIN_HEADS = const((
     (0x100, _BIN8, ">BB", 2),
     (0x10000, _BIN16, ">BH", 3),
     (0x100000000, _BIN32, ">BI", 5),
-)
-_ARRAY_HEADS = (
+))
+_ARRAY_HEADS = const((
     (_FIXCOUNT_END, _FIXARRAY, None, 1),
     (0x10000, _ARRAY16, ">BH", 3),
     (0x100000000, _ARRAY32, ">BI", 5),
-)
-_MAP_HEADS = (
+))
+_MAP_HEADS = const((
     (_FIXCOUNT_END, _FIXMAP, None, 1),
     (0x10000, _MAP16, ">BH", 3),
     (0x100000000, _MAP32, ">BI", 5),
-)
+))
 
 # The UTF-8 bytes of a str without copying them where the runtime allows: MicroPython
 # keeps str as UTF-8 and lends it out as a view, so an 8 KiB text is not duplicated on

@@ -14,16 +14,17 @@ except ImportError:
 
 # The contract's tables: each key's choices, space-separated with a space at each end
 # (" word " is in it), and the defaults a hello leaves out.
-_CHOICES = (
+# const: no names of their own in the board's qstr pool (see memtools._TOOLS).
+_CHOICES = const((
     ("vis", " public private "),
     ("dur", " run session user agent tenant subject "),
     ("merge", " replace append sum max min union deep "),
     ("kind", " slot collection "),
-)
-_DEFAULTS = (("vis", "private"), ("dur", "run"), ("merge", "replace"), ("kind", "slot"),
-             ("fmt", None), ("stream", False), ("core", False), ("max", 4096), ("ttl", None),
-             ("key", None))
-_NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
+))
+_DEFAULTS = const((("vis", "private"), ("dur", "run"), ("merge", "replace"), ("kind", "slot"),
+                   ("fmt", None), ("stream", False), ("core", False), ("max", 4096),
+                   ("ttl", None), ("key", None)))
+_NAME_CHARS = const("abcdefghijklmnopqrstuvwxyz0123456789_")
 _MAX_NAME = const(64)
 _MAX_FMT = const(32)
 

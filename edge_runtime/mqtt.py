@@ -59,7 +59,7 @@ FROM_SERVER = "s"  # read_packet(..., sender=FROM_SERVER) on a client
 # byte of the body is read. One string rather than tuples: on a board it is a single
 # object, not sixteen.
 _ROW = const(16)
-_TABLE = (
+_TABLE = const(
     #            who flags length
     "reserved    -**."
     "CONNECT     c0*."
@@ -80,8 +80,8 @@ _TABLE = (
 )
 
 # CONNACK return codes (3.2.2.3), index = code.
-_REFUSALS = ("accepted", "bad protocol version", "identifier rejected",
-             "server unavailable", "bad user name or password", "not authorized")
+_REFUSALS = const(("accepted", "bad protocol version", "identifier rejected",
+                   "server unavailable", "bad user name or password", "not authorized"))
 
 # Packets with no variable part are constants, never rebuilt.
 PINGREQ_PACKET = b"\xc0\x00"

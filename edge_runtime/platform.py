@@ -1,5 +1,6 @@
 # The board's view of its machine: clocks, sleeping, the flash file system, settings
-# and the log. MicroPython and CPython differ here and nowhere else, so every other
+# and the log. MicroPython and CPython differ here and nowhere else (but for joining
+# Wi-Fi, wifi.py, loaded only by a board whose settings name a network), so every other
 # board module imports its clock and file helpers from this one.
 import sys
 import time
@@ -147,25 +148,3 @@ def load_settings(path="settings.json"):
     if raw is None:
         return {}
     return json.loads(raw)
-
-
-def connect_wifi(settings, timeout_ms=20000):
-    # Boards join Wi-Fi here; the unix port and CPython are already on a network, so a
-    # missing `network` module is logged and skipped.
-    wifi = settings.get("wifi")
-    if not wifi:
-        return True
-    try:
-        import network
-    except ImportError:
-        log("no network module on this port; using the host network")
-        return True
-    sta = network.WLAN(network.STA_IF)
-    sta.active(True)
-    if not sta.isconnected():
-        sta.connect(wifi.get("ssid"), wifi.get("password"))
-        start = ticks_ms()
-        while not sta.isconnected() and ticks_diff(ticks_ms(), start) < timeout_ms:
-            time.sleep_ms(100) if IS_MICROPYTHON else time.sleep(0.1)
-    log("wifi", "connected" if sta.isconnected() else "not connected")
-    return sta.isconnected()

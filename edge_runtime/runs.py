@@ -19,7 +19,7 @@ except ImportError:
     def const(x):
         return x
 
-FW_VERSION = "0.1.0"
+_FW_VERSION = const("0.1.0")
 _QOS1 = const(1)
 _DEFAULT_CONCURRENCY = const(1)
 _DEFAULT_QUEUE = const(2)
@@ -47,7 +47,7 @@ _SEEN_REQS = const(16)
 
 def firmware():
     impl = sys.implementation
-    return "wren-edge %s %s %s" % (FW_VERSION, impl.name, ".".join(str(n) for n in impl.version[:3]))
+    return "wren-edge %s %s %s" % (_FW_VERSION, impl.name, ".".join(str(n) for n in impl.version[:3]))
 
 
 def free_heap():
