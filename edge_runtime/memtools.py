@@ -198,8 +198,9 @@ class Memory:
         if op == "unload":
             return self._unload(name)
         if op == "load":
-            self.loaded[name] = _text(self.run.state.get(name))
-            return "%s stays in view for the rest of this run" % name, False
+            # The value in the answer too: the model reads it now, not a turn later.
+            text = self.loaded[name] = _text(self.run.state.get(name))
+            return "%s\n%s: %s\n(in view for the rest of this run)" % (RECALLED, name, text), False
         self.run.state[name] = a["value"] if op == "remember" else None
         return "%s is set" % name, False
 
@@ -231,8 +232,8 @@ class Memory:
             ok = {}
         if op == "load":
             row = ok.get("row")
-            self.loaded[label] = _text(row.get("value") if isinstance(row, dict) else None)
-            return "%s stays in view for the rest of this run" % label, False
+            text = self.loaded[label] = _text(row.get("value") if isinstance(row, dict) else None)
+            return "%s\n%s: %s\n(in view for the rest of this run)" % (RECALLED, label, text), False
         if private:
             pass
         elif write:

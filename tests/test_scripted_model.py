@@ -167,7 +167,7 @@ DIALOGUES: list[dict[str, Any]] = [
 ]
 
 
-def test_the_dialogue_is_chosen_by_the_first_user_message() -> None:
+def test_the_dialogue_is_chosen_by_the_user_messages() -> None:
     p = ScriptedProvider(DIALOGUES)
     usual = {"role": "user", "content": "Set it to MY USUAL, please"}
     chunks, final = play(p, [usual])

@@ -15,7 +15,7 @@ a reading; a tool input's string value that is exactly `{last_tool_number}` beco
 last number in that content (a remembered setting, say, read back from memory).
 
 A script may also hold several dialogues, `{"when": "...", "turns": [...]}`: the first
-whose `when` the conversation's first user message contains (case-insensitively) plays,
+whose `when` a user message of the conversation contains (case-insensitively) plays,
 and one without `when` plays otherwise. So one scripted model can answer "set it to 22,
 my usual" and, in a later request, "set it to my usual" differently.
 """
@@ -43,14 +43,47 @@ Step = Mapping[str, Any]
 Turns = Sequence[Sequence[Step]]
 Script = Turns | Sequence[Mapping[str, Any]]
 
-DEMO_SCRIPT: list[list[dict[str, Any]]] = [
-    [
-        {"text": "Let me check the sensor."},
-        {"tool": {"name": "read_temperature", "input": {}}},
-    ],
-    [
-        {"text": "It is {last_tool_output} °C in here."},
-    ],
+# The demo's three conversations (tools/demo.py asks each in turn): a user's usual
+# temperature remembered in one request (a durable user field on the bridge) and used in
+# a later one, and the room's temperature otherwise.
+DEMO_SCRIPT: list[dict[str, Any]] = [
+    {
+        "when": "remember",
+        "turns": [
+            [
+                {"text": "Setting 22 °C, and noting it as your usual."},
+                {"tool": {"name": "set_temperature", "input": {"celsius": 22}}},
+                {"tool": {"name": "memory.remember", "input": {"field": "usual_celsius",
+                                                               "value": 22}}},
+            ],
+            [{"text": "Done: the thermostat is set to 22 °C, and I will remember it."}],
+        ],
+    },  # fmt: skip
+    {
+        "when": "my usual",
+        "turns": [
+            [
+                {"text": "Let me look up your usual."},
+                {"tool": {"name": "memory.load", "input": {"field": "usual_celsius"}}},
+            ],
+            [
+                {"text": "Setting it."},
+                {"tool": {"name": "set_temperature", "input": {"celsius": NUMBER}}},
+            ],
+            [{"text": "Done: the thermostat is {last_tool_output}, your usual."}],
+        ],
+    },
+    {
+        "turns": [
+            [
+                {"text": "Let me check the sensor."},
+                {"tool": {"name": "read_temperature", "input": {}}},
+            ],
+            [
+                {"text": "It is {last_tool_output} °C in here."},
+            ],
+        ]
+    },
 ]
 
 
@@ -226,8 +259,11 @@ class ScriptedProvider:
         }
 
     def _dialogue(self, msgs: Sequence[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
-        first = next((m for m in msgs if m.get("role") == "user"), None)
-        text = str(first.get("content") or "").lower() if first is not None else ""
+        # Every user message, not the first: the board may put recalled data in a user
+        # message of its own ahead of the request (memory.load).
+        text = "\n".join(
+            str(m.get("content") or "").lower() for m in msgs if m.get("role") == "user"
+        )
         fallback = None
         for when, turns in self.dialogues:
             if when is None:
