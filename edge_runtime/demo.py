@@ -1,16 +1,22 @@
-# The demo agent: a room thermostat with one local tool. A board's main.py is just
+# The demo agent: a room thermostat with two local tools and one memory: each user's
+# usual temperature, a durable user field the bridge keeps, so "set it to my usual"
+# works in a later request (and on another board of the same tenant and agent).
+# A board's main.py is just
 #   from edge_runtime.demo import main; main()
 from edge_runtime import platform
 from edge_runtime.agent import Agent
+from edge_runtime.fields import Field
 
 agent = Agent(
     "thermostat",
     "0.1.0",
     "You are the assistant of a room thermostat. Answer questions about the room; "
-    "use read_temperature to measure before you state a temperature.",
+    "use read_temperature to measure before you state a temperature. When a user "
+    "tells you their usual temperature, remember it in usual_celsius.",
+    fields=[Field("usual_celsius", vis="public", dur="user", fmt="number")],
 )
 
-_sim = {"celsius": 21.5}
+_sim = {"celsius": 21.5, "setpoint": None}
 
 
 def _read_rp2040_sensor():
@@ -29,6 +35,17 @@ def read_temperature(args):
             _sim["logged"] = True
             platform.log("no on-chip sensor (%s); reading the simulated one" % type(e).__name__)
         return _sim["celsius"]
+
+
+@agent.tool("set_temperature", "Set the thermostat to a temperature in degrees Celsius",
+            {"type": "object", "properties": {"celsius": {"type": "number"}},
+             "required": ["celsius"]})
+def set_temperature(args):
+    celsius = args.get("celsius")
+    if isinstance(celsius, bool) or not isinstance(celsius, (int, float)) or not 5 <= celsius <= 35:
+        raise ValueError("celsius must be a number from 5 to 35")
+    _sim["setpoint"] = celsius
+    return "set to %s °C" % celsius
 
 
 def main(settings=None):

@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run broker, bridge, a virtual board and the terminal view")
     d.add_argument(
-        "--once", action="store_true", help="one scripted request, print the transcript, exit"
+        "--once",
+        action="store_true",
+        help="the scripted requests (the room's temperature, then a usual temperature "
+        "remembered and used), print the transcripts, exit",
     )
     d.add_argument(
         "--broker",

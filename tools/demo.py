@@ -27,6 +27,8 @@ from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
 from server_bridge.host.terminal import LiveView, print_transcript, render_status
+from server_bridge.memory import MemoryService, TinyMemoryStore
+from server_bridge.memory.recall import RecallIndex
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry, provision
 from server_bridge.service import DEFAULT_AGENT
@@ -45,6 +47,9 @@ BRIDGE_USER = "bridge"
 HOST_USER = f"host-{TENANT}"
 START_TIMEOUT_S = 20.0
 RUN_TIMEOUT_S = 60.0
+# After the first request, `--once` shows memory: the user's usual temperature remembered
+# in one request (a durable user field on the bridge) and used in the next.
+MEMORY_REQUESTS = ("Make it 22 °C, and remember that is my usual.", "Set it to my usual.")
 
 
 class DemoError(RuntimeError):
@@ -210,7 +215,10 @@ def run_demo(args: argparse.Namespace) -> int:
             password=creds[BRIDGE_USER].password,
             prefix=PREFIX,
         )
-        bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT))
+        memory = MemoryService(
+            TinyMemoryStore(workdir / "memory"), index=RecallIndex(embedder=None)
+        )
+        bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT), memory)
         try:
             bridge.start()
         except Exception as e:
@@ -317,8 +325,15 @@ def run_demo(args: argparse.Namespace) -> int:
 
         code = ask(args.ask)
         if args.once:
+            for text in MEMORY_REQUESTS:
+                print(f"\nhost: {text}\n", file=out)
+                code = max(code, ask(text))
             return code
-        print("\nType another request (empty line or Ctrl-D to quit).", file=out)
+        print(
+            "\nType another request (empty line or Ctrl-D to quit); try "
+            f"{MEMORY_REQUESTS[0]!r}, then {MEMORY_REQUESTS[1]!r}.",
+            file=out,
+        )
         while True:
             try:
                 text = input("you> ").strip()
