@@ -34,9 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server_bridge.bridge import Bridge  # noqa: E402
+from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig  # noqa: E402
 from server_bridge.host.client import HostClient, RequestRefused  # noqa: E402
+from server_bridge.memory import open_memory  # noqa: E402
 from server_bridge.models.base import Provider  # noqa: E402
 from server_bridge.models.openai import OpenAIProvider  # noqa: E402
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider  # noqa: E402
@@ -142,7 +143,8 @@ class TurnRig:
         self.secret = secrets.token_hex(32)
         self.registry.add_tenant("bench", self.secret)
         config = BridgeConfig(host=self.broker.host, port=self.broker.port)
-        self.bridge = Bridge(config, self.registry, provider)
+        memory = open_memory(workdir / "memory", None)
+        self.bridge = Bridge(config, self.registry, provider, memory)
         self.bridge.start()
         self.client = HostClient(self.broker.host, self.broker.port, "bench")
         self.client.connect(timeout=10)
@@ -324,7 +326,11 @@ def main() -> None:
                     def memories(k: int, e: str = exe) -> bool:
                         trials[0] += 1
                         return memory_turn_ok(
-                            e, k, True, (broker.host, broker.port), work / "memory",
+                            e,
+                            k,
+                            True,
+                            (broker.host, broker.port),
+                            work / "memory",
                             f"heapm{trials[0]}",
                         )
 

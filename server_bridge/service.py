@@ -232,11 +232,9 @@ def _devices(specs: list[str]) -> list[tuple[str, str]]:
 def memory_service(args: argparse.Namespace) -> MemoryService:
     """The durable memory at --memory-dir (memory/ beside the registry), with the recall
     index (MiniLM when installed, else BM25), which the bridge rebuilds as it starts."""
-    from server_bridge.memory import MemoryService, TinyMemoryStore
-    from server_bridge.memory.recall import RecallIndex
+    from server_bridge.memory import open_memory
 
-    directory = args.memory_dir or Path(args.registry).parent / "memory"
-    return MemoryService(TinyMemoryStore(directory), index=RecallIndex("auto"))
+    return open_memory(args.memory_dir or Path(args.registry).parent / "memory")
 
 
 def run(

@@ -35,6 +35,7 @@ from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
 from server_bridge.host.reducer import RunSnapshot
+from server_bridge.memory import open_memory
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
 from server_bridge.tokens import sign
@@ -83,7 +84,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         username=BRIDGE_USER,
         password=users[BRIDGE_USER],
     )
-    bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT))
+    bridge = Bridge(
+        config, registry, ScriptedProvider(DEMO_SCRIPT), open_memory(work / "memory", None)
+    )
     bridge.start()
     settings = {
         "device": DEVICE,

@@ -28,6 +28,7 @@ from server_bridge import brokerconf, tokens
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, RequestRefused
+from server_bridge.memory import open_memory
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.wire import decode
@@ -132,7 +133,9 @@ class World:
             password=USERS["bridge"],
             prefix=P,
         )
-        self.bridge = Bridge(config, self.registry, ScriptedProvider(chunk_chars=64))
+        # Memory in the same place across restarts, as the service keeps it.
+        memory = open_memory(Path(str(self.registry.path)).parent / "memory", None)
+        self.bridge = Bridge(config, self.registry, ScriptedProvider(chunk_chars=64), memory)
         self.bridge.start()
         return self.bridge
 

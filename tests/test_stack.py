@@ -77,7 +77,11 @@ def test_a_run_with_the_model_server(tmp_path: Path) -> None:
         (body,) = server.requests
     assert body["model"] == "wren-mini"
     assert body["messages"][-1] == {"role": "user", "content": QUESTION}
-    assert [t["function"]["name"] for t in body["tools"]] == ["read_temperature"]
+    # The demo agent's tools, then the memory tools its one field (a slot) takes, named
+    # as the OpenAI API allows (no dots).
+    names = [t["function"]["name"] for t in body["tools"]]
+    assert names[:2] == ["read_temperature", "set_temperature"]
+    assert set(names[2:]) == {"memory_remember", "memory_load", "memory_unload", "memory_forget"}
     assert all_exited(procs)
 
 

@@ -27,8 +27,7 @@ from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient
 from server_bridge.host.terminal import LiveView, print_transcript, render_status
-from server_bridge.memory import MemoryService, TinyMemoryStore
-from server_bridge.memory.recall import RecallIndex
+from server_bridge.memory import open_memory
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry, provision
 from server_bridge.service import DEFAULT_AGENT
@@ -215,9 +214,9 @@ def run_demo(args: argparse.Namespace) -> int:
             password=creds[BRIDGE_USER].password,
             prefix=PREFIX,
         )
-        memory = MemoryService(
-            TinyMemoryStore(workdir / "memory"), index=RecallIndex(embedder=None)
-        )
+        # Memory keyword-ranked (BM25): the demo's one field is a slot, which nothing
+        # searches, so the embedding model would only add to its start.
+        memory = open_memory(workdir / "memory", embedder=None)
         bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT), memory)
         try:
             bridge.start()

@@ -11,6 +11,9 @@ backups, the write-id ledger and recall (docs/PROTOCOL.md, "Memory and durable s
   device's hello and the request's scope ticket.
 """
 
+import os
+from typing import Any
+
 from server_bridge.memory.errors import MemoryFault
 from server_bridge.memory.service import Caller, FieldDecl, MemoryService, SearchIndex
 from server_bridge.memory.store import MemoryStore, ScopeRef, TinyMemoryStore
@@ -24,4 +27,13 @@ __all__ = [
     "ScopeRef",
     "SearchIndex",
     "TinyMemoryStore",
+    "open_memory",
 ]
+
+
+def open_memory(directory: str | os.PathLike[str], embedder: Any = "auto") -> MemoryService:
+    """The durable memory kept under `directory`, with its recall index beside it
+    (`embedder` as RecallIndex takes it: "auto" is MiniLM when installed, None BM25)."""
+    from server_bridge.memory.recall import RecallIndex
+
+    return MemoryService(TinyMemoryStore(directory), index=RecallIndex(embedder))

@@ -18,6 +18,7 @@ past.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +37,8 @@ HelloOf = Callable[[str], Mapping[str, Any] | None]
 LimitsOf = Callable[[str], Limits | None]
 # What an answer's envelope adds around `ok`: {c, s, ok} with a call id of up to 64.
 _ENVELOPE = 96
+# How long a memory call waits for its device's first hello (see _hello).
+HELLO_WAIT_S = 2.0
 
 
 def caller_of(
@@ -54,7 +57,7 @@ def caller_of(
         except tokens.TokenError as e:
             raise RpcError("bad_token", str(e)) from None
         user, conv = scope.user, scope.conv
-    hello = hello_of(record.device) or {}
+    hello = _hello(hello_of, record.device) or {}
     fields = hello.get("fields")
     return Caller(
         tenant=record.tenant,
@@ -65,6 +68,18 @@ def caller_of(
         run=ctx.call.r,
         fields=fields if isinstance(fields, list) else (),
     )
+
+
+def _hello(hello_of: HelloOf, device: str) -> Mapping[str, Any] | None:
+    """The device's hello, waiting a moment for one in flight: a board says hello as
+    soon as it sees a (re)started bridge, and its first run's state.load can be right
+    behind it. On a worker thread, so the wait holds up no one else."""
+    deadline = time.monotonic() + HELLO_WAIT_S
+    while True:
+        hello = hello_of(device)
+        if hello is not None or time.monotonic() >= deadline:
+            return hello
+        time.sleep(0.02)
 
 
 def register(

@@ -53,8 +53,12 @@ DEMO_SCRIPT: list[dict[str, Any]] = [
             [
                 {"text": "Setting 22 °C, and noting it as your usual."},
                 {"tool": {"name": "set_temperature", "input": {"celsius": 22}}},
-                {"tool": {"name": "memory.remember", "input": {"field": "usual_celsius",
-                                                               "value": 22}}},
+                {
+                    "tool": {
+                        "name": "memory.remember",
+                        "input": {"field": "usual_celsius", "value": 22},
+                    }
+                },
             ],
             [{"text": "Done: the thermostat is set to 22 °C, and I will remember it."}],
         ],
