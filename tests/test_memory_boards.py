@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 from server_bridge.host.reducer import RunSnapshot
-from server_bridge.tokens import sign
 from server_bridge.registry import Registry
+from server_bridge.tokens import sign
 from tests.stack import TENANT, Stack
 from tools.virtual_board import VirtualBoard, lay_out_flash
 
