@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server_bridge.bridge import Bridge  # noqa: E402
 from server_bridge.config import BridgeConfig  # noqa: E402
+from server_bridge.memory import MemoryService, TinyMemoryStore  # noqa: E402
+from server_bridge.memory.recall import RecallIndex  # noqa: E402
 from server_bridge.host.client import HostClient, RequestRefused  # noqa: E402
 from server_bridge.models.base import Provider  # noqa: E402
 from server_bridge.models.openai import OpenAIProvider  # noqa: E402
@@ -132,8 +134,9 @@ def import_alloc(exe: str, flash: Path) -> int:
 
 
 class TurnRig:
-    """One broker, one bridge (with `provider`) and one host client serving every trial
-    board."""
+    """One broker, one bridge (with `provider`, and memory as `wren demo` serves it: the
+    demo agent's durable field is loaded at each run's start) and one host client
+    serving every trial board."""
 
     def __init__(self, workdir: Path, provider: Provider) -> None:
         self.workdir = workdir
@@ -142,7 +145,8 @@ class TurnRig:
         self.secret = secrets.token_hex(32)
         self.registry.add_tenant("bench", self.secret)
         config = BridgeConfig(host=self.broker.host, port=self.broker.port)
-        self.bridge = Bridge(config, self.registry, provider)
+        memory = MemoryService(TinyMemoryStore(workdir / "memory"), index=RecallIndex(embedder=None))
+        self.bridge = Bridge(config, self.registry, provider, memory)
         self.bridge.start()
         self.client = HostClient(self.broker.host, self.broker.port, "bench")
         self.client.connect(timeout=10)
