@@ -66,11 +66,11 @@ class Memory:
         instructions = self.run.agent.instructions
         messages[0]["content"] = instructions + "\n\n" + self.system()
         fixed = len(messages[0]["content"])
-        view = self.in_view()
         if self.viewing:
             del messages[1]
-        self.viewing = view is not None
+        self.viewing = bool(self.loaded)
         if self.viewing:
+            view = _RECALLED + "\n" + "\n".join("%s: %s" % kv for kv in self.loaded.items())
             messages.insert(1, {"role": "user", "content": view})
             fixed += len(view)
         return fixed, 3 if self.viewing else 2
@@ -147,12 +147,6 @@ class Memory:
                 names.append("%s (%s, %s)" % (f.name, kind, f.fmt or f.dur))
         head = "[memory fields: %s]" % ", ".join(names)
         return "\n\n".join([head] + [d.header() for d in self.docs.values()])
-
-    def in_view(self):
-        # What memory.load keeps in view, as recalled data; None when nothing is.
-        if not self.loaded:
-            return None
-        return _RECALLED + "\n" + "\n".join("%s: %s" % kv for kv in self.loaded.items())
 
     def private(self, name, args):
         # Whether a call touches a private field (core memory is always private): the event
