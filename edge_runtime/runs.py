@@ -555,10 +555,9 @@ class Runtime:
 
 async def _state(run, commit):
     # state.py is needed at a run's two edges only, state.load before the handler and
-    # state.commit after it, so it is imported for each and let go again: its 4.6 KiB
-    # (64-bit .mpy) are not on the heap while the model loop runs, where a run's heap
-    # peaks (the demo's third request at 128 KiB ran out by less than that). Importing
-    # it again reads it from flash; its names stay interned, so nothing adds up.
+    # state.commit after it, so it is imported for each and let go again
+    # (platform.unload): its 4.6 KiB (64-bit .mpy) are not on the heap while the model
+    # loop runs (the demo's third request at 128 KiB ran out by less than that).
     from edge_runtime import state
     try:
         if commit:
@@ -567,18 +566,7 @@ async def _state(run, commit):
             await state.load(run)
     finally:
         state = None
-        _unload("state")
-
-
-def _unload(name):
-    # Lets a board module go: what imported it last holds it no more (sys.modules and
-    # the package's attribute), so once nothing else does, the heap gets it back.
-    import edge_runtime
-    sys.modules.pop("edge_runtime." + name, None)
-    try:
-        delattr(edge_runtime, name)
-    except AttributeError:
-        pass
+        platform.unload("state")
 
 
 def _is_id(value):
