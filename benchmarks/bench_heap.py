@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server_bridge.bridge import Bridge  # noqa: E402
 from server_bridge.config import BridgeConfig  # noqa: E402
+from server_bridge.host.client import HostClient, RequestRefused  # noqa: E402
 from server_bridge.memory import MemoryService, TinyMemoryStore  # noqa: E402
 from server_bridge.memory.recall import RecallIndex  # noqa: E402
-from server_bridge.host.client import HostClient, RequestRefused  # noqa: E402
 from server_bridge.models.base import Provider  # noqa: E402
 from server_bridge.models.openai import OpenAIProvider  # noqa: E402
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider  # noqa: E402
