@@ -145,7 +145,9 @@ class TurnRig:
         self.secret = secrets.token_hex(32)
         self.registry.add_tenant("bench", self.secret)
         config = BridgeConfig(host=self.broker.host, port=self.broker.port)
-        memory = MemoryService(TinyMemoryStore(workdir / "memory"), index=RecallIndex(embedder=None))
+        memory = MemoryService(
+            TinyMemoryStore(workdir / "memory"), index=RecallIndex(embedder=None)
+        )
         self.bridge = Bridge(config, self.registry, provider, memory)
         self.bridge.start()
         self.client = HostClient(self.broker.host, self.broker.port, "bench")
