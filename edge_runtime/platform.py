@@ -115,8 +115,9 @@ def unload(name):
     # interned, so nothing adds up). For modules a run needs only at its edges (state,
     # core), which then are not on the heap while the model loop runs, where a run's
     # heap peaks. Only a module loaded from .mpy: one compiled from its source on the
-    # board would be parsed again at each import, with a heap peak larger than what
-    # letting it go saves (bench_heap's .py turn: 159 -> 163 KiB when it was let go).
+    # board would be parsed again at each import, each time with the parser's own heap
+    # peak and its time (not measured here; bench_heap's .py turn is 163 KiB with or
+    # without this check).
     import edge_runtime
     module = sys.modules.get("edge_runtime." + name)
     if module is None or not getattr(module, "__file__", "").endswith(".mpy"):
