@@ -4,7 +4,7 @@ collection, one recall and one core append, served on the MicroPython unix port 
 (firmware_tests/memory_turn.py) in this process. The smallest heap it needs is
 benchmarks/bench_heap.py's `memory` figure.
 
-The ceilings are that figure (128 KiB 64-bit, 91 KiB 32-bit) with 3 KiB to spare. What
+The ceilings are that figure (128-129 KiB 64-bit, 91 KiB 32-bit) with 2-3 KiB to spare. What
 got it there from 130/93: modules a run needs only at its edges (state: load and commit;
 core: a document's open and each edit) are imported for that and let go again
 (platform.unload), so they are not on the heap while the model loop runs, where a run
