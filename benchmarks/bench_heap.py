@@ -133,8 +133,9 @@ def import_alloc(exe: str, flash: Path) -> int:
 
 
 class TurnRig:
-    """One broker, one bridge (with `provider`) and one host client serving every trial
-    board."""
+    """One broker, one bridge (with `provider`, and memory as `wren demo` serves it: the
+    demo agent's durable field is loaded at each run's start) and one host client
+    serving every trial board."""
 
     def __init__(self, workdir: Path, provider: Provider) -> None:
         self.workdir = workdir

@@ -23,12 +23,12 @@ class Tool:
         self.args = args or {"type": "object", "properties": {}}
         self.fn = fn
 
-    def describe(self):
-        return {"name": self.name, "description": self.description, "args": self.args,
-                "client": False}
-
-    def model_spec(self):
-        return {"name": self.name, "description": self.description, "args": self.args}
+    def describe(self, hello=True):
+        # The tool as the model sees it; hello also says who answers it (the board).
+        d = {"name": self.name, "description": self.description, "args": self.args}
+        if hello:
+            d["client"] = False
+        return d
 
 
 class Agent:

@@ -381,27 +381,31 @@ def _base_type(obj):
 
 
 class Encoder:
-    # Writes payloads into one buffer in place: its own of `size` bytes, or `buf`.
+    # Writes payloads into one buffer in place: its own of `size` bytes, or `buf`. With
+    # size None it has no buffer and only counts: the same walk as writing, so what
+    # encode_exact allocates is exactly what it then writes (size()).
 
     def __init__(self, size=MAX_PAYLOAD, max_depth=MAX_DEPTH, buf=None):
-        self._buf = bytearray(size) if buf is None else buf
+        if buf is None and size is not None:
+            buf = bytearray(size)
+        self._buf = buf
         # (offset, utf-8 view) of each long str written as its header alone: see
         # encode_parts. None: every str is written whole.
         self._lent = None
-        self._mv = memoryview(self._buf)
+        self._mv = None if buf is None else memoryview(buf)
         self._limit = size
-        self._depth = max_depth
         self.max_depth = max_depth
 
     def pack(self, obj, limit=None):
         # The view is into the buffer: valid until the next pack, copy it to keep it.
         # `limit` caps the output below the buffer size (a board's configured payload).
-        return self._pack(obj, len(self._buf) if limit is None else limit, self.max_depth)
+        return self._mv[:self._pack(obj, len(self._buf) if limit is None else limit)]
 
-    def _pack(self, obj, limit, max_depth):
-        self._limit = min(limit, len(self._buf))
-        self._depth = max_depth
-        return self._mv[:self._put(obj, 0, max_depth)]
+    def _pack(self, obj, limit):
+        # Where obj's encoding ends: written into the buffer, or only counted. Past
+        # `limit` bytes it is TooLarge, found as soon as the walk gets there.
+        self._limit = limit if self._buf is None else min(limit, len(self._buf))
+        return self._put(obj, 0, self.max_depth)
 
     def _full(self):
         return TooLarge("encoding over %d bytes" % self._limit)
@@ -411,7 +415,9 @@ class Encoder:
             if key < bound:
                 if pos + size > self._limit:
                     raise self._full()
-                if fmt is None:
+                if self._buf is None:
+                    pass
+                elif fmt is None:
                     self._buf[pos] = head | (value & 0xff)
                 else:
                     struct.pack_into(fmt, self._buf, pos, head, value)
@@ -420,33 +426,32 @@ class Encoder:
         # bits, which msgpack.packb refuses too): a type the contract cannot carry.
         raise BadType("%d does not fit a msgpack header" % value)
 
+    def _copy(self, pos, data):
+        end = pos + len(data)
+        if end > self._limit:
+            raise self._full()
+        if self._buf is not None:
+            self._buf[pos:end] = data
+        return end
+
     def _raw(self, pos, table, data):
         n = len(data)
         # Judged before the header so a huge str fails fast and never reaches a row.
         if pos + n >= self._limit:
             raise self._full()
-        pos = self._head(pos, table, n, n)
-        end = pos + n
-        if end > self._limit:
-            raise self._full()
-        self._buf[pos:end] = data
-        return end
+        return self._copy(self._head(pos, table, n, n), data)
 
     def _put(self, obj, pos, room):
         # Recursion is bounded by `room` (levels of nesting left), which is checked
         # before each descent, so a cyclic or hostile object stops at max_depth.
+        buf = self._buf
         t = type(obj)
         if t not in _EXACT:
             if t is Raw:
-                data = obj.data
                 if self._lent is not None:
-                    self._lent.append((pos, data))
+                    self._lent.append((pos, obj.data))
                     return pos
-                end = pos + len(data)
-                if end > self._limit:
-                    raise self._full()
-                self._buf[pos:end] = data
-                return end
+                return self._copy(pos, obj.data)
             t = _base_type(obj)
         if t is str:
             data = _utf8(obj)
@@ -462,8 +467,9 @@ class Encoder:
             end = pos + 1 + n
             if end > self._limit:
                 raise self._full()
-            self._buf[pos] = _FIXSTR | n
-            self._buf[pos + 1:end] = data
+            if buf is not None:
+                buf[pos] = _FIXSTR | n
+                buf[pos + 1:end] = data
             return end
         if t is int:
             if obj < 0:
@@ -473,11 +479,12 @@ class Encoder:
             # Ids, counters and flags: the fixint row of _UINT_HEADS, inline.
             if pos >= self._limit:
                 raise self._full()
-            self._buf[pos] = obj
+            if buf is not None:
+                buf[pos] = obj
             return pos + 1
         if t is dict or t is list or t is tuple:
             if room < 1:
-                raise TooDeep("nesting deeper than %d" % self._depth)
+                raise TooDeep("nesting deeper than %d" % self.max_depth)
             room -= 1
             n = len(obj)
             if t is dict:
@@ -494,12 +501,14 @@ class Encoder:
             # Always float64, as msgpack.packb does by default: float32 loses digits.
             if pos + 9 > self._limit:
                 raise self._full()
-            struct.pack_into(">Bd", self._buf, pos, _FLOAT64, obj)
+            if buf is not None:
+                struct.pack_into(">Bd", buf, pos, _FLOAT64, obj)
             return pos + 9
         if t is bool or t is _NONE_TYPE:
             if pos >= self._limit:
                 raise self._full()
-            self._buf[pos] = _NIL if obj is None else (_TRUE if obj else _FALSE)
+            if buf is not None:
+                buf[pos] = _NIL if obj is None else (_TRUE if obj else _FALSE)
             return pos + 1
         # bytes, bytearray, memoryview. A CPython view of wider items is written as its
         # raw bytes, as msgpack does.
@@ -508,55 +517,13 @@ class Encoder:
         return self._raw(pos, _BIN_HEADS, obj)
 
 
-def _head_size(table, key):
-    for bound, _, _, size in table:
-        if key < bound:
-            return size
-    raise BadType("%d does not fit a msgpack header" % key)
+# A bound for a walk that only counts: past any payload, within a small int anywhere.
+_UNBOUNDED = const(0x3fffffff)
 
 
-def size(obj, max_depth=MAX_DEPTH, lent=None):
-    # The encoded length of obj, found without writing it (the same rules as
-    # Encoder._put), so that encode_exact can allocate exactly that much. With `lent`
-    # (a one-item list) the bytes of the strs encode_parts would lend are added to it.
-    return _size(obj, max_depth, max_depth, lent)
-
-
-def _size(obj, room, depth, lent):
-    t = type(obj)
-    if t not in _EXACT:
-        if t is Raw:
-            if lent is not None:
-                lent[0] += len(obj.data)
-            return len(obj.data)
-        t = _base_type(obj)
-    if t is str:
-        n = len(_utf8(obj))
-        if lent is not None and n >= _LEND:
-            lent[0] += n
-        return n + (1 if n < _FIXSTR_END else _head_size(_STR_HEADS, n))
-    if t is int:
-        if 0 <= obj < _FIXINT_END:
-            return 1
-        return _head_size(_NINT_HEADS, -1 - obj) if obj < 0 else _head_size(_UINT_HEADS, obj)
-    if t is dict or t is list or t is tuple:
-        if room < 1:
-            raise TooDeep("nesting deeper than %d" % depth)
-        room -= 1
-        total = _head_size(_MAP_HEADS if t is dict else _ARRAY_HEADS, len(obj))
-        if t is dict:
-            for k in obj:
-                total += _size(k, room, depth, lent) + _size(obj[k], room, depth, lent)
-        else:
-            for item in obj:
-                total += _size(item, room, depth, lent)
-        return total
-    if t is float:
-        return 9
-    if t is bool or t is _NONE_TYPE:
-        return 1
-    n = len(obj) if getattr(obj, "itemsize", 1) == 1 else len(bytes(obj))
-    return n + _head_size(_BIN_HEADS, n)
+def size(obj, max_depth=MAX_DEPTH):
+    # The encoded length of obj: Encoder's walk without a buffer.
+    return Encoder(None, max_depth)._pack(obj, _UNBOUNDED)
 
 
 def encode_exact(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
@@ -564,11 +531,9 @@ def encode_exact(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
     # encodes everything it sends this way: the link keeps the payload until its
     # PUBACK anyway, so encoding straight into that one allocation needs no buffer
     # reserved for the largest payload and no second copy of each message.
-    n = size(obj, max_depth)
-    if n > max_payload:
-        raise TooLarge("encoding of %d bytes over %d" % (n, max_payload))
-    enc = Encoder(0, max_depth, bytearray(n))
-    enc._pack(obj, n, max_depth)
+    n = Encoder(None, max_depth)._pack(obj, max_payload)
+    enc = Encoder(n, max_depth)
+    enc._pack(obj, n)
     return enc._buf
 
 
@@ -580,13 +545,18 @@ def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
     # buffer for its structure instead of a second copy of every text in one block,
     # which a fragmented board heap may not have. Strs are immutable: the parts stay
     # valid for as long as they are kept (a QoS 1 resend); so are a Raw's bytes.
-    lent = [0]
-    n = size(obj, max_depth, lent)
-    if n > max_payload:
-        raise TooLarge("encoding of %d bytes over %d" % (n, max_payload))
-    enc = Encoder(0, max_depth, bytearray(n - lent[0]))
+    count = Encoder(None, max_depth)
+    count._lent = []
+    n = count._pack(obj, max_payload)  # the buffer's bytes: lent ones are not in it
+    total = n
+    for _, data in count._lent:
+        total += len(data)
+    if total > max_payload:
+        raise TooLarge("encoding of %d bytes over %d" % (total, max_payload))
+    count = None
+    enc = Encoder(n, max_depth)
     enc._lent = []
-    enc._pack(obj, n - lent[0], max_depth)
+    enc._pack(obj, n)
     if not enc._lent:
         return [enc._buf]
     parts = []
@@ -596,7 +566,7 @@ def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
             parts.append(enc._mv[prev:pos])
         parts.append(data)
         prev = pos
-    if prev < len(enc._buf):
+    if prev < n:
         parts.append(enc._mv[prev:])
     return parts
 

@@ -9,26 +9,10 @@
 # A flash file is the msgpack map {v: ver, d: doc, s: the last ver the bridge took}: an
 # edit whose backup did not get through (s < v) is backed up at the next run's start.
 from edge_runtime import codec, platform
+# A document is memtools' Doc: it lives as long as the run, and this module does not
+# (memtools lets it go after each open and edit, see platform.unload).
+from edge_runtime.memtools import Doc
 from edge_runtime.rpc import RpcError
-
-
-class Doc:
-    def __init__(self, field, path):
-        self.field = field
-        self.scope = field.dur
-        self.path = path
-        self.ver = 0
-        self.text = ""
-        self.synced = 0
-        self.error = None  # the RPC error kind when it could not be loaded
-
-    def header(self):
-        # What the model reads above the document: its size against its limit, so it can
-        # tell when to make room.
-        if self.error is not None:
-            return "[core memory: %s, unavailable]" % self.scope
-        return "[core memory: %s, %d/%d characters]\n%s" % (
-            self.scope, len(self.text), self.field.max, self.text)
 
 
 def _args(run, args):

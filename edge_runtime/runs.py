@@ -43,6 +43,10 @@ _DEFAULT_BRIDGE_GRACE_MS = const(5000)
 _EVENT_SPARE = const(4)
 _RECENT_RUNS = const(2)
 _SEEN_REQS = const(16)
+# The topic leaves the board subscribes to under its base, and the ctl ops it knows. Read by if-chains rather than dicts of bound methods: those
+# cost a dict and an object per entry on the board heap for the board's life.
+_LEAVES = const(("req", "ctl", "rpc/res"))
+_CTL_OPS = const(("cancel", "replay", "tool", "approve"))
 
 
 def firmware():
@@ -171,15 +175,12 @@ class Runtime:
         self._runs_started = 0
         self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0,
                       "stale_ctl": 0}
-        self._routes = {"req": self._on_req, "ctl": self._on_ctl, "rpc/res": self.rpc.on_answer}
-        self._ctl_ops = {"cancel": self._ctl_cancel, "replay": self._ctl_replay,
-                         "tool": self._ctl_not_waiting, "approve": self._ctl_not_waiting}
 
     # --- wiring to the link -------------------------------------------------------
 
     def attach(self, link):
         self.link = link
-        for leaf in ("req", "ctl", "rpc/res"):
+        for leaf in _LEAVES:
             link.subscribe(self._base + leaf, _QOS1)
         link.subscribe(self._bridge_status, _QOS1)
 
@@ -304,8 +305,7 @@ class Runtime:
             self.refuse("bad_topic", "not this board's topic")
             return
         leaf = topic[len(self._base):]
-        route = self._routes.get(leaf)
-        if route is None:
+        if leaf not in _LEAVES:
             self.refuse("bad_topic", "no such topic leaf: " + leaf)
             return
         lim = self.limits
@@ -333,7 +333,12 @@ class Runtime:
         if not isinstance(msg, dict):
             self.refuse("bad_envelope", "payload on %s is not a map" % leaf)
             return
-        route(msg)
+        if leaf == "req":
+            self._on_req(msg)
+        elif leaf == "ctl":
+            self._on_ctl(msg)
+        else:
+            self.rpc.on_answer(msg)
 
     def on_refused(self, topic, size):
         # The link read past a message too large for its receive buffer.
@@ -417,8 +422,7 @@ class Runtime:
 
     def _on_ctl(self, msg):
         op = msg.get("op")
-        handler = self._ctl_ops.get(op) if isinstance(op, str) else None
-        if handler is None:
+        if op not in _CTL_OPS:
             self.refuse("unknown_op", "unknown ctl op %s" % _clip(op))
             return
         run_id = msg.get("r")
@@ -427,7 +431,14 @@ class Runtime:
             # whose board went away waits in the session and reaches the next boot.
             self.stats["stale_ctl"] += 1
             return
-        handler(msg)
+        if op == "cancel":
+            self._ctl_cancel(msg)
+        elif op == "replay":
+            self._ctl_replay(msg)
+        else:
+            # No run pauses in this version, so no tool answer or approval can be expected.
+            self.refuse("not_waiting", "run %s is not waiting on call %s"
+                        % (_clip(msg.get("r")), _clip(msg.get("call"))))
 
     def _find_emitter(self, run_id):
         if not isinstance(run_id, str):
@@ -467,11 +478,6 @@ class Runtime:
                         {"r": run_id} if _is_id(run_id) else None)
             return
         emitter.replay(after)
-
-    def _ctl_not_waiting(self, msg):
-        # No run pauses in this version, so no tool answer or approval can be expected.
-        self.refuse("not_waiting", "run %s is not waiting on call %s"
-                    % (_clip(msg.get("r")), _clip(msg.get("call"))))
 
     # --- runs ---------------------------------------------------------------------
 
@@ -518,16 +524,16 @@ class Runtime:
             else:
                 run.begin()
             run.check_cancelled()
-            state = None
+            durable = False
             for f in agent.fields:
                 if f.dur != "run" and f.kind == "slot" and not f.core:
-                    # Loaded only for an agent with durable slot fields.
-                    from edge_runtime import state
-                    await state.load(run)
+                    # Only an agent with durable slot fields has state to load and commit.
+                    durable = True
+                    await _state(run, False)
                     break
             usage = await handler(run)
-            if state is not None:
-                await state.commit(run)
+            if durable:
+                await _state(run, True)
             run.emit("run.done", {"usage": usage or {}})
         except platform.asyncio.CancelledError:
             run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
@@ -545,6 +551,22 @@ class Runtime:
             platform.log("run", run.id, "crashed:", repr(e))
             run.emit("run.failed", {"err": {"kind": "internal", "msg": "the board hit an internal error"},
                                     "retryable": False})
+
+
+async def _state(run, commit):
+    # state.py is needed at a run's two edges only, state.load before the handler and
+    # state.commit after it, so it is imported for each and let go again
+    # (platform.unload): its 4.6 KiB (64-bit .mpy) are not on the heap while the model
+    # loop runs (the demo's third request at 128 KiB ran out by less than that).
+    from edge_runtime import state
+    try:
+        if commit:
+            await state.commit(run)
+        else:
+            await state.load(run)
+    finally:
+        state = None
+        platform.unload("state")
 
 
 def _is_id(value):

@@ -159,7 +159,7 @@ async def model_loop(run):
     agent = run.agent
     messages = [{"role": "system", "content": agent.instructions},
                 {"role": "user", "content": run.input}]
-    specs = [t.model_spec() for t in agent.tools.values()]
+    specs = [t.describe(False) for t in agent.tools.values()]
     mem = None
     if agent.fields:
         # Loaded only for an agent that declares fields: the memory tools and core memory.
