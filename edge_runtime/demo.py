@@ -5,7 +5,6 @@
 #   from edge_runtime.demo import main; main()
 from edge_runtime import platform
 from edge_runtime.agent import Agent
-from edge_runtime.fields import Field
 
 agent = Agent(
     "thermostat",
@@ -13,7 +12,6 @@ agent = Agent(
     "You are the assistant of a room thermostat. Answer questions about the room; "
     "use read_temperature to measure before you state a temperature. When a user "
     "tells you their usual temperature, remember it in usual_celsius.",
-    fields=[Field("usual_celsius", vis="public", dur="user", fmt="number")],
 )
 
 _sim = {"celsius": 21.5, "setpoint": None}
@@ -54,6 +52,14 @@ def main(settings=None):
     settings = settings if settings is not None else platform.load_settings()
     if "sim_celsius" in settings:
         _sim["celsius"] = settings["sim_celsius"]
+    if settings.get("memory", True):
+        # Declared here, not with the agent: a board set "memory": false runs the
+        # thermostat without its memory field, and never loads the memory code (the
+        # fields module, the memory tools, state load and commit), about 15 KiB of heap.
+        from edge_runtime.fields import Field, check
+
+        agent.fields = [Field("usual_celsius", vis="public", dur="user", fmt="number")]
+        check(agent.fields)
     board.start(agent, settings)
 
 

@@ -33,6 +33,11 @@ from tools.demo import PREFIX
 
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters, each position checkable
 SLOW = 60.0
+# The thermostat without its memory field (the demo's `"memory": false`): these tests
+# are about streaming at the board's real heap, which the memory code (loaded for an
+# agent with fields) would take 15 KiB of; the memory agent's own heap is measured by
+# bench_heap's memory figure and held by firmware_tests/test_on_small_heap.py.
+PLAIN = {"memory": False}
 I686 = i686_binary()
 
 # The board's console line at the end of each run: "run <id> ended; heap free <n>".
@@ -92,7 +97,9 @@ def test_long_answers_tiny_chunks_and_fragmented_tool_calls(
         micropython = I686
     one_char = "".join(chr(0x61 + i % 26) for i in range(3000))
     args = '{"unit": "celsius", "room": "living room"}'
-    with Stack(tmp_path, model_url=server.url, micropython=micropython, heap=heap) as s:
+    with Stack(
+        tmp_path, model_url=server.url, micropython=micropython, heap=heap, board_settings=PLAIN
+    ) as s:
         # A 2,000-character answer in 4-character chunks, as models stream tokens.
         server.script[:] = [Turn(text=LONG, chunk_chars=4)]
         snap = s.ask("Count for me", timeout=SLOW)
@@ -134,7 +141,7 @@ def test_a_7000_character_request_and_a_7000_character_answer_chunk(
     request = "".join(f"{i:06d} " for i in range(1000))  # 7,000 characters
     answer = "".join(f"{i:06d}." for i in range(1000))
     server.script[:] = [Turn(text=answer, chunk_chars=7000)]
-    with Stack(tmp_path, model_url=server.url) as s:
+    with Stack(tmp_path, model_url=server.url, board_settings=PLAIN) as s:
         # The answer in one 7,000-character chunk: the bridge cuts it to the board's
         # chunk size and paces it to its window.
         snap = s.ask("Count to a thousand", timeout=SLOW)
@@ -163,7 +170,7 @@ def test_a_7000_character_request_runs_on_a_board_given_an_8k_receive_buffer(
         model_url=server.url,
         micropython=I686,
         heap="96K",
-        board_settings={"max_payload": 8192},
+        board_settings={"max_payload": 8192, **PLAIN},
     ) as s:
         snap = s.ask(request, timeout=SLOW)
         assert_whole(s, snap, answer)
@@ -178,7 +185,7 @@ def test_twenty_long_answers_in_a_row_without_a_reconnect_or_heap_growth(
     server: ModelServer, tmp_path: Path
 ) -> None:
     server.script[:] = [Turn(text=LONG, chunk_chars=4)]
-    with Stack(tmp_path, model_url=server.url) as s:
+    with Stack(tmp_path, model_url=server.url, board_settings=PLAIN) as s:
         for n in range(24):
             assert_whole(s, s.ask(f"Count for me ({n})", timeout=SLOW), LONG)
         # The board prints a run's line after its last events are out (the host may
@@ -205,7 +212,7 @@ def test_one_event_per_character_still_fits_a_128k_board(
     # keeps for the conversation must not become a thousand one-character strings.
     text = LONG[:1200]
     server.script[:] = [Turn(text=text, chunk_chars=4)]
-    with Stack(tmp_path, model_url=server.url, board_settings={"delta_chars": 1}) as s:
+    with Stack(tmp_path, model_url=server.url, board_settings={"delta_chars": 1, **PLAIN}) as s:
         snap = s.ask("Count for me", timeout=SLOW)
         assert_whole(s, snap, text)
         assert deltas(s, snap) == 1200
