@@ -1566,6 +1566,12 @@ def main() -> None:
     parser.add_argument(
         "--nagle", action="store_true", help="Mosquitto with set_tcp_nodelay false (Nagle on)"
     )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="figures 1 and 4 with the thermostat without its memory field (settings "
+        '"memory": false): no state.load round trip before the model call',
+    )
     parser.add_argument("--skip", default="", help="figures to skip, e.g. 1,4")
     parser.add_argument("--workdir", type=Path, help="keep logs and configs here")
     parser.add_argument("--child", nargs=2, metavar=("ROLE", "CONF"), help=argparse.SUPPRESS)
@@ -1588,6 +1594,7 @@ def main() -> None:
         rates.append(round(r))
         r *= args.factor
     extra = NAGLE_CONF if args.nagle else ""
+    board = {"memory": False} if args.plain else {}
     started = time.monotonic()
     first: dict[str, tuple[list[FirstDelta], list[float]]] = {}
     quiet: tuple[QuietTenant, QuietTenant] | None = None
@@ -1598,7 +1605,11 @@ def main() -> None:
         if not {"1", "4"} <= skip:
             progress("figures 1 and 4: stack with the board on the MicroPython unix port ...")
             s = Stack(
-                work / "stack-mpy", model_url=server.url, broker_conf=extra, extra_users=chain
+                work / "stack-mpy",
+                model_url=server.url,
+                broker_conf=extra,
+                extra_users=chain,
+                board_settings=board,
             )
             # Figure 4's flooder: a device of another tenant (provisioned below, once the
             # registry is there), so not an extra_users "device" (those are demo's).
@@ -1632,6 +1643,7 @@ def main() -> None:
                     mpy=False,
                     broker_conf=extra,
                     extra_users=chain,
+                    board_settings=board,
                 ) as s:
                     first["board .py, CPython"] = measure_first_delta(s, server, args.latency_runs)
                 takeovers["stack CPython"] = s.broker_log().count(TAKEOVER)

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -46,6 +47,28 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def _claims(key: bytes, token: object, what: str, max_len: int) -> dict[Any, Any]:
+    """The claims map of `<body>.<mac>` signed with `key`; TokenError naming `what`."""
+    if not isinstance(token, str) or token.count(".") != 1 or len(token) > max_len:
+        raise TokenError(f"malformed {what}")
+    body_text, mac_text = token.split(".")
+    try:
+        body = _unb64(body_text)
+        mac = _unb64(mac_text)
+    except (ValueError, TypeError) as e:
+        raise TokenError(f"malformed {what}") from e
+    want = hmac.new(key, body, hashlib.sha256).digest()
+    if not hmac.compare_digest(want, mac):
+        raise TokenError(f"{what} signature does not verify")
+    try:
+        claims = msgpack.unpackb(body, max_str_len=MAX_ID, max_map_len=8, max_array_len=0)
+    except Exception as e:  # noqa: BLE001 - any decode failure is a malformed token
+        raise TokenError(f"malformed {what} claims") from e
+    if not isinstance(claims, dict):
+        raise TokenError(f"malformed {what} claims")
+    return claims
+
+
 def sign(secret: bytes, tenant: str, user: str, ttl_s: int = 3600, now: float | None = None) -> str:
     # The user id reaches the board as `usr`, which the board bounds like every id: a
     # token naming a longer one could never start a run, so it is not issued.
@@ -61,23 +84,7 @@ def sign(secret: bytes, tenant: str, user: str, ttl_s: int = 3600, now: float | 
 
 def verify(secret: bytes, token: object, tenant: str, now: float | None = None) -> Session:
     """Return the session a token proves, for the tenant whose topic it arrived on."""
-    if not isinstance(token, str) or token.count(".") != 1 or len(token) > 1024:
-        raise TokenError("malformed session token")
-    body_text, mac_text = token.split(".")
-    try:
-        body = _unb64(body_text)
-        mac = _unb64(mac_text)
-    except (ValueError, TypeError) as e:
-        raise TokenError("malformed session token") from e
-    want = hmac.new(secret, body, hashlib.sha256).digest()
-    if not hmac.compare_digest(want, mac):
-        raise TokenError("session token signature does not verify")
-    try:
-        claims = msgpack.unpackb(body, max_str_len=MAX_ID, max_map_len=8, max_array_len=0)
-    except Exception as e:  # noqa: BLE001 - any decode failure is a malformed token
-        raise TokenError("malformed session token claims") from e
-    if not isinstance(claims, dict):
-        raise TokenError("malformed session token claims")
+    claims = _claims(secret, token, "session token", 1024)
     ten, usr, exp = claims.get("ten"), claims.get("usr"), claims.get("exp")
     if not isinstance(ten, str) or not isinstance(usr, str) or not usr or not isinstance(exp, int):
         raise TokenError("session token lacks ten, usr or exp")
@@ -141,23 +148,7 @@ def verify_scope(
 ) -> Scope:
     """The scope a ticket proves, for a call made by `device` (the broker-authenticated
     user of the call) of `tenant` (the registry's); TokenError when it proves none."""
-    if not isinstance(ticket, str) or ticket.count(".") != 1 or len(ticket) > _MAX_TICKET:
-        raise TokenError("malformed scope ticket")
-    body_text, mac_text = ticket.split(".")
-    try:
-        body = _unb64(body_text)
-        mac = _unb64(mac_text)
-    except (ValueError, TypeError) as e:
-        raise TokenError("malformed scope ticket") from e
-    want = hmac.new(_scope_key(secret), body, hashlib.sha256).digest()
-    if not hmac.compare_digest(want, mac):
-        raise TokenError("scope ticket signature does not verify")
-    try:
-        claims = msgpack.unpackb(body, max_str_len=MAX_ID, max_map_len=8, max_array_len=0)
-    except Exception as e:  # noqa: BLE001 - any decode failure is a malformed ticket
-        raise TokenError("malformed scope ticket claims") from e
-    if not isinstance(claims, dict):
-        raise TokenError("malformed scope ticket claims")
+    claims = _claims(_scope_key(secret), ticket, "scope ticket", _MAX_TICKET)
     ten, dev, exp = claims.get("ten"), claims.get("dev"), claims.get("exp")
     usr, conv = claims.get("usr"), claims.get("conv")
     if not isinstance(ten, str) or not isinstance(dev, str) or not isinstance(exp, int):
