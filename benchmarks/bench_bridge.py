@@ -1608,14 +1608,14 @@ def main() -> None:
     with workdir_for(args.workdir) as work, ModelServer() as server:
         if not {"1", "4"} <= skip:
             progress("figures 1 and 4: stack with the board on the MicroPython unix port ...")
-            s = Stack(
-                work / "stack-mpy",
-                model_url=server.url,
-                broker_conf=extra,
-                extra_users=chain,
-                board_settings=board,
-                heap=heap,
-            )
+            # What both of figure 1's stacks share (the CPython board has no heap size).
+            common: dict[str, Any] = {
+                "model_url": server.url,
+                "broker_conf": extra,
+                "extra_users": chain,
+                "board_settings": board,
+            }
+            s = Stack(work / "stack-mpy", heap=heap, **common)
             # Figure 4's flooder: a device of another tenant (provisioned below, once the
             # registry is there), so not an extra_users "device" (those are demo's).
             s.users[FLOOD_DEVICE] = secrets.token_urlsafe(12)
@@ -1642,14 +1642,7 @@ def main() -> None:
             takeovers["stack .mpy"] = s.broker_log().count(TAKEOVER)
             if "1" not in skip:
                 progress("figure 1: stack with the board on CPython ...")
-                with CPythonStack(
-                    work / "stack-cpython",
-                    model_url=server.url,
-                    mpy=False,
-                    broker_conf=extra,
-                    extra_users=chain,
-                    board_settings=board,
-                ) as s:
+                with CPythonStack(work / "stack-cpython", mpy=False, **common) as s:
                     first["board .py, CPython"] = measure_first_delta(s, server, args.latency_runs)
                 takeovers["stack CPython"] = s.broker_log().count(TAKEOVER)
         steps: dict[str, dict[int, list[Step]]] = {}
