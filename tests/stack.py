@@ -136,7 +136,7 @@ class Stack:
         model_url: str | None = None,
         model: str = "wren-test-model",
         device: str = DEVICE,
-        heap: str = "128K",
+        heap: str | None = None,
         micropython: str | None = None,
         mpy: bool = True,
         persistence: bool = False,
@@ -155,7 +155,11 @@ class Stack:
         self.model_url = model_url
         self.model = model
         self.device = device
-        self.heap = heap
+        # The board's 128K, or 144K for the thermostat with its memory field, which keeps
+        # only about 13 KiB free between runs at 128K (README): a harness test is about
+        # its own subject, not that margin (tests/test_memory_boards.py runs at 128K).
+        plain = (board_settings or {}).get("memory") is False
+        self.heap = heap or ("128K" if plain else "144K")
         self.micropython = micropython
         self.mpy = mpy
         self.persistence = persistence

@@ -32,7 +32,7 @@ def calls(snap: RunSnapshot, name: str) -> list[tuple[str | None, object, bool]]
 
 
 def test_a_users_usual_temperature_follows_them_to_another_board(tmp_path: Path) -> None:
-    with Stack(tmp_path, extra_users={SECOND: "device"}) as s:
+    with Stack(tmp_path, extra_users={SECOND: "device"}, heap="128K") as s:
         first = s.ask(REMEMBER)
         assert first.status == "done", s.describe()
         assert calls(first, "memory.remember") == [

@@ -2,8 +2,10 @@
 
 An OpenAI-compatible server (tests/model_server.py: chunked SSE as the API sends it)
 streams to `wren bridge --openai-base-url`; the board runs the runtime as .mpy on the
-MicroPython unix port at its default 128 KiB heap (and at 96 KiB on the 32-bit
-MicroPython where ../shared/micropython/ has one); Mosquitto runs with Wren's password
+MicroPython unix port: the stress tests (long streams, large requests, many runs) run the
+thermostat without its memory field at 128 KiB (and at 96 KiB on the 32-bit MicroPython
+where ../shared/micropython/ has one), the restart tests the thermostat as shipped at
+the harness's 144 KiB (tests/stack.py); Mosquitto runs with Wren's password
 file and ACL; a host client watches (tests/stack.py). Models stream hundreds of tiny
 chunks, answer at length, call tools with fragmented arguments; the broker, the board
 and the bridge are restarted or killed mid-run. The host must end with exactly the text
