@@ -243,7 +243,13 @@ class Memory:
             # The value in the answer too: the model reads it now, not a turn later.
             text = self.loaded[name] = _text(self.run.state.get(name))
             return _IN_VIEW % (name, text), False
-        self.run.state[name] = a["value"] if op == "remember" else None
+        value = self.run.state[name] = a["value"] if op == "remember" else None
+        if f.stream and f.vis == "public":
+            # A streamed public slot is an output hosts show; set whole, so it is final.
+            d = {"name": name, "value": value, "status": "final"}
+            if f.fmt:
+                d["format"] = f.fmt
+            self.run.emit("output", d)
         return "%s is set" % name, False
 
     async def _bridge(self, op, names, f, a, private):

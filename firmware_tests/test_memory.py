@@ -384,6 +384,7 @@ def _table_agent():
         Field("notes", vis="public", dur="session", kind="collection", merge="append",
               stream=True),
         Field("hidden", dur="session", kind="collection", stream=True),  # private
+        Field("total", vis="public", stream=True, fmt="number"),  # a run slot, an output
     ])
 
 
@@ -396,6 +397,7 @@ def test_a_table_is_shown_again_at_run_start_newest_first_then_each_write_builds
               [_tool("c2", "memory.remember", {"field": "shopping", "value": {"n": 1}})],
               [_tool("c3", "memory.forget", {"field": "shopping", "key": "s1"})],
               [_tool("c4", "memory.remember", {"field": "hidden", "value": "pin 1234"})],
+              [_tool("c5", "memory.remember", {"field": "total", "value": 7})],
               [{"text": "Listed."}]]
 
     async def body(bridge, runtime, prefix):
@@ -426,6 +428,9 @@ def test_a_table_is_shown_again_at_run_start_newest_first_then_each_write_builds
             {"field": "shopping", "row": "s1"},
         ]
         assert "s1" not in bridge.memory.rows["shopping"]
+        # The streamed public slot is an output, final as soon as it is set.
+        assert [e["d"] for e in _run_events(bridge, "output")] == [
+            {"name": "total", "value": 7, "status": "final", "format": "number"}]
         # The private table wrote its row and showed nothing of it.
         assert bridge.memory.rows["hidden"]
         _nowhere(bridge, "pin 1234")
