@@ -11,7 +11,7 @@ from edge_runtime.events import (DEVICE_RUN, MAX_ID, MAX_REASON, PREFIX, RING, R
                                   RX_PAYLOAD, Emitter)
 from edge_runtime.ring import Ring
 from edge_runtime.rpc import CHUNK, WINDOW, RpcClient, random_bits
-from edge_runtime.agent import RunFailed
+from edge_runtime.agent import Paused, RunFailed
 
 try:
     from micropython import const
@@ -78,6 +78,8 @@ class Run:
         # The scope ticket the bridge added to the req: copied unchanged into every
         # state, mem and core call of the run (None when the req had none).
         self.sc = msg.get("sc")
+        self.ttl = msg.get("ttl")
+        self.ckv = 0  # the version of the run's last checkpoint (pause.py)
         # The run's field values, declared or not: a key no declaration names is private
         # and stays on the board with the run. Durable slot fields are seeded here at the
         # start and what the run changed of them is committed at its end (state.py).
@@ -166,6 +168,11 @@ class Runtime:
         self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms,
                                      min(self.ring_size, _DEVICE_RING), self.ring_bytes)
         self.active = {}
+        # Paused runs (their state is on flash, pause.py): run id -> (the checkpoint
+        # version that waits, its deadline in ticks), or None while an answer is applied.
+        self.paused = {}
+        self.watching = None  # pause.py's watcher task, while runs are paused
+        self._booted = False
         self._recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
@@ -210,6 +217,13 @@ class Runtime:
         # The bridge's presence is heard again from its retained status.
         self._bridge_up = None
         self.pump_all()
+        if not self._booted:
+            self._booted = True
+            if self.agent.pauses:
+                # Checkpoints of runs from before this boot: the first connection is
+                # when what they emit can go out.
+                from edge_runtime import pause
+                pause.boot(self)
         if self.commits:
             from edge_runtime import state
             platform.asyncio.create_task(state.resend(self))
@@ -426,7 +440,18 @@ class Runtime:
             self.refuse("unknown_op", "unknown ctl op %s" % _clip(op))
             return
         run_id = msg.get("r")
-        if isinstance(run_id, str) and "." in run_id and not run_id.startswith(self.boot + "."):
+        paused = run_id in self.paused
+        if paused and op != "replay":
+            from edge_runtime import pause
+            if op == "cancel":
+                reason = msg.get("reason")
+                reason = reason[:MAX_REASON] if isinstance(reason, str) and reason else "cancelled"
+                platform.asyncio.create_task(pause.cancel(self, run_id, reason))
+            else:
+                platform.asyncio.create_task(pause.answer(self, msg))
+            return
+        if (not paused and (op == "cancel" or op == "replay") and isinstance(run_id, str)
+                and "." in run_id and not run_id.startswith(self.boot + ".")):
             # A run of an earlier boot, which ended with it: the bridge's cancel of a run
             # whose board went away waits in the session and reaches the next boot.
             self.stats["stale_ctl"] += 1
@@ -436,9 +461,18 @@ class Runtime:
         elif op == "replay":
             self._ctl_replay(msg)
         else:
-            # No run pauses in this version, so no tool answer or approval can be expected.
-            self.refuse("not_waiting", "run %s is not waiting on call %s"
-                        % (_clip(msg.get("r")), _clip(msg.get("call"))))
+            # A tool answer or approval for a run that is not paused.
+            self.not_waiting(run_id, msg.get("call"))
+
+    def not_waiting(self, run_id, call):
+        # Named in the refusal when they are ids: a host can tell which answer it was.
+        extra = {}
+        if _is_id(run_id):
+            extra["r"] = run_id
+        if _is_id(call):
+            extra["call"] = call
+        self.refuse("not_waiting", "run %s is not waiting on call %s" % (_clip(run_id), _clip(call)),
+                    extra)
 
     def _find_emitter(self, run_id):
         if not isinstance(run_id, str):
@@ -482,32 +516,61 @@ class Runtime:
     # --- runs ---------------------------------------------------------------------
 
     def _start(self, msg):
-        self._runs_started += 1
-        run = Run(self, "%s.%d" % (self.boot, self._runs_started), msg)
+        resumed = msg.get("_run")
+        if resumed is not None:
+            # A paused run whose answers are all in (pause.py): it goes on from its
+            # checkpoint, in a slot like any run.
+            run, ck = resumed, msg["_ck"]
+        else:
+            self._runs_started += 1
+            run, ck = Run(self, "%s.%d" % (self.boot, self._runs_started), msg), None
         self.active[run.id] = run
-        run.task = platform.asyncio.create_task(self._drive(run))
+        run.task = platform.asyncio.create_task(self._drive(run, ck))
 
-    async def _drive(self, run):
+    def resume(self, run, ck):
+        # Ahead of the requests that wait: this run was admitted long ago.
+        msg = {"_run": run, "_ck": ck}
+        if len(self.active) < self.concurrency:
+            self._start(msg)
+        else:
+            self._queue.insert(0, msg)
+
+    def ended(self, run):
+        # A run that leaves memory (ended, or paused): only its event ring stays, for
+        # replays.
+        self._recent.push(run.emitter)
+
+    async def _drive(self, run, ck=None):
         # Everything a run does happens inside this try, so its slot is always given
         # back, whatever the handler or an emit raises.
         try:
             run.started = True
-            await self._run_to_end(run)
+            await self._run_to_end(run, ck)
         finally:
             self.active.pop(run.id, None)
+            if run.ckv and run.id not in self.paused:
+                # Ended, not paused: its checkpoint goes with it.
+                from edge_runtime import pause
+                pause.remove(self, run.id)
             # Only the event ring outlives a run (for replays), not its state.
-            self._recent.push(run.emitter)
+            self.ended(run)
             run_id = run.id
-            run = None
+            run = ck = None
             platform.collect()
             # One console line per run: on a serial console this is how heap trouble shows.
             platform.log("run", run_id, "ended; heap free", free_heap())
             if self._queue and len(self.active) < self.concurrency:
                 self._start(self._queue.pop(0))
 
-    async def _run_to_end(self, run):
+    async def _run_to_end(self, run, ck=None):
         agent = self.agent
         try:
+            if ck is not None:
+                from edge_runtime.toolloop import model_loop
+                usage = await model_loop(run, ck)
+                ck = None
+                await self._finish(run, usage)
+                return
             started = {"agent": agent.name, "ver": agent.version, "req": run.req,
                        "conv": run.conv, "domain": "request", "input": run.input}
             if len(run.input) > _ECHO:
@@ -524,17 +587,18 @@ class Runtime:
             else:
                 run.begin()
             run.check_cancelled()
-            durable = False
             for f in agent.fields:
                 if f.dur != "run" and f.kind == "slot" and not f.core:
                     # Only an agent with durable slot fields has state to load and commit.
-                    durable = True
                     await _state(run, False)
                     break
             usage = await handler(run)
-            if durable:
-                await _state(run, True)
-            run.emit("run.done", {"usage": usage or {}})
+            await self._finish(run, usage)
+        except Paused as p:
+            # The model's calls wait on a person or the host app: the run's state goes to
+            # flash and the run leaves memory (pause.py).
+            from edge_runtime import pause
+            await pause.suspend(run, p)
         except platform.asyncio.CancelledError:
             run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
         except RunFailed as e:
@@ -551,6 +615,13 @@ class Runtime:
             platform.log("run", run.id, "crashed:", repr(e))
             run.emit("run.failed", {"err": {"kind": "internal", "msg": "the board hit an internal error"},
                                     "retryable": False})
+
+    async def _finish(self, run, usage):
+        for f in self.agent.fields:
+            if f.dur != "run" and f.kind == "slot" and not f.core:
+                await _state(run, True)
+                break
+        run.emit("run.done", {"usage": usage or {}})
 
 
 async def _state(run, commit):

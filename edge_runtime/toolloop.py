@@ -4,7 +4,7 @@
 import json
 
 from edge_runtime import codec, platform
-from edge_runtime.agent import RunFailed
+from edge_runtime.agent import Paused, RunFailed
 from edge_runtime.rpc import RpcError
 
 try:
@@ -155,10 +155,21 @@ async def _fit(run, messages, fixed, first):
                                   "detail": "%d messages, %d characters left out" % (dropped, chars)})
 
 
-async def model_loop(run):
+async def model_loop(run, ck=None):
+    # `ck`: a paused run going on ({m: the conversation, s: the next step, u: usage}).
     agent = run.agent
-    messages = [{"role": "system", "content": agent.instructions},
-                {"role": "user", "content": run.input}]
+    if ck is None:
+        messages = [{"role": "system", "content": agent.instructions},
+                    {"role": "user", "content": run.input}]
+        first = 0
+        usage = {"in": 0, "out": 0, "reason": 0}
+    else:
+        messages, first, usage = ck["m"], ck["s"], ck["u"]
+        ck = None
+    pause = None
+    if agent.pauses:
+        # An agent whose tools can pause a run checkpoints at each step boundary.
+        from edge_runtime import pause
     specs = [t.describe(False) for t in agent.tools.values()]
     mem = None
     if agent.fields:
@@ -171,9 +182,10 @@ async def model_loop(run):
         specs = codec.encode(specs)
     # Encoded once for the whole run: every model call carries them unchanged.
     specs = codec.Raw(specs)
-    usage = {"in": 0, "out": 0, "reason": 0}
-    for step in range(agent.max_steps):
+    for step in range(first, agent.max_steps):
         run.check_cancelled()
+        if pause is not None:
+            pause.save(run, "run", step, messages, usage, ())
         m = step + 1
         calls = []
         if mem is None:
@@ -256,12 +268,23 @@ async def model_loop(run):
             text += " [cut: %d more characters]" % deltas.more
         messages.append({"role": "assistant", "content": text, "tools": calls})
         deltas = None
+        waiting = []
         for call in calls:
             run.check_cancelled()
             name = call.get("name")
             cid = call.get("call")
             input_text = call.get("input") or "{}"
             tool = agent.tools.get(name) if isinstance(name, str) else None
+            if tool is not None and (tool.client or tool.approval):
+                # Announced now, answered later: the run pauses once the turn's other
+                # calls have run (pause.py).
+                await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
+                                              "client": tool.client})
+                if tool.approval:
+                    await run.event("approval.request", {"call": cid, "name": name})
+                waiting.append({"call": cid, "name": name, "input": input_text,
+                                "kind": "tool" if tool.client else "approval"})
+                continue
             if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
                 output, failed = await mem.tool(cid, name, input_text, _tool_output)
             else:
@@ -273,4 +296,10 @@ async def model_loop(run):
                     output, failed = await _run_tool(tool, input_text)
                 await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
             messages.append({"role": "tool", "call": cid, "content": output})
+        if waiting:
+            if mem is not None and mem.viewing:
+                # What memory.load keeps in view is this run's, not the checkpoint's.
+                del messages[1]
+                mem.viewing = False
+            raise Paused(step + 1, messages, usage, waiting)
     raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)
