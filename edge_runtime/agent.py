@@ -13,18 +13,6 @@ class RunFailed(Exception):
         self.retryable = retryable
 
 
-class Paused(Exception):
-    # Raised by the model loop when a turn's calls wait on the host app or a person:
-    # what the run's checkpoint needs (pause.py writes it).
-
-    def __init__(self, step, messages, usage, waiting):
-        super().__init__("paused")
-        self.step = step
-        self.messages = messages
-        self.usage = usage
-        self.waiting = waiting
-
-
 class Tool:
     # A local tool runs on the board: `fn(args) -> value`, sync or async; with
     # `approval` each call waits for a person's yes first. A client tool (`fn` None) is

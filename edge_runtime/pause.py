@@ -71,7 +71,12 @@ def save(run, st, step, messages, usage, waiting, left=None):
           "w": waiting, "sv": run.state, "ld": run.loaded, "wr": run._writes}
     if left is not None:
         ck["left"] = left
-    data = codec.encode(ck, _MAX_CK)
+    # One block of the exact size, written as it is (codec.encode would copy it).
+    try:
+        data = codec.encode_exact(ck, _MAX_CK)
+    except MemoryError:
+        platform.collect()
+        data = codec.encode_exact(ck, _MAX_CK)
     ck = None
     platform.write_file(_path(run.runtime, run.id), data)
     return len(data)
@@ -113,7 +118,7 @@ def _reason(waiting):
     return "approval"
 
 
-async def suspend(run, p):
+async def suspend(run, step, messages, usage, waiting):
     # The model loop's turn left calls waiting: run.paused, then the checkpoint, then
     # the event goes out, and the run leaves memory (its task ends after this).
     runtime = run.runtime
@@ -122,8 +127,8 @@ async def suspend(run, p):
     if isinstance(ttl, int) and ttl > 0:
         left = min(left, ttl * 1000)
     run.emitter.hold = True
-    run.emit("run.paused", {"reason": _reason(p.waiting), "calls": _waiting_ids(p.waiting)})
-    save(run, "paused", p.step, p.messages, p.usage, p.waiting, left)
+    run.emit("run.paused", {"reason": _reason(waiting), "calls": _waiting_ids(waiting)})
+    save(run, "paused", step, messages, usage, waiting, left)
     release(run)
     _wait(runtime, run.id, left, run.ckv)
 

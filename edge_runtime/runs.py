@@ -11,7 +11,7 @@ from edge_runtime.events import (DEVICE_RUN, MAX_ID, MAX_REASON, PREFIX, RING, R
                                   RX_PAYLOAD, Emitter)
 from edge_runtime.ring import Ring
 from edge_runtime.rpc import CHUNK, WINDOW, RpcClient, random_bits
-from edge_runtime.agent import Paused, RunFailed
+from edge_runtime.agent import RunFailed
 
 try:
     from micropython import const
@@ -594,11 +594,6 @@ class Runtime:
                     break
             usage = await handler(run)
             await self._finish(run, usage)
-        except Paused as p:
-            # The model's calls wait on a person or the host app: the run's state goes to
-            # flash and the run leaves memory (pause.py).
-            from edge_runtime import pause
-            await pause.suspend(run, p)
         except platform.asyncio.CancelledError:
             run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
         except RunFailed as e:
@@ -617,6 +612,8 @@ class Runtime:
                                     "retryable": False})
 
     async def _finish(self, run, usage):
+        if run.id in self.paused:
+            return  # paused by the model loop: it ends later, from its checkpoint
         for f in self.agent.fields:
             if f.dur != "run" and f.kind == "slot" and not f.core:
                 await _state(run, True)

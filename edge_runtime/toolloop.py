@@ -4,7 +4,7 @@
 import json
 
 from edge_runtime import codec, platform
-from edge_runtime.agent import Paused, RunFailed
+from edge_runtime.agent import RunFailed
 from edge_runtime.rpc import RpcError
 
 try:
@@ -301,5 +301,8 @@ async def model_loop(run, ck=None):
                 # What memory.load keeps in view is this run's, not the checkpoint's.
                 del messages[1]
                 mem.viewing = False
-            raise Paused(step + 1, messages, usage, waiting)
+            # The run's state goes to flash and the run leaves memory; the runtime sees
+            # it paused and ends nothing (pause.py brings it back).
+            await pause.suspend(run, step + 1, messages, usage, waiting)
+            return None
     raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)

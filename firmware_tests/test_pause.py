@@ -229,3 +229,22 @@ def test_a_board_that_reboots_while_paused_comes_back_waiting_and_finishes():
                 task.cancel()
 
     _board("tp-reboot", body, script)
+
+
+def test_a_run_that_waits_past_its_limit_fails_retryable():
+    script = [[_tool("q1", "ask_user", {"q": "Still there?"})], [{"text": "never"}]]
+
+    async def body(bridge, runtime, prefix, agent):
+        agent.max_pause_s = 1
+        bridge.send("req", {"req": "p6", "input": "ask and wait"})
+        await bridge.wait_for(lambda: _ended(bridge), 8000)
+        end = _ended(bridge)[0]
+        assert end["t"] == "run.failed" and end["d"]["retryable"] is True
+        assert end["d"]["err"]["kind"] == "timeout"
+        assert runtime.paused == {} and runtime.watching is None and _ck_files(prefix) == []
+        # An answer after the end is not waited for.
+        bridge.send("ctl", {"op": "tool", "r": end["r"], "call": "q1", "output": "late"})
+        await bridge.wait_for(lambda: device_errors(bridge))
+        assert device_errors(bridge)[0]["kind"] == "not_waiting"
+
+    _board("tp-limit", body, script)

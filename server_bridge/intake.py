@@ -196,6 +196,10 @@ class _Run:
     # row), at most _MAX_BUILDING: a run the bridge ends shows them failed, so no row
     # stays building on a dashboard after its board is gone (PROTOCOL.md "Tables").
     building: dict[tuple[str, str], None] = field(default_factory=dict)
+    # The run's latest run event was run.paused: its board keeps it in a checkpoint, so
+    # neither a restart nor an absence of the board ends it (PROTOCOL.md "Runs that
+    # pause"); the board resumes it.
+    paused: bool = False
 
     @property
     def missing(self) -> bool:
@@ -479,6 +483,10 @@ class EventIntake:
             st.finished = True
         elif clean["t"] == "row":
             self._track_row(st, clean["d"])
+        elif clean["t"] == "run.paused":
+            st.paused = True
+        elif clean["t"] == "run.resumed":
+            st.paused = False
         self._taken += 1
         return True
 
@@ -975,7 +983,7 @@ class EventIntake:
         msg = DEVICE_RESTARTED if restarted else DEVICE_OFFLINE
         ended, failed = [], []
         for st in list(self._by_device.get(device, {}).values()):
-            if st.run in _STREAMS or st.finished:
+            if st.run in _STREAMS or st.finished or st.paused:
                 continue
             boot = st.run.split(".", 1)[0] if "." in st.run else None
             if keep is not None and boot == keep or only is not None and boot not in (only, None):

@@ -373,6 +373,47 @@ class HostClient:
             raise TimeoutError(f"the broker did not acknowledge request {req_id} within {timeout}s")
         return req_id
 
+    def answer(
+        self,
+        device: str,
+        token: str,
+        run: str,
+        call: str,
+        output: str,
+        failed: bool = False,
+        *,
+        timeout: float = 10,
+    ) -> None:
+        """Answer a client tool call a paused run waits on (PROTOCOL "Runs that pause")."""
+        body = {"op": "tool", "r": run, "call": call, "output": output, "failed": failed}
+        self._ctl(device, token, body, timeout)
+
+    def approve(
+        self, device: str, token: str, run: str, call: str, ok: bool, *, timeout: float = 10
+    ) -> None:
+        """Grant (`ok`) or deny a call that waits for approval. Who approved is the
+        token's user: the bridge sets it, nothing sent here can."""
+        self._ctl(device, token, {"op": "approve", "r": run, "call": call, "ok": ok}, timeout)
+
+    def cancel(
+        self, device: str, token: str, run: str, reason: str | None = None, *, timeout: float = 10
+    ) -> None:
+        """Cancel a running or paused run; it ends `run.cancelled`."""
+        body: dict[str, Any] = {"op": "cancel", "r": run}
+        if reason is not None:
+            body["reason"] = reason
+        self._ctl(device, token, body, timeout)
+
+    def _ctl(self, device: str, token: str, body: dict[str, Any], timeout: float) -> None:
+        topic = host_topic(self.prefix, self.tenant, device, "ctl")
+        info = self._client.publish(topic, encode({**body, "tok": token}), qos=1)
+        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            why = mqtt.error_string(info.rc)
+            raise HostConnectError(f"could not publish ctl {body['op']}: {why}")
+        info.wait_for_publish(timeout)
+        if not info.is_published():
+            raise TimeoutError(f"the broker did not acknowledge ctl {body['op']} within {timeout}s")
+
     # --- events -------------------------------------------------------------------
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:

@@ -121,9 +121,11 @@ class Row:
     (from its call), `output`, `failed`; missing: `text` `[missing: events a..b]`, where
     events that will never arrive were stepped over. `status` is `streaming`/`done` for
     assistant rows, `building`/`final` for outputs, `pending`/`running`/`done`/`failed`
-    for tool calls. table_row (in `tables`, not `rows`): `name` the field, `key` the row,
-    `output` its value, `links`, `ver`, `status` `building`/`final`/`failed` (`failed`
-    with `error`), `stored` when it was shown as stored before the run.
+    for tool calls, and `approval` (waiting for a person) / `denied` for a call that
+    needs approval (`text` then says who decided). table_row (in `tables`, not `rows`):
+    `name` the field, `key` the row, `output` its value, `links`, `ver`, `status`
+    `building`/`final`/`failed` (`failed` with `error`), `stored` when it was shown as
+    stored before the run.
     """
 
     kind: RowKind
@@ -334,6 +336,13 @@ def _msg_end(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
 def _tool_call(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
     call = _key(d.get("call"))
     client = d.get("client") is True
+    known = snap._calls.get(call) if call is not None else None
+    if known is not None:
+        # Announced again (a board that rebooted while paused): the same call, still
+        # waiting unless it has its result.
+        if client and known.status == "pending" and call is not None:
+            snap.pending[call] = known
+        return
     row = _row(
         snap,
         Row(
@@ -370,6 +379,21 @@ def _tool_result(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
             status="failed" if failed else "done",
         ),
     )
+
+
+def _approval(snap: RunSnapshot, d: Mapping[str, Any], status: str) -> None:
+    call = _key(d.get("call"))
+    row = snap._calls.get(call) if call is not None else None
+    if row is None or call is None or row.status in ("done", "failed"):
+        return
+    row.status = status
+    if status == "approval":
+        snap.pending[call] = row  # a host answers it (approve), like a client tool
+    else:
+        snap.pending.pop(call, None)
+        by = _str(d.get("by"))
+        if by is not None:
+            row.text = f"{'approved' if status == 'running' else 'denied'} by {by}"
 
 
 def _output(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
@@ -484,6 +508,9 @@ HANDLERS: dict[str, Handler] = {
     "reason.delta": _reason_delta,
     "tool.call": _tool_call,
     "tool.result": _tool_result,
+    "approval.request": lambda snap, d: _approval(snap, d, "approval"),
+    "approval.granted": lambda snap, d: _approval(snap, d, "running"),
+    "approval.denied": lambda snap, d: _approval(snap, d, "denied"),
     "output": _output,
     "row": _table_row,
     "row.delete": _table_delete,

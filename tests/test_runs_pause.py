@@ -1,0 +1,161 @@
+"""Runs that pause, end to end (PROTOCOL.md "Runs that pause"): the board's real code on
+the MicroPython unix port at the demo's 128K heap (.mpy), a real Mosquitto, the real
+bridge service, an OpenAI-compatible model server streaming fragmented tool arguments,
+and the host client. A run waits on a client tool and an approval while the board is
+killed and started again, or while the bridge is; the answers still finish it, each
+event id once and each tool run once."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+from server_bridge.host.reducer import RunSnapshot
+from tests.model_server import ModelServer, ToolCall, Turn
+from tests.stack import Stack
+
+# A valve keeper: reading the pressure is local, opening a valve needs a person's yes,
+# and asking the user is the host app's.
+VALVES = """\
+from edge_runtime import board, platform
+from edge_runtime.agent import Agent
+
+agent = Agent("valves", "1.0", "You run the valves.")
+
+
+@agent.tool("read_pressure", "Read the line pressure in bar")
+def read_pressure(args):
+    platform.log("tool read_pressure ran")
+    return 2.5
+
+
+@agent.tool("open_valve", "Open a valve", {"type": "object", "properties": {
+    "valve": {"type": "integer"}}}, approval=True)
+def open_valve(args):
+    platform.log("tool open_valve ran", args.get("valve"))
+    return "valve %s is open" % args.get("valve")
+
+
+agent.client_tool("ask_user", "Ask the user a question", {"type": "object", "properties": {
+    "q": {"type": "string"}}})
+board.start(agent)
+"""
+
+
+def _script() -> list[Turn]:
+    calls = [
+        ToolCall("read_pressure", "{}"),
+        ToolCall("open_valve", json.dumps({"valve": 3})),
+        ToolCall("ask_user", json.dumps({"q": "Vent the tank as well?"})),
+    ]
+    return [Turn(tool_calls=calls, args_chunk_chars=3), Turn(text="Valve 3 is open; venting.")]
+
+
+def _paused(snap: RunSnapshot) -> bool:
+    return snap.status == "paused" and len(snap.pending) == 2
+
+
+def _ids_once(s: Stack, run: str) -> list[int]:
+    assert s.client is not None
+    return [e["i"] for e in s.client.events if e["r"] == run]
+
+
+def _check_finished(s: Stack, snap: RunSnapshot, ran_before: int) -> None:
+    assert snap.status == "done", s.describe()
+    assert snap.complete, s.describe()
+    results = {r.call: r for r in snap.rows if r.kind == "tool_result"}
+    outputs = sorted(str(r.output) for r in results.values())
+    assert outputs == ["2.5", "valve 3 is open", "yes, vent it"]
+    # Each tool ran once: the local one before the pause, the approved one after it.
+    console = "\n".join(s.console)
+    assert console.count("tool read_pressure ran") == 1
+    assert console.count("tool open_valve ran") == 1
+    assert ran_before == 0  # nothing ran before its approval
+    texts = [r.text for r in snap.rows if r.kind == "assistant"]
+    assert texts[-1] == "Valve 3 is open; venting."
+
+
+def test_a_board_killed_while_paused_resumes_and_finishes(tmp_path: Path) -> None:
+    with ModelServer(_script()) as server, Stack(
+        tmp_path, model_url=server.url, main_py=VALVES, heap="128K"
+    ) as s:
+        assert s.client is not None
+        req = s.request("Open valve 3.")
+        snap = s.client.wait_for(req, _paused, 30)
+        run = snap.run
+        ran_before = "\n".join(s.console).count("tool open_valve ran")
+        assert sorted(snap.pending) == ["call_1_1", "call_1_2"]
+        # Power lost while it waits; the board comes back from the same flash.
+        s.kill_board()
+        s.start_board()
+        again = s.client.wait_for(
+            req, lambda x: x.status == "paused" and x.last_id > snap.last_id, 30
+        )
+        assert sorted(again.pending) == ["call_1_1", "call_1_2"]
+        s.client.approve(s.device, s.token, run, "call_1_1", True)
+        s.client.answer(s.device, s.token, run, "call_1_2", "yes, vent it")
+        done = s.wait_run(req)
+        _check_finished(s, done, ran_before)
+        ids = _ids_once(s, run)
+        assert sorted(set(ids)) == list(range(1, done.last_id + 1))
+        approved = [r for r in done.rows if r.kind == "tool_call" and r.name == "open_valve"]
+        assert approved[0].text.startswith("approved by ")
+        assert len(server.requests) == 2  # the model was asked once before, once after
+
+
+def test_a_bridge_restarted_while_paused_still_delivers_the_answers(tmp_path: Path) -> None:
+    with ModelServer(_script()) as server, Stack(
+        tmp_path, model_url=server.url, main_py=VALVES, heap="128K"
+    ) as s:
+        assert s.client is not None
+        req = s.request("Open valve 3.")
+        snap = s.client.wait_for(req, _paused, 30)
+        s.kill_bridge()
+        s.start_bridge()
+        s.client.approve(s.device, s.token, snap.run, "call_1_1", True)
+        s.client.answer(s.device, s.token, snap.run, "call_1_2", "yes, vent it")
+        _check_finished(s, s.wait_run(req), 0)
+
+
+# "run <id> ended; heap free <n>": the board's line when a run leaves memory (paused or
+# finished).
+_HEAP_LINE = re.compile(r"run (\S+) ended; heap free (\d+)")
+
+ASKER = """\
+from edge_runtime import board
+from edge_runtime.agent import Agent
+
+agent = Agent("asker", "1.0", "You ask before you act.")
+agent.client_tool("ask_user", "Ask the user a question", {"type": "object", "properties": {
+    "q": {"type": "string"}}})
+board.start(agent)
+"""
+
+
+def test_fifty_runs_with_a_pause_each_leave_nothing_behind(tmp_path: Path) -> None:
+    script = [
+        Turn(tool_calls=[ToolCall("ask_user", json.dumps({"q": "Go on?"}))], args_chunk_chars=3),
+        Turn(text="Done."),
+    ]
+    with ModelServer(script) as server, Stack(
+        tmp_path, model_url=server.url, main_py=ASKER, heap="128K"
+    ) as s:
+        assert s.client is not None
+        for n in range(50):
+            req = s.request(f"Job {n}")
+            snap = s.client.wait_for(req, lambda x: x.status == "paused" and bool(x.pending), 30)
+            (call,) = snap.pending
+            s.client.answer(s.device, s.token, snap.run, call, f"go {n}")
+            assert s.wait_run(req).status == "done", s.describe()
+        s.wait_console(".50 ended; heap free", after=0)
+        # Two lines a run: when it paused and when it ended. The board's bounded tables
+        # fill over the first runs (see tests/test_streams.py); from then on the free heap
+        # after a run's end is level.
+        frees = [int(m.group(2)) for m in map(_HEAP_LINE.search, s.console) if m]
+        ends = frees[1::2]
+        assert len(ends) == 50, s.describe()
+        settled, last = statistics.median(ends[16:20]), statistics.median(ends[46:50])
+        assert last >= settled - 1024, (settled, last, ends)
+        assert len(server.requests) == 100
