@@ -44,8 +44,8 @@ from edge_runtime import board
 from edge_runtime.agent import Agent
 
 agent = Agent("asker", "1.0", "You ask before you act.")
-agent.client_tool("ask_user", "Ask the user a question", {"type": "object", "properties": {
-    "q": {"type": "string"}}})
+agent.tool("ask_user", "Ask the user a question", {"type": "object", "properties": {
+    "q": {"type": "string"}}})(None)
 board.start(agent)
 """
 

@@ -15,24 +15,22 @@ class RunFailed(Exception):
 
 class Tool:
     # A local tool runs on the board: `fn(args) -> value`, sync or async; with
-    # `approval` each call waits for a person's yes first. A client tool (`fn` None) is
-    # answered by the host app. Either makes the run pause (pause.py, PROTOCOL.md "Runs
-    # that pause").
+    # `approval` each call waits for a person's yes first. A client tool has no `fn`:
+    # the host app answers it. Either pauses the run (pause.py).
 
-    def __init__(self, name, description, args, fn, client=False, approval=False):
+    def __init__(self, name, description, args, fn, approval=False):
         self.name = name
         self.description = description
         self.args = args or {"type": "object", "properties": {}}
         self.fn = fn
-        self.client = client
         self.approval = approval
 
     def describe(self, hello=True):
-        # The tool as the model sees it; hello also says who answers it, and whether a
-        # person approves each call.
+        # The tool as the model sees it; hello also says who answers it (the board or
+        # the host app), and whether a person approves each call.
         d = {"name": self.name, "description": self.description, "args": self.args}
         if hello:
-            d["client"] = self.client
+            d["client"] = self.fn is None
             if self.approval:
                 d["approval"] = True
         return d
@@ -44,8 +42,7 @@ class Agent:
     # one model call carries: instructions, core memory and the conversation, trimmed
     # oldest first to fit (toolloop).
     def __init__(self, name, version, instructions, handler=None, fields=None,
-                 model=None, max_tokens=None, max_steps=8, context_chars=6000,
-                 max_pause_s=86400):
+                 model=None, max_tokens=None, max_steps=8, context_chars=6000):
         self.name = name
         self.version = version
         self.instructions = instructions
@@ -60,10 +57,7 @@ class Agent:
         self.max_tokens = max_tokens
         self.max_steps = max_steps
         self.context_chars = context_chars
-        # The longest a paused run waits for its answers (a request's ttl may be less).
-        self.max_pause_s = max_pause_s
         self.tools = {}
-        self.pauses = False  # whether a tool can pause a run (then runs checkpoint)
 
     def field(self, name):
         # A declared field by name, or None (an undeclared key is private and run-scoped).
@@ -73,17 +67,13 @@ class Agent:
         return None
 
     def tool(self, name, description, args=None, approval=False):
-        # Decorator: @agent.tool("read_temperature", "Read the room sensor in °C")
+        # Decorator: @agent.tool("read_temperature", "Read the room sensor in °C").
+        # A client tool, answered by the host app, is one with no function:
+        # agent.tool("ask_user", "Ask the user", {...})(None).
         def register(fn):
-            self.tools[name] = Tool(name, description, args, fn, approval=approval)
-            self.pauses = self.pauses or approval
+            self.tools[name] = Tool(name, description, args, fn, approval)
             return fn
         return register
-
-    def client_tool(self, name, description, args=None):
-        # A tool the host app answers: agent.client_tool("ask_user", "Ask the user", {...})
-        self.tools[name] = Tool(name, description, args, None, client=True)
-        self.pauses = True
 
     def describe(self):
         return [t.describe() for t in self.tools.values()]

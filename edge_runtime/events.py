@@ -74,9 +74,6 @@ class Emitter:
         self._ring_bytes = ring_bytes
         self._held = 0  # bytes in the ring
         self._gaps = []  # (from, to) ranges to report once the backlog is sent
-        # Held: events wait in the ring and nothing goes to the link (a checkpoint that
-        # records them is written first, pause.py).
-        self.hold = False
 
     @property
     def backlog(self):
@@ -109,8 +106,6 @@ class Emitter:
 
     def pump(self):
         # True when the link has had every event; False while it has no room.
-        if self.hold:
-            return False
         first = self.last_id - len(self.ring) + 1
         if self.sent < first - 1:
             self.lost += first - 1 - self.sent

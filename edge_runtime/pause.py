@@ -1,19 +1,21 @@
 # Runs that pause (PROTOCOL.md "Runs that pause"): a run whose model called a client
-# tool, or a tool a person must approve, waits without holding the board: its state is
-# a checkpoint on flash, and the run comes back when the answers do, after a reboot too.
-# Loaded only by an agent with such a tool (agent.pauses).
+# tool (a tool with no function: the host app answers it), or a tool a person must
+# approve, waits without holding the board: its state is a checkpoint on flash, and the
+# run comes back when the answers do, after a reboot too. Loaded only for an agent with
+# such a tool, so a board that never pauses never holds this code or interns its names
+# (the qstr pool is near its next doubling, test_on_small_heap).
 #
 # A checkpoint is one file per run, the msgpack map
-#   {v: version, st: "run" | "paused", q: the request, m: the conversation, s: the next
-#    step, u: usage so far, e: the last event id, ring: the events the ring holds,
-#    w: the calls that wait, left: ms of waiting left, sv: run state, ld: loaded state,
-#    wr: write ids used}
-# written whole (platform.write_file: temp file and rename). "run" is written at each
-# step boundary, "paused" at the pause and with each answer.
+#   {v: version, st: "run" | "paused", r: run id, q: the request, m: the conversation,
+#    s: the next step, u: usage so far, e: the last event id, ring: the events the ring
+#    holds, w: the calls that wait, left: ms of waiting left, sv: run state, ld: loaded
+#    state, wr: write ids used}
+# written whole (platform.write_file: temp file and rename): "run" at each step
+# boundary, "paused" at the pause and with each answer.
 #
 # Events that go with a checkpoint are put in the run's ring first, the checkpoint is
 # written, and only then do they go out: a board that loses power in between has sent
-# nothing it did not record, so after a reboot no id is used twice.
+# nothing it did not record, so after a reboot no event id is used twice.
 import os
 
 from edge_runtime import codec, platform
@@ -25,17 +27,24 @@ except ImportError:
         return x
 
 _PREFIX = const("ck_")
-_CUT = const(2048)  # characters of a client tool's answer the model gets (toolloop's cut)
+_CUT = const(2048)  # characters of an answer the model gets (toolloop's cut)
 # A checkpoint is at most this many bytes: the conversation is bounded by the agent's
-# context_chars, and the ring by ring_bytes.
+# context_chars, the ring by ring_bytes.
 _MAX_CK = const(32768)
-# How often the watcher looks for paused runs past their limit.
-_TICK_MS = const(1000)
+_TICK_MS = const(1000)  # how often the watcher looks for runs past their limit
+_MAX_PAUSE_S = const(86400)  # an agent's max_pause_s when it sets none
+
+# Run id -> the version of its last checkpoint (a run's versions rise across its Run
+# objects: each answer restores a new one).
+_vers = {}
+# The task that fails paused runs past their limit, while any run is paused.
+_watcher = None
 
 
 def _path(runtime, run_id):
     # Run ids may hold "." and other characters a file name should not: hex-encoded.
-    return "%s%s%s.bin" % (runtime.flash_dir, _PREFIX, "".join("%02x" % b for b in run_id.encode()))
+    return "%s%s%s.bin" % (runtime.flash_dir, _PREFIX,
+                           "".join("%02x" % b for b in run_id.encode()))
 
 
 def _read(path):
@@ -50,23 +59,27 @@ def _read(path):
     return ck if isinstance(ck, dict) and isinstance(ck.get("q"), dict) else None
 
 
-def remove(runtime, run_id):
-    for path in (_path(runtime, run_id), _path(runtime, run_id) + ".tmp"):
+def remove(run):
+    # The run ended (not paused): its checkpoint goes with it.
+    runtime = run.runtime
+    if run.id in runtime.paused:
+        return
+    _vers.pop(run.id, None)
+    for path in (_path(runtime, run.id), _path(runtime, run.id) + ".tmp"):
         try:
             os.remove(path)
         except OSError:
             pass
 
 
-def save(run, st, step, messages, usage, waiting, left=None):
+def _write(run, st, step, messages, usage, waiting, left=None):
     # The run as it is, on flash. Returns the bytes written (benchmarks read it).
-    run.ckv += 1
+    ver = _vers[run.id] = _vers.get(run.id, 0) + 1
     em = run.emitter
-    first = em.last_id - len(em.ring) + 1
-    ck = {"v": run.ckv, "st": st, "r": run.id,
+    ck = {"v": ver, "st": st, "r": run.id,
           "q": {"req": run.req, "input": run.input, "conv": run.conv, "usr": run.user,
                 "sc": run.sc, "ttl": run.ttl},
-          "m": messages, "s": step, "u": usage, "e": em.last_id, "f": first,
+          "m": messages, "s": step, "u": usage, "e": em.last_id,
           "ring": [bytes(em.ring.at(i)) for i in range(len(em.ring))],
           "w": waiting, "sv": run.state, "ld": run.loaded, "wr": run._writes}
     if left is not None:
@@ -82,19 +95,24 @@ def save(run, st, step, messages, usage, waiting, left=None):
     return len(data)
 
 
-def restore(runtime, ck):
+def _held(data):
+    # An emitter's way out while its events wait for the checkpoint that records them.
+    return False
+
+
+def _restore(runtime, ck):
     # A Run as the checkpoint left it: its event ids go on from where they were, its
     # ring holds what it held (a replay finds it), and it sends nothing until released.
     from edge_runtime.runs import Run
     run = Run(runtime, ck["r"], ck["q"])
     run.started = True
     run.started_d = None
-    run.ckv = ck["v"]
+    _vers[run.id] = ck["v"]
     run.state = ck.get("sv") or {}
     run.loaded = ck.get("ld")
     run._writes = ck.get("wr") or 0
     em = run.emitter
-    em.hold = True
+    em._send = _held
     for data in ck.get("ring") or ():
         em.ring.push(data)
         em._held += len(data)
@@ -102,13 +120,14 @@ def restore(runtime, ck):
     return run
 
 
-def release(run):
-    run.emitter.hold = False
+def _release(run):
+    run.emitter._send = run.runtime.send_event
     run.emitter.pump()
 
 
-def _waiting_ids(waiting):
-    return [w["call"] for w in waiting]
+def _gone(runtime, run):
+    # The run leaves memory (paused again, or ended): only its ring stays, for replays.
+    runtime.recent.push(run.emitter)
 
 
 def _reason(waiting):
@@ -118,51 +137,73 @@ def _reason(waiting):
     return "approval"
 
 
-async def suspend(run, step, messages, usage, waiting):
-    # The model loop's turn left calls waiting: run.paused, then the checkpoint, then
-    # the event goes out, and the run leaves memory (its task ends after this).
+def _announce(run, waiting):
+    # What the run waits for, then run.paused: at the pause, and again after a reboot.
+    for w in waiting:
+        run.emit("tool.call", {"call": w["call"], "name": w["name"], "input": w["input"],
+                               "client": w["kind"] == "tool"})
+        if w["kind"] == "approval":
+            run.emit("approval.request", {"call": w["call"], "name": w["name"]})
+    run.emit("run.paused", {"reason": _reason(waiting), "calls": [w["call"] for w in waiting]})
+
+
+async def save(run, step, messages, usage, calls):
+    # The model loop at a step boundary (no calls wait: a "run" checkpoint), or after a
+    # turn whose `calls` ({call, name, input}) wait on the host app or a person: they are
+    # announced, the run pauses and leaves memory (its task ends after this).
+    if not calls:
+        _write(run, "run", step, messages, usage, ())
+        return
     runtime = run.runtime
-    left = run.agent.max_pause_s * 1000
-    ttl = run.ttl
-    if isinstance(ttl, int) and ttl > 0:
-        left = min(left, ttl * 1000)
-    run.emitter.hold = True
-    run.emit("run.paused", {"reason": _reason(waiting), "calls": _waiting_ids(waiting)})
-    save(run, "paused", step, messages, usage, waiting, left)
-    release(run)
-    _wait(runtime, run.id, left, run.ckv)
+    waiting = []
+    for c in calls:
+        tool = run.agent.tools.get(c.get("name"))
+        waiting.append({"call": c.get("call"), "name": c.get("name"),
+                        "input": c.get("input") or "{}",
+                        "kind": "tool" if tool.fn is None else "approval"})
+    left = getattr(run.agent, "max_pause_s", _MAX_PAUSE_S) * 1000
+    if isinstance(run.ttl, int) and run.ttl > 0:
+        left = min(left, run.ttl * 1000)
+    await runtime.flow(run.emitter)
+    run.emitter._send = _held
+    _announce(run, waiting)
+    _write(run, "paused", step, messages, usage, waiting, left)
+    _wait(runtime, run.id, left)
+    _release(run)
 
 
-def _wait(runtime, run_id, left, ver):
-    # Paused, with a limit: the run's deadline on the board's clock. One watcher task
-    # for all paused runs (a task per run would sit on the heap for as long as its run
-    # may wait, answered or not).
-    runtime.paused[run_id] = (ver, platform.ticks_add(platform.ticks_ms(), left))
-    if runtime.watching is None:
-        runtime.watching = platform.asyncio.create_task(_watch(runtime))
+def _wait(runtime, run_id, left):
+    # Paused, with a limit on the board's clock. One watcher for all paused runs (a
+    # task per run would sit on the heap as long as its run may wait).
+    global _watcher
+    runtime.paused[run_id] = platform.ticks_add(platform.ticks_ms(), left)
+    if _watcher is None:
+        _watcher = platform.asyncio.create_task(_watch(runtime))
 
 
 def _unwatch(runtime):
-    # Nothing paused: the watcher goes now, not at its next look (it holds the runtime).
-    task = runtime.watching
-    if not runtime.paused and task is not None:
-        runtime.watching = None
-        task.cancel()
+    # Nothing paused: the watcher goes now rather than at its next look (it holds the
+    # runtime).
+    global _watcher
+    if not runtime.paused and _watcher is not None:
+        _watcher.cancel()
+        _watcher = None
 
 
 def _left(runtime, run_id):
-    w = runtime.paused.get(run_id)
-    return max(0, platform.ticks_diff(w[1], platform.ticks_ms())) if w else 0
+    deadline = runtime.paused.get(run_id)
+    return 0 if deadline is None else max(0, platform.ticks_diff(deadline, platform.ticks_ms()))
 
 
 async def _watch(runtime):
+    global _watcher
     while runtime.paused:
         await platform.sleep_ms(_TICK_MS)
         now = platform.ticks_ms()
-        for run_id, w in list(runtime.paused.items()):
-            if w is not None and platform.ticks_diff(w[1], now) <= 0:
+        for run_id, deadline in list(runtime.paused.items()):
+            if deadline is not None and platform.ticks_diff(deadline, now) <= 0:
                 _expire(runtime, run_id)
-    runtime.watching = None
+    _watcher = None
 
 
 def _expire(runtime, run_id):
@@ -170,53 +211,63 @@ def _expire(runtime, run_id):
     if ck is None:
         runtime.paused.pop(run_id, None)
         return
-    run = restore(runtime, ck)
-    _end(runtime, run, "run.failed", {
+    # From the watcher itself, which ends by its own loop (a task cannot cancel itself).
+    _end(runtime, _restore(runtime, ck), "run.failed", {
         "err": {"kind": "timeout", "msg": "no answer came within the time the run may wait"},
-        "retryable": True})
+        "retryable": True}, False)
 
 
-def _end(runtime, run, etype, d):
+def _end(runtime, run, etype, d, unwatch=True):
     runtime.paused.pop(run.id, None)
-    _unwatch(runtime)
+    if unwatch:
+        _unwatch(runtime)
     run.emit(etype, d)
-    remove(runtime, run.id)
-    release(run)
-    runtime.ended(run)
+    remove(run)
+    _release(run)
+    _gone(runtime, run)
 
 
-async def answer(runtime, msg):
-    # A ctl tool answer or approval for a paused run. Refused not_waiting when the run
-    # does not wait on that call (or on nothing of that kind), with nothing changed.
+def _not_waiting(runtime, run_id, cid):
+    runtime.refuse("not_waiting", "run %s is not waiting on call %s" % (run_id, cid),
+                   {"r": run_id, "call": cid} if isinstance(cid, str) and len(cid) <= 64
+                   else {"r": run_id})
+
+
+async def ctl(runtime, msg):
+    # A ctl for a paused run: a tool answer, an approval, or a cancel.
     run_id = msg.get("r")
+    if msg.get("op") == "cancel":
+        await _cancel(runtime, run_id, msg.get("reason"))
+        return
     cid = msg.get("call")
-    op = msg.get("op")
-    ck = _read(_path(runtime, run_id)) if run_id in runtime.paused else None
+    kind = "tool" if msg.get("op") == "tool" else "approval"
+    ck = None
+    if runtime.paused.get(run_id) is not None:
+        ck = _read(_path(runtime, run_id))
     entry = None
     if ck is not None and ck.get("st") == "paused":
         for w in ck["w"]:
-            if w["call"] == cid and w["kind"] == ("tool" if op == "tool" else "approval"):
+            if w["call"] == cid and w["kind"] == kind:
                 entry = w
     if entry is None:
-        runtime.not_waiting(run_id, cid)
+        # Not waiting on that call (or on that kind of answer), or answered already.
+        _not_waiting(runtime, run_id, cid)
         return
-    # Taken: a second answer for this call while this one is applied is not_waiting.
+    # Taken: a second answer while this one is applied is not_waiting.
     left = _left(runtime, run_id)
     runtime.paused[run_id] = None
-    run = restore(runtime, ck)
-    release(run)  # the approval's events go out as they come; the result waits below
-    if op == "tool":
-        output = msg.get("output")
-        output = output if isinstance(output, str) else ""
+    run = _restore(runtime, ck)
+    _release(run)  # an approval's events go out as they come; the result waits below
+    if kind == "tool":
+        output = msg.get("output") if isinstance(msg.get("output"), str) else ""
         failed = msg.get("failed") is True
     else:
         by = msg.get("by") if isinstance(msg.get("by"), str) else "?"
         name = entry["name"]
         if msg.get("ok") is True:
             await run.event("approval.granted", {"call": cid, "name": name, "by": by})
-            tool = run.agent.tools.get(name)
             from edge_runtime.toolloop import _run_tool
-            output, failed = await _run_tool(tool, entry["input"])
+            output, failed = await _run_tool(run.agent.tools.get(name), entry["input"])
         else:
             await run.event("approval.denied", {"call": cid, "name": name, "by": by})
             output, failed = "denied by %s" % by, True
@@ -225,41 +276,56 @@ async def answer(runtime, msg):
     messages = ck["m"]
     messages.append({"role": "tool", "call": cid, "content": output})
     waiting = [w for w in ck["w"] if w is not entry]
-    run.emitter.hold = True
+    await runtime.flow(run.emitter)
+    run.emitter._send = _held
     run.emit("tool.result", {"call": cid, "output": output, "failed": failed})
     if waiting:
-        save(run, "paused", ck["s"], messages, ck["u"], waiting, left)
-        release(run)
-        runtime.ended(run)
-        _wait(runtime, run_id, left, run.ckv)
+        _write(run, "paused", ck["s"], messages, ck["u"], waiting, left)
+        _wait(runtime, run_id, left)
+        _release(run)
+        _gone(runtime, run)
         return
-    # Nothing waits: the run goes on from this checkpoint.
-    run.emit("run.resumed", {"ckpt": run.ckv + 1})
-    save(run, "run", ck["s"], messages, ck["u"], ())
-    release(run)
+    # Nothing waits: the run goes on from this checkpoint, in a slot like any run, ahead
+    # of the requests that wait (it was admitted long ago).
+    run.emit("run.resumed", {"ckpt": _vers[run_id] + 1})
+    _write(run, "run", ck["s"], messages, ck["u"], ())
     runtime.paused.pop(run_id, None)
     _unwatch(runtime)
-    runtime.resume(run, {"m": messages, "s": ck["s"], "u": ck["u"]})
+    _release(run)
+    job = (run, (messages, ck["s"], ck["u"]))
+    if len(runtime.active) < runtime.concurrency:
+        runtime._start(job)
+    else:
+        runtime._queue.insert(0, job)
 
 
-async def cancel(runtime, run_id, reason):
-    # A paused run cancelled: each waiting call is given a failed result, then the run
-    # ends cancelled.
-    ck = _read(_path(runtime, run_id))
-    if ck is None or runtime.paused.get(run_id) is None:
+async def _cancel(runtime, run_id, reason):
+    # Each waiting call is given a failed result, then the run ends cancelled.
+    ck = _read(_path(runtime, run_id)) if runtime.paused.get(run_id) is not None else None
+    if ck is None:
         runtime.refuse("unknown_run", "no paused run %s to cancel" % run_id, {"r": run_id})
         return
-    run = restore(runtime, ck)
+    run = _restore(runtime, ck)
     for w in ck["w"]:
         run.emit("tool.result", {"call": w["call"], "output": "cancelled", "failed": True})
+    reason = reason[:200] if isinstance(reason, str) and reason else "cancelled"
     _end(runtime, run, "run.cancelled", {"reason": reason})
+
+
+def emitter(runtime, run_id):
+    # A paused run's ring, for a replay, when the runtime's recent rings no longer hold it.
+    ck = _read(_path(runtime, run_id)) if runtime.paused.get(run_id) is not None else None
+    if ck is None:
+        return None
+    run = _restore(runtime, ck)
+    _release(run)
+    return run.emitter
 
 
 def boot(runtime):
     # At boot: the checkpoints on flash. A paused run comes back and announces again
     # what it waits for; a run that was running fails once, retryable.
-    # flash_dir is a prefix of paths: a folder, and the start of the file names.
-    fd = runtime.flash_dir
+    fd = runtime.flash_dir  # a prefix of paths: a folder, and the start of file names
     cut = fd.rfind("/") + 1
     head = fd[cut:] + _PREFIX
     try:
@@ -272,25 +338,16 @@ def boot(runtime):
         ck = _read(fd[:cut] + name)
         if ck is None:
             continue
-        run = restore(runtime, ck)
+        run = _restore(runtime, ck)
         if ck.get("st") != "paused":
             _end(runtime, run, "run.failed", {
                 "err": {"kind": "device", "msg": "the device restarted during the run"},
                 "retryable": True})
             continue
-        waiting = ck["w"]
         run.emit("run.resumed", {"ckpt": ck["v"]})
-        for w in waiting:
-            tool = runtime.agent.tools.get(w["name"])
-            client = tool is not None and tool.client
-            run.emit("tool.call", {"call": w["call"], "name": w["name"], "input": w["input"],
-                                   "client": client})
-            if w["kind"] == "approval":
-                run.emit("approval.request", {"call": w["call"], "name": w["name"]})
-        run.emit("run.paused", {"reason": _reason(waiting), "calls": _waiting_ids(waiting)})
+        _announce(run, ck["w"])
         left = ck.get("left") or 0
-        save(run, "paused", ck["s"], ck["m"], ck["u"], waiting, left)
-        release(run)
-        runtime.ended(run)
-        _wait(runtime, run.id, left, run.ckv)
-
+        _write(run, "paused", ck["s"], ck["m"], ck["u"], ck["w"], left)
+        _wait(runtime, run.id, left)
+        _release(run)
+        _gone(runtime, run)

@@ -78,8 +78,7 @@ class Run:
         # The scope ticket the bridge added to the req: copied unchanged into every
         # state, mem and core call of the run (None when the req had none).
         self.sc = msg.get("sc")
-        self.ttl = msg.get("ttl")
-        self.ckv = 0  # the version of the run's last checkpoint (pause.py)
+        self.ttl = msg.get("ttl")  # seconds a paused run may wait (pause.py)
         # The run's field values, declared or not: a key no declaration names is private
         # and stays on the board with the run. Durable slot fields are seeded here at the
         # start and what the run changed of them is committed at its end (state.py).
@@ -168,12 +167,11 @@ class Runtime:
         self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms,
                                      min(self.ring_size, _DEVICE_RING), self.ring_bytes)
         self.active = {}
-        # Paused runs (their state is on flash, pause.py): run id -> (the checkpoint
-        # version that waits, its deadline in ticks), or None while an answer is applied.
-        self.paused = {}
-        self.watching = None  # pause.py's watcher task, while runs are paused
-        self._booted = False
-        self._recent = Ring(_RECENT_RUNS)
+        # Paused runs, their state on flash (pause.py): run id -> its deadline in ticks
+        # (None while an answer is applied). None until the first connection, when the
+        # checkpoints of an earlier boot are read.
+        self.paused = None
+        self.recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
         self.boot = "%08x" % random_bits(32)
@@ -217,13 +215,15 @@ class Runtime:
         # The bridge's presence is heard again from its retained status.
         self._bridge_up = None
         self.pump_all()
-        if not self._booted:
-            self._booted = True
-            if self.agent.pauses:
-                # Checkpoints of runs from before this boot: the first connection is
-                # when what they emit can go out.
-                from edge_runtime import pause
-                pause.boot(self)
+        if self.paused is None:
+            self.paused = {}
+            for t in self.agent.tools.values():
+                if t.fn is None or t.approval:
+                    # Runs paused before this boot come back (or fail, if they were
+                    # running): what they emit can go out now.
+                    from edge_runtime import pause
+                    pause.boot(self)
+                    break
         if self.commits:
             from edge_runtime import state
             platform.asyncio.create_task(state.resend(self))
@@ -281,7 +281,7 @@ class Runtime:
         for run in self.active.values():
             if not run.emitter.pump():
                 return
-        for emitter in self._recent:
+        for emitter in self.recent:
             if not emitter.pump():
                 return
 
@@ -440,18 +440,13 @@ class Runtime:
             self.refuse("unknown_op", "unknown ctl op %s" % _clip(op))
             return
         run_id = msg.get("r")
-        paused = run_id in self.paused
-        if paused and op != "replay":
+        if op != "replay" and self.paused and run_id in self.paused:
+            # Its answers, approvals and cancel are pause.py's.
             from edge_runtime import pause
-            if op == "cancel":
-                reason = msg.get("reason")
-                reason = reason[:MAX_REASON] if isinstance(reason, str) and reason else "cancelled"
-                platform.asyncio.create_task(pause.cancel(self, run_id, reason))
-            else:
-                platform.asyncio.create_task(pause.answer(self, msg))
+            platform.asyncio.create_task(pause.ctl(self, msg))
             return
-        if (not paused and (op == "cancel" or op == "replay") and isinstance(run_id, str)
-                and "." in run_id and not run_id.startswith(self.boot + ".")):
+        if (op == "cancel" or op == "replay") and isinstance(run_id, str) and "." in run_id \
+                and not run_id.startswith(self.boot + "."):
             # A run of an earlier boot, which ended with it: the bridge's cancel of a run
             # whose board went away waits in the session and reaches the next boot.
             self.stats["stale_ctl"] += 1
@@ -461,18 +456,9 @@ class Runtime:
         elif op == "replay":
             self._ctl_replay(msg)
         else:
-            # A tool answer or approval for a run that is not paused.
-            self.not_waiting(run_id, msg.get("call"))
-
-    def not_waiting(self, run_id, call):
-        # Named in the refusal when they are ids: a host can tell which answer it was.
-        extra = {}
-        if _is_id(run_id):
-            extra["r"] = run_id
-        if _is_id(call):
-            extra["call"] = call
-        self.refuse("not_waiting", "run %s is not waiting on call %s" % (_clip(run_id), _clip(call)),
-                    extra)
+            # No run pauses in this version, so no tool answer or approval can be expected.
+            self.refuse("not_waiting", "run %s is not waiting on call %s"
+                        % (_clip(msg.get("r")), _clip(msg.get("call"))))
 
     def _find_emitter(self, run_id):
         if not isinstance(run_id, str):
@@ -480,9 +466,12 @@ class Runtime:
         run = self.active.get(run_id)
         if run is not None:
             return run.emitter
-        for emitter in self._recent:
+        for emitter in self.recent:
             if emitter.run_id == run_id:
                 return emitter
+        if self.paused and run_id in self.paused:
+            from edge_runtime import pause
+            return pause.emitter(self, run_id)
         return None
 
     def _ctl_cancel(self, msg):
@@ -516,60 +505,44 @@ class Runtime:
     # --- runs ---------------------------------------------------------------------
 
     def _start(self, msg):
-        resumed = msg.get("_run")
-        if resumed is not None:
-            # A paused run whose answers are all in (pause.py): it goes on from its
-            # checkpoint, in a slot like any run.
-            run, ck = resumed, msg["_ck"]
+        state = None
+        if isinstance(msg, tuple):
+            # A paused run whose answers are in (pause.py): (run, where it goes on).
+            run, state = msg
         else:
             self._runs_started += 1
-            run, ck = Run(self, "%s.%d" % (self.boot, self._runs_started), msg), None
+            run = Run(self, "%s.%d" % (self.boot, self._runs_started), msg)
         self.active[run.id] = run
-        run.task = platform.asyncio.create_task(self._drive(run, ck))
+        run.task = platform.asyncio.create_task(self._drive(run, state))
 
-    def resume(self, run, ck):
-        # Ahead of the requests that wait: this run was admitted long ago.
-        msg = {"_run": run, "_ck": ck}
-        if len(self.active) < self.concurrency:
-            self._start(msg)
-        else:
-            self._queue.insert(0, msg)
-
-    def ended(self, run):
-        # A run that leaves memory (ended, or paused): only its event ring stays, for
-        # replays.
-        self._recent.push(run.emitter)
-
-    async def _drive(self, run, ck=None):
+    async def _drive(self, run, state=None):
         # Everything a run does happens inside this try, so its slot is always given
         # back, whatever the handler or an emit raises.
         try:
             run.started = True
-            await self._run_to_end(run, ck)
+            await self._run_to_end(run, state)
         finally:
             self.active.pop(run.id, None)
-            if run.ckv and run.id not in self.paused:
-                # Ended, not paused: its checkpoint goes with it.
-                from edge_runtime import pause
-                pause.remove(self, run.id)
             # Only the event ring outlives a run (for replays), not its state.
-            self.ended(run)
+            self.recent.push(run.emitter)
             run_id = run.id
-            run = ck = None
+            run = state = None
             platform.collect()
             # One console line per run: on a serial console this is how heap trouble shows.
             platform.log("run", run_id, "ended; heap free", free_heap())
             if self._queue and len(self.active) < self.concurrency:
                 self._start(self._queue.pop(0))
 
-    async def _run_to_end(self, run, ck=None):
+    async def _run_to_end(self, run, state=None):
         agent = self.agent
         try:
-            if ck is not None:
+            if state is not None:
+                # A paused run going on: the model loop from its checkpoint.
                 from edge_runtime.toolloop import model_loop
-                usage = await model_loop(run, ck)
-                ck = None
-                await self._finish(run, usage)
+                usage = await model_loop(run, state)
+                state = None
+                if run.id not in self.paused:
+                    await _end(run, usage)
                 return
             started = {"agent": agent.name, "ver": agent.version, "req": run.req,
                        "conv": run.conv, "domain": "request", "input": run.input}
@@ -587,13 +560,19 @@ class Runtime:
             else:
                 run.begin()
             run.check_cancelled()
+            durable = False
             for f in agent.fields:
                 if f.dur != "run" and f.kind == "slot" and not f.core:
                     # Only an agent with durable slot fields has state to load and commit.
+                    durable = True
                     await _state(run, False)
                     break
             usage = await handler(run)
-            await self._finish(run, usage)
+            if run.id in self.paused:
+                return  # it ends later, from its checkpoint (pause.py)
+            if durable:
+                await _state(run, True)
+            run.emit("run.done", {"usage": usage or {}})
         except platform.asyncio.CancelledError:
             run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
         except RunFailed as e:
@@ -611,14 +590,14 @@ class Runtime:
             run.emit("run.failed", {"err": {"kind": "internal", "msg": "the board hit an internal error"},
                                     "retryable": False})
 
-    async def _finish(self, run, usage):
-        if run.id in self.paused:
-            return  # paused by the model loop: it ends later, from its checkpoint
-        for f in self.agent.fields:
-            if f.dur != "run" and f.kind == "slot" and not f.core:
-                await _state(run, True)
-                break
-        run.emit("run.done", {"usage": usage or {}})
+
+async def _end(run, usage):
+    # A resumed run's end: what a run's end is (durable fields committed, run.done).
+    for f in run.agent.fields:
+        if f.dur != "run" and f.kind == "slot" and not f.core:
+            await _state(run, True)
+            break
+    run.emit("run.done", {"usage": usage or {}})
 
 
 async def _state(run, commit):

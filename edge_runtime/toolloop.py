@@ -155,21 +155,29 @@ async def _fit(run, messages, fixed, first):
                                   "detail": "%d messages, %d characters left out" % (dropped, chars)})
 
 
-async def model_loop(run, ck=None):
-    # `ck`: a paused run going on ({m: the conversation, s: the next step, u: usage}).
+async def model_loop(run, state=None):
+    # `state`: (messages, next step, usage) of a paused run going on (pause.py). An agent
+    # with a tool that pauses (a client tool, or one that needs approval) checkpoints
+    # its runs; its checkpoint goes when the run ends.
+    for t in run.agent.tools.values():
+        if t.fn is None or t.approval:
+            from edge_runtime import pause
+            try:
+                return await _loop(run, state, pause)
+            finally:
+                pause.remove(run)
+    return await _loop(run, state, None)
+
+
+async def _loop(run, state, pause):
     agent = run.agent
-    if ck is None:
-        messages = [{"role": "system", "content": agent.instructions},
-                    {"role": "user", "content": run.input}]
-        first = 0
-        usage = {"in": 0, "out": 0, "reason": 0}
-    else:
-        messages, first, usage = ck["m"], ck["s"], ck["u"]
-        ck = None
-    pause = None
-    if agent.pauses:
-        # An agent whose tools can pause a run checkpoints at each step boundary.
-        from edge_runtime import pause
+    messages = [{"role": "system", "content": agent.instructions},
+                {"role": "user", "content": run.input}]
+    first = 0
+    usage = {"in": 0, "out": 0, "reason": 0}
+    if state is not None:
+        messages, first, usage = state
+        state = None
     specs = [t.describe(False) for t in agent.tools.values()]
     mem = None
     if agent.fields:
@@ -185,7 +193,7 @@ async def model_loop(run, ck=None):
     for step in range(first, agent.max_steps):
         run.check_cancelled()
         if pause is not None:
-            pause.save(run, "run", step, messages, usage, ())
+            await pause.save(run, step, messages, usage, ())
         m = step + 1
         calls = []
         if mem is None:
@@ -275,15 +283,10 @@ async def model_loop(run, ck=None):
             cid = call.get("call")
             input_text = call.get("input") or "{}"
             tool = agent.tools.get(name) if isinstance(name, str) else None
-            if tool is not None and (tool.client or tool.approval):
-                # Announced now, answered later: the run pauses once the turn's other
+            if tool is not None and (tool.fn is None or tool.approval):
+                # Answered later: announced, with the run's pause, once the turn's other
                 # calls have run (pause.py).
-                await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
-                                              "client": tool.client})
-                if tool.approval:
-                    await run.event("approval.request", {"call": cid, "name": name})
-                waiting.append({"call": cid, "name": name, "input": input_text,
-                                "kind": "tool" if tool.client else "approval"})
+                waiting.append(call)
                 continue
             if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
                 output, failed = await mem.tool(cid, name, input_text, _tool_output)
@@ -301,8 +304,8 @@ async def model_loop(run, ck=None):
                 # What memory.load keeps in view is this run's, not the checkpoint's.
                 del messages[1]
                 mem.viewing = False
-            # The run's state goes to flash and the run leaves memory; the runtime sees
-            # it paused and ends nothing (pause.py brings it back).
-            await pause.suspend(run, step + 1, messages, usage, waiting)
+            # The run's state to flash; the run leaves memory (the runtime sees it
+            # paused and ends nothing).
+            await pause.save(run, step + 1, messages, usage, waiting)
             return None
     raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)

@@ -25,8 +25,8 @@ def _agent():
         agent.opened.append(args.get("valve"))
         return "valve %s is open" % args.get("valve")
 
-    agent.client_tool("ask_user", "Ask the user a question",
-                      {"type": "object", "properties": {"q": {"type": "string"}}})
+    agent.tool("ask_user", "Ask the user a question",
+               {"type": "object", "properties": {"q": {"type": "string"}}})(None)
     return agent
 
 
@@ -202,8 +202,9 @@ def test_a_board_that_reboots_while_paused_comes_back_waiting_and_finishes():
         # boot) starts from the same flash and takes over the device's session.
         runtime.link.stop()
         # The old boot's memory and tasks are gone with its power.
+        from edge_runtime import pause
         runtime.paused.clear()
-        runtime.watching.cancel()
+        pause._unwatch(runtime)
         host, port = broker_address()
         again = Runtime(agent, runtime.device, {"flash_dir": prefix})
         link = Link(runtime.device, host, port, backoff_ms=(50, 200), **again.link_settings())
@@ -241,7 +242,8 @@ def test_a_run_that_waits_past_its_limit_fails_retryable():
         end = _ended(bridge)[0]
         assert end["t"] == "run.failed" and end["d"]["retryable"] is True
         assert end["d"]["err"]["kind"] == "timeout"
-        assert runtime.paused == {} and runtime.watching is None and _ck_files(prefix) == []
+        from edge_runtime import pause
+        assert runtime.paused == {} and pause._watcher is None and _ck_files(prefix) == []
         # An answer after the end is not waited for.
         bridge.send("ctl", {"op": "tool", "r": end["r"], "call": "q1", "output": "late"})
         await bridge.wait_for(lambda: device_errors(bridge))

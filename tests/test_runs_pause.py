@@ -38,8 +38,8 @@ def open_valve(args):
     return "valve %s is open" % args.get("valve")
 
 
-agent.client_tool("ask_user", "Ask the user a question", {"type": "object", "properties": {
-    "q": {"type": "string"}}})
+agent.tool("ask_user", "Ask the user a question", {"type": "object", "properties": {
+    "q": {"type": "string"}}})(None)
 board.start(agent)
 """
 
@@ -63,7 +63,7 @@ def _ids_once(s: Stack, run: str) -> list[int]:
 
 
 def _check_finished(s: Stack, snap: RunSnapshot, ran_before: int) -> None:
-    assert snap.status == "done", s.describe()
+    assert snap.status == "done", (snap.error, s.describe())
     assert snap.complete, s.describe()
     results = {r.call: r for r in snap.rows if r.kind == "tool_result"}
     outputs = sorted(str(r.output) for r in results.values())
@@ -128,8 +128,8 @@ from edge_runtime import board
 from edge_runtime.agent import Agent
 
 agent = Agent("asker", "1.0", "You ask before you act.")
-agent.client_tool("ask_user", "Ask the user a question", {"type": "object", "properties": {
-    "q": {"type": "string"}}})
+agent.tool("ask_user", "Ask the user a question", {"type": "object", "properties": {
+    "q": {"type": "string"}}})(None)
 board.start(agent)
 """
 
