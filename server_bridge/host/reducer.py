@@ -80,7 +80,9 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 # `internal`, so a UI can switch on the kind without meeting a value it does not know.
 # `link`: the board could not reach the bridge; `device`: the bridge ended the run for
 # its board (the device restarted or went offline).
-FAILURE_KINDS = frozenset({"llm", "tool", "condition", "internal", "link", "device"})
+FAILURE_KINDS = frozenset(
+    {"llm", "tool", "condition", "internal", "link", "device", "timeout"}
+)
 
 # A customer-safe message is short; a board that sent a long one (a stack trace, say)
 # should not be able to fill a UI with it.
