@@ -155,21 +155,21 @@ async def _fit(run, messages, fixed, first):
                                   "detail": "%d messages, %d characters left out" % (dropped, chars)})
 
 
-async def model_loop(run, state=None):
+async def model_loop(run, state=None, pause=0):
     # `state`: (messages, next step, usage) of a paused run going on (pause.py). An agent
     # with a tool that pauses (a client tool, or one that needs approval) checkpoints
-    # its runs; its checkpoint goes when the run ends.
-    for t in run.agent.tools.values():
-        if t.fn is None or t.approval:
-            from edge_runtime import pause
-            try:
-                return await _loop(run, state, pause)
-            finally:
-                pause.remove(run)
-    return await _loop(run, state, None)
-
-
-async def _loop(run, state, pause):
+    # its runs (`pause`, the module), and its checkpoint goes when the run ends: the
+    # first call decides, and calls itself with what it decided (no second function's
+    # name in the board's qstr pool, which is near its next doubling).
+    if pause == 0:
+        for t in run.agent.tools.values():
+            if t.fn is None or t.approval:
+                from edge_runtime import pause
+                try:
+                    return await model_loop(run, state, pause)
+                finally:
+                    pause.remove(run)
+        pause = None
     agent = run.agent
     messages = [{"role": "system", "content": agent.instructions},
                 {"role": "user", "content": run.input}]
