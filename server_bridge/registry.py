@@ -586,10 +586,13 @@ class Registry:
         grants of single fields stay); False when there was none."""
         _checked_grant(tenant, agent, field, WRITE)
         q = Query()
+        which = (q.tenant == tenant) & (q.agent == agent) & (q.field == field)
         with self._writing():
-            return bool(
-                self._grants.remove((q.tenant == tenant) & (q.agent == agent) & (q.field == field))
-            )
+            # Looked for first: TinyDB's remove writes the file even when nothing matches.
+            if not self._grants.contains(which):
+                return False
+            self._grants.remove(which)
+            return True
 
     def grants(self, tenant: str | None = None) -> list[Grant]:
         """Every grant (of one tenant), by tenant, agent and field. A malformed record is

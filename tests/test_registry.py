@@ -644,8 +644,10 @@ def test_adding_a_grant_again_changes_its_access_and_removing_takes_it_back(
     assert reg.grants() == [Grant("acme", "kiosk", "menu", READ)]
     assert len(json.loads(path.read_text())["grants"]) == 1  # one record, changed
     reg.add_grant("acme", "kiosk")
+    before = path.read_bytes()
     assert not reg.remove_grant("acme", "kiosk", "other")
     assert not reg.remove_grant("acme", "till")
+    assert path.read_bytes() == before  # nothing to remove: not written
     assert reg.remove_grant("acme", "kiosk")  # the * grant; menu's stays
     assert reg.grants() == [Grant("acme", "kiosk", "menu", READ)]
     assert reg.grants_of("acme", "kiosk").access("notes") is None
