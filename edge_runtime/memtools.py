@@ -132,6 +132,13 @@ class Memory:
                     platform.unload("core")
                 if d is not None:
                     self.docs[f.name] = d
+            elif _table(f):
+                from edge_runtime import rows
+                try:
+                    await rows.rehydrate(self.run, f)
+                finally:
+                    rows = None
+                    platform.unload("rows")
 
     def specs(self, tools):
         # The model's tools, encoded (msgpack array): `tools`, the agent's own specs, then
@@ -236,7 +243,13 @@ class Memory:
             # The value in the answer too: the model reads it now, not a turn later.
             text = self.loaded[name] = _text(self.run.state.get(name))
             return _IN_VIEW % (name, text), False
-        self.run.state[name] = a["value"] if op == "remember" else None
+        value = self.run.state[name] = a["value"] if op == "remember" else None
+        if f.stream and f.vis == "public":
+            # A streamed public slot is an output hosts show; set whole, so it is final.
+            d = {"name": name, "value": value, "status": "final"}
+            if f.fmt:
+                d["format"] = f.fmt
+            self.run.emit("output", d)
         return "%s is set" % name, False
 
     async def _bridge(self, op, names, f, a, private):
@@ -262,7 +275,10 @@ class Memory:
         write = " %s " % op in _WRITES
         if write:
             args["w"] = run.w()
-        ok = await run.rpc.call("mem.peek" if op == "load" else "mem." + op, args, run.id)
+        if write and f is not None and _table(f) and not private:
+            ok = await _table_write(run, f, op, args)
+        else:
+            ok = await run.rpc.call("mem.peek" if op == "load" else "mem." + op, args, run.id)
         if not isinstance(ok, dict):
             ok = {}
         if op == "load":
@@ -283,6 +299,20 @@ class Memory:
         if write:
             return "done: " + json.dumps(ok), False
         return _RECALLED + "\n" + json.dumps(ok), False
+
+
+def _table(f):
+    # A field whose rows hosts see as `row` events (rows.py).
+    return f.stream and f.kind == "collection" and f.vis == "public"
+
+
+async def _table_write(run, f, op, args):
+    from edge_runtime import rows
+    try:
+        return await rows.write(run, f, op, args)
+    finally:
+        rows = None
+        platform.unload("rows")
 
 
 def _text(value):

@@ -80,11 +80,14 @@ class Memory:
         self.ledger = {}
         self.fail = {}
         self._keys = 0
+        self._seq = 0
 
     def serve(self, m, a, decls):
         fails = self.fail.get(m)
-        if fails:
-            raise Refused(**fails.pop(0))
+        # A None in the list answers that call as usual.
+        failure = fails.pop(0) if fails else None
+        if failure is not None:
+            raise Refused(**failure)
         w = a.get("w")
         if w is not None and w in self.ledger:
             return self.ledger[w]
@@ -151,7 +154,9 @@ class Memory:
             self._keys += 1
             key = "k%d" % self._keys
         row = table.get(key) or {"key": key, "ver": 0, "links": []}
-        row["value"] = value
+        row["value"] = _merge(d.get("merge", "replace"), row.get("value"), value)
+        self._seq += 1
+        row["seq"] = self._seq
         row["ver"] += 1
         table[key] = row
         return {"key": key, "ver": row["ver"]}
@@ -170,8 +175,12 @@ class Memory:
         return {"hits": hits[:a.get("k", 5)]}
 
     def _mem_list(self, a, decls):
-        rows = list(self._table(a, decls)[1].values())
-        return {"rows": rows[::-1][:a.get("limit", 10)], "cursor": None}
+        # Newest first by write sequence (a MicroPython dict keeps no insertion order);
+        # the cursor is how many were skipped.
+        rows = sorted(self._table(a, decls)[1].values(), key=lambda r: -r.get("seq", 0))
+        start = int(a.get("cursor") or 0)
+        end = start + a.get("limit", 10)
+        return {"rows": rows[start:end], "cursor": str(end) if end < len(rows) else None}
 
     def _mem_peek(self, a, decls):
         return {"row": self._row(a, decls), "backlinks": []}

@@ -373,3 +373,93 @@ def test_the_conversation_is_trimmed_oldest_first_to_the_context_limit():
         assert bridge.mem_calls() == [] and bridge.hello["fields"] == []
 
     run(with_board("tm-trim", body, script, agent=agent))
+
+
+# --- tables: a public collection declared stream=True, shown as row events ------------
+
+def _table_agent():
+    return Agent("shopper", "1.0", "You keep the list.", fields=[
+        Field("shopping", vis="public", dur="session", kind="collection", key="item",
+              stream=True),
+        Field("notes", vis="public", dur="session", kind="collection", merge="append",
+              stream=True),
+        Field("hidden", dur="session", kind="collection", stream=True),  # private
+        Field("total", vis="public", stream=True, fmt="number"),  # a run slot, an output
+    ])
+
+
+def _rows(bridge):
+    return [e["d"] for e in _run_events(bridge) if e["t"] in ("row", "row.delete")]
+
+
+def test_a_table_is_shown_again_at_run_start_newest_first_then_each_write_builds():
+    script = [[_tool("c1", "memory.remember", {"field": "shopping", "value": {"item": "milk", "n": 2}})],
+              [_tool("c2", "memory.remember", {"field": "shopping", "value": {"n": 1}})],
+              [_tool("c3", "memory.forget", {"field": "shopping", "key": "s1"})],
+              [_tool("c4", "memory.remember", {"field": "hidden", "value": "pin 1234"})],
+              [_tool("c5", "memory.remember", {"field": "total", "value": 7})],
+              [{"text": "Listed."}]]
+
+    async def body(bridge, runtime, prefix):
+        # Six stored rows: more than one mem.list page (4), so the cursor is followed.
+        table = bridge.memory.rows["shopping"] = {}
+        for n in range(6):
+            table["s%d" % n] = {"key": "s%d" % n, "ver": 1, "links": [], "value": {"item": "s%d" % n},
+                                "seq": n - 10}
+        _ask(bridge)
+        await bridge.wait_for(lambda: _ended(bridge))
+        assert _ended(bridge)[0]["t"] == "run.done", _ended(bridge)
+        lists = bridge.mem_calls("mem.list")
+        assert [(c["a"]["field"], c["a"].get("cursor")) for c in lists] == [
+            ("shopping", None), ("shopping", "4"), ("notes", None)]
+        rows = _rows(bridge)
+        stored = rows[:6]
+        assert [d["row"] for d in stored] == ["s5", "s4", "s3", "s2", "s1", "s0"]
+        assert all(d["status"] == "final" and d["stored"] is True and d["ver"] == 1 for d in stored)
+        assert stored[0]["value"] == {"item": "s5"}
+        w1, w2 = [c["a"] for c in bridge.mem_calls("mem.remember")][:2]
+        # Keyed by the value's upsert key; the keyless insert is keyed by its write id.
+        assert w2["key"] == w2["w"]
+        assert rows[6:] == [
+            {"field": "shopping", "row": "milk", "status": "building", "value": {"item": "milk", "n": 2}},
+            {"field": "shopping", "row": "milk", "status": "final", "value": {"item": "milk", "n": 2}, "ver": 1},
+            {"field": "shopping", "row": w2["w"], "status": "building", "value": {"n": 1}},
+            {"field": "shopping", "row": w2["w"], "status": "final", "value": {"n": 1}, "ver": 1},
+            {"field": "shopping", "row": "s1"},
+        ]
+        assert "s1" not in bridge.memory.rows["shopping"]
+        # The streamed public slot is an output, final as soon as it is set.
+        assert [e["d"] for e in _run_events(bridge, "output")] == [
+            {"name": "total", "value": 7, "status": "final", "format": "number"}]
+        # The private table wrote its row and showed nothing of it.
+        assert bridge.memory.rows["hidden"]
+        _nowhere(bridge, "pin 1234")
+
+    _memory_board("tm-table", body, script, agent=_table_agent())
+
+
+def test_a_merged_row_is_read_back_and_a_refused_write_is_shown_failed():
+    script = [[_tool("c1", "memory.remember", {"field": "notes", "key": "n1", "value": "more"})],
+              [_tool("c2", "memory.remember", {"field": "notes", "key": "n2", "value": "x"})],
+              [{"text": "Done."}]]
+
+    async def body(bridge, runtime, prefix):
+        bridge.memory.rows["notes"] = {"n1": {"key": "n1", "ver": 3, "links": [
+            {"label": "about", "to_field": "shopping", "to_key": "milk"}], "value": "some "}}
+        bridge.memory.fail["mem.remember"] = [None, {"kind": "over_limit", "msg": "full"}]
+        _ask(bridge)
+        await bridge.wait_for(lambda: _ended(bridge))
+        rows = _rows(bridge)
+        assert rows[0]["stored"] is True and rows[0]["links"][0]["label"] == "about"
+        # `append`: the value written is not the row's; the stored one is read back.
+        assert rows[1:] == [
+            {"field": "notes", "row": "n1", "status": "building"},
+            {"field": "notes", "row": "n1", "status": "final", "value": "some more", "ver": 4,
+             "links": [{"label": "about", "to_field": "shopping", "to_key": "milk"}]},
+            {"field": "notes", "row": "n2", "status": "building"},
+            {"field": "notes", "row": "n2", "status": "failed",
+             "err": {"kind": "over_limit", "msg": "full"}},
+        ]
+        assert _tool_messages(bridge)[1] == "memory.remember failed (over_limit): full"
+
+    _memory_board("tm-tablefail", body, script, agent=_table_agent())

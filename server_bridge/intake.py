@@ -130,6 +130,8 @@ class EventLanes(Protocol):
 # Only the contract's envelope keys cross to hosts; anything else a board adds stays here.
 _ENVELOPE_KEYS = ("r", "i", "t", "ts", "n", "a", "k", "d")
 _PRESENCE = ("online", "offline")
+# Rows one run may have `building` at once that a bridge-ended run shows failed.
+_MAX_BUILDING = 32
 # Streams that are not runs: nothing is synthesized for them, they never "end".
 _STREAMS = (DEVICE_RUN, BRIDGE_RUN)
 # What of a board's status the bridge keeps (PROTOCOL.md "Topics": presence).
@@ -190,6 +192,10 @@ class _Run:
     # and what it is charged against the intake's window budget.
     recent: deque[tuple[int, bytes]] = field(default_factory=deque)
     recent_bytes: int = 0
+    # Table rows the run has shown `building` and not yet `final` or `failed` (field,
+    # row), at most _MAX_BUILDING: a run the bridge ends shows them failed, so no row
+    # stays building on a dashboard after its board is gone (PROTOCOL.md "Tables").
+    building: dict[tuple[str, str], None] = field(default_factory=dict)
 
     @property
     def missing(self) -> bool:
@@ -471,8 +477,24 @@ class EventIntake:
         st.expected = clean["i"] + 1
         if clean["t"] in TERMINAL:
             st.finished = True
+        elif clean["t"] == "row":
+            self._track_row(st, clean["d"])
         self._taken += 1
         return True
+
+    def _track_row(self, st: _Run, d: dict[str, Any]) -> None:
+        row = (d.get("field"), d.get("row"))
+        if not all(isinstance(x, str) for x in row):
+            return
+        key = cast(tuple[str, str], row)
+        if d.get("status") != "building":
+            st.building.pop(key, None)
+        elif len(st.building) < _MAX_BUILDING:
+            st.building[key] = None
+        else:
+            # A board keeps one row building per write it has out; past the bound it is
+            # not believed, and the row is left to the board's own ending.
+            self._count("rows.untracked", 1)
 
     # ------------------------------------------------------------------ replay window
 
@@ -620,6 +642,11 @@ class EventIntake:
             }
             self._deliver(st, self._made(st, "error", d), out, force=True)
         if not st.finished:
+            for name, row in list(st.building):
+                err = {"kind": "device", "msg": msg}
+                d = {"field": name, "row": row, "status": "failed", "err": err}
+                self._deliver(st, self._made(st, "row", d), out, force=True)
+            st.building.clear()
             d = {"err": {"kind": "device", "msg": msg}, "retryable": True}
             self._deliver(st, self._made(st, "run.failed", d), out, force=True)
             failed = True

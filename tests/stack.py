@@ -54,7 +54,7 @@ from server_bridge.registry import provision
 from server_bridge.tokens import sign
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto
 from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT
-from tools.virtual_board import BoardError, VirtualBoard, lay_out_flash
+from tools.virtual_board import MAIN_PY, BoardError, VirtualBoard, lay_out_flash
 
 __all__ = [
     "DEVICE",
@@ -146,6 +146,7 @@ class Stack:
         bridge_verbose: bool = False,
         start_timeout_s: float = START_TIMEOUT_S,
         extra_users: Mapping[str, str] | None = None,
+        main_py: str | None = None,
     ) -> None:
         self._owned_dir: tempfile.TemporaryDirectory[str] | None = None
         if workdir is None:
@@ -155,6 +156,8 @@ class Stack:
         self.model_url = model_url
         self.model = model
         self.device = device
+        # The board's main.py: the demo thermostat unless a test brings its own agent.
+        self.main_py = main_py or MAIN_PY
         # The board's 128K, or 144K for the thermostat with its memory field, which keeps
         # only about 13 KiB free between runs at 128K (README): a harness test is about
         # its own subject, not that margin (tests/test_memory_boards.py runs at 128K).
@@ -252,7 +255,7 @@ class Stack:
             **self.board_settings,
         }
         try:
-            lay_out_flash(self.flash, settings, mpy=self.mpy)
+            lay_out_flash(self.flash, settings, mpy=self.mpy, main_py=self.main_py)
         except (BoardError, subprocess.CalledProcessError) as e:
             raise StackError(f"board: could not lay out the flash: {e}") from e
 

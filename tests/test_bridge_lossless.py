@@ -31,6 +31,7 @@ from server_bridge.intake import DEVICE_OFFLINE, DEVICE_RESTARTED
 from server_bridge.lanes import OVERHEAD
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import DeviceRecord, Registry
+from tests.eventdata import fold
 from tests.test_bridge import (
     DEV,
     OTHER_SECRET,
@@ -439,6 +440,40 @@ def test_offline_ends_the_open_runs_and_the_board_finds_the_cancels(
         assert w.bridge.stats["device.offline"] == 1
     finally:
         board.close()
+        w.close()
+
+
+def test_rows_left_building_by_a_board_that_went_offline_are_shown_failed(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    # PROTOCOL.md "Tables": a dashboard never keeps a row `building` whose board is gone.
+    w = World(broker, tmp_path, ScriptedProvider())
+    try:
+        row = "row"
+        w.board.send(w.d("status"), {"st": "online", "boot": OLD_BOOT})
+        w.board.send(
+            w.d("evt"),
+            [
+                ev(1, run="a"),
+                ev(2, row, run="a", field="shop", row="milk", status="building", value="2"),
+                ev(3, row, run="a", field="shop", row="tea", status="building"),
+                ev(4, row, run="a", field="shop", row="milk", status="final", value="2", ver=1),
+            ],
+        )
+        first = host_events(w, 4)
+        w.board.send(w.d("status"), {"st": "offline", "boot": OLD_BOOT})
+        swept, failed = host_events(w, 2)
+        assert (swept["i"], swept["t"], failed["i"], failed["t"]) == (5, "row", 6, "run.failed")
+        assert swept["d"] == {
+            "field": "shop",
+            "row": "tea",
+            "status": "failed",
+            "err": {"kind": "device", "msg": DEVICE_OFFLINE},
+        }
+        snap = fold([*first, swept, failed])
+        table = [(r.key, r.status, r.output) for r in snap.table("shop")]
+        assert table == [("tea", "failed", None), ("milk", "final", "2")]
+    finally:
         w.close()
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from server_bridge.host.reducer import RunSnapshot
 from server_bridge.registry import Registry
 from server_bridge.tokens import sign
+from tests.model_server import ModelServer, ToolCall, Turn
 from tests.stack import TENANT, Stack
 from tools.virtual_board import VirtualBoard, lay_out_flash
 
@@ -63,3 +64,59 @@ def test_a_users_usual_temperature_follows_them_to_another_board(tmp_path: Path)
         assert "usual_celsius: null" in str(loaded[1])
         ((given, _, failed),) = calls(snap, "set_temperature")
         assert given == '{"celsius": null}' and failed
+
+
+# A shopping list: a public table of the conversation whose rows hosts see build.
+SHOPPER = """\
+from edge_runtime import board
+from edge_runtime.agent import Agent
+from edge_runtime.fields import Field
+
+agent = Agent("shopper", "1.0", "You keep the user's shopping list.", fields=[
+    Field("shopping", vis="public", dur="session", kind="collection", key="item",
+          stream=True)])
+board.start(agent)
+"""
+
+
+def _remember(item: str, n: int) -> ToolCall:
+    args = {"field": "shopping", "value": {"item": item, "n": n}}
+    return ToolCall("memory.remember", json.dumps(args))
+
+
+def test_a_table_builds_on_the_host_and_is_there_again_when_the_conversation_reopens(
+    tmp_path: Path,
+) -> None:
+    # The model streams its tool arguments three characters at a time, as real ones
+    # fragment them; the board runs at the demo's 128K from .mpy.
+    script = [
+        Turn(tool_calls=[_remember("milk", 2), _remember("eggs", 12)], args_chunk_chars=3),
+        Turn(text="Milk and eggs are on the list."),
+    ]
+    with ModelServer(script) as server, Stack(
+        tmp_path, model_url=server.url, main_py=SHOPPER, heap="128K"
+    ) as s:
+        first = s.wait_run(s.request("Put milk and eggs on my list.", conv="list-1"))
+        assert first.status == "done", s.describe()
+        built = [(r.key, r.status, r.output, r.ver) for r in first.table("shopping")]
+        assert built == [
+            ("eggs", "final", {"item": "eggs", "n": 12}, 1),
+            ("milk", "final", {"item": "milk", "n": 2}, 1),
+        ]
+        # The same conversation again: the table as stored is shown before anything else
+        # happens, newest first, and an edit of a stored row moves it to the top.
+        server.override_next(
+            Turn(tool_calls=[_remember("milk", 3)], args_chunk_chars=3),
+            Turn(text="Three milks now."),
+        )
+        second = s.wait_run(s.request("Make it three milks.", conv="list-1"))
+        assert second.status == "done", s.describe()
+        rows = [(r.key, r.status, r.output, r.ver, r.stored) for r in second.table("shopping")]
+        assert rows == [
+            ("milk", "final", {"item": "milk", "n": 3}, 2, False),
+            ("eggs", "final", {"item": "eggs", "n": 12}, 1, True),
+        ]
+        # Another conversation has a table of its own.
+        server.override_next(Turn(text="Your list is empty."))
+        other = s.wait_run(s.request("What is on my list?", conv="list-2"))
+        assert other.table("shopping") == []

@@ -224,3 +224,33 @@ def test_live_view_prints_the_missing_marker_where_the_text_is_missing() -> None
         "error gap: lost",
         "status: done (in 12, out 8 tokens) (incomplete: events 4..4 missing)",
     ]
+
+
+def test_live_view_shows_table_rows_as_they_settle_change_and_go() -> None:
+    def row(i: int, key: str, status: str, **d: Any) -> dict[str, Any]:
+        return ev(i, "row", "r1", field="shop", row=key, status=status, **d)
+
+    out = io.StringIO()
+    view = LiveView(out)
+    events = [
+        row(1, "tea", "final", value="1 box", ver=3, stored=True),
+        row(2, "milk", "building", value={"n": 2}),
+        row(3, "milk", "final", value={"n": 2}, ver=1),
+        row(4, "eggs", "building"),
+        row(5, "eggs", "failed", err={"kind": "over_limit", "msg": "the table is full"}),
+        ev(6, "row.delete", "r1", field="shop", row="tea"),
+    ]
+    for e in events:
+        view.feed(e)
+    assert out.getvalue().splitlines() == [
+        "row shop/tea = 1 box (stored)",
+        'row shop/milk = {"n": 2} (final)',
+        "row shop/eggs = - (failed: over_limit: the table is full)",
+        "row shop/tea deleted",
+    ]
+    # The transcript lists the table most recent first.
+    snap = fold(events)
+    assert render(snap)[:2] == [
+        "row shop/eggs = - (failed: over_limit: the table is full)",
+        'row shop/milk = {"n": 2} (final)',
+    ]

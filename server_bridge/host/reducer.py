@@ -64,7 +64,9 @@ __all__ = [
 ]
 
 Status = Literal["running", "paused", "done", "failed", "cancelled"]
-RowKind = Literal["user", "assistant", "output", "tool_call", "tool_result", "missing"]
+RowKind = Literal[
+    "user", "assistant", "output", "tool_call", "tool_result", "missing", "table_row"
+]
 Envelope = Mapping[str, Any]
 # Called after each event is applied, with that event and the snapshot as of it.
 OnApply = Callable[[dict[str, Any], "RunSnapshot"], None]
@@ -119,7 +121,9 @@ class Row:
     (from its call), `output`, `failed`; missing: `text` `[missing: events a..b]`, where
     events that will never arrive were stepped over. `status` is `streaming`/`done` for
     assistant rows, `building`/`final` for outputs, `pending`/`running`/`done`/`failed`
-    for tool calls.
+    for tool calls. table_row (in `tables`, not `rows`): `name` the field, `key` the row,
+    `output` its value, `links`, `ver`, `status` `building`/`final`/`failed` (`failed`
+    with `error`), `stored` when it was shown as stored before the run.
     """
 
     kind: RowKind
@@ -134,6 +138,13 @@ class Row:
     reasoning: str = ""
     client: bool = False
     format: str | None = None
+    links: list[Any] = field(default_factory=list)
+    ver: int | None = None
+    stored: bool = False
+    error: dict[str, str] | None = None
+    # A table's order: this run's writes (positive, latest highest) before the stored
+    # rows shown at run start (negative, in the order shown: newest first).
+    order: int = 0
 
 
 @dataclass
@@ -163,15 +174,25 @@ class RunSnapshot:
     gaps: list[tuple[int, int]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     dropped: int = 0
+    # Table rows not kept past MAX_TABLE_ROWS of one table.
+    rows_dropped: int = 0
     # Indexes into rows, so deltas and results find their row without a scan.
     _messages: dict[str, Row] = field(default_factory=dict, repr=False)
     _calls: dict[str, Row] = field(default_factory=dict, repr=False)
     _outputs: dict[str, Row] = field(default_factory=dict, repr=False)
+    # Tables: field -> row key -> its table_row (read them with `table`).
+    tables: dict[str, dict[str, Row]] = field(default_factory=dict)
+    _table_events: int = field(default=0, repr=False)
     # Events that arrived above a hole, by id; ranges declared lost that lie ahead of
     # last_id (sorted, disjoint, not adjacent); a stream's recently seen ids.
     _held: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     _lost: list[tuple[int, int]] = field(default_factory=list, repr=False)
     _seen: dict[tuple[Any, ...], None] = field(default_factory=dict, repr=False)
+
+    def table(self, name: str) -> list[Row]:
+        """A table field's rows as a dashboard lists them: most recent first."""
+        rows = self.tables.get(name, {})
+        return sorted(rows.values(), key=lambda r: r.order, reverse=True)
 
     @property
     def terminal(self) -> bool:
@@ -371,6 +392,59 @@ def _output(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
         row.format = fmt
 
 
+# Rows kept per table of a snapshot: a run shows at most 50 stored rows and writes
+# what it writes; a board that sent more should not grow a dashboard without bound.
+MAX_TABLE_ROWS = 1000
+
+
+def _table_row(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
+    name, key = _str(d.get("field")), _key(d.get("row"))
+    if name is None or key is None:
+        return
+    table = snap.tables.setdefault(name, {})
+    row = table.get(key)
+    stored = d.get("stored") is True
+    if row is None:
+        if len(table) >= MAX_TABLE_ROWS:
+            snap.rows_dropped += 1
+            return
+        row = table[key] = Row("table_row", name=name, key=key)
+    snap._table_events += 1
+    if stored:
+        row.order = -snap._table_events
+    else:
+        row.order = snap._table_events
+    row.stored = stored
+    # Updated in place: a failed or building event without a value keeps the last known.
+    if "value" in d:
+        row.output = d["value"]
+    if isinstance(d.get("links"), list):
+        row.links = list(d["links"])
+    ver = d.get("ver")
+    if isinstance(ver, int) and not isinstance(ver, bool):
+        row.ver = ver
+    status = _str(d.get("status"))
+    if status is not None:
+        row.status = status
+    row.failed = status == "failed"
+    err = d.get("err")
+    row.error = None
+    if row.failed:
+        # An RPC error kind (PROTOCOL "Errors") or `device`/`cancelled`: shown as it is,
+        # bounded like any message a board sends.
+        err = err if isinstance(err, Mapping) else {}
+        row.error = {
+            "kind": (_str(err.get("kind")) or "internal")[:32],
+            "msg": (_str(err.get("msg")) or "the write failed")[:_MAX_ERROR_MSG],
+        }
+
+
+def _table_delete(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
+    name, key = _str(d.get("field")), _key(d.get("row"))
+    if name is not None and key is not None:
+        snap.tables.get(name, {}).pop(key, None)
+
+
 def _usage(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
     snap.usage.add(d)
 
@@ -411,6 +485,8 @@ HANDLERS: dict[str, Handler] = {
     "tool.call": _tool_call,
     "tool.result": _tool_result,
     "output": _output,
+    "row": _table_row,
+    "row.delete": _table_delete,
     "usage": _usage,
     "error": _error,
 }

@@ -51,6 +51,14 @@ def render_row(row: Row) -> str:
     return f"{row.kind}: {row.text}"
 
 
+def render_table_row(row: Row) -> str:
+    """One row of a table field: `row notes/k1 = value (final)`."""
+    line = f"row {row.name or '?'}/{row.key or '?'} = {_value_text(row.output) or '-'}"
+    if row.failed and row.error is not None:
+        return f"{line} (failed: {row.error['kind']}: {row.error['msg']})"
+    return f"{line} ({'stored' if row.stored else row.status or 'final'})"
+
+
 def render_error(err: dict[str, Any]) -> str:
     return f"error {err.get('kind', '?')}: {err.get('msg', '')}"
 
@@ -99,6 +107,8 @@ def _status(snap: RunSnapshot) -> str:
 def render(snapshot: RunSnapshot) -> list[str]:
     """The whole run as lines: rows in order, non-terminal errors, then the status."""
     lines = [render_row(row) for row in snapshot.rows]
+    for name in snapshot.tables:
+        lines.extend(render_table_row(row) for row in snapshot.table(name))
     lines.extend(render_error(e) for e in snapshot.errors)
     lines.append(render_status(snapshot))
     return lines
@@ -115,6 +125,8 @@ class _Printed:
     """What LiveView has already written for one run."""
 
     rows: dict[int, str] = field(default_factory=dict)
+    # Table rows by (field, key): the line last written for each.
+    table_rows: dict[tuple[str, str], str] = field(default_factory=dict)
     errors: int = 0
     status: str = "running"
 
@@ -142,6 +154,7 @@ class LiveView:
         printed = self._printed.setdefault(snap.run, _Printed())
         for index, row in enumerate(snap.rows):
             self._show_row(snap.run, printed, index, row)
+        self._show_tables(snap, printed)
         for err in snap.errors[printed.errors :]:
             self._line(render_error(err))
         printed.errors = len(snap.errors)
@@ -162,6 +175,23 @@ class LiveView:
     def _line(self, text: str) -> None:
         self.close()
         self.stream.write(text + "\n")
+
+    def _show_tables(self, snap: RunSnapshot, printed: _Printed) -> None:
+        # A table row gets a line when it settles (final or failed) and again when it
+        # changes after that; `building` is the moment between, not worth a line.
+        seen = set()
+        for name, rows in snap.tables.items():
+            for key, row in rows.items():
+                seen.add((name, key))
+                if row.status == "building":
+                    continue
+                line = render_table_row(row)
+                if printed.table_rows.get((name, key)) != line:
+                    printed.table_rows[(name, key)] = line
+                    self._line(line)
+        for gone in [k for k in printed.table_rows if k not in seen]:
+            del printed.table_rows[gone]
+            self._line(f"row {gone[0]}/{gone[1]} deleted")
 
     def _show_row(self, run: str, printed: _Printed, index: int, row: Row) -> None:
         line = render_row(row)
