@@ -155,11 +155,10 @@ class Stack:
         self.model_url = model_url
         self.model = model
         self.device = device
-        # The board's 128K, or 144K for the thermostat with its memory field, which keeps
-        # only about 13 KiB free between runs at 128K (README): a harness test is about
-        # its own subject, not that margin (tests/test_memory_boards.py runs at 128K).
-        plain = (board_settings or {}).get("memory") is False
-        self.heap = heap or ("128K" if plain else "144K")
+        # The board's 128K, with or without the thermostat's memory field (which keeps
+        # about 15 KiB free between runs there and ran 40 demo requests in a row,
+        # benchmarks/bench_heap.py and README).
+        self.heap = heap or "128K"
         self.micropython = micropython
         self.mpy = mpy
         self.persistence = persistence
