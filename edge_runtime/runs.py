@@ -7,7 +7,7 @@
 import sys
 
 from edge_runtime import codec, platform
-from edge_runtime.events import (DEVICE_RUN, MAX_ID, MAX_REASON, PREFIX, RING, RING_BYTES,
+from edge_runtime.events import (DEVICE_RUN, MAX_ID, PREFIX, RING, RING_BYTES,
                                   RX_PAYLOAD, Emitter)
 from edge_runtime.ring import Ring
 from edge_runtime.rpc import CHUNK, WINDOW, RpcClient, random_bits
@@ -43,10 +43,10 @@ _DEFAULT_BRIDGE_GRACE_MS = const(5000)
 _EVENT_SPARE = const(4)
 _RECENT_RUNS = const(2)
 _SEEN_REQS = const(16)
-# The topic leaves the board subscribes to under its base, and the ctl ops it knows. Read by if-chains rather than dicts of bound methods: those
-# cost a dict and an object per entry on the board heap for the board's life.
+# The topic leaves the board subscribes to under its base. Read by if-chains rather than
+# dicts of bound methods: those cost a dict and an object per entry on the board heap
+# for the board's life.
 _LEAVES = const(("req", "ctl", "rpc/res"))
-_CTL_OPS = const(("cancel", "replay", "tool", "approve"))
 
 
 def firmware():
@@ -166,7 +166,7 @@ class Runtime:
         self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms,
                                      min(self.ring_size, _DEVICE_RING), self.ring_bytes)
         self.active = {}
-        self._recent = Ring(_RECENT_RUNS)
+        self.recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
         self.boot = "%08x" % random_bits(32)
@@ -267,7 +267,7 @@ class Runtime:
         for run in self.active.values():
             if not run.emitter.pump():
                 return
-        for emitter in self._recent:
+        for emitter in self.recent:
             if not emitter.pump():
                 return
 
@@ -344,7 +344,7 @@ class Runtime:
         # The link read past a message too large for its receive buffer.
         leaf = topic[len(self._base):] if topic.startswith(self._base) else topic
         self.refuse("too_large", "a message of %d bytes on %s is over the %d-byte limit"
-                    % (size, _clip(leaf), self.limits["payload"]))
+                    % (size, clip(leaf), self.limits["payload"]))
 
     def _on_bridge_status(self, payload):
         try:
@@ -393,11 +393,11 @@ class Runtime:
 
     def _on_req(self, msg):
         req = msg.get("req")
-        if not _is_id(req) or not isinstance(msg.get("input"), str):
+        if not is_id(req) or not isinstance(msg.get("input"), str):
             self.refuse("bad_envelope", "req needs an id req (1-%d chars) and a string input" % MAX_ID)
             return
         for key in ("conv", "usr"):
-            if msg.get(key) is not None and not _is_id(msg[key]):
+            if msg.get(key) is not None and not is_id(msg[key]):
                 self.refuse("bad_envelope", "req field %s must be an id of 1-%d chars" % (key, MAX_ID),
                             {"req": req})
                 return
@@ -421,63 +421,23 @@ class Runtime:
         self._seen.push(req)
 
     def _on_ctl(self, msg):
-        op = msg.get("op")
-        if op not in _CTL_OPS:
-            self.refuse("unknown_op", "unknown ctl op %s" % _clip(op))
+        # ctl ops (control.py) come seldom: imported for each and let go again
+        # (platform.unload), so their code is not on the heap while a run runs. A heap
+        # too fragmented for the import gets one collection first, as a decode does.
+        try:
+            try:
+                from edge_runtime import control
+            except MemoryError:
+                platform.collect()
+                from edge_runtime import control
+        except MemoryError:
+            self.refuse("no_memory", "no free heap to act on a ctl")
             return
-        run_id = msg.get("r")
-        if isinstance(run_id, str) and "." in run_id and not run_id.startswith(self.boot + "."):
-            # A run of an earlier boot, which ended with it: the bridge's cancel of a run
-            # whose board went away waits in the session and reaches the next boot.
-            self.stats["stale_ctl"] += 1
-            return
-        if op == "cancel":
-            self._ctl_cancel(msg)
-        elif op == "replay":
-            self._ctl_replay(msg)
-        else:
-            # No run pauses in this version, so no tool answer or approval can be expected.
-            self.refuse("not_waiting", "run %s is not waiting on call %s"
-                        % (_clip(msg.get("r")), _clip(msg.get("call"))))
-
-    def _find_emitter(self, run_id):
-        if not isinstance(run_id, str):
-            return None
-        run = self.active.get(run_id)
-        if run is not None:
-            return run.emitter
-        for emitter in self._recent:
-            if emitter.run_id == run_id:
-                return emitter
-        return None
-
-    def _ctl_cancel(self, msg):
-        run_id = msg.get("r")
-        run = self.active.get(run_id) if isinstance(run_id, str) else None
-        if run is None:
-            self.refuse("unknown_run", "no active run %s to cancel" % _clip(run_id))
-            return
-        reason = msg.get("reason")
-        run.cancel_reason = reason[:MAX_REASON] if isinstance(reason, str) and reason else "cancelled"
-        # A task that has not begun is never cancelled from outside: its body (and the
-        # clean-up in it) would not run at all. It sees cancel_reason when it begins.
-        if run.started and run.task is not None:
-            run.task.cancel()
-
-    def _ctl_replay(self, msg):
-        after = msg.get("after")
-        if not isinstance(after, int) or after < 0:
-            self.refuse("bad_envelope", "replay needs an integer after >= 0")
-            return
-        run_id = msg.get("r")
-        emitter = self.device_stream if run_id == DEVICE_RUN else self._find_emitter(run_id)
-        if emitter is None:
-            # Naming the run (an id within the bound only): the bridge then knows the
-            # events it asked for are gone, and stops asking.
-            self.refuse("unknown_run", "run %s is no longer held" % _clip(run_id),
-                        {"r": run_id} if _is_id(run_id) else None)
-            return
-        emitter.replay(after)
+        try:
+            control.ctl(self, msg)
+        finally:
+            control = None
+            platform.unload("control")
 
     # --- runs ---------------------------------------------------------------------
 
@@ -496,7 +456,7 @@ class Runtime:
         finally:
             self.active.pop(run.id, None)
             # Only the event ring outlives a run (for replays), not its state.
-            self._recent.push(run.emitter)
+            self.recent.push(run.emitter)
             run_id = run.id
             run = None
             platform.collect()
@@ -569,11 +529,11 @@ async def _state(run, commit):
         platform.unload("state")
 
 
-def _is_id(value):
+def is_id(value):
     return isinstance(value, str) and 0 < len(value) <= MAX_ID
 
 
-def _clip(value):
+def clip(value):
     # Refusals name what was refused, but never echo more than a few bytes of it: an
     # echo of hostile input could itself become an event too large to send.
     text = repr(value)

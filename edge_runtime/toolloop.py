@@ -168,7 +168,7 @@ async def model_loop(run):
         await mem.start()
         specs = mem.specs(specs)
     else:
-        specs = codec.encode(specs)
+        specs = codec.encode_exact(specs)
     # Encoded once for the whole run: every model call carries them unchanged.
     specs = codec.Raw(specs)
     usage = {"in": 0, "out": 0, "reason": 0}

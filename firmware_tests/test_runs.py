@@ -287,7 +287,7 @@ def test_cancel_before_the_run_begins_still_frees_its_slot():
                 break
             await platform.sleep_ms(10)
         assert runtime.active == {}
-        ring = list(runtime._recent)[-1].ring
+        ring = list(runtime.recent)[-1].ring
         got = [codec.decode(b) for b in ring]
         assert [e["t"] for e in got] == ["run.started", "run.cancelled"]
         assert got[1]["d"]["reason"] == "early"
