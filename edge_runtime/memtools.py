@@ -132,10 +132,12 @@ class Memory:
                     platform.unload("core")
                 if d is not None:
                     self.docs[f.name] = d
-            elif _table(f):
+            elif f.stream and f.vis != "private" and f.kind == "collection":
+                # A table hosts watch: shown as stored (rows.py, loaded for it alone;
+                # inlined at each use: a helper's name would take a qstr, see _TOOLS).
                 from edge_runtime import rows
                 try:
-                    await rows.rehydrate(self.run, f)
+                    await rows.start(self.run, f)
                 finally:
                     rows = None
                     platform.unload("rows")
@@ -237,7 +239,16 @@ class Memory:
                 core = None
                 platform.unload("core")
         if kind == "s":
-            return self._slot(op, f, a)
+            out = self._slot(op, f, a)
+            if f.stream and f.vis != "private" and (op == "remember" or op == "forget"):
+                # A streamed public slot is an output hosts see (rows.py).
+                from edge_runtime import rows
+                try:
+                    await rows.write(self.run, f, op, None)
+                finally:
+                    rows = None
+                    platform.unload("rows")
+            return out
         try:
             return await self._bridge(op, spec[2], f, a, private)
         except RpcError as e:
@@ -258,13 +269,7 @@ class Memory:
             # The value in the answer too: the model reads it now, not a turn later.
             text = self.loaded[name] = _text(self.run.state.get(name))
             return _IN_VIEW % (name, text), False
-        value = self.run.state[name] = a["value"] if op == "remember" else None
-        if f.stream and f.vis == "public":
-            # A streamed public slot is an output hosts show; set whole, so it is final.
-            d = {"name": name, "value": value, "status": "final"}
-            if f.fmt:
-                d["format"] = f.fmt
-            self.run.emit("output", d)
+        self.run.state[name] = a["value"] if op == "remember" else None
         return "%s is set" % name, False
 
     async def _bridge(self, op, names, f, a, private):
@@ -290,8 +295,14 @@ class Memory:
         write = " %s " % op in _WRITES
         if write:
             args["w"] = run.w()
-        if write and f is not None and _table(f) and not private:
-            ok = await _table_write(run, f, op, args)
+        if write and f is not None and f.stream and not private:
+            # A table hosts watch: the write shown as it builds (rows.py).
+            from edge_runtime import rows
+            try:
+                ok = await rows.write(run, f, op, args)
+            finally:
+                rows = None
+                platform.unload("rows")
         else:
             ok = await run.rpc.call("mem.peek" if op == "load" else "mem." + op, args, run.id)
         if not isinstance(ok, dict):
@@ -314,20 +325,6 @@ class Memory:
         if write:
             return "done: " + json.dumps(ok), False
         return _RECALLED + "\n" + json.dumps(ok), False
-
-
-def _table(f):
-    # A field whose rows hosts see as `row` events (rows.py).
-    return f.stream and f.kind == "collection" and f.vis == "public"
-
-
-async def _table_write(run, f, op, args):
-    from edge_runtime import rows
-    try:
-        return await rows.write(run, f, op, args)
-    finally:
-        rows = None
-        platform.unload("rows")
 
 
 def _text(value):
