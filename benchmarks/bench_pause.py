@@ -6,7 +6,7 @@ Three figures, each next to a baseline measured in the same run:
    the board, and an event back);
 2. board start -> run.resumed at the host for a run paused before a SIGKILL, against
    board start -> its `link: up` console line;
-3. checkpoint bytes and write time per step on the MicroPython unix port (a pause.save
+3. checkpoint bytes and write time per step on the MicroPython unix port (pause._save
    of a model loop's conversation and ring, 64-bit), against writing the same bytes
    with platform.write_file alone (the encode's share).
 
@@ -50,7 +50,7 @@ board.start(agent)
 """
 
 # On the unix port: a run of 3 model turns, as the model loop holds it at a step
-# boundary, and its ring full of events; pause.save timed against write_file alone.
+# boundary, and its ring full of events; pause._save timed against write_file alone.
 # Run at 256K: a time, not a heap figure (the script's own compile shares the heap).
 CHECKPOINT = """\
 import time, gc
@@ -73,7 +73,7 @@ N = %(n)d
 size = 0
 t = time.ticks_us()
 for i in range(N):
-    size = pause.save(run, "run", 3, messages, usage, ())
+    size = pause._save(run, "run", 3, messages, usage, ())
 save_us = time.ticks_diff(time.ticks_us(), t) / N
 names = [n for n in __import__("os").listdir("%(dir)s") if n.startswith("ck_")]
 data = open("%(dir)s/" + names[0], "rb").read()
@@ -201,7 +201,7 @@ def main() -> None:
           f"while paused: {statistics.median(f['ck_bytes']):.0f} bytes")
     c = checkpoint_figures(args.writes)
     if c:
-        print(f"3. checkpoint per step (unix port, 64-bit): {c['bytes']} bytes, pause.save "
+        print(f"3. checkpoint per step (unix port, 64-bit): {c['bytes']} bytes, written in "
               f"{c['save_us']:.0f} us against write_file alone {c['write_us']:.0f} us "
               f"(ratio {c['save_us'] / c['write_us']:.2f})")
     else:

@@ -145,17 +145,19 @@ _FIX_KIND = const((_K_MAP, _K_ARRAY, _K_STR, _K_STR))
 # Well-formed UTF-8 (Unicode 15, table 3-7): lead byte range -> continuation bytes and
 # the range allowed for the FIRST of them (later ones are always 0x80..0xbf). Those
 # narrow first ranges are what exclude overlong forms, surrogates and code points past
-# U+10FFFF.
-_UTF8 = const((
-    (0xc2, 0xdf, 1, 0x80, 0xbf),
-    (0xe0, 0xe0, 2, 0xa0, 0xbf),
-    (0xe1, 0xec, 2, 0x80, 0xbf),
-    (0xed, 0xed, 2, 0x80, 0x9f),
-    (0xee, 0xef, 2, 0x80, 0xbf),
-    (0xf0, 0xf0, 3, 0x90, 0xbf),
-    (0xf1, 0xf3, 3, 0x80, 0xbf),
-    (0xf4, 0xf4, 3, 0x80, 0x8f),
-))
+# U+10FFFF. Five bytes a row (first lead, last lead, continuation bytes, lowest and
+# highest first continuation): one object on the board heap, where eight tuples took
+# about 600 bytes (64-bit).
+_UTF8 = const(
+    b"\xc2\xdf\x01\x80\xbf"
+    b"\xe0\xe0\x02\xa0\xbf"
+    b"\xe1\xec\x02\x80\xbf"
+    b"\xed\xed\x02\x80\x9f"
+    b"\xee\xef\x02\x80\xbf"
+    b"\xf0\xf0\x03\x90\xbf"
+    b"\xf1\xf3\x03\x80\xbf"
+    b"\xf4\xf4\x03\x80\x8f"
+)
 
 # MicroPython's str() only checks the shape of UTF-8 and lets surrogates, overlong forms
 # and code points past U+10FFFF through; CPython (the bridge) refuses them. Found out
@@ -173,12 +175,13 @@ def _strict_utf8(mv, pos, end):
         pos += 1
         if b < 0x80:
             continue
-        for first, last, more, lo, hi in _UTF8:
-            if first <= b <= last:
+        for row in range(0, len(_UTF8), 5):
+            if _UTF8[row] <= b <= _UTF8[row + 1]:
                 break
         else:
             return False
-        if pos + more > end or not lo <= mv[pos] <= hi:
+        more = _UTF8[row + 2]
+        if pos + more > end or not _UTF8[row + 3] <= mv[pos] <= _UTF8[row + 4]:
             return False
         for i in range(pos + 1, pos + more):
             if mv[i] & 0xc0 != 0x80:

@@ -132,20 +132,41 @@ class Memory:
                     platform.unload("core")
                 if d is not None:
                     self.docs[f.name] = d
-            elif _table(f):
+            elif f.stream and f.vis != "private" and f.kind == "collection":
+                # A table hosts watch: shown as stored (rows.py, loaded for it alone;
+                # inlined at each use: a helper's name would take a qstr, see _TOOLS).
                 from edge_runtime import rows
                 try:
-                    await rows.rehydrate(self.run, f)
+                    await rows.start(self.run, f)
                 finally:
                     rows = None
                     platform.unload("rows")
 
     def specs(self, tools):
-        # The model's tools, encoded (msgpack array): `tools`, the agent's own specs, then
-        # the memory tools that apply. One tool's dicts at a time: the eleven schemas as
-        # dicts at once are 7 KiB of heap (64-bit unix port), their encoding 2 KiB.
+        # The model's tools, encoded (a msgpack array): `tools`, the agent's own specs,
+        # then the memory tools that apply, one tool's dict at a time (the eleven
+        # schemas as dicts at once are 7 KiB of heap, 64-bit unix port). Walked twice,
+        # counted and then written into one buffer of the exact size (2 KiB for the
+        # eleven): encoded one by one and joined, they were on the heap twice over at
+        # the run's start, where a memory run peaked (bench_heap's memory figure).
+        n = size = 0
+        for d in self._specs(tools):
+            n += 1
+            size += codec.size(d)
+        # An array header: fixarray below 16 items, else array 16.
+        head = bytes([0x90 | n]) if n < 16 else bytes([0xdc, n >> 8, n & 0xff])
+        buf = bytearray(len(head) + size)
+        buf[:len(head)] = head
+        mv = memoryview(buf)
+        pos = len(head)
+        for d in self._specs(tools):
+            pos += len(codec.Encoder(buf=mv[pos:]).pack(d))
+        return buf
+
+    def _specs(self, tools):
+        for t in tools:
+            yield t
         fields = self.run.agent.fields
-        parts = [codec.encode(t) for t in tools]
         for line in _TOOLS.split("\n"):
             name, kinds, args, desc = line.split(";", 3)
             for f in fields:
@@ -163,12 +184,8 @@ class Memory:
                     "type": "integer" if a in ("k", "limit") else "string"}
                 if not opt:
                     required.append(a)
-            parts.append(codec.encode({"name": "memory." + name, "description": desc, "args": {
-                "type": "object", "properties": props, "required": required}}))
-        n = len(parts)
-        # An array header: fixarray below 16 items, else array 16.
-        parts.insert(0, bytes([0x90 | n]) if n < 16 else bytes([0xdc, n >> 8, n & 0xff]))
-        return b"".join(parts)
+            yield {"name": "memory." + name, "description": desc, "args": {
+                "type": "object", "properties": props, "required": required}}
 
     def system(self):
         # For the system message after the instructions: the fields the memory tools
@@ -222,7 +239,16 @@ class Memory:
                 core = None
                 platform.unload("core")
         if kind == "s":
-            return self._slot(op, f, a)
+            out = self._slot(op, f, a)
+            if f.stream and f.vis != "private" and (op == "remember" or op == "forget"):
+                # A streamed public slot is an output hosts see (rows.py).
+                from edge_runtime import rows
+                try:
+                    await rows.write(self.run, f, op, None)
+                finally:
+                    rows = None
+                    platform.unload("rows")
+            return out
         try:
             return await self._bridge(op, spec[2], f, a, private)
         except RpcError as e:
@@ -243,13 +269,7 @@ class Memory:
             # The value in the answer too: the model reads it now, not a turn later.
             text = self.loaded[name] = _text(self.run.state.get(name))
             return _IN_VIEW % (name, text), False
-        value = self.run.state[name] = a["value"] if op == "remember" else None
-        if f.stream and f.vis == "public":
-            # A streamed public slot is an output hosts show; set whole, so it is final.
-            d = {"name": name, "value": value, "status": "final"}
-            if f.fmt:
-                d["format"] = f.fmt
-            self.run.emit("output", d)
+        self.run.state[name] = a["value"] if op == "remember" else None
         return "%s is set" % name, False
 
     async def _bridge(self, op, names, f, a, private):
@@ -275,8 +295,14 @@ class Memory:
         write = " %s " % op in _WRITES
         if write:
             args["w"] = run.w()
-        if write and f is not None and _table(f) and not private:
-            ok = await _table_write(run, f, op, args)
+        if write and f is not None and f.stream and not private:
+            # A table hosts watch: the write shown as it builds (rows.py).
+            from edge_runtime import rows
+            try:
+                ok = await rows.write(run, f, op, args)
+            finally:
+                rows = None
+                platform.unload("rows")
         else:
             ok = await run.rpc.call("mem.peek" if op == "load" else "mem." + op, args, run.id)
         if not isinstance(ok, dict):
@@ -299,20 +325,6 @@ class Memory:
         if write:
             return "done: " + json.dumps(ok), False
         return _RECALLED + "\n" + json.dumps(ok), False
-
-
-def _table(f):
-    # A field whose rows hosts see as `row` events (rows.py).
-    return f.stream and f.kind == "collection" and f.vis == "public"
-
-
-async def _table_write(run, f, op, args):
-    from edge_runtime import rows
-    try:
-        return await rows.write(run, f, op, args)
-    finally:
-        rows = None
-        platform.unload("rows")
 
 
 def _text(value):

@@ -72,7 +72,7 @@ def remove(run):
             pass
 
 
-def _write(run, st, step, messages, usage, waiting, left=None):
+def _save(run, st, step, messages, usage, waiting, left=None):
     # The run as it is, on flash. Returns the bytes written (benchmarks read it).
     ver = _vers[run.id] = _vers.get(run.id, 0) + 1
     em = run.emitter
@@ -147,12 +147,12 @@ def _announce(run, waiting):
     run.emit("run.paused", {"reason": _reason(waiting), "calls": [w["call"] for w in waiting]})
 
 
-async def save(run, step, messages, usage, calls):
+async def write(run, step, messages, usage, calls):
     # The model loop at a step boundary (no calls wait: a "run" checkpoint), or after a
     # turn whose `calls` ({call, name, input}) wait on the host app or a person: they are
     # announced, the run pauses and leaves memory (its task ends after this).
     if not calls:
-        _write(run, "run", step, messages, usage, ())
+        _save(run, "run", step, messages, usage, ())
         return
     runtime = run.runtime
     waiting = []
@@ -167,7 +167,7 @@ async def save(run, step, messages, usage, calls):
     await runtime.flow(run.emitter)
     run.emitter._send = _held
     _announce(run, waiting)
-    _write(run, "paused", step, messages, usage, waiting, left)
+    _save(run, "paused", step, messages, usage, waiting, left)
     _wait(runtime, run.id, left)
     _release(run)
 
@@ -280,7 +280,7 @@ async def ctl(runtime, msg):
     run.emitter._send = _held
     run.emit("tool.result", {"call": cid, "output": output, "failed": failed})
     if waiting:
-        _write(run, "paused", ck["s"], messages, ck["u"], waiting, left)
+        _save(run, "paused", ck["s"], messages, ck["u"], waiting, left)
         _wait(runtime, run_id, left)
         _release(run)
         _gone(runtime, run)
@@ -288,7 +288,7 @@ async def ctl(runtime, msg):
     # Nothing waits: the run goes on from this checkpoint, in a slot like any run, ahead
     # of the requests that wait (it was admitted long ago).
     run.emit("run.resumed", {"ckpt": _vers[run_id] + 1})
-    _write(run, "run", ck["s"], messages, ck["u"], ())
+    _save(run, "run", ck["s"], messages, ck["u"], ())
     runtime.paused.pop(run_id, None)
     _unwatch(runtime)
     _release(run)
@@ -347,7 +347,7 @@ def boot(runtime):
         run.emit("run.resumed", {"ckpt": ck["v"]})
         _announce(run, ck["w"])
         left = ck.get("left") or 0
-        _write(run, "paused", ck["s"], ck["m"], ck["u"], ck["w"], left)
+        _save(run, "paused", ck["s"], ck["m"], ck["u"], ck["w"], left)
         _wait(runtime, run.id, left)
         _release(run)
         _gone(runtime, run)

@@ -1,5 +1,6 @@
-# Tables on the event stream (PROTOCOL.md "Tables"): the rows of a public collection
-# field declared with stream=True reach hosts as `row` events, so a dashboard shows the
+# Tables and outputs on the event stream (PROTOCOL.md "Tables"): a public slot declared
+# with stream=True is an `output` each time it is set; the rows of a public collection
+# declared so reach hosts as `row` events, so a dashboard shows the
 # table as the run builds it. A write goes `building` (the write is on its way to the
 # bridge) then `final` (stored, with its version) or `failed`; a forgotten row is a
 # `row.delete`. At run start the table as the bridge holds it is shown again, newest
@@ -39,7 +40,7 @@ def _final(f, row, stored):
     return d
 
 
-async def rehydrate(run, f):
+async def start(run, f):
     # The stored table, newest first. A page the board cannot receive (rows too large
     # for its buffer) is asked for again one row at a time; a single row past the buffer
     # ends the showing with an error event that says so, and the run goes on.
@@ -89,8 +90,15 @@ async def write(run, f, op, args):
     # One mem.* write of the table's field, shown as it happens. Returns the bridge's
     # answer; a refusal is shown `failed` and raised on to the memory tool. A run that
     # is cancelled while the write is out shows it `failed` too, so no row stays
-    # `building` (the bridge does the same for a run whose board is gone).
+    # `building` (the bridge does the same for a run whose board is gone). A slot (the
+    # run has set it already) is an `output`: set whole, so `final` at once.
     name = f.name
+    if f.kind != "collection":
+        d = {"name": name, "value": run.state.get(name), "status": "final"}
+        if f.fmt:
+            d["format"] = f.fmt
+        await run.event("output", d)
+        return None
     if op == "forget":
         ok = await run.rpc.call("mem.forget", args, run.id)
         await run.event("row.delete", {"field": name, "row": args["key"]})

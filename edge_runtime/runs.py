@@ -7,7 +7,7 @@
 import sys
 
 from edge_runtime import codec, platform
-from edge_runtime.events import (DEVICE_RUN, MAX_ID, MAX_REASON, PREFIX, RING, RING_BYTES,
+from edge_runtime.events import (DEVICE_RUN, MAX_ID, PREFIX, RING, RING_BYTES,
                                   RX_PAYLOAD, Emitter)
 from edge_runtime.ring import Ring
 from edge_runtime.rpc import CHUNK, WINDOW, RpcClient, random_bits
@@ -43,10 +43,10 @@ _DEFAULT_BRIDGE_GRACE_MS = const(5000)
 _EVENT_SPARE = const(4)
 _RECENT_RUNS = const(2)
 _SEEN_REQS = const(16)
-# The topic leaves the board subscribes to under its base, and the ctl ops it knows. Read by if-chains rather than dicts of bound methods: those
-# cost a dict and an object per entry on the board heap for the board's life.
+# The topic leaves the board subscribes to under its base. Read by if-chains rather than
+# dicts of bound methods: those cost a dict and an object per entry on the board heap
+# for the board's life.
 _LEAVES = const(("req", "ctl", "rpc/res"))
-_CTL_OPS = const(("cancel", "replay", "tool", "approve"))
 
 
 def firmware():
@@ -178,8 +178,8 @@ class Runtime:
         self._bridge_up = None  # the bridge's presence as last heard: None, True, False
         self._bridge_boot = None  # the boot id of the bridge process last heard online
         self._runs_started = 0
-        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0,
-                      "stale_ctl": 0}
+        # Counters; control.py adds its own (stale_ctl) when it first counts.
+        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0}
 
     # --- wiring to the link -------------------------------------------------------
 
@@ -358,7 +358,7 @@ class Runtime:
         # The link read past a message too large for its receive buffer.
         leaf = topic[len(self._base):] if topic.startswith(self._base) else topic
         self.refuse("too_large", "a message of %d bytes on %s is over the %d-byte limit"
-                    % (size, _clip(leaf), self.limits["payload"]))
+                    % (size, clip(leaf), self.limits["payload"]))
 
     def _on_bridge_status(self, payload):
         try:
@@ -407,11 +407,11 @@ class Runtime:
 
     def _on_req(self, msg):
         req = msg.get("req")
-        if not _is_id(req) or not isinstance(msg.get("input"), str):
+        if not is_id(req) or not isinstance(msg.get("input"), str):
             self.refuse("bad_envelope", "req needs an id req (1-%d chars) and a string input" % MAX_ID)
             return
         for key in ("conv", "usr"):
-            if msg.get(key) is not None and not _is_id(msg[key]):
+            if msg.get(key) is not None and not is_id(msg[key]):
                 self.refuse("bad_envelope", "req field %s must be an id of 1-%d chars" % (key, MAX_ID),
                             {"req": req})
                 return
@@ -435,72 +435,23 @@ class Runtime:
         self._seen.push(req)
 
     def _on_ctl(self, msg):
-        op = msg.get("op")
-        if op not in _CTL_OPS:
-            self.refuse("unknown_op", "unknown ctl op %s" % _clip(op))
+        # ctl ops (control.py) come seldom: imported for each and let go again
+        # (platform.unload), so their code is not on the heap while a run runs. A heap
+        # too fragmented for the import gets one collection first, as a decode does.
+        try:
+            try:
+                from edge_runtime import control
+            except MemoryError:
+                platform.collect()
+                from edge_runtime import control
+        except MemoryError:
+            self.refuse("no_memory", "no free heap to act on a ctl")
             return
-        run_id = msg.get("r")
-        if op != "replay" and self.paused and run_id in self.paused:
-            # Its answers, approvals and cancel are pause.py's.
-            from edge_runtime import pause
-            platform.asyncio.create_task(pause.ctl(self, msg))
-            return
-        if (op == "cancel" or op == "replay") and isinstance(run_id, str) and "." in run_id \
-                and not run_id.startswith(self.boot + "."):
-            # A run of an earlier boot, which ended with it: the bridge's cancel of a run
-            # whose board went away waits in the session and reaches the next boot.
-            self.stats["stale_ctl"] += 1
-            return
-        if op == "cancel":
-            self._ctl_cancel(msg)
-        elif op == "replay":
-            self._ctl_replay(msg)
-        else:
-            # No run pauses in this version, so no tool answer or approval can be expected.
-            self.refuse("not_waiting", "run %s is not waiting on call %s"
-                        % (_clip(msg.get("r")), _clip(msg.get("call"))))
-
-    def _find_emitter(self, run_id):
-        if not isinstance(run_id, str):
-            return None
-        run = self.active.get(run_id)
-        if run is not None:
-            return run.emitter
-        for emitter in self.recent:
-            if emitter.run_id == run_id:
-                return emitter
-        if self.paused and run_id in self.paused:
-            from edge_runtime import pause
-            return pause.emitter(self, run_id)
-        return None
-
-    def _ctl_cancel(self, msg):
-        run_id = msg.get("r")
-        run = self.active.get(run_id) if isinstance(run_id, str) else None
-        if run is None:
-            self.refuse("unknown_run", "no active run %s to cancel" % _clip(run_id))
-            return
-        reason = msg.get("reason")
-        run.cancel_reason = reason[:MAX_REASON] if isinstance(reason, str) and reason else "cancelled"
-        # A task that has not begun is never cancelled from outside: its body (and the
-        # clean-up in it) would not run at all. It sees cancel_reason when it begins.
-        if run.started and run.task is not None:
-            run.task.cancel()
-
-    def _ctl_replay(self, msg):
-        after = msg.get("after")
-        if not isinstance(after, int) or after < 0:
-            self.refuse("bad_envelope", "replay needs an integer after >= 0")
-            return
-        run_id = msg.get("r")
-        emitter = self.device_stream if run_id == DEVICE_RUN else self._find_emitter(run_id)
-        if emitter is None:
-            # Naming the run (an id within the bound only): the bridge then knows the
-            # events it asked for are gone, and stops asking.
-            self.refuse("unknown_run", "run %s is no longer held" % _clip(run_id),
-                        {"r": run_id} if _is_id(run_id) else None)
-            return
-        emitter.replay(after)
+        try:
+            control.ctl(self, msg)
+        finally:
+            control = None
+            platform.unload("control")
 
     # --- runs ---------------------------------------------------------------------
 
@@ -516,11 +467,71 @@ class Runtime:
         run.task = platform.asyncio.create_task(self._drive(run, state))
 
     async def _drive(self, run, state=None):
-        # Everything a run does happens inside this try, so its slot is always given
-        # back, whatever the handler or an emit raises.
+        # A run from its start to its end (one function rather than two: each name
+        # costs the board's qstr pool, near its next doubling). `state`: a paused run
+        # going on from its checkpoint (pause.py). Everything happens inside the outer
+        # try, so the run's slot is always given back, whatever the handler or an emit
+        # raises.
         try:
             run.started = True
-            await self._run_to_end(run, state)
+            agent = self.agent
+            try:
+                durable = False
+                for f in agent.fields:
+                    if f.dur != "run" and f.kind == "slot" and not f.core:
+                        # Only an agent with durable slot fields has state to load and
+                        # commit.
+                        durable = True
+                        break
+                if state is None:
+                    started = {"agent": agent.name, "ver": agent.version, "req": run.req,
+                               "conv": run.conv, "domain": "request", "input": run.input}
+                    if len(run.input) > _ECHO:
+                        started["input"] = run.input[:_ECHO]
+                        started["input_len"] = len(run.input)
+                    run.started_d = started
+                    started = None
+                    handler = agent.handler
+                    if handler is None:
+                        # The model loop is loaded when first needed: a device whose
+                        # agent has a plain handler never spends heap on it. It emits
+                        # run.started itself, once its model call is out: the call is
+                        # what the run waits for.
+                        from edge_runtime.toolloop import model_loop as handler
+                    else:
+                        run.begin()
+                    run.check_cancelled()
+                    if durable:
+                        await _state(run, False)
+                    usage = await handler(run)
+                else:
+                    from edge_runtime.toolloop import model_loop
+                    usage = await model_loop(run, state)
+                    state = None
+                if run.id in self.paused:
+                    return  # it ends later, from its checkpoint (pause.py)
+                if durable:
+                    await _state(run, True)
+                run.emit("run.done", {"usage": usage or {}})
+            except platform.asyncio.CancelledError:
+                run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
+            except RunFailed as e:
+                run.emit("run.failed", {"err": {"kind": e.kind, "msg": e.msg},
+                                        "retryable": e.retryable})
+            except MemoryError:
+                # The run's state goes with the run; collected, the heap serves the next
+                # one, so asking again is worth it.
+                platform.collect()
+                platform.log("run", run.id, "ran out of memory")
+                run.emit("run.failed", {"err": {"kind": "internal",
+                                                "msg": "the board ran out of memory"},
+                                        "retryable": True})
+            except Exception as e:
+                # The detail goes to the console; the host sees a customer-safe message.
+                platform.log("run", run.id, "crashed:", repr(e))
+                run.emit("run.failed", {"err": {"kind": "internal",
+                                                "msg": "the board hit an internal error"},
+                                        "retryable": False})
         finally:
             self.active.pop(run.id, None)
             # Only the event ring outlives a run (for replays), not its state.
@@ -532,72 +543,6 @@ class Runtime:
             platform.log("run", run_id, "ended; heap free", free_heap())
             if self._queue and len(self.active) < self.concurrency:
                 self._start(self._queue.pop(0))
-
-    async def _run_to_end(self, run, state=None):
-        agent = self.agent
-        try:
-            if state is not None:
-                # A paused run going on: the model loop from its checkpoint.
-                from edge_runtime.toolloop import model_loop
-                usage = await model_loop(run, state)
-                state = None
-                if run.id not in self.paused:
-                    await _end(run, usage)
-                return
-            started = {"agent": agent.name, "ver": agent.version, "req": run.req,
-                       "conv": run.conv, "domain": "request", "input": run.input}
-            if len(run.input) > _ECHO:
-                started["input"] = run.input[:_ECHO]
-                started["input_len"] = len(run.input)
-            run.started_d = started
-            started = None
-            handler = agent.handler
-            if handler is None:
-                # The model loop is loaded when first needed: a device whose agent has a
-                # plain handler never spends heap on it. It emits run.started itself,
-                # once its model call is out: the call is what the run waits for.
-                from edge_runtime.toolloop import model_loop as handler
-            else:
-                run.begin()
-            run.check_cancelled()
-            durable = False
-            for f in agent.fields:
-                if f.dur != "run" and f.kind == "slot" and not f.core:
-                    # Only an agent with durable slot fields has state to load and commit.
-                    durable = True
-                    await _state(run, False)
-                    break
-            usage = await handler(run)
-            if run.id in self.paused:
-                return  # it ends later, from its checkpoint (pause.py)
-            if durable:
-                await _state(run, True)
-            run.emit("run.done", {"usage": usage or {}})
-        except platform.asyncio.CancelledError:
-            run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
-        except RunFailed as e:
-            run.emit("run.failed", {"err": {"kind": e.kind, "msg": e.msg}, "retryable": e.retryable})
-        except MemoryError:
-            # The run's state goes with the run; collected, the heap serves the next one,
-            # so asking again is worth it.
-            platform.collect()
-            platform.log("run", run.id, "ran out of memory")
-            run.emit("run.failed", {"err": {"kind": "internal", "msg": "the board ran out of memory"},
-                                    "retryable": True})
-        except Exception as e:
-            # The detail goes to the console; the host sees a customer-safe message.
-            platform.log("run", run.id, "crashed:", repr(e))
-            run.emit("run.failed", {"err": {"kind": "internal", "msg": "the board hit an internal error"},
-                                    "retryable": False})
-
-
-async def _end(run, usage):
-    # A resumed run's end: what a run's end is (durable fields committed, run.done).
-    for f in run.agent.fields:
-        if f.dur != "run" and f.kind == "slot" and not f.core:
-            await _state(run, True)
-            break
-    run.emit("run.done", {"usage": usage or {}})
 
 
 async def _state(run, commit):
@@ -616,11 +561,11 @@ async def _state(run, commit):
         platform.unload("state")
 
 
-def _is_id(value):
+def is_id(value):
     return isinstance(value, str) and 0 < len(value) <= MAX_ID
 
 
-def _clip(value):
+def clip(value):
     # Refusals name what was refused, but never echo more than a few bytes of it: an
     # echo of hostile input could itself become an event too large to send.
     text = repr(value)

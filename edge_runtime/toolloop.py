@@ -187,13 +187,13 @@ async def model_loop(run, state=None, pause=0):
         await mem.start()
         specs = mem.specs(specs)
     else:
-        specs = codec.encode(specs)
+        specs = codec.encode_exact(specs)
     # Encoded once for the whole run: every model call carries them unchanged.
     specs = codec.Raw(specs)
     for step in range(first, agent.max_steps):
         run.check_cancelled()
         if pause is not None:
-            await pause.save(run, step, messages, usage, ())
+            await pause.write(run, step, messages, usage, ())
         m = step + 1
         calls = []
         if mem is None:
@@ -306,6 +306,6 @@ async def model_loop(run, state=None, pause=0):
                 mem.viewing = False
             # The run's state to flash; the run leaves memory (the runtime sees it
             # paused and ends nothing).
-            await pause.save(run, step + 1, messages, usage, waiting)
+            await pause.write(run, step + 1, messages, usage, waiting)
             return None
     raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)

@@ -1,4 +1,5 @@
-"""The bridge's registry: tenants (with their token secrets), devices and broker users.
+"""The bridge's registry: tenants (with their token secrets), devices, broker users and
+grants.
 
 A device's identity is its broker-authenticated MQTT user, which the broker's ACL binds
 to its topic subtree; the registry maps that device id to the tenant that owns it and
@@ -10,6 +11,14 @@ from the registry (`wren broker-files`): a device's user is its device id, a ten
 host users are `host-<tenant>` and others, and the bridge has users of its own. User
 names and device ids share one name space, since the ACL's device rules apply to any
 user whose name is a device id.
+
+Grants (`grants`: tenant, agent, field, access) say which agents of a tenant may use
+which of its `tenant` memory fields: `field` is a field name or `*` (every tenant
+field), `access` is `read` or `write` (read and write). One record per (tenant, agent,
+field); adding it again changes its access. The rule they follow (a field's own grant
+wins over `*`) is server_bridge/memory/grants.py's. A grant may name an agent no device
+runs yet: it applies once one does. The bridge looks up the calling agent's grants on
+every memory call, from the parsed snapshot below, already grouped per agent.
 
 Every change is one write of the file, whatever it touches (a device and its user are
 added together or not at all).
@@ -40,6 +49,15 @@ from tinydb import Query, TinyDB
 
 from edge_runtime.events import MAX_ID
 from server_bridge.brokerconf import check_entry, check_user
+from server_bridge.memory.grants import (
+    ALL_FIELDS,
+    NO_GRANTS,
+    WRITE,
+    Grants,
+    check_access,
+    check_grant_field,
+    lesser,
+)
 from server_bridge.store import (
     AtomicJSONStorage,
     FileVersion,
@@ -56,6 +74,7 @@ __all__ = [
     "ROLES",
     "BrokerUser",
     "DeviceRecord",
+    "Grant",
     "Registry",
     "RegistryError",
     "host_user",
@@ -95,6 +114,17 @@ class BrokerUser:
     role: str
     tenant: str | None
     password_hash: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Agent `agent` of tenant `tenant` may use tenant field `field` (`*`: every one):
+    `access` `read`, or `write` (read and write)."""
+
+    tenant: str
+    agent: str
+    field: str
+    access: str
 
 
 def host_user(tenant: str) -> str:
@@ -140,6 +170,10 @@ class _Snapshot:
     # A registry written before users were kept has no `users` table: none, then.
     user_docs: tuple[dict[str, Any], ...] = ()
     by_user: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Nor one written before grants were kept. `grants_by` holds each (tenant, agent)'s
+    # grants built once per version of the file: a memory call's lookup is a dict get.
+    grant_docs: tuple[dict[str, Any], ...] = ()
+    grants_by: dict[tuple[str, str], Grants] = field(default_factory=dict)
 
 
 _EMPTY = _Snapshot(None, b"", True, (), (), {}, {})
@@ -161,6 +195,22 @@ def _index(docs: tuple[dict[str, Any], ...], key: str) -> dict[str, dict[str, An
     return index
 
 
+def _grants_index(docs: tuple[dict[str, Any], ...]) -> dict[tuple[str, str], Grants]:
+    """Each agent's grants. A malformed record grants nothing (and `Registry.grants`
+    names it), rather than failing every lookup of the file; two records of one grant
+    (a hand edit) give the lesser access."""
+    by: dict[tuple[str, str], dict[str, str]] = {}
+    for d in docs:
+        try:
+            g = _grant(d)
+        except RegistryError:
+            continue
+        fields = by.setdefault((g.tenant, g.agent), {})
+        old = fields.get(g.field)
+        fields[g.field] = g.access if old is None else lesser(old, g.access)
+    return {who: Grants(fields) for who, fields in by.items()}
+
+
 def _parse(version: FileVersion, data: bytes, seen_at_ns: int, path: object) -> _Snapshot:
     doc = parse_document(data, str(path))
     if doc is None:
@@ -168,6 +218,7 @@ def _parse(version: FileVersion, data: bytes, seen_at_ns: int, path: object) -> 
     tenant_docs = _table_docs(doc, "tenants", path)
     device_docs = _table_docs(doc, "devices", path)
     user_docs = _table_docs(doc, "users", path)
+    grant_docs = _table_docs(doc, "grants", path)
     return _Snapshot(
         version,
         data,
@@ -178,6 +229,8 @@ def _parse(version: FileVersion, data: bytes, seen_at_ns: int, path: object) -> 
         _index(device_docs, "device"),
         user_docs,
         _index(user_docs, "user"),
+        grant_docs,
+        _grants_index(grant_docs),
     )
 
 
@@ -221,8 +274,9 @@ class _OneWriteStorage(AtomicJSONStorage):
 
 
 class Registry:
-    """Tenants {tenant, secret (hex)}, devices {device, tenant, agent} and broker users
-    {user, role, tenant, hash} in one TinyDB file."""
+    """Tenants {tenant, secret (hex)}, devices {device, tenant, agent}, broker users
+    {user, role, tenant, hash} and grants {tenant, agent, field, access} in one TinyDB
+    file."""
 
     def __init__(
         self,
@@ -244,6 +298,7 @@ class Registry:
         self._tenants = self._db.table("tenants", cache_size=0)
         self._devices = self._db.table("devices", cache_size=0)
         self._users = self._db.table("users", cache_size=0)
+        self._grants = self._db.table("grants", cache_size=0)
         storage = self._db.storage
         if not isinstance(storage, _OneWriteStorage):
             raise TypeError("the registry needs its file on its own storage")
@@ -507,6 +562,54 @@ class Registry:
             docs = self._current().user_docs
         return sorted((_user(d) for d in docs), key=lambda u: u.user)
 
+    # ------------------------------------------------------------------ grants
+
+    def add_grant(
+        self, tenant: str, agent: str, field: str = ALL_FIELDS, access: str = WRITE
+    ) -> Grant:
+        """Let `agent` of an existing tenant use tenant field `field` (`*`: every one)
+        with `access` (`read` or `write`); an existing grant of that field gets the new
+        access. RegistryError when the tenant is unknown or a value is malformed."""
+        grant = _checked_grant(tenant, agent, field, access)
+        q = Query()
+        with self._writing():
+            if self._tenants.get(q.tenant == tenant) is None:
+                raise RegistryError(f"unknown tenant {tenant!r}")
+            self._grants.upsert(
+                {"tenant": tenant, "agent": agent, "field": field, "access": access},
+                (q.tenant == tenant) & (q.agent == agent) & (q.field == field),
+            )
+        return grant
+
+    def remove_grant(self, tenant: str, agent: str, field: str = ALL_FIELDS) -> bool:
+        """Take back `agent`'s grant of `field` in `tenant` (its `*` grant by default;
+        grants of single fields stay); False when there was none."""
+        _checked_grant(tenant, agent, field, WRITE)
+        q = Query()
+        which = (q.tenant == tenant) & (q.agent == agent) & (q.field == field)
+        with self._writing():
+            # Looked for first: TinyDB's remove writes the file even when nothing matches.
+            if not self._grants.contains(which):
+                return False
+            self._grants.remove(which)
+            return True
+
+    def grants(self, tenant: str | None = None) -> list[Grant]:
+        """Every grant (of one tenant), by tenant, agent and field. A malformed record is
+        a RegistryError naming it (lookups skip it: it grants nothing)."""
+        if tenant is not None:
+            check_id(tenant, "tenant")
+        with self._lock:
+            docs = self._current().grant_docs
+        got = [_grant(d) for d in docs if tenant is None or d.get("tenant") == tenant]
+        return sorted(got, key=lambda g: (g.tenant, g.agent, g.field))
+
+    def grants_of(self, tenant: str, agent: str) -> Grants:
+        """What `agent` of `tenant` may do with the tenant's fields (the memory service
+        asks on every call: one dict lookup in the parsed snapshot)."""
+        with self._lock:
+            return self._current().grants_by.get((tenant, agent), NO_GRANTS)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -546,6 +649,24 @@ def provision(
 
 def _record(doc: dict[str, Any]) -> DeviceRecord:
     return DeviceRecord(str(doc["device"]), str(doc["tenant"]), str(doc["agent"]))
+
+
+def _checked_grant(tenant: str, agent: str, field: str, access: str) -> Grant:
+    """The grant, its values checked: a bad tenant id is topics.BadTopic (as everywhere
+    in the registry), anything else RegistryError."""
+    check_id(tenant, "tenant")
+    _check_agent(agent)
+    try:
+        return Grant(tenant, agent, check_grant_field(field), check_access(access))
+    except ValueError as e:
+        raise RegistryError(str(e)) from None
+
+
+def _grant(doc: dict[str, Any]) -> Grant:
+    try:
+        return _checked_grant(doc["tenant"], doc["agent"], doc["field"], doc["access"])
+    except (KeyError, ValueError) as e:
+        raise RegistryError(f"a malformed grant in the registry: {doc!r} ({e})") from None
 
 
 def _user(doc: dict[str, Any]) -> BrokerUser:

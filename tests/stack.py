@@ -158,11 +158,10 @@ class Stack:
         self.device = device
         # The board's main.py: the demo thermostat unless a test brings its own agent.
         self.main_py = main_py or MAIN_PY
-        # The board's 128K, or 144K for the thermostat with its memory field, which keeps
-        # only about 13 KiB free between runs at 128K (README): a harness test is about
-        # its own subject, not that margin (tests/test_memory_boards.py runs at 128K).
-        plain = (board_settings or {}).get("memory") is False
-        self.heap = heap or ("128K" if plain else "144K")
+        # The board's 128K, with or without the thermostat's memory field (which keeps
+        # about 15 KiB free between runs there and ran 40 demo requests in a row,
+        # benchmarks/bench_heap.py and README).
+        self.heap = heap or "128K"
         self.micropython = micropython
         self.mpy = mpy
         self.persistence = persistence

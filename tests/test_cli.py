@@ -554,6 +554,11 @@ def test_registry_commands_refuse_bad_input_in_one_line_and_change_nothing(
         ("host-user", "add", "h2", "--tenant", "nobody"): "unknown tenant 'nobody'",
         ("host-user", "add", "host-acme", "--tenant", "globex", "--rotate"): "not a host user of",
         ("bridge-user", "add", "host-acme", "--rotate"): "is not a bridge user",
+        ("grant", "add", "--tenant", "nobody", "--agent", "kiosk"): "unknown tenant 'nobody'",
+        ("grant", "add", "--tenant", "acme", "--agent", "kiosk", "--field", "Menu"): "field must",
+        ("grant", "add", "--tenant", "Acme", "--agent", "kiosk"): "invalid tenant level 'Acme'",
+        ("grant", "remove", "--tenant", "acme", "--agent", "kiosk"): "has no grant of every",
+        ("grant", "remove", "--tenant", "nobody", "--agent", "kiosk"): "unknown tenant 'nobody'",
     }
     # All at once (each is a process of its own): each must refuse, so the file is the
     # same at the end only if none of them wrote it.
@@ -571,3 +576,72 @@ def test_registry_commands_refuse_bad_input_in_one_line_and_change_nothing(
                           "--agent", "x")  # fmt: skip
     assert usage.returncode == 2 and "not allowed with argument --rotate" in usage.stderr
     assert registry.read_bytes() == before
+
+
+def test_grants_from_the_command_line(tmp_path: Path) -> None:
+    missing = _registry_cli(tmp_path, "grant", "list")
+    assert (missing.returncode, missing.stderr) == (
+        1,
+        "wren grant list: no registry at .wren/registry.json (`wren tenant add` creates one)\n",
+    )
+    _ok(tmp_path, "tenant", "add", "acme")
+    _ok(tmp_path, "tenant", "add", "globex")
+    _ok(tmp_path, "device", "add", "dev1", "--tenant", "acme", "--agent", "kiosk")
+    assert _ok(tmp_path, "grant", "list").splitlines() == ["TENANT  AGENT  FIELD  ACCESS"]
+    added = _registry_cli(tmp_path, "grant", "add", "--tenant", "acme", "--agent", "kiosk")
+    assert added.returncode == 0 and added.stderr == ""
+    assert added.stdout.splitlines() == [
+        "grant: agent kiosk of tenant acme may read and write every tenant field",
+        "a running bridge applies it within 0.25 s (no broker reload: the broker's files do "
+        "not hold grants)",
+    ]
+    # An agent no device runs yet: granted, with a note (a typo would grant nothing).
+    till = _registry_cli(tmp_path, "grant", "add", "--tenant", "acme", "--agent", "till",
+                         "--field", "menu", "--read-only")  # fmt: skip
+    assert till.returncode == 0
+    assert (
+        till.stdout.splitlines()[0] == "grant: agent till of tenant acme may read tenant field menu"
+    )
+    assert till.stderr == (
+        "note: no device of tenant acme runs agent till yet (`wren device list` shows the agents)\n"
+    )
+    _ok(tmp_path, "grant", "add", "--tenant", "globex", "--agent", "kiosk", "--field", "menu")
+    changed = _ok(tmp_path, "grant", "add", "--tenant", "acme", "--agent", "kiosk", "--read-only")
+    assert changed.splitlines()[0] == (
+        "grant: agent kiosk of tenant acme may read every tenant field (was read-write)"
+    )
+    assert _ok(tmp_path, "grant", "list").splitlines() == [
+        "TENANT  AGENT  FIELD  ACCESS",
+        "acme    kiosk  *      read-only",
+        "acme    till   menu   read-only",
+        "globex  kiosk  menu   read-write",
+    ]
+    assert _ok(tmp_path, "grant", "list", "--tenant", "globex").splitlines() == [
+        "TENANT  AGENT  FIELD  ACCESS",
+        "globex  kiosk  menu   read-write",
+    ]
+    # What the bridge reads: the registry's grants for (tenant, agent).
+    with Registry(tmp_path / ".wren" / "registry.json") as registry:
+        assert registry.grants_of("acme", "kiosk").access("anything") == "read"
+        assert registry.grants_of("acme", "till").access("menu") == "read"
+        assert registry.grants_of("acme", "till").access("orders") is None
+        assert registry.grants_of("globex", "till").access("menu") is None
+    # Removing takes back exactly the grant `add` with the same options made.
+    _ok(tmp_path, "grant", "add", "--tenant", "acme", "--agent", "till", "--field", "orders")
+    wrong = _registry_cli(tmp_path, "grant", "remove", "--tenant", "acme", "--agent", "till")
+    assert (wrong.returncode, wrong.stdout) == (1, "")
+    assert wrong.stderr == (
+        "wren grant remove: agent 'till' of tenant 'acme' has no grant of every tenant field "
+        "(its grants: --field menu, --field orders)\n"
+    )
+    removed = _ok(tmp_path, "grant", "remove", "--tenant", "acme", "--agent", "till",
+                  "--field", "menu")  # fmt: skip
+    assert removed.splitlines()[:2] == [
+        "grant: agent till of tenant acme no longer has tenant field menu",
+        "  its grants of orders stay",
+    ]
+    _ok(tmp_path, "grant", "remove", "--tenant", "acme", "--agent", "kiosk")
+    assert _ok(tmp_path, "grant", "list", "--tenant", "acme").splitlines() == [
+        "TENANT  AGENT  FIELD   ACCESS",
+        "acme    till   orders  read-write",
+    ]

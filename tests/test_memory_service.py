@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from server_bridge.memory import Caller, MemoryFault, MemoryService, TinyMemoryStore
+from server_bridge.memory.grants import ALL_FIELDS, NO_GRANTS, READ, WRITE, Grants
 from server_bridge.memory.recall import RecallIndex
 from server_bridge.memory.service import FieldDecl, parse_fields
 
@@ -48,7 +49,7 @@ def caller(**kw: Any) -> Caller:
         conv="c1",
         run="run1",
         fields=FIELDS,
-        grants=frozenset({"tenant"}),
+        grants=Grants({ALL_FIELDS: WRITE}),
     )
     base.update(kw)
     return Caller(**base)
@@ -178,7 +179,7 @@ def test_missing_scopes_grants_and_private_tenant_fields(svc: MemoryService) -> 
     assert fault(svc, anon, "state.load", {"fields": ["mood"]}).kind == "no_scope"
     assert fault(svc, anon, "state.load", {"fields": ["scratch"]}).kind == "no_scope"
     assert load(svc, anon, "visits") == {"values": {}, "vers": {}}
-    ungranted = caller(grants=frozenset())
+    ungranted = caller(grants=NO_GRANTS)
     assert fault(svc, ungranted, "state.load", {"fields": ["secret"]}).kind == "forbidden"
     assert commit(svc, caller(), "secret", "s3", "r:1")["ver"] == 1
     other_agent = caller(agent="till", device="dev9")
@@ -188,6 +189,160 @@ def test_missing_scopes_grants_and_private_tenant_fields(svc: MemoryService) -> 
     # A public tenant collection is shared by the tenant's agents.
     svc.handle(other_agent, "mem.remember", {"field": "shared", "value": "hello all", "w": "t:2"})
     assert len(svc.handle(caller(), "mem.list", {"field": "shared"})["rows"]) == 1
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    """Every file of a store, as bytes: what "nothing stored changed" compares."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+# Every method that names a tenant field, as a write or a read (FIELDS' `shared` is a
+# public tenant collection, `board` a public tenant slot).
+TENANT_WRITES: list[tuple[str, dict[str, Any]]] = [
+    ("state.commit", {"writes": [{"field": "board", "value": "x", "w": "g:1"}]}),
+    ("mem.remember", {"field": "shared", "key": "k", "value": "x", "w": "g:2"}),
+    ("mem.forget", {"field": "shared", "key": "k", "w": "g:3"}),
+    ("mem.forget", {"field": "board", "w": "g:4"}),
+    ("mem.append", {"field": "shared", "key": "k", "text": "x", "w": "g:5"}),
+    ("mem.replace", {"field": "board", "old": "o", "text": "x", "w": "g:6"}),
+    ("mem.cas", {"field": "shared", "key": "k", "value": "x", "if_ver": 1, "w": "g:7"}),
+    (
+        "mem.link",
+        {
+            "field": "shared",
+            "key": "k",
+            "label": "l",
+            "to_field": "facts",
+            "to_key": "f",
+            "w": "g:8",
+        },
+    ),  # fmt: skip
+    (
+        "mem.unlink",
+        {
+            "field": "shared",
+            "key": "k",
+            "label": "l",
+            "to_field": "facts",
+            "to_key": "f",
+            "w": "g:9",
+        },
+    ),  # fmt: skip
+]
+TENANT_READS: list[tuple[str, dict[str, Any]]] = [
+    ("state.load", {"fields": ["board"]}),
+    ("mem.list", {"field": "shared"}),
+    ("mem.peek", {"field": "shared", "key": "k"}),
+    ("mem.recall", {"query": "menu", "field": "shared"}),
+]
+GRANT_FIELDS = [*FIELDS, {"name": "board", "dur": "tenant", "vis": "public"}]
+
+
+def _refused(svc: MemoryService, who: Caller, method: str, args: dict[str, Any]) -> str:
+    """The kind a call is refused with (a state.commit's write refused on its own)."""
+    if method == "state.commit":
+        [result] = svc.handle(who, method, args)["results"]
+        return str(result["err"]["kind"])
+    return fault(svc, who, method, args).kind
+
+
+def test_a_tenant_field_without_a_grant_is_forbidden_and_nothing_changes(
+    tmp_path: Path, clock: Clock
+) -> None:
+    svc = MemoryService(
+        TinyMemoryStore(tmp_path / "mem", clock), index=RecallIndex(embedder=None), clock=clock
+    )
+    owner = caller(fields=GRANT_FIELDS)
+    commit(svc, owner, "board", "the menu: soup", "o:1")
+    svc.handle(owner, "mem.remember", {"field": "shared", "key": "k", "value": "menu", "w": "o:2"})
+    svc.handle(owner, "mem.remember", {"field": "facts", "key": "f", "value": {"t": 1}, "w": "o:3"})
+    # Another agent of the tenant: a grant of another field only, or none at all.
+    for grants in (NO_GRANTS, Grants({"prices": WRITE})):
+        till = caller(agent="till", device="dev9", fields=GRANT_FIELDS, grants=grants)
+        svc.handle(till, "mem.remember", {"field": "facts", "key": "f", "value": {"t": 2},
+                                          "w": "t:0"})  # fmt: skip
+        before = files(tmp_path / "mem")
+        for method, args in TENANT_WRITES + TENANT_READS:
+            assert _refused(svc, till, method, args) == "forbidden", (grants, method)
+        assert files(tmp_path / "mem") == before
+        # Recall over every field skips the tenant fields; the agent's own still answer.
+        hits = svc.handle(till, "mem.recall", {"query": "menu", "k": 20})["hits"]
+        assert hits == []
+    # A refused write was not recorded: granted, the same write id applies.
+    till = caller(agent="till", device="dev9", fields=GRANT_FIELDS, grants=Grants({"*": WRITE}))
+    assert commit(svc, till, "board", "the menu: stew", "g:1")["ver"] == 2
+    assert load(svc, owner, "board")["values"] == {"board": "the menu: stew"}
+
+
+def test_a_read_only_grant_reads_and_is_refused_every_write(tmp_path: Path, clock: Clock) -> None:
+    svc = MemoryService(
+        TinyMemoryStore(tmp_path / "mem", clock), index=RecallIndex(embedder=None), clock=clock
+    )
+    owner = caller(fields=GRANT_FIELDS)
+    commit(svc, owner, "board", "o menu", "o:1")
+    svc.handle(owner, "mem.remember", {"field": "shared", "key": "k", "value": "menu", "w": "o:2"})
+    for grants in (Grants({"*": READ}), Grants({"*": WRITE, "shared": READ, "board": READ})):
+        till = caller(agent="till", device="dev9", fields=GRANT_FIELDS, grants=grants)
+        svc.handle(till, "mem.remember", {"field": "facts", "key": "f", "value": {"t": 2},
+                                          "w": "t:0"})  # fmt: skip
+        before = files(tmp_path / "mem")
+        for method, args in TENANT_WRITES:
+            assert _refused(svc, till, method, args) == "forbidden", (grants, method)
+        assert files(tmp_path / "mem") == before
+        assert load(svc, till, "board")["values"] == {"board": "o menu"}
+        assert [r["key"] for r in svc.handle(till, "mem.list", {"field": "shared"})["rows"]] == [
+            "k"
+        ]
+        assert svc.handle(till, "mem.peek", {"field": "shared", "key": "k"})["row"]["value"] == (
+            "menu"
+        )
+        hits = svc.handle(till, "mem.recall", {"query": "menu"})["hits"]
+        assert [(h["field"], h["key"]) for h in hits] == [("shared", "k")]
+    # A field's own grant widens a read-only `*` for that field alone.
+    till = caller(agent="till", device="dev9", fields=GRANT_FIELDS,
+                  grants=Grants({"*": READ, "board": WRITE}))  # fmt: skip
+    assert commit(svc, till, "board", "t menu", "t:1")["ver"] == 2
+    assert _refused(svc, till, *TENANT_WRITES[1]) == "forbidden"
+
+
+def test_a_grant_never_comes_from_the_arguments(svc: MemoryService) -> None:
+    ungranted = caller(grants=NO_GRANTS)
+    forged = {"grant": "*", "grants": {"*": "write"}, "access": "write", "tenant": "acme"}
+    args = {"field": "shared", "value": "x", "w": "f:1", **forged}
+    assert fault(svc, ungranted, "mem.remember", args).kind == "forbidden"
+    assert fault(svc, ungranted, "mem.list", {"field": "shared", **forged}).kind == "forbidden"
+    write = {"field": "secret", "value": "x", "w": "f:2", **forged}
+    [got] = svc.handle(ungranted, "state.commit", {"writes": [write], **forged})["results"]
+    assert got["err"]["kind"] == "forbidden"
+
+
+def test_a_grant_does_not_open_another_agents_private_tenant_field(svc: MemoryService) -> None:
+    # The owner rule stands on top of the grant: `secret` is private, first written by
+    # kiosk; till's read-write `*` grant does not reach it, nor does recall.
+    commit(svc, caller(), "secret", "s3", "r:1")
+    till = caller(agent="till", device="dev9", grants=Grants({"*": WRITE, "secret": WRITE}))
+    assert fault(svc, till, "state.load", {"fields": ["secret"]}).kind == "forbidden"
+    assert commit(svc, till, "secret", "mine", "t:1")["err"]["kind"] == "forbidden"
+    assert load(svc, caller(), "secret")["values"] == {"secret": "s3"}
+
+
+def test_links_into_a_tenant_field_need_a_grant_to_read_it(svc: MemoryService) -> None:
+    me = caller()
+    svc.handle(me, "mem.remember", {"field": "shared", "key": "s", "value": "S", "w": "1"})
+    svc.handle(me, "mem.remember", {"field": "facts", "key": "f", "value": {"t": 1}, "w": "2"})
+    link = {"field": "shared", "key": "s", "label": "see", "to_field": "facts", "to_key": "f"}
+    svc.handle(me, "mem.link", {**link, "w": "3"})
+    # Another device of kiosk whose grant was taken back: the backlink from the tenant
+    # field is not shown, and a link to a row there is refused.
+    gone = caller(device="dev2", grants=NO_GRANTS)
+    assert svc.handle(gone, "mem.peek", {"field": "facts", "key": "f"})["backlinks"] == []
+    to_shared = {"field": "facts", "key": "f", "label": "l", "to_field": "shared", "to_key": "s"}
+    assert fault(svc, gone, "mem.link", {**to_shared, "w": "4"}).kind == "forbidden"
+    assert svc.handle(me, "mem.peek", {"field": "facts", "key": "f"})["backlinks"] == [
+        {"field": "shared", "key": "s", "label": "see"}
+    ]
 
 
 def test_write_ids_apply_once_and_answer_the_same(svc: MemoryService) -> None:

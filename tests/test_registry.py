@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -14,12 +15,14 @@ import pytest
 from tinydb import Query
 
 from server_bridge.brokerconf import hash_password
+from server_bridge.memory.grants import ALL_FIELDS, NO_GRANTS, READ, WRITE, Grants
 from server_bridge.registry import (
     BRIDGE,
     DEVICE,
     HOST,
     BrokerUser,
     DeviceRecord,
+    Grant,
     Registry,
     RegistryError,
     host_user,
@@ -586,3 +589,155 @@ def test_another_processs_write_is_seen_within_recheck_s_and_this_ones_at_once(
     assert bridge.device("dev9") == DeviceRecord("dev9", "acme", "kiosk")
     bridge.add_device("dev10", "acme", "kiosk")
     assert bridge.device("dev10") is not None  # no wait for its own write
+
+
+# ---------------------------------------------------------------- grants
+
+
+def test_grants_say_which_agent_may_use_which_tenant_field(tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+    reg.add_tenant("acme", SECRET)
+    reg.add_tenant("globex", SECRET)
+    assert reg.grants() == [] and reg.grants_of("acme", "kiosk") is NO_GRANTS
+    assert reg.add_grant("acme", "kiosk") == Grant("acme", "kiosk", ALL_FIELDS, WRITE)
+    reg.add_grant("acme", "till", "menu", READ)
+    reg.add_grant("acme", "till", "orders")
+    reg.add_grant("globex", "kiosk", "menu", READ)
+    kiosk = reg.grants_of("acme", "kiosk")
+    assert kiosk.may_write("menu") and kiosk.may_write("anything")
+    till = reg.grants_of("acme", "till")
+    assert till.access("menu") == READ and till.access("orders") == WRITE
+    assert till.access("prices") is None and not till.may_read("prices")
+    # Grants key on the tenant: globex's kiosk is not acme's.
+    assert reg.grants_of("globex", "kiosk") == Grants({"menu": READ})
+    assert reg.grants_of("globex", "till") is NO_GRANTS
+    assert reg.grants() == [
+        Grant("acme", "kiosk", "*", WRITE),
+        Grant("acme", "till", "menu", READ),
+        Grant("acme", "till", "orders", WRITE),
+        Grant("globex", "kiosk", "menu", READ),
+    ]
+    assert [g.tenant for g in reg.grants("globex")] == ["globex"]
+    assert reg.grants("nobody") == []
+
+
+def test_a_fields_own_grant_wins_over_the_agents_star_grant(tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+    reg.add_tenant("acme", SECRET)
+    reg.add_grant("acme", "kiosk", ALL_FIELDS, WRITE)
+    reg.add_grant("acme", "kiosk", "ledger", READ)
+    reg.add_grant("acme", "till", ALL_FIELDS, READ)
+    reg.add_grant("acme", "till", "notes", WRITE)
+    kiosk, till = reg.grants_of("acme", "kiosk"), reg.grants_of("acme", "till")
+    assert kiosk.access("ledger") == READ and kiosk.access("notes") == WRITE
+    assert till.access("ledger") == READ and till.access("notes") == WRITE
+
+
+def test_adding_a_grant_again_changes_its_access_and_removing_takes_it_back(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "reg.json"
+    reg = Registry(path, recheck_s=0)
+    reg.add_tenant("acme", SECRET)
+    reg.add_grant("acme", "kiosk", "menu", WRITE)
+    reg.add_grant("acme", "kiosk", "menu", READ)
+    assert reg.grants() == [Grant("acme", "kiosk", "menu", READ)]
+    assert len(json.loads(path.read_text())["grants"]) == 1  # one record, changed
+    reg.add_grant("acme", "kiosk")
+    before = path.read_bytes()
+    assert not reg.remove_grant("acme", "kiosk", "other")
+    assert not reg.remove_grant("acme", "till")
+    assert path.read_bytes() == before  # nothing to remove: not written
+    assert reg.remove_grant("acme", "kiosk")  # the * grant; menu's stays
+    assert reg.grants() == [Grant("acme", "kiosk", "menu", READ)]
+    assert reg.grants_of("acme", "kiosk").access("notes") is None
+    assert reg.remove_grant("acme", "kiosk", "menu")
+    assert reg.grants() == [] and reg.grants_of("acme", "kiosk") is NO_GRANTS
+
+
+def test_bad_grants_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "reg.json"
+    reg = Registry(path, recheck_s=0)
+    reg.add_tenant("acme", SECRET)
+    reg.add_grant("acme", "kiosk", "menu", READ)
+    before = path.read_bytes()
+    refused: list[tuple[tuple[object, ...], type[Exception], str]] = [
+        (("nobody", "kiosk"), RegistryError, "unknown tenant 'nobody'"),
+        (("Acme", "kiosk"), BadTopic, "invalid tenant level"),
+        (("acme", ""), RegistryError, "agent must be"),
+        (("acme", "a" * 65), RegistryError, "agent must be"),
+        (("acme", "kiosk", "Menu"), RegistryError, "field must be '*' or"),
+        (("acme", "kiosk", "**"), RegistryError, "field must be '*' or"),
+        (("acme", "kiosk", "m" * 65), RegistryError, "field must be '*' or"),
+        (("acme", "kiosk", "menu", "admin"), RegistryError, "access must be one of"),
+    ]
+    for args, error, says in refused:
+        with pytest.raises(error, match=re.escape(says)):
+            reg.add_grant(*args)  # type: ignore[arg-type]
+    with pytest.raises(RegistryError, match="field must be"):
+        reg.remove_grant("acme", "kiosk", "Menu")
+    assert path.read_bytes() == before
+    assert reg.grants() == [Grant("acme", "kiosk", "menu", READ)]
+
+
+def test_a_malformed_grant_record_grants_nothing_and_is_named(tmp_path: Path) -> None:
+    # A hand-edited file: a record with a bad access, one without a field, and two
+    # records of one grant. Lookups fail closed; the listing says what is wrong.
+    path = tmp_path / "reg.json"
+    doc = {
+        "tenants": {"1": {"tenant": "acme", "secret": SECRET.hex()}},
+        "devices": {"1": {"device": "dev1", "tenant": "acme", "agent": "kiosk"}},
+        "grants": {
+            "1": {"tenant": "acme", "agent": "kiosk", "field": "menu", "access": "root"},
+            "2": {"tenant": "acme", "agent": "kiosk", "access": "write"},
+            "3": {"tenant": "acme", "agent": "till", "field": "*", "access": "write"},
+            "4": {"tenant": "acme", "agent": "till", "field": "*", "access": "read"},
+        },
+    }
+    path.write_text(json.dumps(doc))
+    reg = Registry(path, recheck_s=0)
+    assert reg.grants_of("acme", "kiosk") is NO_GRANTS
+    assert reg.grants_of("acme", "till") == Grants({"*": READ})
+    assert reg.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")  # the rest works
+    with pytest.raises(RegistryError, match="a malformed grant in the registry"):
+        reg.grants()
+
+
+def test_a_registry_without_the_grants_table_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "reg.json"
+    doc = {"tenants": {"1": {"tenant": "acme", "secret": SECRET.hex()}}}
+    path.write_text(json.dumps(doc))
+    reg = Registry(path, recheck_s=0)
+    assert reg.grants() == [] and reg.grants_of("acme", "kiosk") is NO_GRANTS
+    reg.add_grant("acme", "kiosk")
+    assert json.loads(path.read_text())["tenants"] == doc["tenants"]
+    assert reg.grants_of("acme", "kiosk").may_write("menu")
+
+
+def test_another_processs_grant_is_seen_within_recheck_s(tmp_path: Path) -> None:
+    # `wren grant add/remove` runs while the bridge does: the bridge's registry sees the
+    # change on a lookup at most recheck_s later.
+    path = tmp_path / "reg.json"
+    Registry(path, recheck_s=0).add_tenant("acme", SECRET)
+    now = [100.0]
+    bridge = Registry(path, recheck_s=0.25, clock=lambda: now[0])
+    assert bridge.grants_of("acme", "kiosk") is NO_GRANTS
+    Registry(path, recheck_s=0).add_grant("acme", "kiosk", "menu")
+    now[0] += 0.2
+    assert bridge.grants_of("acme", "kiosk") is NO_GRANTS  # not looked at again yet
+    now[0] += 0.1
+    assert bridge.grants_of("acme", "kiosk").may_write("menu")
+    Registry(path, recheck_s=0).remove_grant("acme", "kiosk", "menu")
+    now[0] += 0.3
+    assert bridge.grants_of("acme", "kiosk") is NO_GRANTS
+
+
+def test_grants_of_is_served_from_the_snapshot(tmp_path: Path) -> None:
+    # The bridge asks on every memory call: the same parsed object until the file changes.
+    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+    reg.add_tenant("acme", SECRET)
+    reg.add_grant("acme", "kiosk")
+    first = reg.grants_of("acme", "kiosk")
+    assert all(reg.grants_of("acme", "kiosk") is first for _ in range(100))
+    with pytest.raises(TypeError):
+        first.by_field["menu"] = READ  # type: ignore[index]

@@ -5,7 +5,7 @@ streams to `wren bridge --openai-base-url`; the board runs the runtime as .mpy o
 MicroPython unix port: the stress tests (long streams, large requests, many runs) run the
 thermostat without its memory field at 128 KiB (and at 96 KiB on the 32-bit MicroPython
 where ../shared/micropython/ has one), the restart tests the thermostat as shipped at
-the harness's 144 KiB (tests/stack.py); Mosquitto runs with Wren's password
+the harness's 128 KiB (tests/stack.py); Mosquitto runs with Wren's password
 file and ACL; a host client watches (tests/stack.py). Models stream hundreds of tiny
 chunks, answer at length, call tools with fragmented arguments; the broker, the board
 and the bridge are restarted or killed mid-run. The host must end with exactly the text

@@ -9,6 +9,9 @@ wren device add D --tenant T       a device and its broker user (password printe
 wren device list | remove D        the registry's devices
 wren bridge-user add NAME          a bridge's broker user (password printed once)
 wren host-user add NAME --tenant T another host user of a tenant (password printed once)
+wren grant add --tenant T --agent A [--field F] [--read-only]
+                                   let an agent use the tenant's tenant-scoped memory
+wren grant list | remove           the registry's grants
 wren broker-files                  Mosquitto's password file, ACL and config from the registry
 """
 
@@ -23,14 +26,23 @@ from pathlib import Path
 from typing import TextIO
 
 from server_bridge import brokerconf, service
-from server_bridge.registry import BRIDGE, DEVICE, HOST, DeviceRecord, Registry, host_user
+from server_bridge.memory.grants import ALL_FIELDS, READ, WRITE
+from server_bridge.registry import (
+    BRIDGE,
+    DEVICE,
+    HOST,
+    RECHECK_S,
+    DeviceRecord,
+    Registry,
+    host_user,
+)
 from server_bridge.service import DEFAULT_AGENT, add_broker_arguments, broker_address
 from server_bridge.topics import DEFAULT_PREFIX
 
 DEFAULT_REGISTRY = Path(".wren/registry.json")
 DEFAULT_BROKER_DIR = Path(".wren/broker")
 # The commands that change or read the registry (handled by `_registry_command`).
-REGISTRY_COMMANDS = ("tenant", "device", "bridge-user", "host-user", "broker-files")
+REGISTRY_COMMANDS = ("tenant", "device", "bridge-user", "host-user", "grant", "broker-files")
 ONCE = "shown this once: it cannot be shown again (the registry keeps only its hash)"
 RELOAD = "next: `wren broker-files`, then SIGHUP to the Mosquitto that uses them"
 
@@ -137,6 +149,17 @@ def _rotate_option(p: argparse._ActionsContainer, what: str) -> None:
     )
 
 
+def _grant_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--agent", required=True, help="the agent its devices run (`device list`)")
+    p.add_argument(
+        "--field",
+        default=ALL_FIELDS,
+        help="a tenant field's name (default: every tenant field, stored as '*')",
+    )
+    _registry_option(p)
+
+
 def _add_registry_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t = sub.add_parser("tenant", help="tenants in the registry")
     tsub = t.add_subparsers(dest="action", required=True)
@@ -189,6 +212,22 @@ def _add_registry_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParse
     ha.add_argument("--tenant", required=True)
     _registry_option(ha)
     _rotate_option(ha, "the user")
+
+    g = sub.add_parser(
+        "grant", help="which agents of a tenant may use its tenant-scoped memory fields"
+    )
+    gsub = g.add_subparsers(dest="action", required=True)
+    ga = gsub.add_parser(
+        "add", help="let an agent of a tenant read and write (or only read) a tenant field, "
+        "or every one; adding a grant again changes its access"
+    )  # fmt: skip
+    _grant_options(ga)
+    ga.add_argument("--read-only", action="store_true", help="reads only: every write refused")
+    gr = gsub.add_parser("remove", help="take back a grant (the one `add` with these options made)")
+    _grant_options(gr)
+    gl = gsub.add_parser("list", help="the registry's grants: tenant, agent, field, access")
+    gl.add_argument("--tenant", help="only this tenant's")
+    _registry_option(gl)
 
     f = sub.add_parser(
         "broker-files",
@@ -327,6 +366,80 @@ def _warn_without_login(devices: list[DeviceRecord]) -> None:
         )
 
 
+# Grants live in the registry alone, not in the broker's files: a running bridge applies a
+# change on its next memory call (within the registry's recheck time).
+GRANT_APPLIES = (
+    f"a running bridge applies it within {RECHECK_S} s (no broker reload: the broker's "
+    "files do not hold grants)"
+)
+_ACCESS_SHOWN = {READ: "read-only", WRITE: "read-write"}
+
+
+def _fields_named(field: str) -> str:
+    return "every tenant field" if field == ALL_FIELDS else f"tenant field {field}"
+
+
+def _grant_add(args: argparse.Namespace, out: TextIO) -> None:
+    access = READ if args.read_only else WRITE
+    with _open(args.registry) as reg:
+        before = {(g.agent, g.field): g.access for g in reg.grants(args.tenant)}
+        grant = reg.add_grant(args.tenant, args.agent, args.field, access)
+        runs = any(d.agent == grant.agent for d in reg.devices_of(grant.tenant))
+    may = "read" if access == READ else "read and write"
+    was = before.get((grant.agent, grant.field))
+    said = "" if was is None or was == access else f" (was {_ACCESS_SHOWN[was]})"
+    print(
+        f"grant: agent {grant.agent} of tenant {grant.tenant} may {may} "
+        f"{_fields_named(grant.field)}{said}",
+        file=out,
+    )
+    print(GRANT_APPLIES, file=out)
+    if not runs:
+        # Not an error: a grant may come before the devices. But a mistyped agent name
+        # would otherwise grant nothing, silently.
+        print(
+            f"note: no device of tenant {grant.tenant} runs agent {grant.agent} yet "
+            "(`wren device list` shows the agents)",
+            file=sys.stderr,
+        )
+
+
+def _grant_remove(args: argparse.Namespace, out: TextIO) -> None:
+    with _open(args.registry) as reg:
+        if reg.tenant_secret(args.tenant) is None:
+            raise CommandError(f"unknown tenant {args.tenant!r}")
+        removed = reg.remove_grant(args.tenant, args.agent, args.field)
+        left = [g.field for g in reg.grants(args.tenant) if g.agent == args.agent]
+        if not removed:
+            has = f" (its grants: --field {', --field '.join(left)})" if left else ""
+            raise CommandError(
+                f"agent {args.agent!r} of tenant {args.tenant!r} has no grant of "
+                f"{_fields_named(args.field)}{has}"
+            )
+    print(
+        f"grant: agent {args.agent} of tenant {args.tenant} no longer has "
+        f"{_fields_named(args.field)}",
+        file=out,
+    )
+    if left:
+        print(f"  its grants of {', '.join(left)} stay", file=out)
+    print(GRANT_APPLIES, file=out)
+
+
+def _grant_list(args: argparse.Namespace, out: TextIO) -> None:
+    with _open(args.registry) as reg:
+        grants = reg.grants(args.tenant)
+    rows = [("TENANT", "AGENT", "FIELD", "ACCESS")] + [
+        (g.tenant, g.agent, g.field, _ACCESS_SHOWN[g.access]) for g in grants
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for tenant, agent, field, access in rows:
+        print(
+            f"{tenant:<{widths[0]}}  {agent:<{widths[1]}}  {field:<{widths[2]}}  {access}",
+            file=out,
+        )
+
+
 def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
     with _open(args.registry) as reg:
         users = reg.users()
@@ -375,6 +488,12 @@ def _registry_command(args: argparse.Namespace, out: TextIO | None = None) -> in
             _user_add(args, BRIDGE, out)
         elif args.command == "host-user":
             _user_add(args, HOST, out)
+        elif args.command == "grant" and args.action == "add":
+            _grant_add(args, out)
+        elif args.command == "grant" and args.action == "remove":
+            _grant_remove(args, out)
+        elif args.command == "grant":
+            _grant_list(args, out)
         else:
             _broker_files(args, out)
     except (CommandError, ValueError, OSError) as e:

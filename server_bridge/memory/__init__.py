@@ -4,6 +4,8 @@ backups, the write-id ledger and recall (docs/PROTOCOL.md, "Memory and durable s
 - `errors`: the refusals, one exception per contract error kind.
 - `merge`: the merge policies as one table of pure functions.
 - `store`: the persistence interface and its TinyDB default, sharded per scope.
+- `grants`: which agents of a tenant may read or write which `tenant` fields (the
+  registry keeps them, the service checks them).
 - `service`: the `state.*`, `mem.*` and `core.*` methods over a store.
 - `recall`: the search index beside the store (BM25, MiniLM when installed), rebuilt
   from it, never the source of truth.
@@ -15,12 +17,14 @@ import os
 from typing import Any
 
 from server_bridge.memory.errors import MemoryFault
+from server_bridge.memory.grants import Grants
 from server_bridge.memory.service import Caller, FieldDecl, MemoryService, SearchIndex
 from server_bridge.memory.store import MemoryStore, ScopeRef, TinyMemoryStore
 
 __all__ = [
     "Caller",
     "FieldDecl",
+    "Grants",
     "MemoryFault",
     "MemoryService",
     "MemoryStore",

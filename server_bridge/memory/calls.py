@@ -2,13 +2,15 @@
 
 The service (service.py) answers for a `Caller`; this module builds one for each call
 from trusted sources only (PROTOCOL.md, "Scopes"):
-- tenant, device and agent from the registry record of the call's MQTT user;
+- tenant, device and agent from the registry record of the call's MQTT user, and that
+  agent's grants in its tenant from the registry's `grants` table (which `tenant`
+  fields it may read or write);
 - the declared fields from that device's last hello;
 - user and conversation from the scope ticket `sc` the bridge signed into the request
   (tokens.verify_scope, bound to this device); a call without one reaches the agent,
   subject and tenant scopes only, and a bad or expired one is `bad_token`.
-A `tenant`, `user` or `device` key anywhere in the arguments is data and changes none of
-that.
+A `tenant`, `user`, `device` or `grant` key anywhere in the arguments is data and
+changes none of that.
 
 Answers go back on the board's receive buffer, so one larger than the payload its hello
 announced is refused `too_large` (ask for fewer rows) instead of being sent to be read
@@ -67,6 +69,9 @@ def caller_of(
         conv=conv,
         run=ctx.call.r,
         fields=fields if isinstance(fields, list) else (),
+        # From the registry's parsed snapshot: a dict lookup per call, and a grant added
+        # or removed by another process applies within the registry's recheck time.
+        grants=registry.grants_of(record.tenant, record.agent),
     )
 
 

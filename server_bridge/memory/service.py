@@ -4,14 +4,15 @@ docs/PROTOCOL.md "Memory and durable state" is the contract; the decisions it le
 open are taken here and named in the docstrings below ("Decided:").
 
 Who is asking comes only from `Caller`, built by the bridge from its registry, the
-device's hello and the verified scope ticket. A `tenant`, `user` or `device` key inside
-the arguments is data: no argument names a scope. Scope instances (`ScopeRef`):
+device's hello and the verified scope ticket. A `tenant`, `user`, `device` or `grant`
+key inside the arguments is data: no argument names a scope or grants a right. Scope
+instances (`ScopeRef`):
 
 | dur | scope id | Decided |
 |---|---|---|
 | `agent` | the agent | |
 | `subject` | the device | |
-| `tenant` | the tenant | needs the `tenant` grant; shared by the tenant's agents |
+| `tenant` | the tenant | shared by the tenant's agents, each needing a grant (grants.py) |
 | `user` | agent/user | a user's memory is per agent: only `tenant` crosses agents |
 | `session` | agent/conv | as `user` |
 | `run` | none | never leaves the board: `no_scope` |
@@ -19,8 +20,11 @@ the arguments is data: no argument names a scope. Scope instances (`ScopeRef`):
 Private fields: every scope but `tenant` belongs to one agent, and its instance is
 picked by the caller's own identity (its device, its ticket's user and conversation),
 so another user's or another session's field cannot even be named. In the shared
-`tenant` scope the agent that first wrote a field owns it: a field written `private`
-by one agent is `forbidden` to the others (read and write), and never a recall hit.
+`tenant` scope an agent reads a field only with a grant for it (or for `*`) and writes
+it only with a `write` grant: else `forbidden` before any store is opened, and recall
+and backlinks skip the field. On top of the grant, the agent that first wrote a field
+owns it: a field written `private` by one agent is `forbidden` to the others (read and
+write, whatever their grants), and never a recall hit.
 
 Write ids: a write's content hash covers the method, its scope instance, the field and
 the arguments but `sc` and `w`; a write id answered before is answered the same and
@@ -42,6 +46,7 @@ from urllib.parse import quote, unquote
 import msgpack
 
 from server_bridge.memory import errors as E
+from server_bridge.memory.grants import FIELD_NAME, NO_GRANTS, Grants
 from server_bridge.memory.merge import MISSING, merge
 from server_bridge.memory.store import SLOTS, MemoryStore, ScopeRef, ScopeTxn
 
@@ -71,7 +76,7 @@ MAX_K = 20  # recall hits (PROTOCOL: default 5, at most 20)
 DEFAULT_LIST = 20
 MAX_LIST = 100
 
-_NAME = re.compile(r"[a-z0-9_]{1,64}\Z")
+_NAME = FIELD_NAME
 _TOKEN = re.compile(r"\w+")
 _VIS = ("public", "private")
 _DUR = ("run", "session", "user", "agent", "tenant", "subject")
@@ -171,7 +176,9 @@ class Caller:
     conv: str | None = None
     run: str | None = None
     fields: Sequence[Mapping[str, Any] | FieldDecl] = ()
-    grants: frozenset[str] = frozenset()
+    # The agent's grants in its tenant (grants.py): which `tenant` fields it may read or
+    # write. From the registry only, never from a call's arguments.
+    grants: Grants = NO_GRANTS
     decls: dict[str, FieldDecl] = field(init=False, compare=False, repr=False)
     skipped_fields: int = field(init=False, compare=False)
 
@@ -372,7 +379,11 @@ class MemoryService:
             raise E.UnknownField(f"no declared field {name[:64]!r}")
         return decl
 
-    def _ref(self, caller: Caller, dur: str, what: str) -> ScopeRef:
+    def _ref(self, caller: Caller, dur: str, what: str, *, write: bool) -> ScopeRef:
+        """The scope instance a field of this `dur` is kept in for this caller; `what`
+        is the field's name (core memory, never a tenant field, names its scope). A
+        tenant field needs the caller's grant for it, `write` to change it: checked here,
+        before any store is opened, so a refused call changes nothing."""
         if dur == "run":
             raise E.NoScope(f"{what} is run-scoped: it never leaves the board")
         if dur == "agent":
@@ -380,8 +391,15 @@ class MemoryService:
         if dur == "subject":
             return ScopeRef(caller.tenant, "subject", _q(caller.device))
         if dur == "tenant":
-            if "tenant" not in caller.grants:
-                raise E.Forbidden(f"{what} is a tenant field and the agent has no tenant grant")
+            access = caller.grants.access(what)
+            if access is None:
+                raise E.Forbidden(
+                    f"{what} is a tenant field and agent {caller.agent[:64]!r} has no grant for it"
+                )
+            if write and not caller.grants.may_write(what):
+                raise E.Forbidden(
+                    f"{what} is a tenant field agent {caller.agent[:64]!r} may only read"
+                )
             return ScopeRef(caller.tenant, "tenant", _q(caller.tenant))
         who = caller.user if dur == "user" else caller.conv
         if who is None:
@@ -405,7 +423,7 @@ class MemoryService:
         if decl.kind != "collection":
             return None
         try:
-            return self._ref(caller, decl.dur, decl.name)
+            return self._ref(caller, decl.dur, decl.name, write=False)
         except E.MemoryFault:
             return None
 
@@ -573,7 +591,7 @@ class MemoryService:
         now = self.clock()
         for name in names:
             decl = self._slot_decl(caller, {"field": name})
-            ref = self._ref(caller, decl.dur, name)
+            ref = self._ref(caller, decl.dur, name, write=False)
             with self.store.scope(ref) as tx:
                 rec = tx.table(SLOTS, "slots").get(name)
                 if rec is None:
@@ -606,7 +624,7 @@ class MemoryService:
             raise E.BadEnvelope("a write needs a value")
         value = wr["value"]
         _check_value(value, decl.name)
-        ref = self._ref(caller, decl.dur, decl.name)
+        ref = self._ref(caller, decl.dur, decl.name, write=True)
 
         def compute(cur: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
             old = MISSING if cur is None else cur["value"]
@@ -617,11 +635,13 @@ class MemoryService:
 
     # ------------------------------------------------------------------ rows
 
-    def _collection(self, caller: Caller, args: Mapping[str, Any]) -> tuple[FieldDecl, ScopeRef]:
+    def _collection(
+        self, caller: Caller, args: Mapping[str, Any], *, write: bool
+    ) -> tuple[FieldDecl, ScopeRef]:
         decl = self._decl(caller, args)
         if decl.kind != "collection":
             raise E.BadEnvelope(f"{decl.name} is a slot, not a collection")
-        return decl, self._ref(caller, decl.dur, decl.name)
+        return decl, self._ref(caller, decl.dur, decl.name, write=write)
 
     def _rows(self, tx: ScopeTxn, caller: Caller, decl: FieldDecl) -> Mapping[str, dict[str, Any]]:
         self._check_owner(caller, tx.ref, tx.meta(decl.name), decl.name)
@@ -724,7 +744,7 @@ class MemoryService:
         return {"label": label, "to_field": to.name, "to_key": _arg_str(args, "to_key", MAX_KEY)}
 
     def mem_remember(self, caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
-        decl, ref = self._collection(caller, args)
+        decl, ref = self._collection(caller, args, write=True)
         if "value" not in args:
             raise E.BadEnvelope("mem.remember needs a value")
         value = args["value"]
@@ -762,7 +782,7 @@ class MemoryService:
         value = args["value"]
         _check_value(value, decl.name)
         if_ver = _arg_int(args, "if_ver", 0, 2**53, None)
-        ref = self._ref(caller, decl.dur, decl.name)
+        ref = self._ref(caller, decl.dur, decl.name, write=True)
 
         def apply(cur: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
             if cur is None:
@@ -813,7 +833,7 @@ class MemoryService:
         """mem.append / mem.replace: `edit(current text or None)` is the new text. A row's
         text is its value when that is a str, else the value's `text` key."""
         decl = self._decl(caller, args)
-        ref = self._ref(caller, decl.dur, decl.name)
+        ref = self._ref(caller, decl.dur, decl.name, write=True)
 
         def on_value(cur_value: Any) -> Any:
             if cur_value is MISSING:
@@ -860,7 +880,7 @@ class MemoryService:
         return self._text_edit(caller, args, "mem.replace", edit)
 
     def _link_edit(self, caller: Caller, args: Mapping[str, Any], add: bool) -> dict[str, Any]:
-        decl, ref = self._collection(caller, args)
+        decl, ref = self._collection(caller, args, write=True)
         key = _arg_str(args, "key", MAX_KEY)
         link = self._link(caller, args)
         method = "mem.link" if add else "mem.unlink"
@@ -870,7 +890,7 @@ class MemoryService:
             # target forgotten after this check leaves a link to nothing, which readers
             # tolerate.
             to = caller.decls[link["to_field"]]
-            to_ref = self._ref(caller, to.dur, to.name)
+            to_ref = self._ref(caller, to.dur, to.name, write=False)
             with self.store.scope(to_ref) as tx:
                 target = self._rows(tx, caller, to).get(link["to_key"])
                 if target is None or not _live(target, self.clock()):
@@ -904,7 +924,7 @@ class MemoryService:
         bring it back.
         """
         decl = self._decl(caller, args)
-        ref = self._ref(caller, decl.dur, decl.name)
+        ref = self._ref(caller, decl.dur, decl.name, write=True)
         key = self._opt_key(args)
         if decl.kind == "collection":
             if key is None:
@@ -960,7 +980,7 @@ class MemoryService:
     def mem_list(self, caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
         """Rows most recently written first. The cursor is the write sequence of the
         last row returned (an opaque str to the caller)."""
-        decl, ref = self._collection(caller, args)
+        decl, ref = self._collection(caller, args, write=False)
         limit = _arg_int(args, "limit", 1, MAX_LIST, DEFAULT_LIST)
         cursor = args.get("cursor")
         if cursor is not None and not (
@@ -981,7 +1001,7 @@ class MemoryService:
         return {"rows": [_row(r) for r in page], "cursor": str(page[-1]["seq"]) if more else None}
 
     def mem_peek(self, caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
-        decl, ref = self._collection(caller, args)
+        decl, ref = self._collection(caller, args, write=False)
         key = _arg_str(args, "key", MAX_KEY)
         now = self.clock()
         with self.store.scope(ref) as tx:
@@ -1020,7 +1040,7 @@ class MemoryService:
         query = _arg_str(args, "query", MAX_QUERY)
         k = _arg_int(args, "k", 1, MAX_K, 5)
         if args.get("field") is not None:
-            decl, ref = self._collection(caller, args)
+            decl, ref = self._collection(caller, args, write=False)
             readable = {(ref.scope, ref.scope_id, decl.name): (decl, ref)}
         else:
             readable = {}
@@ -1124,14 +1144,14 @@ class MemoryService:
                 return decl
         raise E.UnknownField(f"no core field declared for the {scope} scope")
 
-    def _core_ref(self, caller: Caller, args: Mapping[str, Any]) -> ScopeRef:
+    def _core_ref(self, caller: Caller, args: Mapping[str, Any], *, write: bool) -> ScopeRef:
         scope = args.get("scope")
         if scope not in ("agent", "user"):
             raise E.BadEnvelope("scope must be agent or user")
-        return self._ref(caller, str(scope), f"core memory of the {scope}")
+        return self._ref(caller, str(scope), f"core memory of the {scope}", write=write)
 
     def core_sync(self, caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
-        ref = self._core_ref(caller, args)
+        ref = self._core_ref(caller, args, write=True)
         ver = _arg_int(args, "ver", 1, 2**53, None)
         doc = args.get("doc")
         if not isinstance(doc, str):
@@ -1152,7 +1172,7 @@ class MemoryService:
         return self._write(caller, "core.sync", ref, SLOTS, args, plan)
 
     def core_load(self, caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
-        ref = self._core_ref(caller, args)
+        ref = self._core_ref(caller, args, write=False)
         with self.store.scope(ref) as tx:
             cur = tx.table(SLOTS, "core").get("doc")
         if cur is None:

@@ -1,0 +1,92 @@
+# The ctl ops on P/d/D/ctl: cancel a run, replay its events; a paused run's answers,
+# approvals and cancel go to pause.py. They come seldom next to requests and answers, so the
+# runtime (runs.py) imports this module for each ctl and lets it go again
+# (platform.unload): its code is not on the heap while a run runs, where a run peaks,
+# and a board that is never sent a ctl never interns its names (the qstr pool is near
+# its next doubling, test_on_small_heap).
+from edge_runtime import platform
+from edge_runtime.events import DEVICE_RUN, MAX_REASON
+from edge_runtime.runs import clip, is_id
+
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+_CTL_OPS = const(("cancel", "replay", "tool", "approve"))
+
+
+def ctl(runtime, msg):
+    op = msg.get("op")
+    if op not in _CTL_OPS:
+        runtime.refuse("unknown_op", "unknown ctl op %s" % clip(op))
+        return
+    run_id = msg.get("r")
+    if op != "replay" and runtime.paused and run_id in runtime.paused:
+        from edge_runtime import pause
+        platform.asyncio.create_task(pause.ctl(runtime, msg))
+        return
+    if (op == "cancel" or op == "replay") and isinstance(run_id, str) and "." in run_id \
+            and not run_id.startswith(runtime.boot + "."):
+        # A run of an earlier boot, which ended with it: the bridge's cancel of a run
+        # whose board went away waits in the session and reaches the next boot.
+        runtime.stats["stale_ctl"] = runtime.stats.get("stale_ctl", 0) + 1
+        return
+    if op == "cancel":
+        _cancel(runtime, msg)
+    elif op == "replay":
+        _replay(runtime, msg)
+    else:
+        # A tool answer or approval for a run that is not paused.
+        runtime.refuse("not_waiting", "run %s is not waiting on call %s"
+                       % (clip(msg.get("r")), clip(msg.get("call"))))
+
+
+def _cancel(runtime, msg):
+    run_id = msg.get("r")
+    run = runtime.active.get(run_id) if isinstance(run_id, str) else None
+    if run is None:
+        runtime.refuse("unknown_run", "no active run %s to cancel" % clip(run_id))
+        return
+    reason = msg.get("reason")
+    run.cancel_reason = reason[:MAX_REASON] if isinstance(reason, str) and reason else "cancelled"
+    # A task that has not begun is never cancelled from outside: its body (and the
+    # clean-up in it) would not run at all. It sees cancel_reason when it begins.
+    if run.started and run.task is not None:
+        run.task.cancel()
+
+
+def _emitter(runtime, run_id):
+    # The event ring of an active run or of one of the last that ended, or None.
+    if run_id == DEVICE_RUN:
+        return runtime.device_stream
+    if not isinstance(run_id, str):
+        return None
+    run = runtime.active.get(run_id)
+    if run is not None:
+        return run.emitter
+    for emitter in runtime.recent:
+        if emitter.run_id == run_id:
+            return emitter
+    if runtime.paused and run_id in runtime.paused:
+        # A paused run's ring is in its checkpoint.
+        from edge_runtime import pause
+        return pause.emitter(runtime, run_id)
+    return None
+
+
+def _replay(runtime, msg):
+    after = msg.get("after")
+    if not isinstance(after, int) or after < 0:
+        runtime.refuse("bad_envelope", "replay needs an integer after >= 0")
+        return
+    run_id = msg.get("r")
+    emitter = _emitter(runtime, run_id)
+    if emitter is None:
+        # Naming the run (an id within the bound only): the bridge then knows the
+        # events it asked for are gone, and stops asking.
+        runtime.refuse("unknown_run", "run %s is no longer held" % clip(run_id),
+                       {"r": run_id} if is_id(run_id) else None)
+        return
+    emitter.replay(after)
