@@ -229,10 +229,12 @@ class Runtime:
             platform.asyncio.create_task(state.resend(self))
 
     def say_hello(self):
+        # Retained: a bridge that starts later learns it from the broker, even when the
+        # board has no heap to say it again just then.
         self.publish_msg(self._base + "hello", {
             "agent": self.agent.name, "ver": self.agent.version, "fw": firmware(),
             "boot": self.boot, "fields": self.agent.describe_fields(), "tools": self.agent.describe(),
-            "limits": self.limits}, _QOS1)
+            "limits": self.limits}, _QOS1, True)
 
     def encode(self, msg):
         # Exactly the payload's size, kept as it is by the link (and a run's ring). A

@@ -540,10 +540,10 @@ class Bridge:
         self._count("rx")
         topic = msg.topic
         payload = bytes(msg.payload)
-        # Only presence (a board's status) is retained in the contract. Anything else the
-        # broker holds retained would come back at every subscribe, so at every bridge
-        # (re)start: a host's req run again, a board's rpc served again.
-        if not _is_status(topic):
+        # Only presence and a board's hello are retained in the contract. Anything else
+        # the broker holds retained would come back at every subscribe, so at every
+        # bridge (re)start: a host's req run again, a board's rpc served again.
+        if not _is_retained_by_contract(topic):
             if msg.retain:
                 self._clear_retained(client, topic)
                 return
@@ -758,10 +758,12 @@ class Bridge:
         self.outbox.board(topic, payload, wait_until)
 
 
-def _is_status(topic: str) -> bool:
-    """P/d/D/status: the one topic the bridge reads that is retained by contract (the
-    bridge subscribes to nothing else ending in /status)."""
-    return topic.endswith("/status")
+def _is_retained_by_contract(topic: str) -> bool:
+    """P/d/D/status and P/d/D/hello: the topics the bridge reads that are retained by
+    contract (it subscribes to nothing else ending so). A restarted bridge learns every
+    board's presence and capabilities from the broker at once, even when a board has no
+    heap to say hello again just then."""
+    return topic.endswith("/status") or topic.endswith("/hello")
 
 
 def _levels(t: Topic) -> tuple[str, str]:

@@ -965,3 +965,39 @@ def test_a_host_replay_of_evicted_events_is_told_gap(
         assert w.bridge.stats["host.replay_gap"] == 1
     finally:
         w.close()
+
+
+def test_a_restarted_bridge_knows_a_boards_hello_from_the_broker(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    # PROTOCOL.md "Topics": a board's hello is retained, so a bridge that starts after it
+    # has the board's fields and limits even when the board cannot say hello again.
+    w = World(broker, tmp_path, ScriptedProvider())
+    second: Bridge | None = None
+    hello = {
+        "agent": "thermostat",
+        "ver": "1",
+        "boot": OLD_BOOT,
+        "tools": [],
+        "fields": [{"name": "usual_celsius", "dur": "user"}],
+        "limits": {"payload": 2048},
+    }
+    try:
+        w.board.client.publish(w.d("hello"), msgpack.packb(hello), qos=1, retain=True)
+        wait_for(lambda: w.bridge.intake.capabilities("dev1"), "the first bridge's hello")
+        w.bridge.stop()
+        cfg = w.bridge.config
+        second = Bridge(
+            BridgeConfig(**{**cfg.__dict__, "client_id": f"second-{uuid.uuid4().hex[:8]}"}),
+            w.registry,
+            ScriptedProvider(),
+        )
+        second.start()
+        caps = wait_for(lambda: second.intake.capabilities("dev1"), "the retained hello")
+        assert caps["fields"] == hello["fields"]
+        assert second.stats.get("refused.retained", 0) == 0
+    finally:
+        w.board.client.publish(w.d("hello"), b"", qos=1, retain=True).wait_for_publish(5)
+        if second is not None:
+            second.stop()
+        w.close()

@@ -248,12 +248,12 @@ def test_retained_input_is_refused_counted_cleared_and_never_acted_on(world: Wor
         f"{P}/h/acme/dev1/ctl": {"op": "cancel", "r": "ab.1", "tok": world.token},
         f"{P}/d/dev1/rpc": call,
         f"{P}/d/dev1/evt": ev("ab.1", 1, "run.started", req="planted"),
-        f"{P}/d/dev1/hello": {"agent": "thermostat", "boot": "0badb00d"},
     }
     for topic, obj in planted.items():
         (board if "/d/" in topic else host).send(topic, obj, retain=True)
-    # Presence is retained by contract: it is read, not refused.
+    # Presence and capabilities are retained by contract: read, not refused.
     board.send(f"{P}/d/dev1/status", {"st": "online", "boot": "12345678"}, retain=True)
+    board.send(f"{P}/d/dev1/hello", {"agent": "thermostat", "boot": "12345678"}, retain=True)
     board.subscribe(f"{P}/d/dev1/req", f"{P}/d/dev1/ctl", f"{P}/d/dev1/rpc/res")
     acme = world.host_client("host-acme")
 
@@ -262,7 +262,8 @@ def test_retained_input_is_refused_counted_cleared_and_never_acted_on(world: Wor
     wait_for(lambda: world.stat("retained.cleared") == len(planted), "the clears")
     assert sorted(r.topic for r in bridge.refusals) == sorted(planted)
     assert {r.kind for r in bridge.refusals} == {"retained"}
-    assert bridge.presence("dev1") is not None and bridge.hello("dev1") is None
+    assert bridge.presence("dev1") is not None
+    wait_for(lambda: bridge.hello("dev1") is not None, "the retained hello, read")
     # Our own clears come back to us (no "no local" in MQTT 3.1.1): ignored.
     wait_for(lambda: world.stat("rx.empty") == len(planted), "the clears' echoes")
 
@@ -278,8 +279,8 @@ def test_retained_input_is_refused_counted_cleared_and_never_acted_on(world: Wor
     assert acme.find_run("planted") is None
     assert acme.events == [ev("cd.1", 1, "run.started", req="live")]
     assert world.stat("refused") == len(planted)
-    # And the broker holds nothing retained but presence.
-    assert world.retained() == {f"{P}/b/status", f"{P}/d/dev1/status"}
+    # And the broker holds nothing retained but presence and the board's hello.
+    assert world.retained() == {f"{P}/b/status", f"{P}/d/dev1/status", f"{P}/d/dev1/hello"}
 
 
 def test_a_retained_req_planted_before_a_bridge_restart_does_not_run_again(
