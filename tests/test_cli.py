@@ -645,3 +645,32 @@ def test_grants_from_the_command_line(tmp_path: Path) -> None:
         "TENANT  AGENT  FIELD   ACCESS",
         "acme    till   orders  read-write",
     ]
+
+
+@pytest.mark.parametrize("heap", ["lots", "12", "128KB", "2G"])
+def test_a_heap_the_unix_port_cannot_take_is_one_line_and_exit_2(heap: str) -> None:
+    for command in (["demo"], ["board", "--virtual"], ["hil", "--pty"]):
+        proc = subprocess.run(
+            wren(*command, "--heap", heap),
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        assert proc.returncode == 2, (command, proc.stderr)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"wren {command[0]}: error: argument --heap: "), last
+        assert "Traceback" not in proc.stderr
+
+
+def test_help_names_the_defaults() -> None:
+    proc = subprocess.run(
+        wren("demo", "--help"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0
+    assert "(default: 128K)" in proc.stdout and "(default: thermo1)" in proc.stdout
+    ask = subprocess.run(
+        wren("ask", "--help"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert "(default: 60.0)" in ask.stdout and "(default: demo)" in ask.stdout

