@@ -401,9 +401,9 @@ def test_a_table_is_shown_again_at_run_start_newest_first_then_each_write_builds
               [{"text": "Listed."}]]
 
     async def body(bridge, runtime, prefix):
-        # Six stored rows: more than one mem.list page (4), so the cursor is followed.
+        # Five stored rows: more than one mem.list page (4), so the cursor is followed.
         table = bridge.memory.rows["shopping"] = {}
-        for n in range(6):
+        for n in range(5):
             table["s%d" % n] = {"key": "s%d" % n, "ver": 1, "links": [], "value": {"item": "s%d" % n},
                                 "seq": n - 10}
         _ask(bridge)
@@ -413,14 +413,14 @@ def test_a_table_is_shown_again_at_run_start_newest_first_then_each_write_builds
         assert [(c["a"]["field"], c["a"].get("cursor")) for c in lists] == [
             ("shopping", None), ("shopping", "4"), ("notes", None)]
         rows = _rows(bridge)
-        stored = rows[:6]
-        assert [d["row"] for d in stored] == ["s5", "s4", "s3", "s2", "s1", "s0"]
+        stored = rows[:5]
+        assert [d["row"] for d in stored] == ["s4", "s3", "s2", "s1", "s0"]
         assert all(d["status"] == "final" and d["stored"] is True and d["ver"] == 1 for d in stored)
-        assert stored[0]["value"] == {"item": "s5"}
+        assert stored[0]["value"] == {"item": "s4"}
         w1, w2 = [c["a"] for c in bridge.mem_calls("mem.remember")][:2]
         # Keyed by the value's upsert key; the keyless insert is keyed by its write id.
         assert w2["key"] == w2["w"]
-        assert rows[6:] == [
+        assert rows[5:] == [
             {"field": "shopping", "row": "milk", "status": "building", "value": {"item": "milk", "n": 2}},
             {"field": "shopping", "row": "milk", "status": "final", "value": {"item": "milk", "n": 2}, "ver": 1},
             {"field": "shopping", "row": w2["w"], "status": "building", "value": {"n": 1}},
