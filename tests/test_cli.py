@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -674,3 +676,60 @@ def test_help_names_the_defaults() -> None:
         wren("ask", "--help"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
     )
     assert "(default: 60.0)" in ask.stdout and "(default: demo)" in ask.stdout
+
+
+def _ctrl_c_demo(workdir: Path, after: bytes) -> tuple[int, str]:
+    """`wren demo` on a pseudo-terminal, as a person runs it; Ctrl-C (the terminal's
+    SIGINT to the foreground group) once `after` has been printed. (exit code, output)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command, with the terminal as its controlling tty
+        os.environ["PYTHONPATH"] = str(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "tools.cli", "demo", "--workdir",
+                                  str(workdir)])
+    out = b""
+    deadline = time.monotonic() + TIMEOUT_S
+    code = None
+    seen: float | None = None
+    sent = False
+    while time.monotonic() < deadline:
+        if seen is None and after in out:
+            seen = time.monotonic()
+        # A moment after: Python's readline prints the prompt before it waits for input,
+        # and a SIGINT in between waits for the next key (a person is never that fast).
+        if not sent and seen is not None and time.monotonic() - seen > 0.3:
+            os.write(fd, b"\x03")
+            sent = True
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                chunk = b""
+            out += chunk
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+    os.close(fd)
+    assert code is not None, out.decode(errors="replace")[-2000:]
+    return code, out.decode(errors="replace")
+
+
+def _leftovers(workdir: Path) -> list[str]:
+    # The demo's broker and board run with paths under its workdir.
+    proc = subprocess.run(["pgrep", "-af", str(workdir)], capture_output=True, text=True)
+    return [line for line in proc.stdout.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.parametrize("after", [b"broker: ", b"you>"], ids=["starting", "at-the-prompt"])
+def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path, after: bytes) -> None:
+    code, out = _ctrl_c_demo(tmp_path, after)
+    assert code == 130, out[-2000:]
+    assert "Traceback" not in out and "stopped" in out, out[-2000:]
+    assert " ERROR " not in out, out[-2000:]
+    # Every part stopped with it: the broker and the board run in sessions of their own,
+    # so only the demo's own clean-up can have stopped them.
+    end = time.monotonic() + 10
+    while _leftovers(tmp_path) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert _leftovers(tmp_path) == []

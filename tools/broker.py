@@ -102,7 +102,7 @@ class MosquittoProcess:
         if down is not None:
             down()
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
         try:
             wait_for_port(self.host, self.port, timeout_s)
@@ -190,13 +190,22 @@ def start_mosquitto(
         "max_packet_size 1048576\n" + extra_conf
     )
     argv = [exe, "-c", str(conf)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # A session of its own: Ctrl-C in a terminal reaches the process that started the
+    # broker, which stops its parts in order (the broker last), not the broker first
+    # under the clients still using it.
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     broker = MosquittoProcess(host, port, workdir, proc, log_path, owned, argv)
     try:
         wait_for_port(host, port)
     except BrokerError:
         broker.stop()
         raise BrokerError(f"mosquitto did not start on {host}:{port}: {broker.log()}") from None
+    except BaseException:
+        # Ctrl-C while it starts: it is in a session of its own, so no one else stops it.
+        broker.stop()
+        raise
     if proc.poll() is not None:
         raise BrokerError(f"mosquitto exited at start: {broker.log()}")
     return broker

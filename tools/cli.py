@@ -559,6 +559,15 @@ def _run_hil(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C anywhere, starting parts included, is one line and the shell's 130.
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\nstopped", file=sys.stderr)
+        return service.STOP_EXIT_CODE
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, service.stop_on_sigterm)
     service.setup_logging(args.verbose)
@@ -581,9 +590,6 @@ def main(argv: list[str] | None = None) -> int:
             return demo_mod.run_ask(args)
         if args.command == "hil":
             return _run_hil(args)
-    except KeyboardInterrupt:
-        print("\nstopped", file=sys.stderr)
-        return service.STOP_EXIT_CODE
     except (demo_mod.DemoError, service.ServiceError) as e:
         print(f"wren {args.command}: {e}", file=sys.stderr)
         return 1

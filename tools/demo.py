@@ -245,11 +245,13 @@ def run_demo(args: argparse.Namespace) -> int:
         notice = fallback_notice()
         if notice and not args.cpython:
             print(notice, file=out)
+        # Its stop registered first: Ctrl-C just after the start must not leave it running
+        # (it has a session of its own, so the terminal's Ctrl-C does not reach it).
+        stack.callback(board.stop)
         try:
             board.start()
         except OSError as e:
             raise DemoError(f"the virtual board did not start: {e}") from e
-        stack.callback(board.stop)
         console = BoardConsole(board, out)
         threading.Thread(target=console.pump, daemon=True).start()
         runtime = "MicroPython unix port" if board.runtime == "micropython" else "CPython"

