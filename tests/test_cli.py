@@ -675,7 +675,7 @@ def test_help_names_the_defaults() -> None:
     ask = subprocess.run(
         wren("ask", "--help"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
     )
-    assert "(default: 60.0)" in ask.stdout and "(default: demo)" in ask.stdout
+    assert "(default: 150.0)" in ask.stdout and "(default: demo)" in ask.stdout
 
 
 def _ctrl_c_demo(workdir: Path, after: bytes) -> tuple[int, str]:
@@ -684,8 +684,9 @@ def _ctrl_c_demo(workdir: Path, after: bytes) -> tuple[int, str]:
     pid, fd = pty.fork()
     if pid == 0:  # the child: the command, with the terminal as its controlling tty
         os.environ["PYTHONPATH"] = str(ROOT)
-        os.execv(sys.executable, [sys.executable, "-m", "tools.cli", "demo", "--workdir",
-                                  str(workdir)])
+        os.execv(
+            sys.executable, [sys.executable, "-m", "tools.cli", "demo", "--workdir", str(workdir)]
+        )
     out = b""
     deadline = time.monotonic() + TIMEOUT_S
     code = None
@@ -733,3 +734,57 @@ def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path, after: bytes) -> None:
     while _leftovers(tmp_path) and time.monotonic() < end:
         time.sleep(0.1)
     assert _leftovers(tmp_path) == []
+
+
+def test_ask_says_in_one_line_when_it_cannot_reach_the_broker(tmp_path: Path) -> None:
+    _ok(tmp_path, "tenant", "add", "demo")
+    proc = subprocess.run(
+        wren(
+            "ask",
+            "--broker",
+            f"127.0.0.1:{free_port()}",
+            "--registry",
+            ".wren/registry.json",
+            "Hello?",
+        ),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "wren ask: cannot reach the broker at 127.0.0.1:"
+    )
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_ask_gives_up_on_silence_with_what_may_be_down(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    # A broker with no bridge and no board: nothing answers, and the wait is for progress.
+    _ok(tmp_path, "tenant", "add", "demo")
+    proc = subprocess.run(
+        wren(
+            "ask",
+            "--broker",
+            f"{broker.host}:{broker.port}",
+            "--registry",
+            ".wren/registry.json",
+            "--timeout",
+            "1.5",
+            "Hello?",
+        ),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "wren ask: nothing from device thermo1 for 1.5 s (the board, the bridge or the broker "
+        "may be down)"
+    ]

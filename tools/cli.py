@@ -161,7 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tenant", default="demo", help="the device's tenant")
     a.add_argument("--device", default="thermo1", help="the device to ask")
     a.add_argument("--user-id", default="cli-user", help="the end user the session token names")
-    a.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the run")
+    a.add_argument(
+        "--timeout",
+        type=float,
+        default=150.0,
+        help="seconds without any event of the run before giving up (longer than the "
+        "bridge's 120 s model timeout, so its error comes first)",
+    )
     _add_registry_parsers(sub)
     h = sub.add_parser("hil", help="run the board tests on a target through its raw REPL")
     target = h.add_mutually_exclusive_group(required=True)

@@ -25,7 +25,8 @@ from typing import Any, TextIO
 from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
-from server_bridge.host.client import HostClient
+from server_bridge.host.client import HostClient, HostConnectError, RequestRefused
+from server_bridge.host.reducer import RunSnapshot
 from server_bridge.host.terminal import LiveView, print_transcript, render_status
 from server_bridge.memory import open_memory
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
@@ -390,7 +391,10 @@ def run_ask(args: argparse.Namespace) -> int:
     client = HostClient(
         host, port, args.tenant, username=args.user, password=args.password, prefix=PREFIX
     )
-    client.connect(timeout=10)
+    try:
+        client.connect(timeout=10)
+    except (HostConnectError, OSError, TimeoutError) as e:
+        raise DemoError(f"cannot reach the broker at {host}:{port}: {e}") from e
     view = LiveView(sys.stdout)
 
     def show(_event: dict[str, Any], snap: Any) -> None:
@@ -400,9 +404,26 @@ def run_ask(args: argparse.Namespace) -> int:
     try:
         token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
         req = client.request(args.device, token, args.text)
-        snap = client.wait_run(req, timeout=args.timeout)
-    except TimeoutError as e:
-        raise DemoError(f"no finished run: {e}") from e
+        # The wait is for progress, not for the whole answer: a long answer that keeps
+        # streaming is never cut off, and silence ends the wait (--timeout seconds,
+        # longer than the bridge's own model timeout, so its error comes first).
+        last = -1
+
+        def moved(x: RunSnapshot) -> bool:
+            return x.terminal or x.last_id != last
+
+        while True:
+            snap = client.wait_for(req, moved, timeout=args.timeout)
+            if snap.terminal:
+                break
+            last = snap.last_id
+    except RequestRefused as e:
+        raise DemoError(f"the request was refused: {e.kind}: {e.msg}") from e
+    except TimeoutError:
+        raise DemoError(
+            f"nothing from device {args.device} for {args.timeout:g} s "
+            f"(the board, the bridge or the broker may be down)"
+        ) from None
     finally:
         client.close()
     print()
