@@ -122,7 +122,14 @@ def test_acknowledged_writes_survive_sigkill_of_the_bridge(
                 answer = None
             if answer is not None and answer.get("c") in pending:
                 method, args = pending.pop(answer["c"])
-                assert "ok" in answer, answer  # nothing here is ever refused
+                if answer.get("err", {}).get("kind") == "busy":
+                    # After a restart the broker hands the new bridge the calls the old
+                    # one never acknowledged, beside the ones sent again: past the
+                    # device's in-flight limit, which is refused `busy` and sent again
+                    # later, as a board does.
+                    todo.insert(0, (method, args))
+                    continue
+                assert "ok" in answer, answer  # nothing else here is ever refused
                 w = args.get("w") or args["writes"][0]["w"]
                 if method == "state.commit":
                     assert "err" not in answer["ok"]["results"][0], answer
