@@ -54,6 +54,7 @@ from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
 from server_bridge.metrics import prometheus_text
 from server_bridge.models.base import Provider
+from server_bridge.mqttclient import Client
 from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
@@ -334,7 +335,9 @@ class Bridge:
         cfg = self.config
         # A persistent session: what boards send while this bridge is away waits at the
         # broker for its client id, and the broker keeps its subscriptions.
-        client = mqtt.Client(
+        # paho's client, whose queue the outbox's threads write themselves
+        # (server_bridge/mqttclient.py): an RPC chunk does not wait for the network thread.
+        client = Client(
             CallbackAPIVersion.VERSION2,
             client_id=cfg.client_id,
             protocol=mqtt.MQTTv311,

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import paho.mqtt.client as mqtt
 
 from server_bridge.config import BridgeConfig
+from server_bridge.mqttclient import Client
 from server_bridge.wire import WireError
 
 __all__ = ["Budget", "Busy", "Kind", "Outbox", "RateLimited"]
@@ -613,6 +614,10 @@ class Outbox:
                 self._outstanding -= 1
                 if msg.cost:
                     self.budget.give(msg.cost)
+        if rc == mqtt.MQTT_ERR_SUCCESS and isinstance(client, Client):
+            # Written now by this thread, not when paho's network thread gets to it
+            # (server_bridge/mqttclient.py): an RPC worker's chunk, the forwarder's next.
+            client.flush()
         if rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             self._count("tx", 1)
             if rc == mqtt.MQTT_ERR_NO_CONN:
