@@ -34,7 +34,6 @@ a caller never sees a snapshot change under it. Nothing is published while holdi
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import threading
@@ -129,7 +128,7 @@ def _ids_text(ids: list[int]) -> str:
 def _keep_copy(
     into: list[tuple[dict[str, Any], RunSnapshot]], e: dict[str, Any], snap: RunSnapshot
 ) -> None:
-    into.append((e, copy.deepcopy(snap)))
+    into.append((e, snap.copy()))
 
 
 def _refusal(event: dict[str, Any]) -> tuple[str, str, str] | None:
@@ -547,13 +546,13 @@ class HostClient:
                 reducers = list(self._reducers.values())
             else:
                 reducers = [self._reducers[device]] if device in self._reducers else []
-            return [copy.deepcopy(s) for r in reducers for s in r.runs()]
+            return [s.copy() for r in reducers for s in r.runs()]
 
     def find_run(self, req_id: str) -> RunSnapshot | None:
         """A copy of the snapshot of the run started for request `req_id`, if seen."""
         with self._cond:
             snap = self._find(req_id)
-            return copy.deepcopy(snap) if snap is not None else None
+            return snap.copy() if snap is not None else None
 
     def _find(self, req_id: str) -> RunSnapshot | None:
         for reducer in self._reducers.values():
@@ -583,7 +582,7 @@ class HostClient:
             while True:
                 snap = self._find(req_id)
                 if snap is not None and until(snap):
-                    return copy.deepcopy(snap)
+                    return snap.copy()
                 refused = self._refused.get(req_id)
                 if snap is None and refused is not None:
                     # Only while no run exists: a refusal of a repeat of a request that
