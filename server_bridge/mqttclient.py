@@ -12,9 +12,11 @@ its first words on this machine, measured per hop (bench_bridge figure 1).
 client then holds one lock: the network thread's own (`loop_write`, which its loop
 calls) and a flush, so packets never interleave and a packet a send took only part of
 is finished, from where it stopped, by whichever thread writes next. A flush that finds
-the lock taken does nothing: whoever holds it writes what is queued, or the network
-thread does once paho's own wake-up reaches it, as before. A reconnect holds the lock
-too, so no packet of the old connection is written on the new one ahead of its CONNECT.
+the lock taken waits for it a moment (the holder may be the network thread, waiting for
+the interpreter's lock the flushing thread holds), then writes what is left; past
+_FLUSH_WAIT_S it leaves its packet to the network thread, which paho's own wake-up
+reaches, as before. A reconnect holds the lock too, so no packet of the old connection
+is written on the new one ahead of its CONNECT.
 
 What a flush does not do is handle a failure: a send that fails leaves its packet at
 the front of paho's queue, and the network thread, which paho woke for the packet
@@ -42,6 +44,10 @@ import paho.mqtt.client as mqtt
 __all__ = ["Client"]
 
 log = logging.getLogger("wren.bridge.mqtt")
+
+# How long a flush waits for another writer to finish; past it the packet is left to
+# the network thread (paho's own wake-up reaches it).
+_FLUSH_WAIT_S = 0.05
 
 
 class Client(mqtt.Client):
@@ -85,7 +91,9 @@ class Client(mqtt.Client):
         if isinstance(self.socket(), ssl.SSLSocket):
             return False
         write = getattr(self, "_packet_write", None)
-        if write is None or not self._flush_lock.acquire(blocking=False):
+        # Waited for, briefly: a worker that gave up at once left its chunk to a network
+        # thread still waiting for the interpreter's lock, 0.1 ms and more (figure 1).
+        if write is None or not self._flush_lock.acquire(timeout=_FLUSH_WAIT_S):
             return False
         try:
             if not self._flush_on:
