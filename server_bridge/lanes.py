@@ -538,6 +538,13 @@ class Outbox:
                 self._retry.appendleft(msg)
             self._handing = False
             self._wake()
+        if ok and isinstance(client, Client):
+            # Written now by this thread, not when paho's network thread gets to it
+            # (server_bridge/mqttclient.py): an RPC worker's chunk, the forwarder's next.
+            # After the handing turn is given back: paho has the message in its order
+            # already, and a producer that found the turn taken would queue its own
+            # for the forwarder to wake up for.
+            client.flush()
         return ok
 
     def _wake(self) -> None:
@@ -614,10 +621,6 @@ class Outbox:
                 self._outstanding -= 1
                 if msg.cost:
                     self.budget.give(msg.cost)
-        if rc == mqtt.MQTT_ERR_SUCCESS and isinstance(client, Client):
-            # Written now by this thread, not when paho's network thread gets to it
-            # (server_bridge/mqttclient.py): an RPC worker's chunk, the forwarder's next.
-            client.flush()
         if rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             self._count("tx", 1)
             if rc == mqtt.MQTT_ERR_NO_CONN:
