@@ -203,6 +203,9 @@ class HostClient:
         self._stop = threading.Event()
         self._repairer: threading.Thread | None = None
         self._cond = threading.Condition()
+        # The requests wait_for() is waiting on (how many waits each): an event wakes
+        # the waiters only when it is about one of them, not at every event of every run.
+        self._waiting: dict[str, int] = {}
         self._connected = False
         self._connect_error: str | None = None
         self._subscribed = False
@@ -417,7 +420,14 @@ class HostClient:
                     # Read on arrival, not through the reducer's repeat check: the
                     # bridge's stream starts again at 1 when it restarts.
                     self._bridge_answer(topic.device, reducer, event["d"], on_apply)
-                self._cond.notify_all()
+                if self._waiting and (snap.req in self._waiting or event["r"] in STREAMS):
+                    # What a wait reads is its own run's snapshot and its refusals, which
+                    # come on the streams (as do the bridge's gap answers, which may end
+                    # a run): woken for those only. At every event, a waiting thread took
+                    # the interpreter's lock from this one, which in a host process that
+                    # serves more than this client (the benchmark's model server) is
+                    # what that work waited for.
+                    self._cond.notify_all()
             for applied, view in views:
                 callback = self.on_event
                 if callback is None:
@@ -579,19 +589,27 @@ class HostClient:
         wait for a pause on a client tool, say."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                snap = self._find(req_id)
-                if snap is not None and until(snap):
-                    return snap.copy()
-                refused = self._refused.get(req_id)
-                if snap is None and refused is not None:
-                    # Only while no run exists: a refusal of a repeat of a request that
-                    # did start a run (a resend with a stale token) does not end that run.
-                    raise RequestRefused(refused[0], refused[1], req_id)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(self._describe_wait(req_id, snap, timeout))
-                self._cond.wait(left)
+            self._waiting[req_id] = self._waiting.get(req_id, 0) + 1
+            try:
+                while True:
+                    snap = self._find(req_id)
+                    if snap is not None and until(snap):
+                        return snap.copy()
+                    refused = self._refused.get(req_id)
+                    if snap is None and refused is not None:
+                        # Only while no run exists: a refusal of a repeat of a request
+                        # that did start a run (a resend with a stale token) does not end
+                        # that run.
+                        raise RequestRefused(refused[0], refused[1], req_id)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(self._describe_wait(req_id, snap, timeout))
+                    self._cond.wait(left)
+            finally:
+                if self._waiting[req_id] > 1:
+                    self._waiting[req_id] -= 1
+                else:
+                    del self._waiting[req_id]
 
     def _describe_wait(self, req_id: str, snap: RunSnapshot | None, timeout: float) -> str:
         if snap is not None:
