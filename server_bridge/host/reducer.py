@@ -502,7 +502,13 @@ def apply_event(
     in id order: none when it was a duplicate or was held above a hole, several when it
     filled one (with the held events it released). `on_apply(event, snap)` is called
     after each. Raises BadEnvelope for something that is not an envelope."""
-    env = _checked(event)
+    return _apply_checked(snap, _checked(event), on_apply)
+
+
+def _apply_checked(
+    snap: RunSnapshot, env: dict[str, Any], on_apply: OnApply | None
+) -> list[dict[str, Any]]:
+    # apply_event for an envelope already checked (Reducer.fold checks it once).
     if snap.run in STREAMS:
         return _apply_stream(snap, env, on_apply)
     i: int = env["i"]
@@ -665,7 +671,7 @@ class Reducer:
         if snap is None:
             snap = self._runs[r] = RunSnapshot(run=r, device=self.device)
             self._evict(keep=r)
-        applied = apply_event(snap, env, on_apply)
+        applied = _apply_checked(snap, env, on_apply)
         self._note(snap)
         return snap, applied
 
