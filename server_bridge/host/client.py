@@ -55,6 +55,7 @@ from server_bridge.host.reducer import (
     Reducer,
     RunSnapshot,
 )
+from server_bridge.mqttclient import Client
 from server_bridge.tcp import no_delay
 from server_bridge.topics import DEFAULT_PREFIX, BadTopic, check_id, host_topic, parse
 from server_bridge.wire import Limits, WireError, check_events, decode, encode
@@ -210,7 +211,10 @@ class HostClient:
         self._connect_error: str | None = None
         self._subscribed = False
         self._sub_mid: int | None = None
-        self._client = mqtt.Client(
+        # paho's client, whose queue the thread that publishes writes itself
+        # (server_bridge/mqttclient.py): a request leaves when request() sends it, not
+        # when paho's network thread is next woken and scheduled.
+        self._client = Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id or f"wren-host-{uuid.uuid4().hex[:12]}",
             protocol=mqtt.MQTTv311,
@@ -370,6 +374,7 @@ class HostClient:
         info = self._client.publish(topic, encode(body), qos=1)
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
             raise HostConnectError(f"could not publish the request: {mqtt.error_string(info.rc)}")
+        self._client.flush()
         info.wait_for_publish(timeout)
         if not info.is_published():
             raise TimeoutError(f"the broker did not acknowledge request {req_id} within {timeout}s")
