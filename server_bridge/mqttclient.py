@@ -6,7 +6,8 @@ returns. The bridge's RPC workers stream model text to boards that way, so each 
 waited for the network thread to be free, which it is not while it relays a board's
 events (the events a run sends as its model call starts arrive just then), and for the
 interpreter's lock to pass between the two threads: 0.1 to 0.6 ms on a request's way to
-its first words on this machine, measured per hop (bench_bridge figure 1).
+its first words on this machine, measured per hop (bench_bridge figure 1). A host
+client's request waited the same way for the host's network thread.
 
 `Client.flush()` writes paho's queue from the calling thread instead. Every write of the
 client then holds one lock: the network thread's own (`loop_write`, which its loop
