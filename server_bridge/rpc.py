@@ -775,9 +775,10 @@ class RpcServer:
     ) -> bool:
         """Send the call's one final answer, with `s`; False if it had one already.
 
-        `count` (the outcome's counter) is counted before the answer goes out: the
-        thread that sends it writes it to the socket itself (server_bridge/mqttclient.py),
-        so a board, or a test, may read the answer before this call returns."""
+        `count` (the outcome's counter) is counted, and a worker's call releases its
+        slot, before the answer goes out: the thread that sends it writes it to the
+        socket itself (server_bridge/mqttclient.py), so a board, or a test, may read
+        the answer before this call returns."""
         with state.flow:
             if state.done:
                 return False
@@ -787,6 +788,12 @@ class RpcServer:
             state.flow.notify_all()
         if count is not None:
             self._count(count, 1)
+        if on_worker:
+            # The call's slot is free before its board can read the answer: a board that
+            # keeps its calls in flight up to the per-device cap sends the next one the
+            # moment it has this answer, and would find the slot still taken (`busy`).
+            # The worker only sends the answer and returns now.
+            self._release(state)
         # Only a worker may wait for room in the outgoing queue (on_worker); expire()
         # runs on the housekeeping thread.
         wait_until = state.wait_until if on_worker else None
