@@ -54,6 +54,7 @@ from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
 from server_bridge.metrics import prometheus_text
 from server_bridge.models.base import Provider
+from server_bridge.mqttclient import Client
 from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
@@ -168,6 +169,8 @@ class Bridge:
         self._stopping = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._streams = _BridgeStreams()
+        # Session tokens verified and scope tickets signed, kept for the next request.
+        self._tokens = tokens.TokenCache()
         self._boot = uuid.uuid4().hex[:8]
         # Everything the bridge publishes goes through the outbox's lanes (lanes.py).
         self.outbox = Outbox(
@@ -334,7 +337,9 @@ class Bridge:
         cfg = self.config
         # A persistent session: what boards send while this bridge is away waits at the
         # broker for its client id, and the broker keeps its subscriptions.
-        client = mqtt.Client(
+        # paho's client, whose queue the outbox's threads write themselves
+        # (server_bridge/mqttclient.py): an RPC chunk does not wait for the network thread.
+        client = Client(
             CallbackAPIVersion.VERSION2,
             client_id=cfg.client_id,
             protocol=mqtt.MQTTv311,
@@ -603,17 +608,18 @@ class Bridge:
             self.intake.handle_status(record, payload)
             self._count("status")
 
-    def _session(self, t: Topic, tok: object) -> tuple[DeviceRecord, tokens.Session]:
-        """The user a host message speaks for, and the device, both checked against T."""
+    def _session(self, t: Topic, tok: object) -> tuple[DeviceRecord, tokens.Session, str]:
+        """The user a host message speaks for, and the device, both checked against T;
+        and T's secret (hex)."""
         assert t.tenant is not None
         secret = self.registry.tenant_secret(t.tenant)
         if secret is None:
             raise TokenError(f"no tenant {t.tenant!r} to verify the session token against")
-        session = tokens.verify(bytes.fromhex(secret), tok, tenant=t.tenant)
+        session = self._tokens.verify(secret, tok, t.tenant)
         record = self.registry.device(t.device)
         if record is None or record.tenant != t.tenant:
             raise UnknownDevice(f"device {t.device!r} is not tenant {t.tenant!r}'s")
-        return record, session
+        return record, session, secret
 
     def _host_input(self, t: Topic, topic: str, payload: bytes) -> None:
         """A host's req or ctl; a refusal is also told to the host (see _tell_host)."""
@@ -665,19 +671,16 @@ class Bridge:
 
     def _host_req(self, t: Topic, obj: Any) -> None:
         req = check_host_req(obj)
-        record, session = self._session(t, req.tok)
+        record, session, secret = self._session(t, req.tok)
         # Built from named fields only: the user is the token's, and no other key of the
         # host payload (usr, ten, device, tok ...) reaches the board.
         out: dict[str, Any] = {"req": req.req, "usr": session.user, "input": req.input}
         if req.conv is not None:
             out["conv"] = req.conv
         # The scope ticket: the board copies it into the run's memory calls, which then
-        # reach this user's and conversation's memory and no one else's.
-        secret = self.registry.tenant_secret(record.tenant)
-        if secret is not None:
-            out["sc"] = tokens.sign_scope(
-                bytes.fromhex(secret), record.tenant, record.device, session.user, req.conv
-            )
+        # reach this user's and conversation's memory and no one else's. (The device is
+        # the token's tenant's: _session checked it, so the secret is that tenant's.)
+        out["sc"] = self._tokens.scope(secret, record.tenant, record.device, session.user, req.conv)
         if req.ttl is not None:
             out["ttl"] = req.ttl
         payload = encode(out)
@@ -698,7 +701,7 @@ class Bridge:
 
     def _host_ctl(self, t: Topic, obj: Any) -> None:
         ctl = check_host_ctl(obj)
-        record, session = self._session(t, ctl.tok)
+        record, session, _ = self._session(t, ctl.tok)
         if ctl.op == "replay":
             self._host_replay(t, record, ctl.fields["r"], ctl.fields["after"])
             return

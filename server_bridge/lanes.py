@@ -18,7 +18,10 @@ message hands it to paho itself (`_direct`) instead of waking the forwarder for 
 would be next in any order, and a thread's wake-up is a good share of a relay's latency
 (paho's own network thread then writes it, as it writes everything). One message is
 handed to paho at a time, by the forwarder or by such a producer (`_handing`), so the
-lanes' order holds.
+lanes' order holds. For the same reason the forwarder is woken only when it has
+something to do (`_wake`): a message queued, or one waiting for the window or the
+handing turn. Woken at every hand-over and acknowledgement, it took the interpreter's
+lock from the thread relaying the next event twice per event.
 
 The publisher respects paho's capacity: it keeps at most `window` QoS 1 messages that
 paho holds and the broker has not acknowledged (counted by `on_publish`), and otherwise
@@ -45,6 +48,7 @@ from typing import NamedTuple
 import paho.mqtt.client as mqtt
 
 from server_bridge.config import BridgeConfig
+from server_bridge.mqttclient import Client
 from server_bridge.wire import WireError
 
 __all__ = ["Budget", "Busy", "Kind", "Outbox", "RateLimited"]
@@ -218,6 +222,8 @@ class Outbox:
         # A message is being handed to paho (by the forwarder, or by its producer on
         # the direct path): nobody else hands one over meanwhile, so order holds.
         self._handing = False
+        # RPC workers waiting in board() for room in the board lane.
+        self._board_waiting = 0
 
     # ------------------------------------------------------------------ producers
 
@@ -366,7 +372,11 @@ class Outbox:
                 if left <= 0:
                     self._count("lanes.board_over", 1)
                     break
-                self._cond.wait(min(left, _IDLE_S))
+                self._board_waiting += 1
+                try:
+                    self._cond.wait(min(left, _IDLE_S))
+                finally:
+                    self._board_waiting -= 1
             msg = _Msg(topic, payload, Kind.BOARD, None, 0, retain)
             direct = self._direct()
             if direct is None:
@@ -455,7 +465,7 @@ class Outbox:
             if mid in self._mids:
                 self._mids.discard(mid)
                 self._outstanding -= 1
-                self._cond.notify_all()
+                self._wake()
             elif len(self._early) < _EARLY_MAX:
                 self._early.add(mid)
 
@@ -527,8 +537,29 @@ class Outbox:
                 self._outstanding -= 1
                 self._retry.appendleft(msg)
             self._handing = False
-            self._cond.notify_all()
+            self._wake()
+        if ok and isinstance(client, Client):
+            # Written now by this thread, not when paho's network thread gets to it
+            # (server_bridge/mqttclient.py): an RPC worker's chunk, the forwarder's next.
+            # After the handing turn is given back: paho has the message in its order
+            # already, and a producer that found the turn taken would queue its own
+            # for the forwarder to wake up for.
+            client.flush()
         return ok
+
+    def _wake(self) -> None:
+        """Wake the forwarder (and the RPC workers waiting for the board lane) after the
+        window or the handing turn freed up, when someone can use it: a message is
+        queued, a worker waits, or the outbox is stopping. The lock is held."""
+        if (
+            self._retry
+            or self._board
+            or self._host_turn
+            or self._event_turn
+            or self._board_waiting
+            or self._stopping
+        ):
+            self._cond.notify_all()
 
     def _next(self) -> _Msg | None:
         """The next message by the lanes' order (module docstring); the lock is held."""

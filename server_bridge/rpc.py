@@ -68,6 +68,7 @@ from server_bridge.wire import (
     BOARD_DEFAULTS,
     DEFAULT_LIMITS,
     MAX_ERROR_MSG,
+    MAX_ID,
     BadEnvelope,
     Call,
     Limits,
@@ -171,8 +172,14 @@ class _TooLarge(Exception):
 
 def chunk_budget(c: int | str, limits: Limits) -> int:
     """Bytes of UTF-8 text one chunk of call `c` may carry for a board with `limits`."""
-    # The answer without its text, plus the largest str header (str32: 5 bytes).
-    overhead = len(encode({"c": c, "ch": {"reason": ""}})) + 5
+    # The answer without its text, plus the largest str header (str32: 5 bytes): under
+    # the margin for any int id and any str id the wire lets through (MAX_ID characters,
+    # at most 4 bytes each), so only a longer one is encoded to be measured (an encode
+    # per call was 16 us of a call's start with the caches cold).
+    if isinstance(c, int) or len(c) <= MAX_ID:
+        overhead = 0
+    else:
+        overhead = len(encode({"c": c, "ch": {"reason": ""}})) + 5
     room = limits.max_payload - max(_ANSWER_MARGIN, overhead)
     return max(_MIN_BUDGET, min(limits.max_str, room, _MAX_CHUNK_BYTES))
 
@@ -591,8 +598,7 @@ class RpcServer:
                 self._count("rpc.err", 1)
                 self._end(state, err(state.c, method.fail_kind, f"{state.method} failed"))
                 return
-            if self._end(state, {"c": state.c, "ok": result}):
-                self._count("rpc.ok", 1)
+            self._end(state, {"c": state.c, "ok": result}, count="rpc.ok")
         except Exception as e:
             # Only reached if even the error answer could not be sent. The pool would
             # keep this exception in a Future nobody reads; log it instead.
@@ -653,9 +659,9 @@ class RpcServer:
         except _TooLarge as e:
             # The board would refuse the chunk and then wait out its timeout for a call
             # that can no longer succeed; tell it now and stop the handler.
-            if self._finish(state, err(state.c, "too_large", str(e)), on_worker=True):
+            answer = err(state.c, "too_large", str(e))
+            if self._finish(state, answer, on_worker=True, count="rpc.too_large"):
                 log.warning("rpc %s for %s (call %r): %s", state.method, state.device, state.c, e)
-                self._count("rpc.too_large", 1)
             raise _CallOver() from None
 
     def _hold(self, state: _Call, kind: str, text: str) -> None:
@@ -735,12 +741,13 @@ class RpcServer:
             state.sent += 1
             s = state.sent
         wait_until = state.wait_until if wait else None
+        self._count("rpc.chunks", 1)  # before it goes out, as _finish counts
         self.answer(state.device, {"c": state.c, "s": s, "ch": chunk}, wait_until)
-        self._count("rpc.chunks", 1)
         return True
 
-    def _end(self, state: _Call, answer: dict[str, Any]) -> bool:
-        """The worker's final answer, after the text still held; True if it went out."""
+    def _end(self, state: _Call, answer: dict[str, Any], count: str | None = None) -> bool:
+        """The worker's final answer, after the text still held; True if it went out
+        (`count` counted, as in _finish)."""
         try:
             with state.send_lock:
                 self._flush(state, wait=True)
@@ -749,18 +756,29 @@ class RpcServer:
         except _Late:
             self._time_out(state)
             return False
-        return self._finish(state, answer, on_worker=True)
+        return self._finish(state, answer, on_worker=True, count=count)
 
     def _time_out(self, state: _Call) -> None:
-        if self._finish(state, self._timeout_answer(state), on_worker=True):
+        answer = self._timeout_answer(state)
+        if self._finish(state, answer, on_worker=True, count="rpc.timeout"):
             log.warning("rpc %s for %s (call %r) timed out", state.method, state.device, state.c)
-            self._count("rpc.timeout", 1)
 
     def _timeout_answer(self, state: _Call) -> dict[str, Any]:
         return err(state.c, state.fail_kind, f"{state.method} did not finish in time")
 
-    def _finish(self, state: _Call, answer: dict[str, Any], on_worker: bool = False) -> bool:
-        """Send the call's one final answer, with `s`; False if it had one already."""
+    def _finish(
+        self,
+        state: _Call,
+        answer: dict[str, Any],
+        on_worker: bool = False,
+        count: str | None = None,
+    ) -> bool:
+        """Send the call's one final answer, with `s`; False if it had one already.
+
+        `count` (the outcome's counter) is counted, and a worker's call releases its
+        slot, before the answer goes out: the thread that sends it writes it to the
+        socket itself (server_bridge/mqttclient.py), so a board, or a test, may read
+        the answer before this call returns."""
         with state.flow:
             if state.done:
                 return False
@@ -768,6 +786,14 @@ class RpcServer:
             # sees it, and lets go of send_lock for the answer below.
             state.done = True
             state.flow.notify_all()
+        if count is not None:
+            self._count(count, 1)
+        if on_worker:
+            # The call's slot is free before its board can read the answer: a board that
+            # keeps its calls in flight up to the per-device cap sends the next one the
+            # moment it has this answer, and would find the slot still taken (`busy`).
+            # The worker only sends the answer and returns now.
+            self._release(state)
         # Only a worker may wait for room in the outgoing queue (on_worker); expire()
         # runs on the housekeeping thread.
         wait_until = state.wait_until if on_worker else None
@@ -855,9 +881,8 @@ class RpcServer:
             late = [s for s in self._inflight if not s.done and s.deadline <= now]
         n = 0
         for s in late:
-            if self._finish(s, self._timeout_answer(s)):
+            if self._finish(s, self._timeout_answer(s), count="rpc.timeout"):
                 log.warning("rpc %s for %s (call %r) timed out", s.method, s.device, s.c)
-                self._count("rpc.timeout", 1)
                 n += 1
         return n
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,3 +163,74 @@ def verify_scope(
     if exp < (time.time() if now is None else now):
         raise TokenError("scope ticket has expired")
     return Scope(ten, dev, usr, conv, exp)
+
+
+class TokenCache:
+    """The bridge's recent work on tokens, so a host's next request costs a lookup.
+
+    A host sends the same session token with every request, and the bridge signs a
+    scope ticket for every request it forwards; each is an HMAC, base64 and msgpack,
+    which on a bridge whose code and data went cold between requests cost about a tenth
+    of a request's time through it (60 us of 190, measured with the caches evicted).
+    So a session token that verified is kept, by its secret, tenant and text, and served
+    again until its own expiry; a ticket is kept by its secret and scope, and served
+    again for `reuse_s` (its expiry then lies at most that much nearer: a ticket is a
+    bearer credential for that one scope, so two requests holding the same one may do
+    nothing either could not). A changed secret misses both. Refusals are not kept:
+    each is judged again. Bounded: `max_entries` of each, least recently used first out.
+    """
+
+    def __init__(
+        self,
+        max_entries: int = 1024,
+        reuse_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._max = max_entries
+        self._reuse_s = reuse_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sessions: OrderedDict[tuple[str, str, str], Session] = OrderedDict()
+        self._tickets: OrderedDict[tuple[str, str, str, str | None, str | None], tuple[str, float]]
+        self._tickets = OrderedDict()
+
+    def verify(self, secret_hex: str, token: object, tenant: str) -> Session:
+        """verify(), remembered: the session of a token already verified for `tenant`
+        with the same secret, unless it has expired since."""
+        now = self._clock()
+        if not isinstance(token, str):
+            return verify(bytes.fromhex(secret_hex), token, tenant, now)  # refused
+        key = (secret_hex, tenant, token)
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is not None:
+                if session.expires >= now:
+                    self._sessions.move_to_end(key)
+                    return session
+                del self._sessions[key]
+        session = verify(bytes.fromhex(secret_hex), token, tenant, now)
+        with self._lock:
+            self._sessions[key] = session
+            while len(self._sessions) > self._max:
+                self._sessions.popitem(last=False)
+        return session
+
+    def scope(
+        self, secret_hex: str, tenant: str, device: str, user: str | None, conv: str | None
+    ) -> str:
+        """sign_scope(), remembered for reuse_s."""
+        now = self._clock()
+        key = (secret_hex, tenant, device, user, conv)
+        with self._lock:
+            kept = self._tickets.get(key)
+            if kept is not None:
+                if now - kept[1] < self._reuse_s:
+                    self._tickets.move_to_end(key)
+                    return kept[0]
+                del self._tickets[key]
+        ticket = sign_scope(bytes.fromhex(secret_hex), tenant, device, user, conv, now=now)
+        with self._lock:
+            self._tickets[key] = (ticket, now)
+            while len(self._tickets) > self._max:
+                self._tickets.popitem(last=False)
+        return ticket

@@ -323,3 +323,49 @@ def test_a_loss_notice_is_queued_past_the_refusal_notices_cap() -> None:
     assert outbox.notice("demo", topic, payload, loss=True)
     assert budget.used == len(payload) + OVERHEAD
     assert outbox.depth()["host"] == NOTICES_PER_TENANT + 1
+
+
+class _CountingCondition(threading.Condition):
+    notified = 0
+
+    def notify_all(self) -> None:
+        self.notified += 1
+        super().notify_all()
+
+
+class _Info:
+    def __init__(self, mid: int) -> None:
+        self.rc, self.mid = 0, mid
+
+
+class _Paho:
+    """What the outbox calls of paho's client: publish, and nothing else on this path."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> _Info:
+        self.sent.append(topic)
+        return _Info(len(self.sent))
+
+
+def test_the_forwarder_is_woken_only_when_it_has_something_to_do() -> None:
+    # Every hand-over and every acknowledgement used to wake it: twice an event, each
+    # taking the interpreter's lock from the thread relaying the next one.
+    outbox = Outbox(lambda name, n: None, Budget(1 << 20), window=2)
+    cond = outbox._cond = _CountingCondition(threading.Lock())
+    paho = _Paho()
+    outbox._client = paho  # type: ignore[assignment]  # no forwarder thread: direct only
+    assert outbox.offer_event("demo", "dev1", "t/1", b"x") is None
+    outbox.on_publish(1)
+    assert paho.sent == ["t/1"] and cond.notified == 0  # nothing queued: nobody woken
+    for k in (2, 3, 4):  # the window is 2: the third waits in its lane
+        outbox.offer_event("demo", "dev1", f"t/{k}", b"x")
+    assert paho.sent == ["t/1", "t/2", "t/3"] and outbox.depth()["events"] == 1
+    woken = cond.notified
+    outbox.on_publish(2)  # room again, and a message waits: the forwarder must hear it
+    assert cond.notified == woken + 1
+    outbox._board_waiting = 1  # an RPC worker waits for the board lane
+    outbox._event_turn.clear()
+    outbox.on_publish(3)
+    assert cond.notified == woken + 2

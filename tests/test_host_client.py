@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -581,3 +582,34 @@ def test_wren_ask_exits_non_zero_for_an_incomplete_run(
         status,
     ]
     assert f"wren ask: {status}" in err
+
+
+def test_a_wait_is_woken_by_its_own_run_and_the_streams_not_by_every_event() -> None:
+    # In a host process that serves more than this client, every needless wake-up took
+    # the interpreter's lock from the work it serves (the benchmark's model server).
+    host = HostClient("127.0.0.1", 1, "acme")  # never connected: events handed in
+    notified: list[int] = []
+    notify_all = host._cond.notify_all
+
+    def counting() -> None:
+        notified.append(1)
+        notify_all()
+
+    host._cond.notify_all = counting  # type: ignore[method-assign]
+    topic = f"{host.prefix}/h/acme/dev/evt"
+    got: list[RunSnapshot] = []
+    waiter = threading.Thread(target=lambda: got.append(host.wait_run("req-a", timeout=WAIT)))
+    waiter.start()
+    deadline = time.monotonic() + WAIT
+    while "req-a" not in host._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for e in run_events("run-b", "req-b"):
+        host._handle(topic, msgpack.packb(e))
+    assert notified == []
+    host._handle(topic, msgpack.packb(ev("_", 1, "error", kind="busy", msg="x", req="req-z")))
+    assert len(notified) == 1  # a stream's event: it may refuse a request waited for
+    for e in run_events("run-a", "req-a"):
+        host._handle(topic, msgpack.packb(e))
+    waiter.join(WAIT)
+    assert got and got[0].status == "done" and len(notified) == 7
+    assert host._waiting == {}

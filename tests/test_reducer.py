@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
@@ -600,3 +601,32 @@ def test_a_stream_starting_again_at_1_is_new_and_a_repeat_is_not() -> None:
 def test_link_and_device_failures_keep_their_kind(kind: str) -> None:
     snap = fold([ev(1, "run.failed", err={"kind": kind, "msg": "gone"}, retryable=True)])
     assert snap.error == {"kind": kind, "msg": "gone"} and snap.complete
+
+
+def test_a_copy_equals_a_deepcopy_and_shares_nothing_that_changes() -> None:
+    snap = RunSnapshot(run="r1")
+    events = full_run()
+    # A client tool pending, an output map, an error and a held event, so every part of
+    # a snapshot has something in it.
+    events[6] = ev(7, "tool.call", "r1", call="c-1", name="ask", input="{}", client=True)
+    events[7] = ev(8, "output", "r1", name="plan", value={"steps": [1, 2]}, status="building")
+    events[8] = ev(9, "error", "r1", kind="tool", msg="slow")
+    for e in events[:9] + events[10:11]:
+        apply_event(snap, e)
+    c = snap.copy()
+    assert c == copy.deepcopy(snap)
+    # The copy's indexes point at its own rows.
+    assert c.pending["c-1"] is c.rows[[r.call for r in c.rows].index("c-1")]
+    assert all(c._messages[k] in c.rows for k in c._messages)
+    # Nothing the reducer changes next reaches the copy, and the copy's changes stay put.
+    before = copy.deepcopy(c)
+    apply_event(snap, events[9])  # fills the hole: msg 2 and what was held
+    snap._outputs["plan"].output["steps"].append(3)
+    snap.usage.add({"in": 5})
+    assert c == before
+    c.rows[0].text = "changed"
+    c.errors[0]["msg"] = "changed"
+    c._outputs["plan"].output["steps"].clear()
+    assert snap.rows[0].text == "How warm is it?"
+    assert snap.errors[0]["msg"] == "slow"
+    assert snap._outputs["plan"].output["steps"] == [1, 2, 3]

@@ -14,7 +14,7 @@ import pytest
 from server_bridge.models.base import Chunk, Final
 from server_bridge.registry import DeviceRecord
 from server_bridge.rpc import RpcServer, chunk_budget, fit_chunk, split_utf8
-from server_bridge.wire import Limits, encode
+from server_bridge.wire import MAX_ID, Limits, encode
 
 WAIT = 5.0
 DEV1 = DeviceRecord("dev1", "acme", "thermostat")
@@ -64,6 +64,16 @@ def test_chunk_budget_follows_the_limits() -> None:
     piece = {"c": long_id, "ch": {"text": "x" * room}}
     assert len(encode(piece)) <= 4096
     assert chunk_budget(1, Limits(max_payload=100, max_str=100)) == 4  # still moves on
+
+
+@pytest.mark.parametrize("c", [0, 2**64 - 1, -(2**63), "x" * MAX_ID, "\U0001f600" * MAX_ID])
+def test_every_call_id_the_wire_lets_through_fits_the_margin_unmeasured(c: int | str) -> None:
+    # chunk_budget measures only a str id longer than MAX_ID: any other leaves a chunk
+    # of the full budget within the payload.
+    limits = Limits(max_payload=4096, max_str=8192)
+    room = chunk_budget(c, limits)
+    assert room == 4096 - 512
+    assert len(encode({"c": c, "ch": {"reason": "\U0001f600" * (room // 4)}})) <= 4096
 
 
 def test_fit_chunk() -> None:

@@ -65,3 +65,68 @@ def test_ids_past_the_contracts_bound_are_not_signed() -> None:
         tokens.sign_scope(SECRET, "acme", "dev1", "u" * 65, None)
     with pytest.raises(ValueError):
         tokens.sign_scope(SECRET, "acme", "", "alice", None)
+
+
+# --- TokenCache: the bridge's remembered verifications and tickets -------------------
+
+
+class _Clock:
+    def __init__(self, t: float = NOW) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_cache_serves_a_verified_token_until_it_expires() -> None:
+    clock = _Clock()
+    cache = tokens.TokenCache(clock=clock)
+    tok = tokens.sign(SECRET, "acme", "alice", ttl_s=60, now=NOW)
+    first = cache.verify(SECRET.hex(), tok, "acme")
+    assert cache.verify(SECRET.hex(), tok, "acme") is first  # kept
+    clock.t = NOW + 61
+    with pytest.raises(TokenError, match="expired"):
+        cache.verify(SECRET.hex(), tok, "acme")
+
+
+def test_the_cache_judges_another_secret_tenant_or_a_refusal_again() -> None:
+    cache = tokens.TokenCache(clock=_Clock())
+    tok = tokens.sign(SECRET, "acme", "alice", now=NOW)
+    cache.verify(SECRET.hex(), tok, "acme")
+    with pytest.raises(TokenError, match="signature"):
+        cache.verify(OTHER.hex(), tok, "acme")  # the tenant's secret was changed
+    with pytest.raises(TokenError, match="another tenant"):
+        cache.verify(SECRET.hex(), tok, "globex")
+    forged = tok[:-2] + ("AA" if not tok.endswith("AA") else "BB")
+    for _ in range(2):
+        with pytest.raises(TokenError):
+            cache.verify(SECRET.hex(), forged, "acme")
+    with pytest.raises(TokenError, match="malformed"):
+        cache.verify(SECRET.hex(), None, "acme")
+
+
+def test_the_cache_reuses_a_ticket_for_its_scope_only_and_for_reuse_s() -> None:
+    clock = _Clock()
+    cache = tokens.TokenCache(reuse_s=60, clock=clock)
+    t1 = cache.scope(SECRET.hex(), "acme", "dev1", "alice", "c1")
+    assert cache.scope(SECRET.hex(), "acme", "dev1", "alice", "c1") == t1
+    assert cache.scope(SECRET.hex(), "acme", "dev1", "alice", "c2") != t1
+    assert cache.scope(SECRET.hex(), "acme", "dev1", "bob", "c1") != t1
+    assert cache.scope(OTHER.hex(), "acme", "dev1", "alice", "c1") != t1
+    scope = tokens.verify_scope(SECRET, t1, "acme", "dev1", now=NOW)
+    assert (scope.user, scope.conv, scope.expires) == ("alice", "c1", int(NOW) + tokens.SCOPE_TTL_S)
+    clock.t = NOW + 61
+    t2 = cache.scope(SECRET.hex(), "acme", "dev1", "alice", "c1")
+    assert (
+        tokens.verify_scope(SECRET, t2, "acme", "dev1", now=clock.t).expires
+        == int(clock.t) + tokens.SCOPE_TTL_S
+    )
+
+
+def test_the_cache_is_bounded() -> None:
+    cache = tokens.TokenCache(max_entries=3, clock=_Clock())
+    toks = [tokens.sign(SECRET, "acme", f"u{k}", now=NOW) for k in range(5)]
+    for k, tok in enumerate(toks):
+        cache.verify(SECRET.hex(), tok, "acme")
+        cache.scope(SECRET.hex(), "acme", "dev1", f"u{k}", None)
+    assert len(cache._sessions) == 3 and len(cache._tickets) == 3

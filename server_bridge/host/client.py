@@ -34,7 +34,6 @@ a caller never sees a snapshot change under it. Nothing is published while holdi
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import threading
@@ -56,6 +55,7 @@ from server_bridge.host.reducer import (
     Reducer,
     RunSnapshot,
 )
+from server_bridge.mqttclient import Client
 from server_bridge.tcp import no_delay
 from server_bridge.topics import DEFAULT_PREFIX, BadTopic, check_id, host_topic, parse
 from server_bridge.wire import Limits, WireError, check_events, decode, encode
@@ -129,7 +129,7 @@ def _ids_text(ids: list[int]) -> str:
 def _keep_copy(
     into: list[tuple[dict[str, Any], RunSnapshot]], e: dict[str, Any], snap: RunSnapshot
 ) -> None:
-    into.append((e, copy.deepcopy(snap)))
+    into.append((e, snap.copy()))
 
 
 def _refusal(event: dict[str, Any]) -> tuple[str, str, str] | None:
@@ -204,11 +204,17 @@ class HostClient:
         self._stop = threading.Event()
         self._repairer: threading.Thread | None = None
         self._cond = threading.Condition()
+        # The requests wait_for() is waiting on (how many waits each): an event wakes
+        # the waiters only when it is about one of them, not at every event of every run.
+        self._waiting: dict[str, int] = {}
         self._connected = False
         self._connect_error: str | None = None
         self._subscribed = False
         self._sub_mid: int | None = None
-        self._client = mqtt.Client(
+        # paho's client, whose queue the thread that publishes writes itself
+        # (server_bridge/mqttclient.py): a request leaves when request() sends it, not
+        # when paho's network thread is next woken and scheduled.
+        self._client = Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id or f"wren-host-{uuid.uuid4().hex[:12]}",
             protocol=mqtt.MQTTv311,
@@ -368,6 +374,7 @@ class HostClient:
         info = self._client.publish(topic, encode(body), qos=1)
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
             raise HostConnectError(f"could not publish the request: {mqtt.error_string(info.rc)}")
+        self._client.flush()
         info.wait_for_publish(timeout)
         if not info.is_published():
             raise TimeoutError(f"the broker did not acknowledge request {req_id} within {timeout}s")
@@ -459,7 +466,14 @@ class HostClient:
                     # Read on arrival, not through the reducer's repeat check: the
                     # bridge's stream starts again at 1 when it restarts.
                     self._bridge_answer(topic.device, reducer, event["d"], on_apply)
-                self._cond.notify_all()
+                if self._waiting and (snap.req in self._waiting or event["r"] in STREAMS):
+                    # What a wait reads is its own run's snapshot and its refusals, which
+                    # come on the streams (as do the bridge's gap answers, which may end
+                    # a run): woken for those only. At every event, a waiting thread took
+                    # the interpreter's lock from this one, which in a host process that
+                    # serves more than this client (the benchmark's model server) is
+                    # what that work waited for.
+                    self._cond.notify_all()
             for applied, view in views:
                 callback = self.on_event
                 if callback is None:
@@ -588,13 +602,13 @@ class HostClient:
                 reducers = list(self._reducers.values())
             else:
                 reducers = [self._reducers[device]] if device in self._reducers else []
-            return [copy.deepcopy(s) for r in reducers for s in r.runs()]
+            return [s.copy() for r in reducers for s in r.runs()]
 
     def find_run(self, req_id: str) -> RunSnapshot | None:
         """A copy of the snapshot of the run started for request `req_id`, if seen."""
         with self._cond:
             snap = self._find(req_id)
-            return copy.deepcopy(snap) if snap is not None else None
+            return snap.copy() if snap is not None else None
 
     def _find(self, req_id: str) -> RunSnapshot | None:
         for reducer in self._reducers.values():
@@ -621,19 +635,27 @@ class HostClient:
         wait for a pause on a client tool, say."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                snap = self._find(req_id)
-                if snap is not None and until(snap):
-                    return copy.deepcopy(snap)
-                refused = self._refused.get(req_id)
-                if snap is None and refused is not None:
-                    # Only while no run exists: a refusal of a repeat of a request that
-                    # did start a run (a resend with a stale token) does not end that run.
-                    raise RequestRefused(refused[0], refused[1], req_id)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(self._describe_wait(req_id, snap, timeout))
-                self._cond.wait(left)
+            self._waiting[req_id] = self._waiting.get(req_id, 0) + 1
+            try:
+                while True:
+                    snap = self._find(req_id)
+                    if snap is not None and until(snap):
+                        return snap.copy()
+                    refused = self._refused.get(req_id)
+                    if snap is None and refused is not None:
+                        # Only while no run exists: a refusal of a repeat of a request
+                        # that did start a run (a resend with a stale token) does not end
+                        # that run.
+                        raise RequestRefused(refused[0], refused[1], req_id)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(self._describe_wait(req_id, snap, timeout))
+                    self._cond.wait(left)
+            finally:
+                if self._waiting[req_id] > 1:
+                    self._waiting[req_id] -= 1
+                else:
+                    del self._waiting[req_id]
 
     def _describe_wait(self, req_id: str, snap: RunSnapshot | None, timeout: float) -> str:
         if snap is not None:

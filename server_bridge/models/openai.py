@@ -1,6 +1,6 @@
 """An OpenAI-compatible chat-completions provider (OpenAI, Ollama, llama.cpp server, vLLM).
 
-Stdlib only (http.client): one streaming POST to `{base_url}/chat/completions`, the SSE
+Stdlib only: one streaming POST to `{base_url}/chat/completions`, the SSE
 reply parsed line by line and turned into the contract's chunks (see models/base.py).
 
 Connections: HTTP/1.1 keep-alive, http and https. Each provider keeps a small pool of
@@ -11,9 +11,11 @@ the HTTP body), so the next request starts on a clean connection and skips the T
 TLS handshakes. A reused connection the server closed meanwhile (it fails before a byte
 of the answer arrives) is dropped and the request sent once more on a new one; nothing
 is ever sent again once any byte of the answer came, since a model call costs what it
-costs whether or not its answer is read. Where a proxy applies (HTTP(S)_PROXY, minus
-no_proxy, as urllib reads them), calls go through urllib's proxy handling instead, one
-connection per call, as before pooling.
+costs whether or not its answer is read. The pooled connections speak HTTP/1.1 through
+models/http11.py, which costs a fraction of http.client on the way to a call's first text
+(its docstring says how much). Where a proxy applies (HTTP(S)_PROXY, minus no_proxy, as
+urllib reads them), calls go through urllib's proxy handling instead, one connection per
+call, as before pooling.
 
 Errors: every failure becomes a ModelError whose message is safe to show a customer (it
 names no key, no URL, no server text); the detail goes to the log, with the key
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server_bridge.config import BridgeConfig
+from server_bridge.models import http11
 from server_bridge.models.base import Chunk, Final, ModelError
 from server_bridge.redact import scrub
 
@@ -246,30 +249,14 @@ class _Timers:
 _TIMERS = _Timers()
 
 
-class _Unanswered(http.client.RemoteDisconnected):
-    """The connection closed or was reset before a byte of the response arrived: the
-    server never answered, so the request may be sent again on another connection."""
+# The connection closed or was reset before a byte of the response arrived: the server
+# never answered, so the request may be sent again on another connection.
+_Unanswered = http11.Unanswered
 
 
 # What sending on a connection the server has closed raises; no byte of an answer can
 # have been read yet. (SSLEOFError: the same, under TLS.)
 _SEND_STALE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, ssl.SSLEOFError)
-
-
-class _Response(http.client.HTTPResponse):
-    """An HTTPResponse that waits for the first byte of the answer before parsing it, so
-    a failure is known to come either before any byte (_Unanswered: safe to send again)
-    or after (never sent again)."""
-
-    def begin(self) -> None:
-        if self.headers is None:  # http.client calls begin() once per response
-            try:
-                first = self.fp.peek(1)
-            except (ConnectionResetError, ConnectionAbortedError) as e:
-                raise _Unanswered(f"reset before answering: {e}") from e
-            if not first:
-                raise _Unanswered("closed without answering")
-        super().begin()
 
 
 def _usable(sock: socket.socket | None) -> bool:
@@ -314,11 +301,11 @@ class _Pool(_Timed):
         self.idle_s = idle_s
         self._lock = threading.Lock()
         # (time put back, connection), oldest first.
-        self._idle: list[tuple[float, http.client.HTTPConnection]] = []
+        self._idle: list[tuple[float, http11.Connection]] = []
         self._armed = False  # the sweep waits in _TIMERS
         self._closed = False
 
-    def take(self) -> http.client.HTTPConnection | None:
+    def take(self) -> http11.Connection | None:
         now = time.monotonic()
         while True:
             with self._lock:
@@ -329,8 +316,8 @@ class _Pool(_Timed):
                 return conn
             conn.close()
 
-    def put(self, conn: http.client.HTTPConnection) -> None:
-        drop: list[http.client.HTTPConnection] = []
+    def put(self, conn: http11.Connection) -> None:
+        drop: list[http11.Connection] = []
         arm = False
         with self._lock:
             if self._closed or self.max_idle == 0:
@@ -375,7 +362,7 @@ class _Pool(_Timed):
             return len(self._idle)
 
 
-def _drained(response: http.client.HTTPResponse, sock: socket.socket | None) -> bool:
+def _drained(response: http11.Response, sock: socket.socket | None) -> bool:
     """After `[DONE]`: read what is left of the body (a blank line, the chunked
     terminator), waiting at most DRAIN_S; whether it ended cleanly, so the connection
     may carry the next request. Never raises: the answer is already read, and a
@@ -599,21 +586,14 @@ class OpenAIProvider:
             raise ModelError(_TOO_SLOW)
         return min(self.timeout, left)
 
-    def _connect(self, timeout: float) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection
-        if self._tls is not None:
-            conn = http.client.HTTPSConnection(
-                self._host, self._port, timeout=timeout, context=self._tls
-            )
-        else:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-        conn.response_class = _Response
+    def _connect(self, timeout: float) -> http11.Connection:
+        conn = http11.Connection(self._host, self._port, timeout, self._tls)
         conn.connect()  # sets TCP_NODELAY
         return conn
 
     def _open(
         self, pool: _Pool, data: bytes, deadline: float | None
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    ) -> tuple[http11.Connection, http11.Response]:
         """Send the request on an idle connection, or a new one; the connection and its
         response, status 2xx, headers read. A reused connection that fails before a byte
         of the answer (the server closed it meanwhile) is closed and the request sent
@@ -628,10 +608,10 @@ class OpenAIProvider:
                 elif conn.sock is not None:
                     conn.sock.settimeout(timeout)
                 try:
-                    conn.request("POST", self._path, data, self._headers())
+                    conn.request(self._path, self._headers(), data)
                 except _SEND_STALE as e:
                     raise _Unanswered(f"send failed: {e}") from e
-                response = conn.getresponse()
+                response = conn.response()
             except _Unanswered as e:
                 if conn is not None:
                     conn.close()

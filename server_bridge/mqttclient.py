@@ -1,0 +1,112 @@
+"""paho's MQTT client, with what it has queued written by the thread that queued it.
+
+paho's threaded mode (loop_start) writes only on its network thread: a publish from any
+other thread queues the packet, wakes the network thread through a socket pair, and
+returns. The bridge's RPC workers stream model text to boards that way, so each chunk
+waited for the network thread to be free, which it is not while it relays a board's
+events (the events a run sends as its model call starts arrive just then), and for the
+interpreter's lock to pass between the two threads: 0.1 to 0.6 ms on a request's way to
+its first words on this machine, measured per hop (bench_bridge figure 1). A host
+client's request waited the same way for the host's network thread.
+
+`Client.flush()` writes paho's queue from the calling thread instead. Every write of the
+client then holds one lock: the network thread's own (`loop_write`, which its loop
+calls) and a flush, so packets never interleave and a packet a send took only part of
+is finished, from where it stopped, by whichever thread writes next. A flush that finds
+the lock taken waits for it a moment (the holder may be the network thread, waiting for
+the interpreter's lock the flushing thread holds), then writes what is left; past
+_FLUSH_WAIT_S it leaves its packet to the network thread, which paho's own wake-up
+reaches, as before. A reconnect holds the lock too, so no packet of the old connection
+is written on the new one ahead of its CONNECT.
+
+What a flush does not do is handle a failure: a send that fails leaves its packet at
+the front of paho's queue, and the network thread, which paho woke for the packet
+anyway, meets the failure on its next read or write and reconnects as it always does.
+Never on the network thread (paho writes there when its callback returns) and never
+over TLS (an OpenSSL connection must not be written by one thread while another reads
+it).
+
+The flush calls paho's own writer, `Client._packet_write`: not public API, but the one
+function paho's `loop_write` wraps, and the only place paho takes packets off its queue.
+`tests/test_mqttclient.py` checks it is there, so an upgrade that moves it fails a test
+instead of quietly ending the flush (`flush` then returns False and paho writes as
+before).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+__all__ = ["Client"]
+
+log = logging.getLogger("wren.bridge.mqtt")
+
+# How long a flush waits for another writer to finish; past it the packet is left to
+# the network thread (paho's own wake-up reaches it).
+_FLUSH_WAIT_S = 0.05
+
+
+class Client(mqtt.Client):
+    """A paho client whose queued packets any thread may write (see the module
+    docstring). Used like paho's: `loop_start()`, then publish from any thread and call
+    `flush()` where waiting for the network thread would cost latency."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Reentrant: connect() before loop_start() writes its CONNECT from inside
+        # reconnect() (paho writes at once while it has no network thread).
+        self._flush_lock = threading.RLock()
+        self._flush_net: int | None = None  # the network thread's ident, once it runs
+        self._flush_on = True  # off from disconnect(): its DISCONNECT is paho's to write
+
+    def loop_forever(self, *args: Any, **kwargs: Any) -> mqtt.MQTTErrorCode:
+        # loop_start()'s thread runs this: remember which thread it is.
+        self._flush_net = threading.get_ident()
+        return super().loop_forever(*args, **kwargs)
+
+    def loop_write(self) -> mqtt.MQTTErrorCode:
+        with self._flush_lock:
+            return super().loop_write()
+
+    def reconnect(self) -> mqtt.MQTTErrorCode:
+        with self._flush_lock:
+            self._flush_on = True
+            return super().reconnect()
+
+    def disconnect(self, *args: Any, **kwargs: Any) -> mqtt.MQTTErrorCode:
+        # Not under the lock: disconnect() may be called from a callback, which holds
+        # paho's callback lock, and a flush holding ours may wait for that one.
+        self._flush_on = False
+        return super().disconnect(*args, **kwargs)
+
+    def flush(self) -> bool:
+        """Write what paho has queued, from this thread; True when this call wrote (or
+        tried to), False when it left the writing to someone else."""
+        if not self._flush_on or threading.get_ident() == self._flush_net:
+            return False
+        if isinstance(self.socket(), ssl.SSLSocket):
+            return False
+        write = getattr(self, "_packet_write", None)
+        # Waited for, briefly: a worker that gave up at once left its chunk to a network
+        # thread still waiting for the interpreter's lock, 0.1 ms and more (figure 1).
+        if write is None or not self._flush_lock.acquire(timeout=_FLUSH_WAIT_S):
+            return False
+        try:
+            if not self._flush_on:
+                return False
+            # Its result is not ours to act on: a failure is the network thread's
+            # (module docstring).
+            write()
+            return True
+        except Exception:
+            # paho handles socket errors itself; anything else is a bug, logged, and the
+            # packet is still queued for the network thread.
+            log.exception("writing paho's queue from this thread failed")
+            return False
+        finally:
+            self._flush_lock.release()

@@ -1,0 +1,145 @@
+"""server_bridge.mqttclient: paho's queue written by the thread that filled it, against a
+real broker: packets whole and in order whoever writes them, never written by a flush on
+the network thread or after a disconnect."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from server_bridge.mqttclient import Client
+from tools.broker import MosquittoProcess
+
+WAIT = 10.0
+
+
+def _connected(c: mqtt.Client, broker: MosquittoProcess, subs: tuple[str, ...] = ()) -> None:
+    ready = threading.Event()
+
+    def on_connect(cl: mqtt.Client, u: Any, flags: Any, rc: Any, p: Any) -> None:
+        if subs:
+            cl.subscribe([(s, 1) for s in subs])
+        else:
+            ready.set()
+
+    c.on_connect = on_connect
+    c.on_subscribe = lambda *a: ready.set()
+    c.connect(broker.host, broker.port, keepalive=30)
+    c.loop_start()
+    assert ready.wait(WAIT), "not connected"
+
+
+@pytest.fixture
+def pair(broker: MosquittoProcess) -> Iterator[tuple[Client, mqtt.Client, str]]:
+    """A flushing client and a plain subscriber to the topic it publishes on."""
+    topic = f"wren-test/flush/{uuid.uuid4().hex[:8]}"
+    sender = Client(CallbackAPIVersion.VERSION2, client_id=f"s-{uuid.uuid4().hex[:8]}")
+    sender.max_inflight_messages_set(64)
+    sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"r-{uuid.uuid4().hex[:8]}")
+    _connected(sub, broker, (topic,))
+    _connected(sender, broker)
+    yield sender, sub, topic
+    for c in (sender, sub):
+        c.disconnect()
+        c.loop_stop()
+
+
+def test_paho_still_has_the_writer_flush_calls() -> None:
+    # An upgrade of paho that renamed it would quietly end every flush (flush() returns
+    # False and the network thread writes, as before): fail here instead.
+    c = Client(CallbackAPIVersion.VERSION2)
+    assert callable(getattr(c, "_packet_write", None))
+    assert hasattr(c, "_out_packet")
+
+
+def test_a_flush_writes_on_the_calling_thread(pair: tuple[Client, mqtt.Client, str]) -> None:
+    sender, sub, topic = pair
+    got = threading.Event()
+    sub.on_message = lambda *a: got.set()
+    writers: list[int] = []
+    send = sender._sock_send
+
+    def spy(buf: Any) -> int:
+        writers.append(threading.get_ident())
+        return send(buf)
+
+    sender._sock_send = spy  # type: ignore[method-assign]
+    # The network thread, which paho wakes for the packet too, writes nothing meanwhile:
+    # otherwise it may write first and leave the flush nothing to do.
+    loop_write = sender.loop_write
+    sender.loop_write = lambda: mqtt.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
+    try:
+        info = sender.publish(topic, b"hello", qos=1)
+        assert sender.flush()
+        assert writers == [threading.get_ident()]
+        assert got.wait(WAIT)
+    finally:
+        sender.loop_write = loop_write  # type: ignore[method-assign]
+    info.wait_for_publish(WAIT)
+    assert info.is_published()
+
+
+def test_packets_stay_whole_and_in_order_with_many_writers(
+    pair: tuple[Client, mqtt.Client, str],
+) -> None:
+    # Four threads publish and flush while the network thread writes acks and whatever a
+    # flush leaves: a packet interleaved with another would make the broker drop the
+    # connection, and per publisher the broker keeps our order.
+    sender, sub, topic = pair
+    per_thread, threads = 300, 4
+    got: dict[int, list[int]] = {k: [] for k in range(threads)}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_message(cl: mqtt.Client, u: Any, msg: mqtt.MQTTMessage) -> None:
+        k, n, pad = msg.payload.split(b":", 2)
+        assert len(pad) == int(n) % 700  # whole: sizes vary, some past one segment
+        with lock:
+            got[int(k)].append(int(n))
+            if sum(map(len, got.values())) == per_thread * threads:
+                done.set()
+
+    sub.on_message = on_message
+    order = threading.Lock()  # a thread's publish and flush together, so its order holds
+
+    def publisher(k: int) -> None:
+        for n in range(per_thread):
+            with order:
+                info = sender.publish(topic, b"%d:%d:" % (k, n) + b"x" * (n % 700), qos=1)
+                assert info.rc == mqtt.MQTT_ERR_SUCCESS
+            sender.flush()
+
+    workers = [threading.Thread(target=publisher, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(WAIT)
+    assert done.wait(WAIT), {k: len(v) for k, v in got.items()}
+    assert all(v == list(range(per_thread)) for v in got.values())
+    assert sender.is_connected()
+
+
+def test_no_flush_on_the_network_thread_or_after_disconnect(
+    pair: tuple[Client, mqtt.Client, str],
+) -> None:
+    sender, sub, topic = pair
+    answers: list[bool] = []
+    seen = threading.Event()
+
+    def on_publish(*a: Any) -> None:  # runs on the sender's network thread
+        answers.append(sender.flush())
+        seen.set()
+
+    sender.on_publish = on_publish
+    sender.publish(topic, b"one", qos=1)
+    assert seen.wait(WAIT)
+    assert answers == [False]
+    sender.disconnect()
+    sender.publish(topic, b"two", qos=1)
+    assert not sender.flush()
