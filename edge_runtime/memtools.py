@@ -97,20 +97,20 @@ class Memory:
             fixed += len(view)
         return fixed, 3 if self.viewing else 2
 
-    async def tool(self, cid, name, input_text, cut):
+    async def tool(self, cid, name, text, cut):
         # A memory tool call: on the event stream as a server tool (client false), and
         # with its name only ("{}" in, "" out) when it touches a private field or core
         # memory. (output, failed) for the model, the output cut by `cut`.
         run = self.run
         args = None
-        if isinstance(input_text, str):
+        if isinstance(text, str):
             try:
-                args = json.loads(input_text) if input_text else {}
+                args = json.loads(text) if text else {}
             except ValueError:
                 pass
         private = self.private(name, args)
         await run.event("tool.call", {"call": cid, "name": name,
-                                      "input": "{}" if private else input_text, "client": False})
+                                      "input": "{}" if private else text, "client": False})
         if not isinstance(args, dict):
             output, failed = "arguments must be a JSON object", True
         else:

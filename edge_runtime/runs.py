@@ -103,19 +103,19 @@ class Run:
             self.started_d = None
             self.emitter.emit("run.started", d)
 
-    def emit(self, etype, d=None, node=None):
+    def emit(self, t, d=None, node=None):
         # Without waiting: a terminal event, say. What the link cannot take now waits
         # in the ring and goes out later.
         self.begin()
-        self.emitter.emit(etype, d, node)
+        self.emitter.emit(t, d, node)
 
-    async def event(self, etype, d=None, node=None):
+    async def event(self, t, d=None, node=None):
         # The way a run reports progress: wait (bounded) until the link can take the
         # event and nothing of this run waits ahead of it, then emit. Back-pressure
         # instead of loss: a slow link slows the run down.
         await self.runtime.flow(self.emitter)
         self.begin()
-        self.emitter.emit(etype, d, node)
+        self.emitter.emit(t, d, node)
 
     def w(self):
         # The next write id of the run, "<run id>:<seq>": the bridge applies each once.
@@ -398,12 +398,12 @@ class Runtime:
             platform.log("bridge offline")
             self.rpc.fail_all("bridge_offline", "the bridge went offline")
 
-    def refuse(self, kind, msg, extra=None):
+    def refuse(self, kind, msg, more=None):
         # Refused input becomes an error event on the device stream; the board goes on.
         self.stats["refused"] += 1
         d = {"kind": kind, "msg": msg}
-        if extra:
-            d.update(extra)
+        if more:
+            d.update(more)
         platform.log("refused", kind, msg)
         self.device_stream.emit("error", d)
 

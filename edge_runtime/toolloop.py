@@ -30,11 +30,11 @@ def _tool_output(value):
     return text
 
 
-async def _run_tool(tool, input_text):
-    if not isinstance(input_text, str):
+async def _run_tool(tool, text):
+    if not isinstance(text, str):
         return "arguments must be a JSON object in a string", True
     try:
-        args = json.loads(input_text) if input_text else {}
+        args = json.loads(text) if text else {}
     except ValueError:
         return "invalid JSON arguments", True
     if not isinstance(args, dict):
@@ -67,10 +67,10 @@ class _Deltas:
         self.more = 0  # characters of the turn past those
         self.sent = False  # whether an event of the turn's text has gone
 
-    def wait_ms(self, idle_ms):
+    def wait_ms(self, ms):
         # How long the caller may wait for the next chunk before pending text is due.
         if not self.n:
-            return idle_ms
+            return ms
         return max(1, self.run.delta_ms - platform.ticks_diff(platform.ticks_ms(), self.since))
 
     async def add(self, kind, text):
@@ -88,16 +88,17 @@ class _Deltas:
             # coalescing pays off once text is flowing.
             await self.flush()
 
-    async def flush(self, everything=True):
-        # Full pieces of delta_chars go out; the rest too unless more may come soon.
+    async def flush(self, end=True):
+        # Full pieces of delta_chars go out; the rest too when the text ends here (`end`:
+        # no more may come soon).
         if not self.n:
             return
         size = self.run.delta_chars
         text = "".join(self.parts) if len(self.parts) > 1 else self.parts[0]
-        end = len(text) if everything else len(text) - len(text) % size
-        self.parts = [text[end:]] if end < len(text) else []
-        self.n = len(text) - end
-        for k in range(0, end, size):
+        cut = len(text) if end else len(text) - len(text) % size
+        self.parts = [text[cut:]] if cut < len(text) else []
+        self.n = len(text) - cut
+        for k in range(0, cut, size):
             piece = text[k:k + size]
             if self.kind == "msg.delta":
                 keep = piece[:max(0, _KEEP_TEXT - self.kept)]
@@ -127,14 +128,14 @@ def _chars(msg):
     return n
 
 
-async def _fit(run, messages, fixed, first):
+async def _fit(run, messages, size, first):
     # The conversation within the agent's context_chars: instructions, core memory and
-    # what is in view (`fixed` characters) are always sent, and so are the request and
+    # what is in view (`size` characters) are always sent, and so are the request and
     # the latest turn; past that, whole turns (an assistant message with its tool
     # results) are left out oldest first, for good (the heap gets them back), and a
     # guard event says how much. messages[first] is the oldest turn: before it come the
     # system message, what is in view (if anything) and the request.
-    total = fixed
+    total = size
     for msg in messages[first - 1:]:
         total += _chars(msg)
     dropped = chars = 0
