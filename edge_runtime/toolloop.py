@@ -182,11 +182,16 @@ async def model_loop(run, state=None, pause=0):
     specs = [t.describe(False) for t in agent.tools.values()]
     mem = None
     if agent.fields:
-        # Loaded only for an agent that declares fields: the memory tools and core memory.
+        # Loaded only for an agent that declares fields: the memory tools and core memory,
+        # and (only as the run starts) what they need opened first.
         from edge_runtime.memtools import Memory
         mem = Memory(run)
-        await mem.start()
-        specs = mem.specs(specs)
+        from edge_runtime import memstart
+        try:
+            specs = await memstart.start(mem, specs)
+        finally:
+            memstart = None
+            platform.unload("memstart")
     else:
         specs = codec.encode_exact(specs)
     # Encoded once for the whole run: every model call carries them unchanged.
@@ -276,7 +281,9 @@ async def model_loop(run, state=None, pause=0):
         if deltas.more:
             text += " [cut: %d more characters]" % deltas.more
         messages.append({"role": "assistant", "content": text, "tools": calls})
-        deltas = None
+        # What the step no longer needs goes before its tools run (a tool's own calls
+        # are where a memory run peaks).
+        deltas = final = got = args = None
         waiting = []
         for call in calls:
             run.check_cancelled()

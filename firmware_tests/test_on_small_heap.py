@@ -52,8 +52,8 @@ def test_a_memory_turn_runs_within_its_ceiling_on_32_bits(broker, tmp_path: Path
 # loads both: 2 names from the doubling, measured when this check was written.) control
 # is not here: only a ctl loads it.
 _RUNS = {
-    "demo": "demo board agent fields fieldcheck runs link toolloop memtools state presence",
-    "memory-turn": "demo board agent fields fieldcheck runs link toolloop memtools core presence",
+    "demo": "demo board agent fields fieldcheck runs link toolloop memtools memstart state presence",
+    "memory-turn": "demo board agent fields fieldcheck runs link toolloop memtools memstart core presence",
 }
 # Fresh names interned one at a time after the imports, each followed by qstr_info(),
 # until the pool count grows: how many names the runtime can still add before the
