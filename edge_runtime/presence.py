@@ -72,14 +72,6 @@ def bridge(runtime, payload):
     else:
         rpc.bridge = None
         if was is not False:
-            platform.asyncio.create_task(_gone(runtime, rpc.epoch))
-
-
-async def _gone(runtime, epoch):
-    # Only a bridge still offline after the grace, on a connection of ours that stayed up
-    # all along, is gone (a broker shutting down sends its will and then drops us too).
-    # Its calls then fail, retryable, and their runs end and free their slots.
-    await platform.sleep_ms(runtime.bridge_grace_ms)
-    if runtime._bridge_up is False and runtime.rpc.epoch == epoch and runtime._online():
-        platform.log("bridge offline")
-        runtime.rpc.fail_all("bridge_offline", "the bridge went offline")
+            # The grace runs in the runtime's code: a task of this module's would keep
+            # all of it on the heap for the grace, runs and all.
+            platform.asyncio.create_task(runtime._bridge_gone(rpc.epoch))

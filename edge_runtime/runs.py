@@ -367,6 +367,16 @@ class Runtime:
             presence = None
             platform.unload("presence")
 
+    async def _bridge_gone(self, epoch):
+        # Only a bridge still offline after the grace, on a connection of ours that stayed
+        # up all along, is gone (a broker shutting down sends its will and then drops us
+        # too). Its calls then fail, retryable, and their runs end and free their slots.
+        # (presence.py starts it.)
+        await platform.sleep_ms(self.bridge_grace_ms)
+        if self._bridge_up is False and self.rpc.epoch == epoch and self._online():
+            platform.log("bridge offline")
+            self.rpc.fail_all("bridge_offline", "the bridge went offline")
+
     def refuse(self, kind, msg, more=None):
         # Refused input becomes an error event on the device stream; the board goes on.
         self.stats["refused"] += 1
