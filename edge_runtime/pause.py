@@ -127,7 +127,20 @@ def _release(run):
 
 def _gone(runtime, run):
     # The run leaves memory (paused again, or ended): only its ring stays, for replays.
+    _forget(runtime, run.id)
     runtime.recent.push(run.emitter)
+
+
+def _forget(runtime, run_id):
+    # The rings of a run the runtime keeps from its pause or an earlier answer: each holds
+    # the same events as the run's latest (restored from the same checkpoint), a second
+    # copy on the heap (1-2 KiB each), unless some still wait for the link.
+    recent = runtime.recent
+    keep = [e for e in recent if e.run_id != run_id or e.backlog]
+    while len(recent):
+        recent.pop()
+    for e in keep:
+        recent.push(e)
 
 
 def _reason(waiting):
@@ -166,8 +179,14 @@ async def write(run, step, messages, usage, calls):
         left = min(left, run.ttl * 1000)
     await runtime.flow(run.emitter)
     run.emitter._send = _held
-    _announce(run, waiting)
-    _save(run, "paused", step, messages, usage, waiting, left)
+    try:
+        _announce(run, waiting)
+        _save(run, "paused", step, messages, usage, waiting, left)
+    except MemoryError:
+        # No checkpoint, no pause: the run ends (runs.py), and its events, the end
+        # included, must not stay held.
+        _release(run)
+        raise
     _wait(runtime, run.id, left)
     _release(run)
 
@@ -243,7 +262,19 @@ async def ctl(runtime, msg):
     kind = "tool" if msg.get("op") == "tool" else "approval"
     ck = None
     if runtime.paused.get(run_id) is not None:
-        ck = _read(_path(runtime, run_id))
+        # The checkpoint is the largest thing an answer needs on the heap: a heap too
+        # fragmented for it gets one collection, and without it the answer is refused
+        # and the run goes on waiting for it (nothing has changed yet).
+        try:
+            try:
+                ck = _read(_path(runtime, run_id))
+            except MemoryError:
+                platform.collect()
+                ck = _read(_path(runtime, run_id))
+        except MemoryError:
+            runtime.refuse("no_memory", "no free heap to apply the answer; send it again",
+                           {"r": run_id})
+            return
     entry = None
     if ck is not None and ck.get("st") == "paused":
         for w in ck["w"]:
@@ -256,9 +287,34 @@ async def ctl(runtime, msg):
     # Taken: a second answer while this one is applied is not_waiting.
     left = _left(runtime, run_id)
     runtime.paused[run_id] = None
-    run = _restore(runtime, ck)
+    run = None
+    try:
+        run = _restore(runtime, ck)
+        await _apply(runtime, run, ck, entry, msg, left)
+    except MemoryError:
+        platform.collect()
+        if run is None:
+            # Nothing has happened yet: the run waits for the answer again.
+            _wait(runtime, run_id, left)
+            runtime.refuse("no_memory", "no free heap to apply the answer; send it again",
+                           {"r": run_id})
+        else:
+            # Part of it happened (an approved tool may have run): the run cannot go on
+            # from its checkpoint as if it had not, so it ends, as a run that ran out of
+            # memory does, rather than wait for ever.
+            platform.log("run", run_id, "ran out of memory applying an answer")
+            _end(runtime, run, "run.failed", {
+                "err": {"kind": "internal", "msg": "the board ran out of memory"},
+                "retryable": True})
+
+
+async def _apply(runtime, run, ck, entry, msg, left):
+    # The answer to the waiting call `entry` of the run restored from `ck`: recorded, and
+    # the run paused again, or (when nothing else waits) going on.
+    run_id = run.id
+    cid = entry["call"]
     _release(run)  # an approval's events go out as they come; the result waits below
-    if kind == "tool":
+    if entry["kind"] == "tool":
         output = msg.get("output") if isinstance(msg.get("output"), str) else ""
         failed = msg.get("failed") is True
     else:
@@ -292,7 +348,12 @@ async def ctl(runtime, msg):
     runtime.paused.pop(run_id, None)
     _unwatch(runtime)
     _release(run)
+    _forget(runtime, run_id)
     job = (run, (messages, ck["s"], ck["u"]))
+    # What the answer needed goes before the run's first step, which writes a checkpoint
+    # of its own at once (the largest block it needs).
+    ck = entry = waiting = None
+    platform.collect()
     if len(runtime.active) < runtime.concurrency:
         runtime._start(job)
     else:
@@ -312,14 +373,35 @@ async def _cancel(runtime, run_id, reason):
     _end(runtime, run, "run.cancelled", {"reason": reason})
 
 
-def emitter(runtime, run_id):
-    # A paused run's ring, for a replay, when the runtime's recent rings no longer hold it.
-    ck = _read(_path(runtime, run_id)) if runtime.paused.get(run_id) is not None else None
-    if ck is None:
-        return None
+def replay(runtime, run_id, after):
+    # A replay of a paused run (control.py), always from its checkpoint's ring. What the
+    # ring no longer holds is reported as a gap, and the report takes the run's next
+    # event id: so it goes into the checkpoint (written again, paused as it was) before
+    # it goes out, or the run's next event after an answer would take that id too.
+    # False when there is no such paused run. While an answer is applied, nothing: the
+    # bridge asks again.
+    if runtime.paused.get(run_id) is None:
+        return run_id in runtime.paused
+    ck = _read(_path(runtime, run_id))
+    if ck is None or ck.get("st") != "paused":
+        return False
     run = _restore(runtime, ck)
+    em = run.emitter
+    if after < em.last_id:
+        # Ids after..lost are no longer held; a full ring also lets its oldest go for the
+        # report itself, which then says so too (a second report would push out a third).
+        first = em.last_id - len(em.ring) + 1
+        lost = first - 1
+        if after < lost and len(em.ring) == em.ring.capacity:
+            lost = first
+        em.sent = max(after, lost)  # held: what goes out once released
+        if after < lost:
+            em.emit("error", {"kind": "gap", "from": after + 1, "to": lost,
+                              "msg": "events %d..%d are no longer held" % (after + 1, lost)})
+            _save(run, "paused", ck["s"], ck["m"], ck["u"], ck["w"], _left(runtime, run_id))
     _release(run)
-    return run.emitter
+    _gone(runtime, run)
+    return True
 
 
 def boot(runtime):

@@ -250,3 +250,40 @@ def test_a_run_that_waits_past_its_limit_fails_retryable():
         assert device_errors(bridge)[0]["kind"] == "not_waiting"
 
     _board("tp-limit", body, script)
+
+
+def test_a_gap_reported_while_paused_takes_an_id_no_later_event_takes():
+    # A ring of 6 events: asked for everything while paused, the run reports what its
+    # ring lost; that report's id is the run's (recorded in its checkpoint), so the
+    # events the answer brings follow it, each id once.
+    script = [[_tool("c1", "read_pressure", {}), _tool("c2", "ask_user", {"q": "Go?"})],
+              [{"text": "Gone."}]]
+    prefix = scratch("tp-gap")
+    remove(*_ck_files(prefix))
+    agent = _agent()
+
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "p7", "input": "go"})
+        await bridge.wait_for(lambda: _paused(bridge))
+        rid = _paused(bridge)[0]["r"]
+        last = _paused(bridge)[0]["i"]
+        bridge.send("ctl", {"op": "replay", "r": rid, "after": 0})
+        await bridge.wait_for(lambda: [e for e in bridge.of_run(rid) if e["t"] == "error"])
+        gap = [e for e in bridge.of_run(rid) if e["t"] == "error"][0]
+        # The ring held the last 6 (last-5..last); its oldest made room for the report.
+        assert gap["i"] == last + 1 and gap["d"]["from"] == 1 and gap["d"]["to"] == last - 5
+        assert [e["i"] for e in bridge.events if e["r"] == rid][-6:] == list(
+            range(last - 4, last + 2))
+        bridge.send("ctl", {"op": "tool", "r": rid, "call": "c2", "output": "yes"})
+        await bridge.wait_for(lambda: _ended(bridge))
+        assert _ended(bridge)[0]["t"] == "run.done"
+        # Every id once (of_run keeps the last of a repeated id: compare all copies).
+        seen = {}
+        for e in bridge.events:
+            if e["r"] == rid:
+                assert seen.setdefault(e["i"], e["t"]) == e["t"], (e["i"], seen[e["i"]], e["t"])
+        assert sorted(seen) == list(range(1, len(seen) + 1))
+        assert seen[last + 2] == "tool.result"
+
+    run(with_board("tp-gap", body, script, settings={"flash_dir": prefix, "ring": 6},
+                   agent=agent))
