@@ -86,7 +86,11 @@ class Emitter:
         i = self.last_id + 1
         env = {"r": self.run_id, "i": i, "t": t, "ts": self._clock(), "d": d or {}}
         if node is not None:
-            env["n"] = node
+            # The node the event is about (PROTOCOL "Nodes"): (path, activation) or
+            # (path, activation, iteration), the envelope's n, a and k.
+            env["n"], env["a"] = node[0], node[1]
+            if len(node) > 2:
+                env["k"] = node[2]
         # Encoded before the id is spent: an event that cannot be encoded raises here
         # and leaves no hole in the ids.
         data = self._encode(env)

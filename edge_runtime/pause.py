@@ -9,7 +9,7 @@
 #   {v: version, st: "run" | "paused", r: run id, q: the request, m: the conversation,
 #    s: the next step, u: usage so far, e: the last event id, ring: the events the ring
 #    holds, w: the calls that wait, left: ms of waiting left, sv: run state, ld: loaded
-#    state, wr: write ids used}
+#    state, wr: write ids used, nd: node activations}
 # written whole (platform.write_file: temp file and rename): "run" at each step
 # boundary, "paused" at the pause and with each answer.
 #
@@ -81,7 +81,7 @@ def _save(run, st, step, messages, usage, waiting, left=None):
                 "sc": run.sc, "ttl": run.ttl},
           "m": messages, "s": step, "u": usage, "e": em.last_id,
           "ring": [bytes(em.ring.at(i)) for i in range(len(em.ring))],
-          "w": waiting, "sv": run.state, "ld": run.loaded, "wr": run._writes}
+          "w": waiting, "sv": run.state, "ld": run.loaded, "wr": run._writes, "nd": run.nodes}
     if left is not None:
         ck["left"] = left
     # One block of the exact size, written as it is (codec.encode would copy it).
@@ -111,6 +111,7 @@ def _restore(runtime, ck):
     run.state = ck.get("sv") or {}
     run.loaded = ck.get("ld")
     run._writes = ck.get("wr") or 0
+    run.nodes = ck.get("nd") or {}
     em = run.emitter
     em._send = _held
     for data in ck.get("ring") or ():
@@ -150,9 +151,17 @@ def _reason(waiting):
     return "approval"
 
 
-def _announce(run, waiting):
-    # What the run waits for, then run.paused: at the pause, and again after a reboot.
+def _node(w):
+    # A waiting call's node: its tool's path, its activation, the model step that called it.
+    return ("/tool/" + str(w["name"]), w.get("a") or 1, w.get("k") or 1)
+
+
+def _announce(run, waiting, start=False):
+    # What the run waits for, then run.paused: at the pause (each call's node starts
+    # there), and again after a reboot.
     for w in waiting:
+        if start:
+            run.emit("node.start", {"kind": "tool"}, _node(w))
         run.emit("tool.call", {"call": w["call"], "name": w["name"], "input": w["input"],
                                "client": w["kind"] == "tool"})
         if w["kind"] == "approval":
@@ -169,18 +178,22 @@ async def write(run, step, messages, usage, calls):
         return
     runtime = run.runtime
     waiting = []
+    from edge_runtime.toolloop import node
     for c in calls:
         tool = run.agent.tools.get(c.get("name"))
+        # Each call is a node of the run from now until its answer (counted as the model
+        # loop's tools are); `step` is the model step that called it.
+        a = await node(run, "/tool/" + tool.name, None)
         waiting.append({"call": c.get("call"), "name": c.get("name"),
                         "input": c.get("input") or "{}",
-                        "kind": "tool" if tool.fn is None else "approval"})
+                        "kind": "tool" if tool.fn is None else "approval", "a": a, "k": step})
     left = getattr(run.agent, "max_pause_s", _MAX_PAUSE_S) * 1000
     if isinstance(run.ttl, int) and run.ttl > 0:
         left = min(left, run.ttl * 1000)
     await runtime.flow(run.emitter)
     run.emitter._send = _held
     try:
-        _announce(run, waiting)
+        _announce(run, waiting, True)
         _save(run, "paused", step, messages, usage, waiting, left)
     except MemoryError:
         # No checkpoint, no pause: the run ends (runs.py), and its events, the end
@@ -335,6 +348,7 @@ async def _apply(runtime, run, ck, entry, msg, left):
     await runtime.flow(run.emitter)
     run.emitter._send = _held
     run.emit("tool.result", {"call": cid, "output": output, "failed": failed})
+    run.emit("node.end", {"status": "failed" if failed else "completed"}, _node(entry))
     if waiting:
         _save(run, "paused", ck["s"], messages, ck["u"], waiting, left)
         _wait(runtime, run_id, left)
@@ -369,6 +383,7 @@ async def _cancel(runtime, run_id, reason):
     run = _restore(runtime, ck)
     for w in ck["w"]:
         run.emit("tool.result", {"call": w["call"], "output": "cancelled", "failed": True})
+        run.emit("node.end", {"status": "cancelled"}, _node(w))
     reason = reason[:200] if isinstance(reason, str) and reason else "cancelled"
     _end(runtime, run, "run.cancelled", {"reason": reason})
 

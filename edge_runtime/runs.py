@@ -78,6 +78,9 @@ class Run:
         self.state = {}
         self.loaded = None  # what state.load gave, encoded (state.py)
         self._writes = 0
+        # Node path -> how many times the run has started it (toolloop, nodes.py): an
+        # event's `a`. A paused run's are in its checkpoint (pause.py).
+        self.nodes = {}
         self.delta_chars = runtime.delta_chars
         self.delta_ms = runtime.delta_ms
         self.emitter = Emitter(run_id, runtime.encode, runtime.send_event, platform.time_ms,

@@ -119,6 +119,17 @@ class _Deltas:
 # How long the loop waits for a chunk when no text is pending (the call's own timeout
 # bounds the whole wait; this only paces checks for a cancel).
 _IDLE_MS = const(1000)
+# The loop's nodes (PROTOCOL "Nodes"): the two event types, a model step's path, a tool's
+# path before its name, and a node's good end. A const tuple rather than five literals:
+# its strs are not names in the board's qstr pool (five fewer, test_on_small_heap).
+_NODES = const(("node.start", "node.end", "/model", "/tool/", "completed"))
+
+
+async def node(run, path, usage):
+    # A node of the model loop about to start: counted (`usage`, the run's so far, before
+    # a model step only). Returns its activation, the `a` of the events about it.
+    a = run.nodes[path] = run.nodes.get(path, 0) + 1
+    return a
 
 
 def _chars(msg):
@@ -196,11 +207,13 @@ async def model_loop(run, state=None, pause=0):
         specs = codec.encode_exact(specs)
     # Encoded once for the whole run: every model call carries them unchanged.
     specs = codec.Raw(specs)
+    start, end, model, tool_path, completed = _NODES
     for step in range(first, agent.max_steps):
         run.check_cancelled()
         if pause is not None:
             await pause.write(run, step, messages, usage, ())
         m = step + 1
+        here = (model, await node(run, model, usage), m)
         calls = []
         if mem is None:
             await _fit(run, messages, len(agent.instructions), 2)
@@ -225,6 +238,7 @@ async def model_loop(run, state=None, pause=0):
                 # the model works, rather than between the request and the call.
                 await platform.sleep_ms(0)
                 platform.collect()
+                await run.event(start, {"kind": "model"}, here)
                 await run.event("msg.start", {"m": m, "role": "assistant"})
                 begun = True
                 while True:
@@ -255,9 +269,11 @@ async def model_loop(run, state=None, pause=0):
                 run.rpc.end(call)
         except RpcError as e:
             if not begun:
+                run.emit(start, {"kind": "model"}, here)
                 run.emit("msg.start", {"m": m, "role": "assistant"})
             await deltas.flush()
             run.emit("msg.end", {"m": m})
+            run.emit(end, {"status": "failed"}, here)
             raise RunFailed("llm", "the model is unavailable (%s)" % e.kind, True)
         await run.event("msg.end", {"m": m})
         if not isinstance(final, dict):
@@ -265,15 +281,20 @@ async def model_loop(run, state=None, pause=0):
         got = final.get("usage")
         if not isinstance(got, dict):
             got = {}
+        # The step's tokens, on its node; the run's total is run.done's.
         for key in usage:
             value = got.get(key)
             if isinstance(value, int):
                 usage[key] += value
+        await run.event("usage", got, here)
+        if not calls and final.get("finish") == "tool_calls":
+            # The model called a tool but no call reached the board: ending "done"
+            # would claim an answer that was never given.
+            run.emit(end, {"status": "failed"}, here)
+            raise RunFailed("llm", "the model's tool call was lost on the way", True)
+        # Its way out: to the tools it called, or done with its answer.
+        await run.event(end, {"status": completed, "port": "tools" if calls else "done"}, here)
         if not calls:
-            if final.get("finish") == "tool_calls":
-                # The model called a tool but no call reached the board: ending "done"
-                # would claim an answer that was never given.
-                raise RunFailed("llm", "the model's tool call was lost on the way", True)
             return usage
         # The turn's text goes back to the model with its tool calls. Joined only now:
         # a long answer that ends the run never needs its text in one piece on the heap.
@@ -296,6 +317,9 @@ async def model_loop(run, state=None, pause=0):
                 # calls have run (pause.py).
                 waiting.append(call)
                 continue
+            path = tool_path + str(name)
+            here = (path, await node(run, path, None), m)
+            await run.event(start, {"kind": "tool"}, here)
             if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
                 output, failed = await mem.tool(cid, name, input_text, _tool_output)
             else:
@@ -306,6 +330,7 @@ async def model_loop(run, state=None, pause=0):
                 else:
                     output, failed = await _run_tool(tool, input_text)
                 await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
+            await run.event(end, {"status": "failed" if failed else completed}, here)
             messages.append({"role": "tool", "call": cid, "content": output})
         if waiting:
             if mem is not None and mem.viewing:
