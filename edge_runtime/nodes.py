@@ -17,9 +17,10 @@
 #                 ...
 #
 # A node whose block raises ends `failed` (`cancelled` when the run is cancelled) and the
-# exception goes on. A handler may end by handing its run to the model loop (`return
-# await toolloop.model_loop(run)`), which goes on counting activations; a run that
-# pauses there resumes in the model loop.
+# exception goes on. The run's budget (budget.py) is checked as each node starts: a node
+# past it raises RunFailed there, and the run ends run.failed (kind budget). A handler
+# may end by handing its run to the model loop (`return await toolloop.model_loop(run)`),
+# which goes on counting activations; a run that pauses there resumes in the model loop.
 from edge_runtime import platform
 
 try:
@@ -45,10 +46,13 @@ def check(path):
 
 
 async def start(run, path, kind=None, k=None):
-    # Starts node `path` (node.start {kind}), counted. Returns the node's key, (path, a)
-    # or (path, a, k), for end() and usage().
+    # Starts node `path` (node.start {kind}): counted, then allowed by the run's budget.
+    # Returns the node's key, (path, a) or (path, a, k), for end() and usage().
     check(path)
     a = run.nodes[path] = run.nodes.get(path, 0) + 1
+    if run.agent.budget:
+        from edge_runtime import budget
+        await budget.step(run, path, None)
     key = (path, a) if k is None else (path, a, k)
     await run.event("node.start", {"kind": kind} if kind is not None else {}, key)
     return key

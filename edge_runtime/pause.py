@@ -9,7 +9,7 @@
 #   {v: version, st: "run" | "paused", r: run id, q: the request, m: the conversation,
 #    s: the next step, u: usage so far, e: the last event id, ring: the events the ring
 #    holds, w: the calls that wait, left: ms of waiting left, sv: run state, ld: loaded
-#    state, wr: write ids used, nd: node activations}
+#    state, wr: write ids used, nd: node activations, bg: budget spent (budget.py)}
 # written whole (platform.write_file: temp file and rename): "run" at each step
 # boundary, "paused" at the pause and with each answer.
 #
@@ -84,6 +84,9 @@ def _save(run, st, step, messages, usage, waiting, left=None):
           "w": waiting, "sv": run.state, "ld": run.loaded, "wr": run._writes, "nd": run.nodes}
     if left is not None:
         ck["left"] = left
+    if run.agent.budget:
+        from edge_runtime import budget
+        ck["bg"] = budget.saved(run)
     # One block of the exact size, written as it is (codec.encode would copy it).
     try:
         data = codec.encode_exact(ck, _MAX_CK)
@@ -112,6 +115,10 @@ def _restore(runtime, ck):
     run.loaded = ck.get("ld")
     run._writes = ck.get("wr") or 0
     run.nodes = ck.get("nd") or {}
+    if run.agent.budget:
+        # The wait is not the run's wall time: it goes on from what the checkpoint had.
+        from edge_runtime import budget
+        budget.restored(run, ck.get("bg"))
     em = run.emitter
     em._send = _held
     for data in ck.get("ring") or ():
@@ -181,8 +188,9 @@ async def write(run, step, messages, usage, calls):
     from edge_runtime.toolloop import node
     for c in calls:
         tool = run.agent.tools.get(c.get("name"))
-        # Each call is a node of the run from now until its answer (counted as the model
-        # loop's tools are); `step` is the model step that called it.
+        # Each call is a node of the run from now until its answer (counted, and allowed
+        # by the run's budget, as the model loop's tools are); `step` is the model step
+        # that called it.
         a = await node(run, "/tool/" + tool.name, None)
         waiting.append({"call": c.get("call"), "name": c.get("name"),
                         "input": c.get("input") or "{}",

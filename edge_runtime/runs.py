@@ -475,6 +475,10 @@ class Runtime:
                         started["input_len"] = len(run.input)
                     run.started_d = started
                     started = None
+                    if agent.budget:
+                        # The run's wall time counts from here (budget.py).
+                        from edge_runtime import budget
+                        budget.start(run)
                     handler = agent.handler
                     if handler is None:
                         # The model loop is loaded when first needed: a device whose

@@ -126,9 +126,13 @@ _NODES = const(("node.start", "node.end", "/model", "/tool/", "completed"))
 
 
 async def node(run, path, usage):
-    # A node of the model loop about to start: counted (`usage`, the run's so far, before
-    # a model step only). Returns its activation, the `a` of the events about it.
+    # A node of the model loop about to start: counted, then allowed by the run's budget
+    # (budget.py, which may end the run here; `usage`, the run's so far, before a model
+    # step only). Returns its activation, the `a` of the events about it.
     a = run.nodes[path] = run.nodes.get(path, 0) + 1
+    if run.agent.budget:
+        from edge_runtime import budget
+        await budget.step(run, path, usage)
     return a
 
 

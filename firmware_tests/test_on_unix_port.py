@@ -33,6 +33,7 @@ HEAP_OVERRIDE = {
     "test_memory": {"mpy": "320K", "py": "384K"},
     "test_pause": {"mpy": "256K", "py": "384K"},
     "test_nodes": {"mpy": "256K", "py": "384K"},
+    "test_budget": {"mpy": "256K", "py": "384K"},
 }
 # MODULES and NEEDS_BROKER (modules whose tests get the session broker's address, see
 # conftest.py) come from tools/hil.py, which runs the same modules on real boards.

@@ -596,7 +596,7 @@ def test_a_stream_starting_again_at_1_is_new_and_a_repeat_is_not() -> None:
     assert [e["msg"] for e in snap.errors] == ["before the reboot", "after the reboot"]
 
 
-@pytest.mark.parametrize("kind", ["link", "device"])
+@pytest.mark.parametrize("kind", ["link", "device", "budget", "timeout"])
 def test_link_and_device_failures_keep_their_kind(kind: str) -> None:
     snap = fold([ev(1, "run.failed", err={"kind": kind, "msg": "gone"}, retryable=True)])
     assert snap.error == {"kind": kind, "msg": "gone"} and snap.complete

@@ -40,6 +40,7 @@ NEEDS_BROKER = {
     "test_memory",
     "test_pause",
     "test_nodes",
+    "test_budget",
 }
 # test_runs and test_flow host a second Link (the scripted bridge, which keeps every event
 # and call it sees) and a large test module in the same heap as the runtime under test,
@@ -52,6 +53,7 @@ MODULE_HEAP = {
     "test_memory": "320K",
     "test_pause": "256K",
     "test_nodes": "256K",
+    "test_budget": "256K",
 }
 
 

@@ -79,9 +79,10 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 # The failure kinds of the contract (`run.failed` err.kind). Anything else is reported as
 # `internal`, so a UI can switch on the kind without meeting a value it does not know.
 # `link`: the board could not reach the bridge; `device`: the bridge ended the run for
-# its board (the device restarted or went offline).
+# its board (the device restarted or went offline); `budget`: the run went past a limit
+# its agent declared.
 FAILURE_KINDS = frozenset(
-    {"llm", "tool", "condition", "internal", "link", "device", "timeout"}
+    {"llm", "tool", "condition", "internal", "link", "device", "timeout", "budget"}
 )
 
 # A customer-safe message is short; a board that sent a long one (a stack trace, say)
