@@ -40,9 +40,11 @@ class Agent:
     # fields: edge_runtime.fields.Field declarations (names unique, at most one core
     # field per scope: core memory is one document per scope). context_chars bounds what
     # one model call carries: instructions, core memory and the conversation, trimmed
-    # oldest first to fit (toolloop).
+    # oldest first to fit (toolloop). budget: what one run may spend, any of
+    # {"steps": nodes started, "tokens": model tokens in and out, "wall_s": seconds not
+    # paused, "reads": memory reads from the bridge} (budget.py, PROTOCOL "Budgets").
     def __init__(self, name, version, instructions, handler=None, fields=None,
-                 model=None, max_tokens=None, max_steps=8, context_chars=6000):
+                 model=None, max_tokens=None, max_steps=8, context_chars=6000, budget=None):
         self.name = name
         self.version = version
         self.instructions = instructions
@@ -57,6 +59,11 @@ class Agent:
         self.max_tokens = max_tokens
         self.max_steps = max_steps
         self.context_chars = context_chars
+        self.budget = budget or None
+        if budget:
+            # Checked once, here; budget.py stays loaded for the agent's runs.
+            from edge_runtime import budget as limits
+            limits.check(budget)
         self.tools = {}
 
     def field(self, name):

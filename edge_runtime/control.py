@@ -23,14 +23,16 @@ def ctl(runtime, msg):
         runtime.refuse("unknown_op", "unknown ctl op %s" % clip(op))
         return
     run_id = msg.get("r")
-    if op != "replay" and runtime.paused and run_id in runtime.paused:
+    paused = runtime.paused and run_id in runtime.paused
+    if op != "replay" and paused:
         from edge_runtime import pause
         platform.asyncio.create_task(pause.ctl(runtime, msg))
         return
-    if (op == "cancel" or op == "replay") and isinstance(run_id, str) and "." in run_id \
-            and not run_id.startswith(runtime.boot + "."):
+    if (op == "cancel" or op == "replay") and not paused and isinstance(run_id, str) \
+            and "." in run_id and not run_id.startswith(runtime.boot + "."):
         # A run of an earlier boot, which ended with it: the bridge's cancel of a run
-        # whose board went away waits in the session and reaches the next boot.
+        # whose board went away waits in the session and reaches the next boot. (A run
+        # paused before this boot came back with it.)
         runtime.stats["stale_ctl"] = runtime.stats.get("stale_ctl", 0) + 1
         return
     if op == "cancel":
@@ -69,10 +71,6 @@ def _emitter(runtime, run_id):
     for emitter in runtime.recent:
         if emitter.run_id == run_id:
             return emitter
-    if runtime.paused and run_id in runtime.paused:
-        # A paused run's ring is in its checkpoint.
-        from edge_runtime import pause
-        return pause.emitter(runtime, run_id)
     return None
 
 
@@ -82,6 +80,12 @@ def _replay(runtime, msg):
         runtime.refuse("bad_envelope", "replay needs an integer after >= 0")
         return
     run_id = msg.get("r")
+    if runtime.paused and run_id in runtime.paused:
+        # A paused run's events are replayed from its checkpoint, which records the id
+        # a gap report takes (pause.py); not from a ring of it the runtime still has.
+        from edge_runtime import pause
+        if pause.replay(runtime, run_id, after):
+            return
     emitter = _emitter(runtime, run_id)
     if emitter is None:
         # Naming the run (an id within the bound only): the bridge then knows the

@@ -79,14 +79,18 @@ class Emitter:
     def backlog(self):
         return self.last_id - self.sent
 
-    def emit(self, etype, d=None, node=None):
-        if " %s " % etype not in TYPE_NAMES:
+    def emit(self, t, d=None, node=None):
+        if " %s " % t not in TYPE_NAMES:
             # A board-side bug, not wire input: fail loudly where it was written.
-            raise ValueError("unknown event type " + etype)
+            raise ValueError("unknown event type " + t)
         i = self.last_id + 1
-        env = {"r": self.run_id, "i": i, "t": etype, "ts": self._clock(), "d": d or {}}
+        env = {"r": self.run_id, "i": i, "t": t, "ts": self._clock(), "d": d or {}}
         if node is not None:
-            env["n"] = node
+            # The node the event is about (PROTOCOL "Nodes"): (path, activation) or
+            # (path, activation, iteration), the envelope's n, a and k.
+            env["n"], env["a"] = node[0], node[1]
+            if len(node) > 2:
+                env["k"] = node[2]
         # Encoded before the id is spent: an event that cannot be encoded raises here
         # and leaves no hole in the ids.
         data = self._encode(env)
@@ -123,12 +127,12 @@ class Emitter:
                                 "from": lo, "to": hi})
         return self.sent == self.last_id
 
-    def _gap(self, lo, hi):
-        # One report for ids lost one after another, not one per event.
-        if self._gaps and self._gaps[-1][1] + 1 >= lo:
-            self._gaps[-1] = (min(self._gaps[-1][0], lo), max(self._gaps[-1][1], hi))
+    def _gap(self, a, b):
+        # One report for ids a..b lost one after another, not one per event.
+        if self._gaps and self._gaps[-1][1] + 1 >= a:
+            self._gaps[-1] = (min(self._gaps[-1][0], a), max(self._gaps[-1][1], b))
         else:
-            self._gaps.append((lo, hi))
+            self._gaps.append((a, b))
 
     def replay(self, after):
         # Send again what the ring still holds past `after`; what it no longer holds is

@@ -11,7 +11,7 @@ except ImportError:
 
 # The contract's choices for each key, space-separated with a space at each end
 # (" word " is in it). const: no names of their own in the board's qstr pool (see
-# memtools._TOOLS).
+# memtools.TOOLS).
 _CHOICES = const((
     ("vis", " public private "),
     ("dur", " run session user agent tenant subject "),

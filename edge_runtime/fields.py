@@ -16,7 +16,7 @@ except ImportError:
         return x
 
 # The defaults a hello leaves out. const: no name of its own in the board's qstr pool
-# (see memtools._TOOLS).
+# (see memtools.TOOLS).
 _DEFAULTS = const((("vis", "private"), ("dur", "run"), ("merge", "replace"), ("kind", "slot"),
                    ("fmt", None), ("stream", False), ("core", False), ("max", 4096),
                    ("ttl", None), ("key", None)))

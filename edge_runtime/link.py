@@ -247,11 +247,11 @@ class Link:
         except MemoryError:
             pass
 
-    def _lost(self, conn, task, why):
+    def _lost(self, conn, task, reason):
         # Every connection task ends here, whatever ended it; one left over from an
         # older connection must not take the current one down.
         if conn is self._conn:
-            self.reconnect(task if why is None else "%s: %r" % (task, why))
+            self.reconnect(task if reason is None else "%s: %r" % (task, reason))
 
     def _fault_point(self, task):
         if self.fault == task:

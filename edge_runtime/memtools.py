@@ -5,7 +5,9 @@
 # with the run's scope ticket and each write with a write id.
 #
 # Offered only where they make sense for the declared fields: a field is core (k), a
-# slot (s) or a collection (c), and each tool below names the kinds it takes. Text read
+# slot (s) or a collection (c), and each tool below names the kinds it takes. What a
+# run needs of its memory only as it starts (core documents opened, tables shown, the
+# tools' specs) is memstart.py's, loaded for that and let go. Text read
 # back from memory goes to the model as a tool result that says it is recalled data, or
 # (memory.load) in a message of its own after the instructions, never in them.
 import json
@@ -23,8 +25,9 @@ except ImportError:
 # optional) and its description (after the third ";", which it may hold). Short: every
 # model call carries them, in tokens. One str split at use rather than a table of
 # tuples: one object on the board heap, and no name in the qstr pool, which the runtime
-# fills to just short of its next doubling (7 KiB on the 64-bit unix port).
-_TOOLS = const(
+# fills to just short of its next doubling (7 KiB on the 64-bit unix port). Public:
+# memstart.py builds the model's specs from it.
+TOOLS = const(
     "remember;sc;field value key?;Store a slot's value or a row (upsert by key)\n"
     "recall;c;query field? k?;Search stored rows\n"
     "list;c;field limit? cursor?;List rows, newest first\n"
@@ -97,20 +100,20 @@ class Memory:
             fixed += len(view)
         return fixed, 3 if self.viewing else 2
 
-    async def tool(self, cid, name, input_text, cut):
+    async def tool(self, cid, name, text, cut):
         # A memory tool call: on the event stream as a server tool (client false), and
         # with its name only ("{}" in, "" out) when it touches a private field or core
         # memory. (output, failed) for the model, the output cut by `cut`.
         run = self.run
         args = None
-        if isinstance(input_text, str):
+        if isinstance(text, str):
             try:
-                args = json.loads(input_text) if input_text else {}
+                args = json.loads(text) if text else {}
             except ValueError:
                 pass
         private = self.private(name, args)
         await run.event("tool.call", {"call": cid, "name": name,
-                                      "input": "{}" if private else input_text, "client": False})
+                                      "input": "{}" if private else text, "client": False})
         if not isinstance(args, dict):
             output, failed = "arguments must be a JSON object", True
         else:
@@ -119,73 +122,6 @@ class Memory:
         await run.event("tool.result", {"call": cid, "output": "" if private else output,
                                         "failed": failed})
         return output, failed
-
-    async def start(self):
-        for f in self.run.agent.fields:
-            if f.core:
-                # core.py only for the open, as for an edit (call): see platform.unload.
-                from edge_runtime import core
-                try:
-                    d = await core.open_doc(self.run, f)
-                finally:
-                    core = None
-                    platform.unload("core")
-                if d is not None:
-                    self.docs[f.name] = d
-            elif f.stream and f.vis != "private" and f.kind == "collection":
-                # A table hosts watch: shown as stored (rows.py, loaded for it alone;
-                # inlined at each use: a helper's name would take a qstr, see _TOOLS).
-                from edge_runtime import rows
-                try:
-                    await rows.start(self.run, f)
-                finally:
-                    rows = None
-                    platform.unload("rows")
-
-    def specs(self, tools):
-        # The model's tools, encoded (a msgpack array): `tools`, the agent's own specs,
-        # then the memory tools that apply, one tool's dict at a time (the eleven
-        # schemas as dicts at once are 7 KiB of heap, 64-bit unix port). Walked twice,
-        # counted and then written into one buffer of the exact size (2 KiB for the
-        # eleven): encoded one by one and joined, they were on the heap twice over at
-        # the run's start, where a memory run peaked (bench_heap's memory figure).
-        n = size = 0
-        for d in self._specs(tools):
-            n += 1
-            size += codec.size(d)
-        # An array header: fixarray below 16 items, else array 16.
-        head = bytes([0x90 | n]) if n < 16 else bytes([0xdc, n >> 8, n & 0xff])
-        buf = bytearray(len(head) + size)
-        buf[:len(head)] = head
-        mv = memoryview(buf)
-        pos = len(head)
-        for d in self._specs(tools):
-            pos += len(codec.Encoder(buf=mv[pos:]).pack(d))
-        return buf
-
-    def _specs(self, tools):
-        for t in tools:
-            yield t
-        fields = self.run.agent.fields
-        for line in _TOOLS.split("\n"):
-            name, kinds, args, desc = line.split(";", 3)
-            for f in fields:
-                if _kind(f) in kinds and (not f.core or f.name in self.docs):
-                    break
-            else:
-                continue
-            props = {}
-            required = []
-            for a in args.split():
-                opt = a.endswith("?")
-                a = a.rstrip("?")
-                # A stored value may be any JSON; counts are integers; the rest text.
-                props[a] = {} if a == "value" else {
-                    "type": "integer" if a in ("k", "limit") else "string"}
-                if not opt:
-                    required.append(a)
-            yield {"name": "memory." + name, "description": desc, "args": {
-                "type": "object", "properties": props, "required": required}}
 
     def system(self):
         # For the system message after the instructions: the fields the memory tools
@@ -216,7 +152,7 @@ class Memory:
         # (output, failed) for the model; a failed bridge call is an error it reads.
         op = name[7:]
         spec = None
-        for line in _TOOLS.split("\n"):
+        for line in TOOLS.split("\n"):
             if line.startswith(op + ";"):
                 spec = line.split(";", 3)
         if spec is None:

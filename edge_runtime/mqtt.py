@@ -300,11 +300,11 @@ async def read_head(reader, sender="b"):
     return t, first & 15, n
 
 
-async def read_packet(reader, max_size, sender="b"):
+async def read_packet(reader, limit, sender="b"):
     # One whole packet -> (type, flags, body), the body a new bytes object. A packet
-    # over max_size is refused before its body is read. (The board's Link reads bodies
+    # over `limit` bytes is refused before its body is read. (The board's Link reads bodies
     # into its one receive buffer instead; this is for brokers and tests.)
     t, flags, n = await read_head(reader, sender)
-    if n > max_size:
+    if n > limit:
         raise PacketTooLarge("%s of %d bytes" % (packet_name(t), n))
     return t, flags, (await reader.readexactly(n) if n else b"")

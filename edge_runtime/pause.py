@@ -9,7 +9,7 @@
 #   {v: version, st: "run" | "paused", r: run id, q: the request, m: the conversation,
 #    s: the next step, u: usage so far, e: the last event id, ring: the events the ring
 #    holds, w: the calls that wait, left: ms of waiting left, sv: run state, ld: loaded
-#    state, wr: write ids used}
+#    state, wr: write ids used, nd: node activations, bg: budget spent (budget.py)}
 # written whole (platform.write_file: temp file and rename): "run" at each step
 # boundary, "paused" at the pause and with each answer.
 #
@@ -81,9 +81,12 @@ def _save(run, st, step, messages, usage, waiting, left=None):
                 "sc": run.sc, "ttl": run.ttl},
           "m": messages, "s": step, "u": usage, "e": em.last_id,
           "ring": [bytes(em.ring.at(i)) for i in range(len(em.ring))],
-          "w": waiting, "sv": run.state, "ld": run.loaded, "wr": run._writes}
+          "w": waiting, "sv": run.state, "ld": run.loaded, "wr": run._writes, "nd": run.nodes}
     if left is not None:
         ck["left"] = left
+    if run.agent.budget:
+        from edge_runtime import budget
+        ck["bg"] = budget.saved(run)
     # One block of the exact size, written as it is (codec.encode would copy it).
     try:
         data = codec.encode_exact(ck, _MAX_CK)
@@ -111,6 +114,11 @@ def _restore(runtime, ck):
     run.state = ck.get("sv") or {}
     run.loaded = ck.get("ld")
     run._writes = ck.get("wr") or 0
+    run.nodes = ck.get("nd") or {}
+    if run.agent.budget:
+        # The wait is not the run's wall time: it goes on from what the checkpoint had.
+        from edge_runtime import budget
+        budget.restored(run, ck.get("bg"))
     em = run.emitter
     em._send = _held
     for data in ck.get("ring") or ():
@@ -127,7 +135,20 @@ def _release(run):
 
 def _gone(runtime, run):
     # The run leaves memory (paused again, or ended): only its ring stays, for replays.
+    _forget(runtime, run.id)
     runtime.recent.push(run.emitter)
+
+
+def _forget(runtime, run_id):
+    # The rings of a run the runtime keeps from its pause or an earlier answer: each holds
+    # the same events as the run's latest (restored from the same checkpoint), a second
+    # copy on the heap (1-2 KiB each), unless some still wait for the link.
+    recent = runtime.recent
+    keep = [e for e in recent if e.run_id != run_id or e.backlog]
+    while len(recent):
+        recent.pop()
+    for e in keep:
+        recent.push(e)
 
 
 def _reason(waiting):
@@ -137,9 +158,17 @@ def _reason(waiting):
     return "approval"
 
 
-def _announce(run, waiting):
-    # What the run waits for, then run.paused: at the pause, and again after a reboot.
+def _node(w):
+    # A waiting call's node: its tool's path, its activation, the model step that called it.
+    return ("/tool/" + str(w["name"]), w.get("a") or 1, w.get("k") or 1)
+
+
+def _announce(run, waiting, start=False):
+    # What the run waits for, then run.paused: at the pause (each call's node starts
+    # there), and again after a reboot.
     for w in waiting:
+        if start:
+            run.emit("node.start", {"kind": "tool"}, _node(w))
         run.emit("tool.call", {"call": w["call"], "name": w["name"], "input": w["input"],
                                "client": w["kind"] == "tool"})
         if w["kind"] == "approval":
@@ -156,18 +185,29 @@ async def write(run, step, messages, usage, calls):
         return
     runtime = run.runtime
     waiting = []
+    from edge_runtime.toolloop import node
     for c in calls:
         tool = run.agent.tools.get(c.get("name"))
+        # Each call is a node of the run from now until its answer (counted, and allowed
+        # by the run's budget, as the model loop's tools are); `step` is the model step
+        # that called it.
+        a = await node(run, "/tool/" + tool.name, None)
         waiting.append({"call": c.get("call"), "name": c.get("name"),
                         "input": c.get("input") or "{}",
-                        "kind": "tool" if tool.fn is None else "approval"})
+                        "kind": "tool" if tool.fn is None else "approval", "a": a, "k": step})
     left = getattr(run.agent, "max_pause_s", _MAX_PAUSE_S) * 1000
     if isinstance(run.ttl, int) and run.ttl > 0:
         left = min(left, run.ttl * 1000)
     await runtime.flow(run.emitter)
     run.emitter._send = _held
-    _announce(run, waiting)
-    _save(run, "paused", step, messages, usage, waiting, left)
+    try:
+        _announce(run, waiting, True)
+        _save(run, "paused", step, messages, usage, waiting, left)
+    except MemoryError:
+        # No checkpoint, no pause: the run ends (runs.py), and its events, the end
+        # included, must not stay held.
+        _release(run)
+        raise
     _wait(runtime, run.id, left)
     _release(run)
 
@@ -243,7 +283,19 @@ async def ctl(runtime, msg):
     kind = "tool" if msg.get("op") == "tool" else "approval"
     ck = None
     if runtime.paused.get(run_id) is not None:
-        ck = _read(_path(runtime, run_id))
+        # The checkpoint is the largest thing an answer needs on the heap: a heap too
+        # fragmented for it gets one collection, and without it the answer is refused
+        # and the run goes on waiting for it (nothing has changed yet).
+        try:
+            try:
+                ck = _read(_path(runtime, run_id))
+            except MemoryError:
+                platform.collect()
+                ck = _read(_path(runtime, run_id))
+        except MemoryError:
+            runtime.refuse("no_memory", "no free heap to apply the answer; send it again",
+                           {"r": run_id})
+            return
     entry = None
     if ck is not None and ck.get("st") == "paused":
         for w in ck["w"]:
@@ -256,9 +308,34 @@ async def ctl(runtime, msg):
     # Taken: a second answer while this one is applied is not_waiting.
     left = _left(runtime, run_id)
     runtime.paused[run_id] = None
-    run = _restore(runtime, ck)
+    run = None
+    try:
+        run = _restore(runtime, ck)
+        await _apply(runtime, run, ck, entry, msg, left)
+    except MemoryError:
+        platform.collect()
+        if run is None:
+            # Nothing has happened yet: the run waits for the answer again.
+            _wait(runtime, run_id, left)
+            runtime.refuse("no_memory", "no free heap to apply the answer; send it again",
+                           {"r": run_id})
+        else:
+            # Part of it happened (an approved tool may have run): the run cannot go on
+            # from its checkpoint as if it had not, so it ends, as a run that ran out of
+            # memory does, rather than wait for ever.
+            platform.log("run", run_id, "ran out of memory applying an answer")
+            _end(runtime, run, "run.failed", {
+                "err": {"kind": "internal", "msg": "the board ran out of memory"},
+                "retryable": True})
+
+
+async def _apply(runtime, run, ck, entry, msg, left):
+    # The answer to the waiting call `entry` of the run restored from `ck`: recorded, and
+    # the run paused again, or (when nothing else waits) going on.
+    run_id = run.id
+    cid = entry["call"]
     _release(run)  # an approval's events go out as they come; the result waits below
-    if kind == "tool":
+    if entry["kind"] == "tool":
         output = msg.get("output") if isinstance(msg.get("output"), str) else ""
         failed = msg.get("failed") is True
     else:
@@ -279,6 +356,7 @@ async def ctl(runtime, msg):
     await runtime.flow(run.emitter)
     run.emitter._send = _held
     run.emit("tool.result", {"call": cid, "output": output, "failed": failed})
+    run.emit("node.end", {"status": "failed" if failed else "completed"}, _node(entry))
     if waiting:
         _save(run, "paused", ck["s"], messages, ck["u"], waiting, left)
         _wait(runtime, run_id, left)
@@ -292,7 +370,12 @@ async def ctl(runtime, msg):
     runtime.paused.pop(run_id, None)
     _unwatch(runtime)
     _release(run)
+    _forget(runtime, run_id)
     job = (run, (messages, ck["s"], ck["u"]))
+    # What the answer needed goes before the run's first step, which writes a checkpoint
+    # of its own at once (the largest block it needs).
+    ck = entry = waiting = None
+    platform.collect()
     if len(runtime.active) < runtime.concurrency:
         runtime._start(job)
     else:
@@ -308,18 +391,40 @@ async def _cancel(runtime, run_id, reason):
     run = _restore(runtime, ck)
     for w in ck["w"]:
         run.emit("tool.result", {"call": w["call"], "output": "cancelled", "failed": True})
+        run.emit("node.end", {"status": "cancelled"}, _node(w))
     reason = reason[:200] if isinstance(reason, str) and reason else "cancelled"
     _end(runtime, run, "run.cancelled", {"reason": reason})
 
 
-def emitter(runtime, run_id):
-    # A paused run's ring, for a replay, when the runtime's recent rings no longer hold it.
-    ck = _read(_path(runtime, run_id)) if runtime.paused.get(run_id) is not None else None
-    if ck is None:
-        return None
+def replay(runtime, run_id, after):
+    # A replay of a paused run (control.py), always from its checkpoint's ring. What the
+    # ring no longer holds is reported as a gap, and the report takes the run's next
+    # event id: so it goes into the checkpoint (written again, paused as it was) before
+    # it goes out, or the run's next event after an answer would take that id too.
+    # False when there is no such paused run. While an answer is applied, nothing: the
+    # bridge asks again.
+    if runtime.paused.get(run_id) is None:
+        return run_id in runtime.paused
+    ck = _read(_path(runtime, run_id))
+    if ck is None or ck.get("st") != "paused":
+        return False
     run = _restore(runtime, ck)
+    em = run.emitter
+    if after < em.last_id:
+        # Ids after..lost are no longer held; a full ring also lets its oldest go for the
+        # report itself, which then says so too (a second report would push out a third).
+        first = em.last_id - len(em.ring) + 1
+        lost = first - 1
+        if after < lost and len(em.ring) == em.ring.capacity:
+            lost = first
+        em.sent = max(after, lost)  # held: what goes out once released
+        if after < lost:
+            em.emit("error", {"kind": "gap", "from": after + 1, "to": lost,
+                              "msg": "events %d..%d are no longer held" % (after + 1, lost)})
+            _save(run, "paused", ck["s"], ck["m"], ck["u"], ck["w"], _left(runtime, run_id))
     _release(run)
-    return run.emitter
+    _gone(runtime, run)
+    return True
 
 
 def boot(runtime):

@@ -44,11 +44,11 @@ async def sleep_ms(ms):
         await asyncio.sleep(ms / 1000)
 
 
-async def wait_for_ms(awaitable, ms):
+async def wait_for_ms(aw, ms):
     # Every wait on the board is bounded; this raises asyncio.TimeoutError past ms.
     if IS_MICROPYTHON:
-        return await asyncio.wait_for_ms(awaitable, ms)
-    return await asyncio.wait_for(awaitable, ms / 1000)
+        return await asyncio.wait_for_ms(aw, ms)
+    return await asyncio.wait_for(aw, ms / 1000)
 
 
 # The machine's clock, kept to put back after a test swapped it.

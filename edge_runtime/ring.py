@@ -19,15 +19,15 @@ class Ring:
     def capacity(self):
         return len(self._items)
 
-    def push(self, item):
+    def push(self, x):
         cap = len(self._items)
         if self._len == cap:
             # Full: overwrite the oldest slot and move the head past it.
-            self._items[self._head] = item
+            self._items[self._head] = x
             self._head = (self._head + 1) % cap
             self.dropped += 1
         else:
-            self._items[(self._head + self._len) % cap] = item
+            self._items[(self._head + self._len) % cap] = x
             self._len += 1
 
     def pop(self):

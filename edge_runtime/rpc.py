@@ -214,13 +214,13 @@ class RpcClient:
         call.finished = True
         call.ready.set()
 
-    def new_connection(self, session_kept):
+    def new_connection(self, kept):
         # Calls made on an earlier connection wait on when the broker kept our session
         # (their answers were queued for us); otherwise those answers are gone and the
         # calls fail now, as retryable, instead of at their timeout. Calls made while
         # the link was down go out on this connection either way.
         self.epoch += 1
-        if session_kept:
+        if kept:
             return
         for call in self._pending.values():
             if call.epoch < self.epoch:

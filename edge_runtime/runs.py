@@ -4,7 +4,6 @@
 # everything that arrives on the board's topics, so bad input is refused in one place,
 # and keeps every event ring moving: an event the link could not take waits in its
 # run's ring and goes out when the link has room (pump_all).
-import sys
 
 from edge_runtime import codec, platform
 from edge_runtime.events import (DEVICE_RUN, MAX_ID, PREFIX, RING, RING_BYTES,
@@ -19,7 +18,6 @@ except ImportError:
     def const(x):
         return x
 
-_FW_VERSION = const("0.1.0")
 _QOS1 = const(1)
 _DEFAULT_CONCURRENCY = const(1)
 _DEFAULT_QUEUE = const(2)
@@ -47,11 +45,6 @@ _SEEN_REQS = const(16)
 # dicts of bound methods: those cost a dict and an object per entry on the board heap
 # for the board's life.
 _LEAVES = const(("req", "ctl", "rpc/res"))
-
-
-def firmware():
-    impl = sys.implementation
-    return "wren-edge %s %s %s" % (_FW_VERSION, impl.name, ".".join(str(n) for n in impl.version[:3]))
 
 
 def free_heap():
@@ -85,6 +78,9 @@ class Run:
         self.state = {}
         self.loaded = None  # what state.load gave, encoded (state.py)
         self._writes = 0
+        # Node path -> how many times the run has started it (toolloop, nodes.py): an
+        # event's `a`. A paused run's are in its checkpoint (pause.py).
+        self.nodes = {}
         self.delta_chars = runtime.delta_chars
         self.delta_ms = runtime.delta_ms
         self.emitter = Emitter(run_id, runtime.encode, runtime.send_event, platform.time_ms,
@@ -103,19 +99,19 @@ class Run:
             self.started_d = None
             self.emitter.emit("run.started", d)
 
-    def emit(self, etype, d=None, node=None):
+    def emit(self, t, d=None, node=None):
         # Without waiting: a terminal event, say. What the link cannot take now waits
         # in the ring and goes out later.
         self.begin()
-        self.emitter.emit(etype, d, node)
+        self.emitter.emit(t, d, node)
 
-    async def event(self, etype, d=None, node=None):
+    async def event(self, t, d=None, node=None):
         # The way a run reports progress: wait (bounded) until the link can take the
         # event and nothing of this run waits ahead of it, then emit. Back-pressure
         # instead of loss: a slow link slows the run down.
         await self.runtime.flow(self.emitter)
         self.begin()
-        self.emitter.emit(etype, d, node)
+        self.emitter.emit(t, d, node)
 
     def w(self):
         # The next write id of the run, "<run id>:<seq>": the bridge applies each once.
@@ -206,12 +202,8 @@ class Runtime:
 
     def on_connect(self):
         self.rpc.new_connection(self.link.session_present)
-        # Presence first (retained, so a dashboard that connects later sees it), then
-        # the capabilities the bridge needs to serve this board.
-        self.publish_msg(self._base + "status", {
-            "st": "online", "fw": firmware(), "agent": self.agent.name,
-            "ver": self.agent.version, "heap": free_heap(), "boot": self.boot}, _QOS1, True)
-        self.say_hello()
+        # Status and hello (presence.py).
+        self._presence(None)
         # The bridge's presence is heard again from its retained status.
         self._bridge_up = None
         self.pump_all()
@@ -227,14 +219,6 @@ class Runtime:
         if self.commits:
             from edge_runtime import state
             platform.asyncio.create_task(state.resend(self))
-
-    def say_hello(self):
-        # Retained: a bridge that starts later learns it from the broker, even when the
-        # board has no heap to say it again just then.
-        self.publish_msg(self._base + "hello", {
-            "agent": self.agent.name, "ver": self.agent.version, "fw": firmware(),
-            "boot": self.boot, "fields": self.agent.describe_fields(), "tools": self.agent.describe(),
-            "limits": self.limits}, _QOS1, True)
 
     def encode(self, msg):
         # Exactly the payload's size, kept as it is by the link (and a run's ring). A
@@ -315,7 +299,7 @@ class Runtime:
 
     def on_message(self, topic, payload):
         if topic == self._bridge_status:
-            self._on_bridge_status(payload)
+            self._presence(payload)
             return
         if not topic.startswith(self._base):
             self.refuse("bad_topic", "not this board's topic")
@@ -362,48 +346,46 @@ class Runtime:
         self.refuse("too_large", "a message of %d bytes on %s is over the %d-byte limit"
                     % (size, clip(leaf), self.limits["payload"]))
 
-    def _on_bridge_status(self, payload):
+    def _presence(self, payload):
+        # presence.py, for a new connection (payload None) or the bridge's status: both
+        # seldom, so it is imported for each and let go again (platform.unload), as
+        # control.py is for a ctl. A heap too fragmented for the import gets one
+        # collection first; without it the board stays silent this once (its hello is
+        # retained at the broker, and the next connection says it all again).
         try:
-            msg = codec.decode(payload, 256)
-        except codec.CodecError:
-            return  # not ours to refuse: the bridge writes this topic, not a host
-        if not isinstance(msg, dict):
+            try:
+                from edge_runtime import presence
+            except MemoryError:
+                platform.collect()
+                from edge_runtime import presence
+        except MemoryError:
+            platform.log("no free heap for presence")
             return
-        up = msg.get("st") == "online"
-        was = self._bridge_up
-        self._bridge_up = up
-        if up:
-            boot = msg.get("boot")
-            old = self._bridge_boot
-            restarted = old is not None and boot != old
-            self._bridge_boot = self.rpc.bridge = boot
-            if restarted:
-                # Another bridge process: what was in flight with the last one is gone.
-                platform.log("bridge restarted")
-                self.rpc.fail_all("bridge_restarted", "the bridge restarted during the call", old)
-            if restarted or was is False:
-                # The bridge keeps what a board said in hello in memory: say it again.
-                self.say_hello()
-        else:
-            self.rpc.bridge = None
-            if was is not False:
-                platform.asyncio.create_task(self._bridge_gone(self.rpc.epoch))
+        try:
+            if payload is None:
+                presence.connected(self)
+            else:
+                presence.bridge(self, payload)
+        finally:
+            presence = None
+            platform.unload("presence")
 
     async def _bridge_gone(self, epoch):
         # Only a bridge still offline after the grace, on a connection of ours that stayed
         # up all along, is gone (a broker shutting down sends its will and then drops us
         # too). Its calls then fail, retryable, and their runs end and free their slots.
+        # (presence.py starts it.)
         await platform.sleep_ms(self.bridge_grace_ms)
         if self._bridge_up is False and self.rpc.epoch == epoch and self._online():
             platform.log("bridge offline")
             self.rpc.fail_all("bridge_offline", "the bridge went offline")
 
-    def refuse(self, kind, msg, extra=None):
+    def refuse(self, kind, msg, more=None):
         # Refused input becomes an error event on the device stream; the board goes on.
         self.stats["refused"] += 1
         d = {"kind": kind, "msg": msg}
-        if extra:
-            d.update(extra)
+        if more:
+            d.update(more)
         platform.log("refused", kind, msg)
         self.device_stream.emit("error", d)
 
@@ -493,6 +475,10 @@ class Runtime:
                         started["input_len"] = len(run.input)
                     run.started_d = started
                     started = None
+                    if agent.budget:
+                        # The run's wall time counts from here (budget.py).
+                        from edge_runtime import budget
+                        budget.start(run)
                     handler = agent.handler
                     if handler is None:
                         # The model loop is loaded when first needed: a device whose

@@ -30,11 +30,11 @@ def _tool_output(value):
     return text
 
 
-async def _run_tool(tool, input_text):
-    if not isinstance(input_text, str):
+async def _run_tool(tool, text):
+    if not isinstance(text, str):
         return "arguments must be a JSON object in a string", True
     try:
-        args = json.loads(input_text) if input_text else {}
+        args = json.loads(text) if text else {}
     except ValueError:
         return "invalid JSON arguments", True
     if not isinstance(args, dict):
@@ -67,10 +67,10 @@ class _Deltas:
         self.more = 0  # characters of the turn past those
         self.sent = False  # whether an event of the turn's text has gone
 
-    def wait_ms(self, idle_ms):
+    def wait_ms(self, ms):
         # How long the caller may wait for the next chunk before pending text is due.
         if not self.n:
-            return idle_ms
+            return ms
         return max(1, self.run.delta_ms - platform.ticks_diff(platform.ticks_ms(), self.since))
 
     async def add(self, kind, text):
@@ -88,16 +88,17 @@ class _Deltas:
             # coalescing pays off once text is flowing.
             await self.flush()
 
-    async def flush(self, everything=True):
-        # Full pieces of delta_chars go out; the rest too unless more may come soon.
+    async def flush(self, end=True):
+        # Full pieces of delta_chars go out; the rest too when the text ends here (`end`:
+        # no more may come soon).
         if not self.n:
             return
         size = self.run.delta_chars
         text = "".join(self.parts) if len(self.parts) > 1 else self.parts[0]
-        end = len(text) if everything else len(text) - len(text) % size
-        self.parts = [text[end:]] if end < len(text) else []
-        self.n = len(text) - end
-        for k in range(0, end, size):
+        cut = len(text) if end else len(text) - len(text) % size
+        self.parts = [text[cut:]] if cut < len(text) else []
+        self.n = len(text) - cut
+        for k in range(0, cut, size):
             piece = text[k:k + size]
             if self.kind == "msg.delta":
                 keep = piece[:max(0, _KEEP_TEXT - self.kept)]
@@ -118,6 +119,21 @@ class _Deltas:
 # How long the loop waits for a chunk when no text is pending (the call's own timeout
 # bounds the whole wait; this only paces checks for a cancel).
 _IDLE_MS = const(1000)
+# The loop's nodes (PROTOCOL "Nodes"): the two event types, a model step's path, a tool's
+# path before its name, and a node's good end. A const tuple rather than five literals:
+# its strs are not names in the board's qstr pool (five fewer, test_on_small_heap).
+_NODES = const(("node.start", "node.end", "/model", "/tool/", "completed"))
+
+
+async def node(run, path, usage):
+    # A node of the model loop about to start: counted, then allowed by the run's budget
+    # (budget.py, which may end the run here; `usage`, the run's so far, before a model
+    # step only). Returns its activation, the `a` of the events about it.
+    a = run.nodes[path] = run.nodes.get(path, 0) + 1
+    if run.agent.budget:
+        from edge_runtime import budget
+        await budget.step(run, path, usage)
+    return a
 
 
 def _chars(msg):
@@ -127,14 +143,14 @@ def _chars(msg):
     return n
 
 
-async def _fit(run, messages, fixed, first):
+async def _fit(run, messages, size, first):
     # The conversation within the agent's context_chars: instructions, core memory and
-    # what is in view (`fixed` characters) are always sent, and so are the request and
+    # what is in view (`size` characters) are always sent, and so are the request and
     # the latest turn; past that, whole turns (an assistant message with its tool
     # results) are left out oldest first, for good (the heap gets them back), and a
     # guard event says how much. messages[first] is the oldest turn: before it come the
     # system message, what is in view (if anything) and the request.
-    total = fixed
+    total = size
     for msg in messages[first - 1:]:
         total += _chars(msg)
     dropped = chars = 0
@@ -181,20 +197,27 @@ async def model_loop(run, state=None, pause=0):
     specs = [t.describe(False) for t in agent.tools.values()]
     mem = None
     if agent.fields:
-        # Loaded only for an agent that declares fields: the memory tools and core memory.
+        # Loaded only for an agent that declares fields: the memory tools and core memory,
+        # and (only as the run starts) what they need opened first.
         from edge_runtime.memtools import Memory
         mem = Memory(run)
-        await mem.start()
-        specs = mem.specs(specs)
+        from edge_runtime import memstart
+        try:
+            specs = await memstart.start(mem, specs)
+        finally:
+            memstart = None
+            platform.unload("memstart")
     else:
         specs = codec.encode_exact(specs)
     # Encoded once for the whole run: every model call carries them unchanged.
     specs = codec.Raw(specs)
+    start, end, model, tool_path, completed = _NODES
     for step in range(first, agent.max_steps):
         run.check_cancelled()
         if pause is not None:
             await pause.write(run, step, messages, usage, ())
         m = step + 1
+        here = (model, await node(run, model, usage), m)
         calls = []
         if mem is None:
             await _fit(run, messages, len(agent.instructions), 2)
@@ -219,6 +242,7 @@ async def model_loop(run, state=None, pause=0):
                 # the model works, rather than between the request and the call.
                 await platform.sleep_ms(0)
                 platform.collect()
+                await run.event(start, {"kind": "model"}, here)
                 await run.event("msg.start", {"m": m, "role": "assistant"})
                 begun = True
                 while True:
@@ -249,9 +273,11 @@ async def model_loop(run, state=None, pause=0):
                 run.rpc.end(call)
         except RpcError as e:
             if not begun:
+                run.emit(start, {"kind": "model"}, here)
                 run.emit("msg.start", {"m": m, "role": "assistant"})
             await deltas.flush()
             run.emit("msg.end", {"m": m})
+            run.emit(end, {"status": "failed"}, here)
             raise RunFailed("llm", "the model is unavailable (%s)" % e.kind, True)
         await run.event("msg.end", {"m": m})
         if not isinstance(final, dict):
@@ -259,15 +285,20 @@ async def model_loop(run, state=None, pause=0):
         got = final.get("usage")
         if not isinstance(got, dict):
             got = {}
+        # The step's tokens, on its node; the run's total is run.done's.
         for key in usage:
             value = got.get(key)
             if isinstance(value, int):
                 usage[key] += value
+        await run.event("usage", got, here)
+        if not calls and final.get("finish") == "tool_calls":
+            # The model called a tool but no call reached the board: ending "done"
+            # would claim an answer that was never given.
+            run.emit(end, {"status": "failed"}, here)
+            raise RunFailed("llm", "the model's tool call was lost on the way", True)
+        # Its way out: to the tools it called, or done with its answer.
+        await run.event(end, {"status": completed, "port": "tools" if calls else "done"}, here)
         if not calls:
-            if final.get("finish") == "tool_calls":
-                # The model called a tool but no call reached the board: ending "done"
-                # would claim an answer that was never given.
-                raise RunFailed("llm", "the model's tool call was lost on the way", True)
             return usage
         # The turn's text goes back to the model with its tool calls. Joined only now:
         # a long answer that ends the run never needs its text in one piece on the heap.
@@ -275,7 +306,9 @@ async def model_loop(run, state=None, pause=0):
         if deltas.more:
             text += " [cut: %d more characters]" % deltas.more
         messages.append({"role": "assistant", "content": text, "tools": calls})
-        deltas = None
+        # What the step no longer needs goes before its tools run (a tool's own calls
+        # are where a memory run peaks).
+        deltas = final = got = args = None
         waiting = []
         for call in calls:
             run.check_cancelled()
@@ -288,6 +321,9 @@ async def model_loop(run, state=None, pause=0):
                 # calls have run (pause.py).
                 waiting.append(call)
                 continue
+            path = tool_path + str(name)
+            here = (path, await node(run, path, None), m)
+            await run.event(start, {"kind": "tool"}, here)
             if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
                 output, failed = await mem.tool(cid, name, input_text, _tool_output)
             else:
@@ -298,6 +334,7 @@ async def model_loop(run, state=None, pause=0):
                 else:
                     output, failed = await _run_tool(tool, input_text)
                 await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
+            await run.event(end, {"status": "failed" if failed else completed}, here)
             messages.append({"role": "tool", "call": cid, "content": output})
         if waiting:
             if mem is not None and mem.viewing:

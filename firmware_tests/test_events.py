@@ -33,11 +33,16 @@ def _emitter(ring=3, room=1000, ring_bytes=2048):
 def test_ids_count_from_one_without_gaps_and_go_out_encoded():
     em, out = _emitter()
     em.emit("run.started", {"agent": "a"})
-    em.emit("msg.delta", {"m": 1, "text": "hi"}, node="plan")
+    em.emit("node.start", {"kind": "model"}, ("/plan", 2))
+    em.emit("node.end", {"status": "completed"}, ("/plan/search", 1, 3))
     got = [codec.decode(b) for b in out.sent]
-    assert [e["i"] for e in got] == [1, 2]
-    assert got[1] == {"r": "b00t.1", "i": 2, "t": "msg.delta", "ts": 1002, "d": {"m": 1, "text": "hi"},
-                      "n": "plan"}
+    assert [e["i"] for e in got] == [1, 2, 3]
+    assert got[0] == {"r": "b00t.1", "i": 1, "t": "run.started", "ts": 1001, "d": {"agent": "a"}}
+    # A node's event carries its path, its activation and, when given, its iteration.
+    assert got[1] == {"r": "b00t.1", "i": 2, "t": "node.start", "ts": 1002, "d": {"kind": "model"},
+                      "n": "/plan", "a": 2}
+    assert got[2] == {"r": "b00t.1", "i": 3, "t": "node.end", "ts": 1003,
+                      "d": {"status": "completed"}, "n": "/plan/search", "a": 1, "k": 3}
 
 
 def test_unknown_type_is_a_programming_error():

@@ -47,12 +47,13 @@ def test_a_memory_turn_runs_within_its_ceiling_on_32_bits(broker, tmp_path: Path
 
 # The board modules a memory run has loaded: the demo's (its durable slot field loads
 # state) and the memory turn's (its core field loads core); both declare fields, which
-# loads fieldcheck. state, core and fieldcheck are let go between uses, but their names
-# stay interned. (An agent with both loads both: 2 names from the doubling, measured
-# when this check was written.) control is not here: only a ctl loads it.
+# loads fieldcheck; every connection loads presence. state, core, fieldcheck and
+# presence are let go between uses, but their names stay interned. (An agent with both
+# loads both: 2 names from the doubling, measured when this check was written.) control
+# is not here: only a ctl loads it.
 _RUNS = {
-    "demo": "demo board agent fields fieldcheck runs link toolloop memtools state",
-    "memory-turn": "demo board agent fields fieldcheck runs link toolloop memtools core",
+    "demo": "demo board agent fields fieldcheck runs link toolloop memtools memstart state presence",
+    "memory-turn": "demo board agent fields fieldcheck runs link toolloop memtools memstart core presence",
 }
 # Fresh names interned one at a time after the imports, each followed by qstr_info(),
 # until the pool count grows: how many names the runtime can still add before the

@@ -38,6 +38,10 @@ def _types(bridge, run_id):
     return [(e["i"], e["t"]) for e in bridge.of_run(run_id)]
 
 
+def _node(e):
+    return e["t"], e.get("n"), e.get("a"), e.get("k")
+
+
 def _ck_files(prefix):
     import os
     cut = prefix.rfind("/") + 1
@@ -85,11 +89,15 @@ def test_a_client_tool_pauses_the_run_and_its_answer_resumes_it():
         assert paused["d"] == {"reason": "tool", "calls": ["c2"]}
         # The local tool ran; the client tool was announced; the run left memory and
         # its slot, and its state is on flash.
-        assert _types(bridge, rid)[1:] == [(2, "msg.start"), (3, "msg.end"), (4, "tool.call"),
-                                           (5, "tool.result"), (6, "tool.call"), (7, "run.paused")]
-        call = bridge.of_run(rid)[5]["d"]
+        assert [t for _, t in _types(bridge, rid)] == [
+            "run.started", "node.start", "msg.start", "msg.end", "usage", "node.end",
+            "node.start", "tool.call", "tool.result", "node.end", "node.start", "tool.call",
+            "run.paused"]
+        call = bridge.of_run(rid)[11]["d"]
         assert call == {"call": "c2", "name": "ask_user", "input": '{"q": "Open valve 3?"}',
                         "client": True}
+        # The waiting call's node starts with its announcement and stays open.
+        assert _node(bridge.of_run(rid)[10]) == ("node.start", "/tool/ask_user", 1, 1)
         assert runtime.active == {} and rid in runtime.paused
         assert len(_ck_files(prefix)) == 1
         bridge.send("ctl", {"op": "tool", "r": rid, "call": "c2", "output": "yes, open it"})
@@ -98,9 +106,14 @@ def test_a_client_tool_pauses_the_run_and_its_answer_resumes_it():
         events = bridge.of_run(rid)
         # Each id once, in order, from 1 to the end.
         assert [e["i"] for e in events] == list(range(1, len(events) + 1))
-        assert [e["t"] for e in events[7:10]] == ["tool.result", "run.resumed", "msg.start"]
-        assert events[7]["d"] == {"call": "c2", "output": "yes, open it", "failed": False}
-        assert events[8]["d"]["ckpt"] >= 2
+        assert [e["t"] for e in events[13:17]] == ["tool.result", "node.end", "run.resumed",
+                                                   "node.start"]
+        assert events[13]["d"] == {"call": "c2", "output": "yes, open it", "failed": False}
+        assert _node(events[14]) == ("node.end", "/tool/ask_user", 1, 1)
+        assert events[14]["d"] == {"status": "completed"}
+        assert events[15]["d"]["ckpt"] >= 2
+        # The model's second step goes on counting from the checkpoint's activations.
+        assert _node(events[16]) == ("node.start", "/model", 2, 2)
         assert _answers(bridge) == {"c1": "2.5", "c2": "yes, open it"}
         assert len(bridge.llm_calls()) == 2
         assert _ck_files(prefix) == [] and runtime.paused == {}
@@ -136,6 +149,17 @@ def test_approvals_granted_and_denied_answered_out_of_order():
         assert d["approval.granted"] == {"call": "a1", "name": "open_valve", "by": "ops-bob"}
         assert _answers(bridge) == {"q1": "line B", "a2": "denied by ops-ann",
                                     "a1": "valve 1 is open"}
+        # Each waiting call is a node from its announcement to its answer: two calls of
+        # one tool are its activations 1 and 2; a denial ends its node failed.
+        marks = [_node(e) + (e["d"],) for e in bridge.of_run(rid)
+                 if e["t"].startswith("node.") and e["n"].startswith("/tool/")]
+        assert marks == [
+            ("node.start", "/tool/open_valve", 1, 1, {"kind": "tool"}),
+            ("node.start", "/tool/open_valve", 2, 1, {"kind": "tool"}),
+            ("node.start", "/tool/ask_user", 1, 1, {"kind": "tool"}),
+            ("node.end", "/tool/ask_user", 1, 1, {"status": "completed"}),
+            ("node.end", "/tool/open_valve", 2, 1, {"status": "failed"}),
+            ("node.end", "/tool/open_valve", 1, 1, {"status": "completed"})]
         assert len([e for e in bridge.of_run(rid) if e["t"] == "run.resumed"]) == 1
 
     _board("tp-approve", body, script)
@@ -184,6 +208,9 @@ def test_cancel_while_paused_ends_the_run_cancelled_and_its_calls_too():
         results = [e["d"] for e in bridge.of_run(rid) if e["t"] == "tool.result"]
         assert results == [{"call": "a1", "output": "cancelled", "failed": True},
                            {"call": "q1", "output": "cancelled", "failed": True}]
+        ends = [_node(e) + (e["d"]["status"],) for e in bridge.of_run(rid) if e["t"] == "node.end"]
+        assert ends[-2:] == [("node.end", "/tool/open_valve", 1, 1, "cancelled"),
+                             ("node.end", "/tool/ask_user", 1, 1, "cancelled")]
         assert agent.opened == [] and runtime.paused == {} and _ck_files(prefix) == []
         assert len(bridge.llm_calls()) == 1
 
@@ -250,3 +277,40 @@ def test_a_run_that_waits_past_its_limit_fails_retryable():
         assert device_errors(bridge)[0]["kind"] == "not_waiting"
 
     _board("tp-limit", body, script)
+
+
+def test_a_gap_reported_while_paused_takes_an_id_no_later_event_takes():
+    # A ring of 6 events: asked for everything while paused, the run reports what its
+    # ring lost; that report's id is the run's (recorded in its checkpoint), so the
+    # events the answer brings follow it, each id once.
+    script = [[_tool("c1", "read_pressure", {}), _tool("c2", "ask_user", {"q": "Go?"})],
+              [{"text": "Gone."}]]
+    prefix = scratch("tp-gap")
+    remove(*_ck_files(prefix))
+    agent = _agent()
+
+    async def body(bridge, runtime):
+        bridge.send("req", {"req": "p7", "input": "go"})
+        await bridge.wait_for(lambda: _paused(bridge))
+        rid = _paused(bridge)[0]["r"]
+        last = _paused(bridge)[0]["i"]
+        bridge.send("ctl", {"op": "replay", "r": rid, "after": 0})
+        await bridge.wait_for(lambda: [e for e in bridge.of_run(rid) if e["t"] == "error"])
+        gap = [e for e in bridge.of_run(rid) if e["t"] == "error"][0]
+        # The ring held the last 6 (last-5..last); its oldest made room for the report.
+        assert gap["i"] == last + 1 and gap["d"]["from"] == 1 and gap["d"]["to"] == last - 5
+        assert [e["i"] for e in bridge.events if e["r"] == rid][-6:] == list(
+            range(last - 4, last + 2))
+        bridge.send("ctl", {"op": "tool", "r": rid, "call": "c2", "output": "yes"})
+        await bridge.wait_for(lambda: _ended(bridge))
+        assert _ended(bridge)[0]["t"] == "run.done"
+        # Every id once (of_run keeps the last of a repeated id: compare all copies).
+        seen = {}
+        for e in bridge.events:
+            if e["r"] == rid:
+                assert seen.setdefault(e["i"], e["t"]) == e["t"], (e["i"], seen[e["i"]], e["t"])
+        assert sorted(seen) == list(range(1, len(seen) + 1))
+        assert seen[last + 2] == "tool.result"
+
+    run(with_board("tp-gap", body, script, settings={"flash_dir": prefix, "ring": 6},
+                   agent=agent))

@@ -25,17 +25,35 @@ def test_one_request_runs_the_tool_loop_to_done():
         assert [e["i"] for e in events] == list(range(1, len(events) + 1))
         # The first turn's first text goes at once; its next two chunks are coalesced
         # into one msg.delta.
-        assert _types(events) == ["run.started", "msg.start", "msg.delta", "msg.delta", "msg.end",
-                                  "tool.call", "tool.result", "msg.start", "msg.delta", "msg.end",
-                                  "run.done"]
+        assert _types(events) == [
+            "run.started",
+            "node.start", "msg.start", "msg.delta", "msg.delta", "msg.end", "usage", "node.end",
+            "node.start", "tool.call", "tool.result", "node.end",
+            "node.start", "msg.start", "msg.delta", "msg.end", "usage", "node.end",
+            "run.done"]
         started = events[0]["d"]
         assert started["req"] == "q1" and started["input"] == "How warm is it?"
         assert started["domain"] == "request" and started["agent"] == "thermostat"
-        assert events[2]["d"] == {"m": 1, "text": "Let"}
-        assert events[3]["d"] == {"m": 1, "text": " me check."}
-        assert events[5]["d"] == {"call": "c1", "name": "read_temperature", "input": "{}", "client": False}
-        assert events[6]["d"] == {"call": "c1", "output": "21.5", "failed": False}
+        assert events[3]["d"] == {"m": 1, "text": "Let"}
+        assert events[4]["d"] == {"m": 1, "text": " me check."}
+        assert events[9]["d"] == {"call": "c1", "name": "read_temperature", "input": "{}", "client": False}
+        assert events[10]["d"] == {"call": "c1", "output": "21.5", "failed": False}
         assert events[-1]["d"]["usage"] == {"in": 20, "out": 10, "reason": 0}
+        # The model loop's nodes: each model step and each tool, with its activation and
+        # the model step as its iteration; a model step says which way it went on.
+        nodes = [(e["t"], e["n"], e["a"], e["k"], e["d"]) for e in events if "n" in e]
+        assert nodes == [
+            ("node.start", "/model", 1, 1, {"kind": "model"}),
+            ("usage", "/model", 1, 1, {"in": 10, "out": 5, "reason": 0}),
+            ("node.end", "/model", 1, 1, {"status": "completed", "port": "tools"}),
+            ("node.start", "/tool/read_temperature", 1, 1, {"kind": "tool"}),
+            ("node.end", "/tool/read_temperature", 1, 1, {"status": "completed"}),
+            ("node.start", "/model", 2, 2, {"kind": "model"}),
+            ("usage", "/model", 2, 2, {"in": 10, "out": 5, "reason": 0}),
+            ("node.end", "/model", 2, 2, {"status": "completed", "port": "done"})]
+        # Events of the run as a whole carry no node.
+        assert not [e for e in events if e["t"] in ("run.started", "msg.delta", "run.done")
+                    and "n" in e]
         # The second model call carried the tool result back in the conversation.
         second = bridge.calls[1]["a"]["messages"]
         assert second[-1] == {"role": "tool", "call": "c1", "content": "21.5"}

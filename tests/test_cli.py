@@ -151,8 +151,10 @@ def test_demo_with_the_board_on_cpython() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "on CPython" in proc.stdout and ".py files" in proc.stdout
     # Two turns: run.started, per turn msg.start, the first words at once, the rest
-    # coalesced, msg.end; the tool call and its result; run.done.
-    assert "events: 12 " in proc.stdout
+    # coalesced, msg.end; the tool call and its result; run.done (12), and the model
+    # loop's nodes: per turn /model's node.start, usage and node.end, the tool's
+    # node.start and node.end (8).
+    assert "events: 20 " in proc.stdout
 
 
 def test_demo_says_which_part_failed_when_the_broker_is_unreachable() -> None:

@@ -291,7 +291,7 @@ def test_wren_demo_once_exits_zero_with_the_transcript() -> None:
     assert "you: How warm is it in here?" in transcript
     assert "tool call read_temperature {}" in transcript
     assert "assistant: It is 21.5 °C in here." in transcript
-    assert "events: 12 " in transcript  # see tests/test_cli.py
+    assert "events: 20 " in transcript  # see tests/test_cli.py
     assert "MicroPython unix port, heap 128K" in proc.stdout
 
 

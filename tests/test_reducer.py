@@ -13,6 +13,7 @@ from server_bridge.host.reducer import (
     HANDLERS,
     MAX_ERRORS,
     MAX_HELD,
+    MAX_NODES,
     BadEnvelope,
     Reducer,
     RunSnapshot,
@@ -597,7 +598,7 @@ def test_a_stream_starting_again_at_1_is_new_and_a_repeat_is_not() -> None:
     assert [e["msg"] for e in snap.errors] == ["before the reboot", "after the reboot"]
 
 
-@pytest.mark.parametrize("kind", ["link", "device"])
+@pytest.mark.parametrize("kind", ["link", "device", "budget", "timeout"])
 def test_link_and_device_failures_keep_their_kind(kind: str) -> None:
     snap = fold([ev(1, "run.failed", err={"kind": kind, "msg": "gone"}, retryable=True)])
     assert snap.error == {"kind": kind, "msg": "gone"} and snap.complete
@@ -630,3 +631,189 @@ def test_a_copy_equals_a_deepcopy_and_shares_nothing_that_changes() -> None:
     assert snap.rows[0].text == "How warm is it?"
     assert snap.errors[0]["msg"] == "slow"
     assert snap._outputs["plan"].output["steps"] == [1, 2, 3]
+
+
+def node(
+    i: int, t: str, path: str, a: int, k: int | None = None, run: str = "r1", **d: Any
+) -> dict[str, Any]:
+    """An envelope about node `path` (its activation a, iteration k)."""
+    env = ev(i, t, run, **d)
+    env["n"], env["a"] = path, a
+    if k is not None:
+        env["k"] = k
+    return env
+
+
+def model_loop_run() -> list[dict[str, Any]]:
+    """A model loop's run with its nodes: model, tool, model; a budget warning."""
+    return [
+        ev(1, "run.started", input="How warm is it?"),
+        node(2, "node.start", "/model", 1, 1, kind="model"),
+        ev(3, "msg.start", m=1, role="assistant"),
+        ev(4, "msg.end", m=1),
+        node(5, "usage", "/model", 1, 1, **{"in": 10, "out": 4, "reason": 0}),
+        node(6, "node.end", "/model", 1, 1, status="completed", port="tools"),
+        ev(7, "budget", kind="steps", used=2, limit=2, level="warn"),
+        node(8, "node.start", "/tool/read_temperature", 1, 1, kind="tool"),
+        ev(9, "tool.call", call="c1", name="read_temperature", input="{}", client=False),
+        ev(10, "tool.result", call="c1", output="21.5", failed=False),
+        node(11, "node.end", "/tool/read_temperature", 1, 1, status="completed"),
+        node(12, "node.start", "/model", 2, 2, kind="model"),
+        ev(13, "msg.start", m=2, role="assistant"),
+        ev(14, "msg.delta", m=2, text="It is 21.5 °C."),
+        ev(15, "msg.end", m=2),
+        node(16, "usage", "/model", 2, 2, **{"in": 14, "out": 6, "reason": 0}),
+        node(17, "node.end", "/model", 2, 2, status="completed", port="done"),
+        ev(18, "run.done", usage={"in": 24, "out": 10, "reason": 0}),
+    ]
+
+
+def test_nodes_fold_into_one_state_per_path_with_usage_and_ports() -> None:
+    snaps: list[list[tuple[str, int]]] = []
+    reducer = Reducer()
+    for e in model_loop_run():
+        snaps.append(reducer.apply(e).active)
+    snap = reducer.get("r1")
+    assert snap is not None and snap.status == "done"
+    assert list(snap.nodes) == ["/model", "/tool/read_temperature"]
+    model = snap.nodes["/model"]
+    assert (model.kind, model.activations, model.a, model.k) == ("model", 2, 2, 2)
+    assert (model.status, model.port, model.open) == ("completed", "done", set())
+    assert (model.usage.tokens_in, model.usage.tokens_out) == (24, 10)
+    tool = snap.nodes["/tool/read_temperature"]
+    assert (tool.kind, tool.status, tool.port, tool.activations) == ("tool", "completed", None, 1)
+    # Which node is doing what, event by event.
+    assert (
+        snaps[1] == [("/model", 1)]
+        and snaps[5] == []
+        and snaps[8] == [("/tool/read_temperature", 1)]
+    )
+    assert snap.budgets["steps"].level == "warn" and snap.budgets["steps"].used == 2
+    assert snap.usage.tokens_in == 24  # run.done's total, not the nodes' sum added to it
+
+
+def test_edges_are_counted_and_budgets_keep_the_latest_per_kind() -> None:
+    snap = fold(
+        [
+            ev(1, "run.started", input="go"),
+            ev(2, "edge", **{"from": "/plan", "port": "retry", "to": "/plan"}),
+            ev(3, "edge", **{"from": "/plan", "port": "retry", "to": "/plan"}),
+            ev(4, "edge", **{"from": "/plan", "port": "done", "to": "/answer"}),
+            ev(5, "edge", **{"from": "/plan", "to": "/answer"}),
+            ev(6, "edge", to="/nowhere"),  # no from: not an edge
+            ev(7, "budget", kind="wall_s", used=8.1, limit=10, level="warn"),
+            ev(8, "budget", kind="wall_s", used=10.2, limit=10, level="exceeded"),
+            ev(9, "budget", kind="reads", used="3", limit=2, level="exceeded"),  # not a count
+            ev(10, "run.failed", err={"kind": "budget", "msg": "past its wall_s"}),
+        ]
+    )
+    assert snap.edges == {
+        ("/plan", "retry", "/plan"): 2,
+        ("/plan", "done", "/answer"): 1,
+        ("/plan", None, "/answer"): 1,
+    }
+    assert list(snap.budgets) == ["wall_s"]
+    assert (snap.budgets["wall_s"].used, snap.budgets["wall_s"].level) == (10.2, "exceeded")
+    assert snap.error == {"kind": "budget", "msg": "past its wall_s"} and not snap.retryable
+
+
+@pytest.mark.parametrize(
+    ("end", "status"),
+    [
+        (ev(5, "run.failed", err={"kind": "budget", "msg": "x"}), "failed"),
+        (ev(5, "run.cancelled", reason="stop"), "cancelled"),
+        (ev(5, "run.done", usage={}), "completed"),
+    ],
+)
+def test_nodes_left_open_end_with_the_run(end: dict[str, Any], status: str) -> None:
+    snap = fold(
+        [
+            ev(1, "run.started", input="go"),
+            node(2, "node.start", "/plan", 1, kind="planner"),
+            node(3, "node.start", "/plan/search", 1),
+            node(4, "node.end", "/plan/search", 1, status="completed", port="found"),
+            end,
+        ]
+    )
+    assert snap.active == []
+    assert snap.nodes["/plan"].status == status
+    assert snap.nodes["/plan/search"].status == "completed"
+    # Nothing after the run's end reopens a node.
+    after = fold(
+        [
+            ev(1, "run.started", input="go"),
+            end,
+            node(6, "node.start", "/late", 1),
+        ]
+    )
+    assert after.nodes == {}
+
+
+def test_two_activations_of_a_path_open_at_once_end_apart() -> None:
+    # Two waiting calls of one tool (a paused run's approvals) end in either order.
+    snap = fold(
+        [
+            ev(1, "run.started", input="open both"),
+            node(2, "node.start", "/tool/open_valve", 1, 1, kind="tool"),
+            node(3, "node.start", "/tool/open_valve", 2, 1, kind="tool"),
+            node(4, "node.end", "/tool/open_valve", 2, 1, status="failed"),
+        ]
+    )
+    tool = snap.nodes["/tool/open_valve"]
+    assert snap.active == [("/tool/open_valve", 1)]
+    # The latest activation's status shows; an end for an earlier one only closes it.
+    assert (tool.status, tool.a, tool.activations) == ("failed", 2, 2)
+    more = fold(
+        [
+            ev(1, "run.started", input="open both"),
+            node(2, "node.start", "/tool/open_valve", 1, 1, kind="tool"),
+            node(3, "node.start", "/tool/open_valve", 2, 1, kind="tool"),
+            node(4, "node.end", "/tool/open_valve", 2, 1, status="failed"),
+            node(5, "node.end", "/tool/open_valve", 1, 1, status="weird"),
+        ]
+    )
+    assert more.active == [] and more.nodes["/tool/open_valve"].status == "failed"
+
+
+def test_node_paths_and_edges_kept_are_bounded() -> None:
+    events = [ev(1, "run.started", input="many")]
+    for n in range(MAX_NODES + 5):
+        events.append(node(len(events) + 1, "node.start", f"/n{n}", 1))
+        events.append(ev(len(events) + 1, "edge", **{"from": f"/n{n}", "to": "/x"}))
+    snap = fold(events)
+    assert len(snap.nodes) == MAX_NODES and len(snap.edges) == MAX_NODES
+    assert snap.nodes_dropped == 10
+
+
+def test_a_copy_keeps_tables_nodes_and_budgets_apart_from_the_reducer() -> None:
+    snap = RunSnapshot(run="r1")
+    events = [
+        ev(1, "run.started", "r1", input="x"),
+        ev(
+            2,
+            "row",
+            "r1",
+            field="shop",
+            row="milk",
+            status="final",
+            value={"n": 2},
+            ver=1,
+            links=[{"label": "about", "to_field": "shop", "to_key": "tea"}],
+        ),
+        node(3, "node.start", "/model", 1, 1, kind="model"),
+        ev(4, "budget", "r1", kind="steps", used=2, limit=2, level="warn"),
+    ]
+    for e in events:
+        apply_event(snap, e)
+    c = snap.copy()
+    assert c == copy.deepcopy(snap)
+    apply_event(
+        snap, ev(5, "row", "r1", field="shop", row="milk", status="building", value={"n": 3})
+    )
+    apply_event(snap, node(6, "node.end", "/model", 1, 1, status="completed"))
+    snap.tables["shop"]["milk"].links.append({"label": "x"})
+    assert c.tables["shop"]["milk"].output == {"n": 2}
+    assert len(c.tables["shop"]["milk"].links) == 1
+    assert snap.nodes["/model"].status == "completed"
+    assert c.nodes["/model"].status == "running"
+    assert c == copy.deepcopy(c)

@@ -254,3 +254,34 @@ def test_live_view_shows_table_rows_as_they_settle_change_and_go() -> None:
         "row shop/eggs = - (failed: over_limit: the table is full)",
         'row shop/milk = {"n": 2} (final)',
     ]
+
+
+def test_a_running_node_and_budgets_show() -> None:
+    start = ev(2, "node.start", kind="tool")
+    start.update(n="/tool/read_temperature", a=1, k=1)
+    events = [
+        ev(1, "run.started", input="x"),
+        start,
+        ev(3, "budget", kind="steps", used=4, limit=5, level="warn"),
+        ev(4, "budget", kind="wall_s", used=8.25, limit=10, level="warn"),
+    ]
+    snap = fold(events)
+    assert render(snap) == [
+        "you: x",
+        "budget: steps 4 of 5 (warn)",
+        "budget: wall time 8.25 s of 10 s (warn)",
+        "status: running (in /tool/read_temperature)",
+    ]
+    out = io.StringIO()
+    view = LiveView(out)
+    for e in [*events, ev(5, "budget", kind="steps", used=6, limit=5, level="exceeded")]:
+        view.feed(e)
+    view.feed(ev(6, "run.failed", err={"kind": "budget", "msg": "past its steps budget"}))
+    # A budget line each time its level changes; the failure names the budget.
+    assert out.getvalue().splitlines() == [
+        "you: x",
+        "budget: steps 4 of 5 (warn)",
+        "budget: wall time 8.25 s of 10 s (warn)",
+        "budget: steps 6 of 5 (exceeded)",
+        "status: failed: budget: past its steps budget",
+    ]

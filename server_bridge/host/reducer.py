@@ -32,9 +32,15 @@ JavaScript folds by the same rules):
 * `error` on a failed run is customer-safe: only the contract's `kind` and `msg` are kept.
 * An envelope is checked by server_bridge.wire.check_envelope, the bridge's own check
   (any event type accepted), so the reducer folds exactly what a bridge forwards.
+* Nodes (PROTOCOL.md "Nodes"): an event's `n`, `a`, `k` say which node it is about.
+  `nodes` keeps one NodeState per path (its latest activation, status, port, usage),
+  `edges` how often each edge was taken, `budgets` the latest `budget` event per kind:
+  what a dashboard draws as the run's graph and meters. A terminal event ends the
+  nodes still open with the run (done: completed; failed; cancelled).
 * Bounded: a Reducer keeps at most `max_runs` snapshots (finished runs are forgotten
   first), a snapshot at most the last MAX_ERRORS errors, MAX_HELD held events and
-  MAX_HELD lost ranges ahead of what it applied.
+  MAX_HELD lost ranges ahead of what it applied, MAX_NODES node paths and MAX_NODES
+  edges.
 """
 
 from __future__ import annotations
@@ -54,8 +60,11 @@ __all__ = [
     "HANDLERS",
     "MAX_ERRORS",
     "MAX_HELD",
+    "MAX_NODES",
     "STREAMS",
     "BadEnvelope",
+    "Budget",
+    "NodeState",
     "Reducer",
     "Row",
     "RunSnapshot",
@@ -65,9 +74,7 @@ __all__ = [
 ]
 
 Status = Literal["running", "paused", "done", "failed", "cancelled"]
-RowKind = Literal[
-    "user", "assistant", "output", "tool_call", "tool_result", "missing", "table_row"
-]
+RowKind = Literal["user", "assistant", "output", "tool_call", "tool_result", "missing", "table_row"]
 Envelope = Mapping[str, Any]
 # Called after each event is applied, with that event and the snapshot as of it.
 OnApply = Callable[[dict[str, Any], "RunSnapshot"], None]
@@ -80,9 +87,10 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 # The failure kinds of the contract (`run.failed` err.kind). Anything else is reported as
 # `internal`, so a UI can switch on the kind without meeting a value it does not know.
 # `link`: the board could not reach the bridge; `device`: the bridge ended the run for
-# its board (the device restarted or went offline).
+# its board (the device restarted or went offline); `budget`: the run went past a limit
+# its agent declared (see `budgets`).
 FAILURE_KINDS = frozenset(
-    {"llm", "tool", "condition", "internal", "link", "device", "timeout"}
+    {"llm", "tool", "condition", "internal", "link", "device", "timeout", "budget"}
 )
 
 # A customer-safe message is short; a board that sent a long one (a stack trace, say)
@@ -98,6 +106,16 @@ MAX_ERRORS = 100
 MAX_HELD = 1024
 # Events of a stream (`_`, `_b`) remembered to drop repeats.
 _STREAM_SEEN = 1024
+# Node paths, and distinct edges, kept per snapshot: a handler's graph is small, and a
+# board that sent more should not grow a dashboard without bound (counted in
+# `nodes_dropped`).
+MAX_NODES = 256
+# A node's end status, and a budget's level, as the contract names them; anything else
+# is shown as the nearest safe value (failed, warn).
+_NODE_STATUSES = frozenset({"completed", "failed", "cancelled"})
+_BUDGET_LEVELS = frozenset({"warn", "exceeded"})
+# What the open nodes of a run become when the run ends.
+_END_OF_RUN = {"done": "completed", "failed": "failed", "cancelled": "cancelled"}
 
 
 @dataclass
@@ -112,6 +130,35 @@ class Usage:
         self.tokens_in += _int(d.get("in"))
         self.tokens_out += _int(d.get("out"))
         self.tokens_reason += _int(d.get("reason"))
+
+
+@dataclass
+class NodeState:
+    """One node path of a run (PROTOCOL.md "Nodes"): `activations` how many times it
+    started, `a` and `k` its latest activation and iteration, `status` that activation's
+    (`running` until its node.end, then completed / failed / cancelled), `port` the way
+    out it took, `kind` as its node.start said, `usage` the tokens of all its
+    activations, and `open` the activations started and not yet ended."""
+
+    path: str
+    kind: str | None = None
+    status: str = "running"
+    port: str | None = None
+    activations: int = 0
+    a: int | None = None
+    k: int | None = None
+    usage: Usage = field(default_factory=Usage)
+    open: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Budget:
+    """The latest `budget` event of one kind (steps, tokens, wall_s, reads)."""
+
+    kind: str
+    used: float
+    limit: float
+    level: str
 
 
 @dataclass
@@ -181,6 +228,13 @@ class RunSnapshot:
     dropped: int = 0
     # Table rows not kept past MAX_TABLE_ROWS of one table.
     rows_dropped: int = 0
+    # The run's nodes by path, in the order first started; each edge (from, port, to)
+    # with how many times it was taken; the latest budget event per kind; node events
+    # (and edges) not kept past MAX_NODES paths (edges).
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+    edges: dict[tuple[str, str | None, str], int] = field(default_factory=dict)
+    budgets: dict[str, Budget] = field(default_factory=dict)
+    nodes_dropped: int = 0
     # Indexes into rows, so deltas and results find their row without a scan.
     _messages: dict[str, Row] = field(default_factory=dict, repr=False)
     _calls: dict[str, Row] = field(default_factory=dict, repr=False)
@@ -202,6 +256,12 @@ class RunSnapshot:
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+    @property
+    def active(self) -> list[tuple[str, int]]:
+        """The node activations started and not ended, (path, a), in path order of first
+        start: which node is doing what now."""
+        return [(n.path, a) for n in self.nodes.values() for a in sorted(n.open)]
 
     @property
     def held(self) -> list[int]:
@@ -247,6 +307,13 @@ class RunSnapshot:
         out._held = dict(self._held)
         out._lost = list(self._lost)
         out._seen = dict(self._seen)
+        # Tables, nodes, edges and budgets: the reducer changes each in place.
+        out.tables = {
+            name: {k: _copy_row(r) for k, r in t.items()} for name, t in self.tables.items()
+        }
+        out.nodes = {k: _copy_node(n) for k, n in self.nodes.items()}
+        out.edges = dict(self.edges)
+        out.budgets = {k: _shallow(b) for k, b in self.budgets.items()}
         return out
 
 
@@ -264,6 +331,16 @@ def _copy_row(row: Row) -> Row:
     out = _shallow(row)
     if isinstance(out.output, (dict, list)):
         out.output = copy.deepcopy(out.output)
+    if out.links:
+        out.links = copy.deepcopy(out.links)
+    if out.error is not None:
+        out.error = dict(out.error)
+    return out
+
+
+def _copy_node(node: NodeState) -> NodeState:
+    out = _shallow(node)
+    out.usage = _shallow(node.usage)
     return out
 
 
@@ -290,6 +367,18 @@ def _set_status(snap: RunSnapshot, status: Status) -> None:
     # ordered) must not bring a finished run back to life on screen.
     if not snap.terminal:
         snap.status = status
+        if snap.terminal:
+            _end_open_nodes(snap)
+
+
+def _end_open_nodes(snap: RunSnapshot) -> None:
+    # The run ended: a node it left open ended with it.
+    end = _END_OF_RUN[snap.status]
+    for node in snap.nodes.values():
+        if node.open:
+            node.open.clear()
+            if node.status == "running":
+                node.status = end
 
 
 def _row(snap: RunSnapshot, row: Row) -> Row:
@@ -352,14 +441,14 @@ def _run_failed(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
         return
     snap.error = safe_error(d.get("err"))
     snap.retryable = d.get("retryable") is True
-    snap.status = "failed"
+    _set_status(snap, "failed")
 
 
 def _run_cancelled(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
     if snap.terminal:
         return
     snap.reason = _str(d.get("reason"))
-    snap.status = "cancelled"
+    _set_status(snap, "cancelled")
 
 
 def _msg_start(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
@@ -521,7 +610,66 @@ def _table_delete(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
 
 
 def _usage(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
+    # Progress toward run.done's total; the node's share is kept by _on_node.
     snap.usage.add(d)
+
+
+def _edge(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
+    frm, to = _str(d.get("from")), _str(d.get("to"))
+    if frm is None or to is None:
+        return
+    key = (frm, _str(d.get("port")), to)
+    if key not in snap.edges and len(snap.edges) >= MAX_NODES:
+        snap.nodes_dropped += 1
+        return
+    snap.edges[key] = snap.edges.get(key, 0) + 1
+
+
+def _budget(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
+    kind = _str(d.get("kind"))
+    used, limit = _number(d.get("used")), _number(d.get("limit"))
+    if kind is None or used is None or limit is None:
+        return
+    level = _str(d.get("level"))
+    snap.budgets[kind[:32]] = Budget(
+        kind[:32], used, limit, level if level in _BUDGET_LEVELS else "warn"
+    )
+
+
+def _number(value: Any) -> float | None:
+    # A count or seconds; bool is an int subclass, not a number here.
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    return None
+
+
+def _on_node(snap: RunSnapshot, env: Mapping[str, Any]) -> None:
+    # The node an event names (its envelope's n, a, k): node.start opens an activation,
+    # node.end closes it with its status and port, usage adds to its tokens.
+    path, a = env["n"], env.get("a")
+    node = snap.nodes.get(path)
+    if node is None:
+        if len(snap.nodes) >= MAX_NODES:
+            snap.nodes_dropped += 1
+            return
+        node = snap.nodes[path] = NodeState(path)
+    t, d = env["t"], env["d"]
+    if t == "node.start":
+        node.activations += 1
+        node.a, node.k = a, env.get("k")
+        node.status, node.port = "running", None
+        node.kind = _str(d.get("kind")) or node.kind
+        if a is not None:
+            node.open.add(a)
+    elif t == "node.end":
+        if a is not None:
+            node.open.discard(a)
+        if a is None or a == node.a:
+            status = _str(d.get("status"))
+            node.status = status if status in _NODE_STATUSES else "failed"
+            node.port = _str(d.get("port"))
+    elif t == "usage":
+        node.usage.add(d)
 
 
 def _error(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
@@ -544,8 +692,9 @@ def _error(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
 
 Handler = Callable[[RunSnapshot, Mapping[str, Any]], None]
 
-# The one dispatch table. Types of the contract not listed here (rows, memory, citations,
-# nodes, ...) do not change what this snapshot renders; they are ignored like unknown ones.
+# The one dispatch table. Types of the contract not listed here (memory, citations, ...)
+# do not change what this snapshot renders; they are ignored like unknown ones. An event
+# that names a node (`n`) is also folded into that node (_on_node).
 HANDLERS: dict[str, Handler] = {
     "run.started": _run_started,
     "run.paused": _run_paused,
@@ -566,6 +715,8 @@ HANDLERS: dict[str, Handler] = {
     "row": _table_row,
     "row.delete": _table_delete,
     "usage": _usage,
+    "edge": _edge,
+    "budget": _budget,
     "error": _error,
 }
 
@@ -656,6 +807,8 @@ def _apply_one(
     handler = HANDLERS.get(env["t"])
     if handler is not None:
         handler(snap, env["d"])
+    if env.get("n") is not None and not snap.terminal:
+        _on_node(snap, env)
     applied.append(env)
     if on_apply is not None:
         on_apply(env, snap)

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from server_bridge.host.reducer import Envelope, Reducer, Row, RunSnapshot
+from server_bridge.host.reducer import Budget, Envelope, Reducer, Row, RunSnapshot
 
 # Row statuses that mean "more text may still be appended to this row".
 _OPEN_STATUSES = frozenset({"streaming", "building"})
@@ -101,7 +101,17 @@ def _status(snap: RunSnapshot) -> str:
     if snap.status == "paused":
         waiting = ", ".join(r.name or r.call or "?" for r in snap.pending.values())
         return f"status: paused (waiting on {waiting})" if waiting else "status: paused"
+    if snap.active:
+        # Which node is doing what: the latest started of those open.
+        return f"status: {snap.status} (in {snap.active[-1][0]})"
     return f"status: {snap.status}"
+
+
+def render_budget(budget: Budget) -> str:
+    """A budget the run came near or went past: `budget: steps 4 of 4 (warn)`."""
+    unit = " s" if budget.kind == "wall_s" else ""
+    kind = "wall time" if budget.kind == "wall_s" else budget.kind
+    return f"budget: {kind} {budget.used:g}{unit} of {budget.limit:g}{unit} ({budget.level})"
 
 
 def render(snapshot: RunSnapshot) -> list[str]:
@@ -110,6 +120,7 @@ def render(snapshot: RunSnapshot) -> list[str]:
     for name in snapshot.tables:
         lines.extend(render_table_row(row) for row in snapshot.table(name))
     lines.extend(render_error(e) for e in snapshot.errors)
+    lines.extend(render_budget(b) for b in snapshot.budgets.values())
     lines.append(render_status(snapshot))
     return lines
 
@@ -128,6 +139,8 @@ class _Printed:
     # Table rows by (field, key): the line last written for each.
     table_rows: dict[tuple[str, str], str] = field(default_factory=dict)
     errors: int = 0
+    # Budget lines by kind: one each time a kind's level changes.
+    budgets: dict[str, str] = field(default_factory=dict)
     status: str = "running"
 
 
@@ -158,6 +171,10 @@ class LiveView:
         for err in snap.errors[printed.errors :]:
             self._line(render_error(err))
         printed.errors = len(snap.errors)
+        for kind, budget in snap.budgets.items():
+            if printed.budgets.get(kind) != budget.level:
+                printed.budgets[kind] = budget.level
+                self._line(render_budget(budget))
         # Print a status only when it changes, and "running" only when coming back from
         # a pause: the first line of a run already says it is running.
         if snap.status != printed.status:

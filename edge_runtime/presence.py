@@ -1,0 +1,77 @@
+# The board's presence (PROTOCOL.md "Topics", "Bridge presence"): what it says when it
+# connects, its status (retained; its last will says offline) and its hello (retained:
+# agent, tools, fields, limits), and what it does when the bridge's presence changes.
+# These come with a connection and when the bridge restarts, not while a run runs, so
+# the runtime (runs.py) imports this module for each and lets it go again
+# (platform.unload): its code is not on the heap where a run peaks (bench_heap: the
+# demo turn's and the memory turn's smallest heaps, 64-bit .mpy, each about 2 KiB less).
+import sys
+
+from edge_runtime import codec, platform
+from edge_runtime.runs import free_heap
+
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+_FW_VERSION = const("0.1.0")
+_QOS1 = const(1)
+
+
+def firmware():
+    impl = sys.implementation
+    return "wren-edge %s %s %s" % (_FW_VERSION, impl.name, ".".join(str(n) for n in impl.version[:3]))
+
+
+def connected(runtime):
+    # Presence first (retained, so a dashboard that connects later sees it), then the
+    # capabilities the bridge needs to serve this board.
+    agent = runtime.agent
+    runtime.publish_msg(runtime._base + "status", {
+        "st": "online", "fw": firmware(), "agent": agent.name, "ver": agent.version,
+        "heap": free_heap(), "boot": runtime.boot}, _QOS1, True)
+    hello(runtime)
+
+
+def hello(runtime):
+    # Retained: a bridge that starts later learns it from the broker, even when the board
+    # has no heap to say it again just then.
+    agent = runtime.agent
+    runtime.publish_msg(runtime._base + "hello", {
+        "agent": agent.name, "ver": agent.version, "fw": firmware(), "boot": runtime.boot,
+        "fields": agent.describe_fields(), "tools": agent.describe(),
+        "limits": runtime.limits}, _QOS1, True)
+
+
+def bridge(runtime, payload):
+    # The bridge's status (P/b/status), as it changes.
+    try:
+        msg = codec.decode(payload, 256)
+    except codec.CodecError:
+        return  # not ours to refuse: the bridge writes this topic, not a host
+    if not isinstance(msg, dict):
+        return
+    up = msg.get("st") == "online"
+    was = runtime._bridge_up
+    runtime._bridge_up = up
+    rpc = runtime.rpc
+    if up:
+        boot = msg.get("boot")
+        old = runtime._bridge_boot
+        restarted = old is not None and boot != old
+        runtime._bridge_boot = rpc.bridge = boot
+        if restarted:
+            # Another bridge process: what was in flight with the last one is gone.
+            platform.log("bridge restarted")
+            rpc.fail_all("bridge_restarted", "the bridge restarted during the call", old)
+        if restarted or was is False:
+            # The bridge keeps what a board said in hello in memory: say it again.
+            hello(runtime)
+    else:
+        rpc.bridge = None
+        if was is not False:
+            # The grace runs in the runtime's code: a task of this module's would keep
+            # all of it on the heap for the grace, runs and all.
+            platform.asyncio.create_task(runtime._bridge_gone(rpc.epoch))
