@@ -4,13 +4,15 @@ collection, one recall and one core append, served on the MicroPython unix port 
 (firmware_tests/memory_turn.py) in this process. The smallest heap it needs is
 benchmarks/bench_heap.py's `memory` figure.
 
-The ceilings are that figure (124-125 KiB 64-bit, 87-88 KiB 32-bit, bisected on several
-runs) with 2-3 KiB to spare. What got it there from 130/93: modules a run needs only at
-its edges (state: load and commit; core: a document's open and each edit) are imported
-for that and let go again (platform.unload), so they are not on the heap while the model
-loop runs, where a run peaks; and from 128/91, code a run never needs is not on the heap
-at all: ctl ops (control.py) come with a ctl, the fields' declaration rules
-(fieldcheck.py) with a declaration, each let go after. The runtime's names fill
+The ceilings are that figure (125-126 KiB 64-bit, 89 KiB 32-bit, bisected on several
+runs, the model loop's nodes included) with 1-2 KiB to spare. What got it there from
+130/93: modules a run needs only at its edges (state: load and commit; core: a
+document's open and each edit; memstart: the memory's start) are imported for that and
+let go again (platform.unload), so they are not on the heap while the model loop runs,
+where a run peaks; and from 128/91, code a run never needs is not on the heap at all:
+ctl ops (control.py) come with a ctl, the fields' declaration rules (fieldcheck.py)
+with a declaration, the board's status and hello (presence.py) with a connection, each
+let go after. The runtime's names fill
 MicroPython's qstr pool: the next doubling adds 640 entries (7 KiB on 64 bits) at once,
 so a handful of new names on a run's path costs 7 KiB; private tables are const() for
 that reason, and the last test below keeps a margin."""

@@ -122,6 +122,64 @@ def test_bridge_board_and_ask_as_separate_processes(
         time.sleep(0.1)
 
 
+def test_the_greenhouse_example_runs_as_the_readme_says(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    # README "An example: the greenhouse": the bridge with the example's script, the
+    # board with its main.py, and its host answering and approving on its own.
+    address = broker.address
+    example = ROOT / "examples" / "greenhouse"
+    bridge = Proc(
+        wren(
+            "bridge",
+            "--broker",
+            address,
+            "--device",
+            "greenhouse1:greenhouse",
+            "--script",
+            str(example / "script.json"),
+        ),
+        tmp_path,
+    )
+    board = Proc(
+        wren(
+            "board",
+            "--virtual",
+            "--broker",
+            address,
+            "--device",
+            "greenhouse1",
+            "--heap",
+            "144K",
+            "--main",
+            str(example / "main.py"),
+        ),
+        tmp_path,
+    )
+    try:
+        bridge.wait_for("bridge: ")
+        board.wait_for("link: up")
+        host = subprocess.run(
+            [sys.executable, str(example / "host.py"), "--broker", address, "--yes"]
+            + ["--answer", "no feeding today"],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        assert host.returncode == 0, host.stdout + host.stderr
+        lines = host.stdout.splitlines()
+        assert "  edge /sense --dry--> /model" in lines
+        assert lines[-2].endswith("The gardener says: no feeding today")
+        assert lines[-1].startswith("nodes: /sense x1 completed, /model x3 completed")
+        assert any("agent greenhouse" in line for line in board.seen), board.seen
+    finally:
+        for p in (board, bridge):
+            if p.proc.poll() is None:
+                p.stop()
+
+
 def _processes_in(directory: Path) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run from .py sources instead of .mpy built with mpy-cross",
     )
     v.add_argument("--cpython", action="store_true", help="run the board code on CPython")
+    v.add_argument(
+        "--main",
+        type=Path,
+        help="the board's main.py: an app of your own, e.g. examples/greenhouse/main.py "
+        "(default: the demo thermostat)",
+    )
 
     # A host user of its own (WREN_HOST_USER): a broker that binds client ids to users
     # lets two connections of one user knock each other off (PROTOCOL.md "Identity").

@@ -35,7 +35,13 @@ from server_bridge.service import DEFAULT_AGENT
 from server_bridge.tokens import sign
 from server_bridge.topics import DEFAULT_PREFIX
 from tools.broker import BrokerError, MosquittoMissing, start_mosquitto
-from tools.virtual_board import BoardError, VirtualBoard, fallback_notice, lay_out_flash
+from tools.virtual_board import (
+    MAIN_PY,
+    BoardError,
+    VirtualBoard,
+    fallback_notice,
+    lay_out_flash,
+)
 
 PREFIX = DEFAULT_PREFIX
 TENANT = "demo"
@@ -360,7 +366,11 @@ def run_board(args: argparse.Namespace) -> int:
     }
     board = VirtualBoard(flash, heap=args.heap, force_cpython=args.cpython)
     try:
-        lay_out_flash(flash, settings, mpy=board.runs_mpy(not args.py))
+        main_py = args.main.read_text() if args.main else MAIN_PY
+    except OSError as e:
+        raise DemoError(f"cannot read the board's main.py: {e}") from e
+    try:
+        lay_out_flash(flash, settings, mpy=board.runs_mpy(not args.py), main_py=main_py)
     except BoardError as e:
         raise DemoError(str(e)) from e
     notice = fallback_notice()
