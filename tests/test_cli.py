@@ -796,23 +796,17 @@ def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path, after: bytes) -> None:
     assert _leftovers(tmp_path) == []
 
 
-def test_ask_says_in_one_line_when_it_cannot_reach_the_broker(tmp_path: Path) -> None:
-    _ok(tmp_path, "tenant", "add", "demo")
-    proc = subprocess.run(
-        wren(
-            "ask",
-            "--broker",
-            f"127.0.0.1:{free_port()}",
-            "--registry",
-            ".wren/registry.json",
-            "Hello?",
-        ),
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+def _ask_alone(cwd: Path, address: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`wren ask` of a tenant's registry in `cwd`, with no bridge or board behind it."""
+    _ok(cwd, "tenant", "add", "demo")
+    args = ("--broker", address, "--registry", ".wren/registry.json", *extra, "Hello?")
+    return subprocess.run(
+        wren("ask", *args), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
+
+
+def test_ask_says_in_one_line_when_it_cannot_reach_the_broker(tmp_path: Path) -> None:
+    proc = _ask_alone(tmp_path, f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
@@ -825,24 +819,7 @@ def test_ask_gives_up_on_silence_with_what_may_be_down(
     broker: MosquittoProcess, tmp_path: Path
 ) -> None:
     # A broker with no bridge and no board: nothing answers, and the wait is for progress.
-    _ok(tmp_path, "tenant", "add", "demo")
-    proc = subprocess.run(
-        wren(
-            "ask",
-            "--broker",
-            f"{broker.host}:{broker.port}",
-            "--registry",
-            ".wren/registry.json",
-            "--timeout",
-            "1.5",
-            "Hello?",
-        ),
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    proc = _ask_alone(tmp_path, f"{broker.host}:{broker.port}", "--timeout", "1.5")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "wren ask: nothing from device thermo1 for 1.5 s (the board, the bridge or the broker "
