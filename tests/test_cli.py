@@ -772,6 +772,17 @@ def _ctrl_c_demo(workdir: Path, after: bytes) -> tuple[int, str]:
             code = os.waitstatus_to_exitcode(status)
             break
     os.close(fd)
+    if code is None:
+        # Stuck: stop it as a service manager would, so its parts do not outlive the test.
+        os.kill(pid, signal.SIGTERM)
+        end = time.monotonic() + 10
+        reaped = False
+        while not reaped and time.monotonic() < end:
+            reaped = os.waitpid(pid, os.WNOHANG)[0] != 0
+            time.sleep(0.1)
+        if not reaped:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     assert code is not None, out.decode(errors="replace")[-2000:]
     return code, out.decode(errors="replace")
 
