@@ -4,13 +4,15 @@
 
 class RunFailed(Exception):
     # Raised by a handler (the model loop, or an app's own) to end its run as
-    # run.failed with a customer-safe message.
+    # run.failed with a customer-safe message; `cause` says why a model call failed
+    # (the bridge's, PROTOCOL.md "Errors").
 
-    def __init__(self, kind, msg, retryable=False):
+    def __init__(self, kind, msg, retryable=False, cause=None):
         super().__init__(msg)
         self.kind = kind
         self.msg = msg
         self.retryable = retryable
+        self.cause = cause
 
 
 class Tool:

@@ -504,8 +504,10 @@ class Runtime:
             except platform.asyncio.CancelledError:
                 run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
             except RunFailed as e:
-                run.emit("run.failed", {"err": {"kind": e.kind, "msg": e.msg},
-                                        "retryable": e.retryable})
+                err = {"kind": e.kind, "msg": e.msg}
+                if e.cause:
+                    err["cause"] = e.cause
+                run.emit("run.failed", {"err": err, "retryable": e.retryable})
             except MemoryError:
                 # The run's state goes with the run; collected, the heap serves the next
                 # one, so asking again is worth it.

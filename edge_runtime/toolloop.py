@@ -278,7 +278,13 @@ async def model_loop(run, state=None, pause=0):
             await deltas.flush()
             run.emit("msg.end", {"m": m})
             run.emit(end, {"status": "failed"}, here)
-            raise RunFailed("llm", "the model is unavailable (%s)" % e.kind, True)
+            # The bridge's own words for a model's failure (what to do about it, and
+            # whether asking again can help); anything else failed on the way to it.
+            d = e.detail if e.kind == "llm" and isinstance(e.detail, dict) else {}
+            msg = d.get("msg")
+            raise RunFailed("llm", msg[:200] if isinstance(msg, str) and msg
+                            else "the model is unavailable (%s)" % e.kind,
+                            d.get("retryable") is not False, d.get("cause"))
         await run.event("msg.end", {"m": m})
         if not isinstance(final, dict):
             final = {}

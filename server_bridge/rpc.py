@@ -371,7 +371,12 @@ def _llm_complete(provider: Provider) -> Handler:
                 f"provider {getattr(provider, 'name', '?')}",
                 e,
             )
-            raise RpcError("llm", (str(e) or _LLM_FAILED)[:MAX_ERROR_MSG]) from e
+            raise RpcError(
+                "llm",
+                (str(e) or _LLM_FAILED)[:MAX_ERROR_MSG],
+                {"cause": getattr(e, "cause", "unavailable"),
+                 "retryable": getattr(e, "retryable", True)},
+            ) from e
         except Exception as e:
             # A bug or an unexpected library error: its text may hold internals (URLs,
             # keys, response bodies), so the board gets a fixed message and the log the

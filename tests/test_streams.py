@@ -366,3 +366,22 @@ def test_a_bridge_killed_mid_run_frees_the_boards_slot_within_the_grace(
         # The run the kill cut off ends for the host too, as retryable.
         snap = s.wait_run(req, timeout=SLOW)
         assert snap.status == "failed" and snap.retryable, (snap.status, snap.error)
+
+
+def test_a_models_failure_reaches_the_host_with_its_cause_and_what_to_do(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    # issue 10: a wrong key or model is not worth asking again; an overloaded server is.
+    with Stack(tmp_path, model_url=server.url, board_settings=PLAIN) as s:
+        for status, cause, retryable, advice in (
+            (401, "auth", False, "check the bridge's API key"),
+            (404, "not_found", False, "check --model and --openai-base-url"),
+            (503, "overloaded", True, "overloaded"),
+        ):
+            server.override_next(Turn(status=status))
+            snap = s.ask(f"Hello ({status})")
+            assert snap.status == "failed", s.describe()
+            assert snap.error is not None and snap.error["kind"] == "llm"
+            assert snap.error.get("cause") == cause, snap.error
+            assert advice in snap.error["msg"] and f"HTTP {status}" in snap.error["msg"]
+            assert snap.retryable is retryable

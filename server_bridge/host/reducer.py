@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from edge_runtime.events import DEVICE_RUN, TERMINAL
+from server_bridge.models.base import CAUSES
 from server_bridge.wire import BRIDGE_RUN, BadEnvelope, check_envelope
 
 __all__ = [
@@ -89,6 +90,8 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 # `link`: the board could not reach the bridge; `device`: the bridge ended the run for
 # its board (the device restarted or went offline); `budget`: the run went past a limit
 # its agent declared (see `budgets`).
+# Why a model call failed (run.failed `err.cause` with kind llm; server_bridge/models/base.py).
+MODEL_CAUSES = frozenset(CAUSES)
 FAILURE_KINDS = frozenset(
     {"llm", "tool", "condition", "internal", "link", "device", "timeout", "budget"}
 )
@@ -726,15 +729,20 @@ assert set(TERMINAL) <= set(HANDLERS), "every terminal event type needs a handle
 
 
 def safe_error(err: Any) -> dict[str, str]:
-    """The customer-safe part of a run.failed `err`: its kind and message, nothing else."""
+    """The customer-safe part of a run.failed `err`: its kind and message, and for a
+    model's failure its `cause` when it is one the contract names; nothing else."""
     if not isinstance(err, Mapping):
         return {"kind": "internal", "msg": "the run failed"}
     kind = _str(err.get("kind"))
     msg = _str(err.get("msg")) or "the run failed"
-    return {
+    out = {
         "kind": kind if kind in FAILURE_KINDS else "internal",
         "msg": msg[:_MAX_ERROR_MSG],
     }
+    cause = _str(err.get("cause"))
+    if cause in MODEL_CAUSES:
+        out["cause"] = cause
+    return out
 
 
 def _checked(event: Envelope) -> dict[str, Any]:

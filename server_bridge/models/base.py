@@ -29,10 +29,30 @@ Chunk = dict[str, Any]
 Final = dict[str, Any]
 
 
+# Why a model call failed, as hosts are told (run.failed `err.cause`, PROTOCOL.md
+# "Errors"), and whether asking again can help.
+CAUSES = (
+    "auth",
+    "not_found",
+    "rate_limited",
+    "overloaded",
+    "timeout",
+    "bad_response",
+    "unavailable",
+)
+
+
 class ModelError(Exception):
-    """A provider failure the board sees as an RPC error of kind 'llm'."""
+    """A provider failure the board sees as an RPC error of kind 'llm': its message is
+    customer-safe and says what to do; `cause` is one of CAUSES and `retryable` whether
+    the same call may succeed later (a wrong key or model never will)."""
 
     kind = "llm"
+
+    def __init__(self, msg: str, cause: str = "unavailable", retryable: bool = True) -> None:
+        super().__init__(msg)
+        self.cause = cause if cause in CAUSES else "unavailable"
+        self.retryable = retryable
 
 
 class Provider(Protocol):

@@ -127,6 +127,7 @@ def _safe_url(url: str) -> str:
 
 _TIMED_OUT = "the model server timed out"
 _TOO_SLOW = "the model server did not finish in time"
+_MALFORMED = "the model server sent a malformed stream"
 
 
 def _past(deadline: float | None) -> bool:
@@ -583,7 +584,7 @@ class OpenAIProvider:
             return self.timeout
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ModelError(_TOO_SLOW)
+            raise ModelError(_TOO_SLOW, "timeout")
         return min(self.timeout, left)
 
     def _connect(self, timeout: float) -> http11.Connection:
@@ -641,9 +642,13 @@ class OpenAIProvider:
     def _unreachable(self, e: BaseException) -> ModelError:
         if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
             log.warning("model server %s timed out: %s", self.base_url, e)
-            return ModelError(_TIMED_OUT)
+            return ModelError(_TIMED_OUT, "timeout")
         log.warning("model server %s unreachable: %s", self.base_url, self._scrub(str(e)))
-        return ModelError("could not reach the model server")
+        return ModelError(
+            "could not reach the model server: is it running at the bridge's "
+            "--openai-base-url?",
+            "unavailable",
+        )
 
     def _complete_by_proxy(
         self, data: bytes, emit: Callable[[Chunk], None], names: _ToolNames, deadline: float | None
@@ -686,10 +691,10 @@ class OpenAIProvider:
                 # The watchdog shut the socket: whatever the read raised, the reason
                 # is the deadline.
                 log.warning("model stream from %s stopped at the call's deadline", self.base_url)
-                raise ModelError(_TOO_SLOW) from None
+                raise ModelError(_TOO_SLOW, "timeout") from None
             if isinstance(e, TimeoutError):
                 log.warning("model server %s timed out mid-stream: %s", self.base_url, e)
-                raise ModelError(_TIMED_OUT) from None
+                raise ModelError(_TIMED_OUT, "timeout") from None
             if isinstance(e, ValueError):
                 raise  # not a connection failure: a bug, reported as one
             log.warning("model stream from %s broke: %s", self.base_url, self._scrub(str(e)))
@@ -713,17 +718,25 @@ class OpenAIProvider:
         log.warning(
             "model server %s answered HTTP %s: %s", self.base_url, code, self._scrub(detail)
         )
+        # What the status means for the person who runs the bridge, and whether the same
+        # call can succeed later: a wrong key, model or request never will.
         if code in (401, 403):
-            msg = "the model server refused the credentials"
+            msg, cause, again = "refused the credentials: check the bridge's API key", "auth", False
         elif code == 404:
-            msg = "the model or the model endpoint was not found"
+            msg, cause, again = (
+                "has no such model or endpoint: check --model and --openai-base-url",
+                "not_found",
+                False,
+            )
         elif code == 429:
-            msg = "the model server is rate limiting requests"
+            msg, cause, again = "is rate limiting requests", "rate_limited", True
+        elif code in (502, 503, 504, 529):
+            msg, cause, again = "is overloaded or restarting", "overloaded", True
         elif code >= 500:
-            msg = "the model server failed"
+            msg, cause, again = "failed", "unavailable", True
         else:
-            msg = "the model server refused the request"
-        return ModelError(f"{msg} (HTTP {code})")
+            msg, cause, again = "refused the request", "bad_response", False
+        return ModelError(f"the model server {msg} (HTTP {code})", cause, again)
 
     def _read_stream(
         self,
@@ -747,9 +760,9 @@ class OpenAIProvider:
                 obj = json.loads(payload)
             except ValueError:
                 log.warning("malformed SSE data from %s: %.200r", self.base_url, payload)
-                raise ModelError("the model server sent a malformed stream") from None
+                raise ModelError(_MALFORMED, "bad_response") from None
             if not isinstance(obj, dict):
-                raise ModelError("the model server sent a malformed stream")
+                raise ModelError(_MALFORMED, "bad_response")
             if obj.get("error"):
                 # vLLM and others report failures inside the stream after a 200.
                 log.warning(
@@ -764,12 +777,12 @@ class OpenAIProvider:
             if _past(deadline):
                 # Between lines, so a server that keeps sending is stopped even where
                 # the watchdog cannot reach the socket.
-                raise ModelError(_TOO_SLOW)
+                raise ModelError(_TOO_SLOW, "timeout")
             raw = response.readline(MAX_LINE + 1)
             if not raw:
                 break
             if len(raw) > MAX_LINE:
-                raise ModelError("the model server sent an oversized stream line")
+                raise ModelError("the model server sent an oversized stream line", "bad_response")
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
             if not line:
                 # A blank line ends an SSE event.
@@ -789,7 +802,7 @@ class OpenAIProvider:
         if not done and _past(deadline):
             # The end was (most likely) the watchdog's, not the server's; either way the
             # call is over and whatever is left unread is cut mid-way.
-            raise ModelError(_TOO_SLOW)
+            raise ModelError(_TOO_SLOW, "timeout")
         if data:
             dispatch()
         if not done and finish is None:
