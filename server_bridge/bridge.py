@@ -216,6 +216,7 @@ class Bridge:
             rpc_timeout_s=config.rpc_timeout_s,
             device_limits=self.intake.device_limits,
             merge_s=config.rpc_merge_s,
+            llm_max_tokens=config.llm_max_tokens,
         )
         if memory is not None:
             memory_calls.register(self.rpc, memory, registry, self.hello, self.intake.device_limits)

@@ -51,6 +51,9 @@ class BridgeConfig:
     connect_timeout_s: float = 10.0
     llm_timeout_s: float = 120.0
     rpc_timeout_s: float = 30.0
+    # The answer's length when the board's agent names none (Agent max_tokens): every
+    # model call is bounded by Wren, not only by a server's own cap (PROTOCOL.md "RPC").
+    llm_max_tokens: int = 1024
     # RPC work runs on a pool so paho's network thread never waits on a model; calls
     # beyond max in flight — in total, or of one device — are answered `busy` instead of
     # queueing without bound. The per-device cap keeps one device from taking the room
@@ -146,6 +149,8 @@ class BridgeConfig:
         for name in ("connect_timeout_s", "llm_timeout_s", "rpc_timeout_s", "replay_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.llm_max_tokens < 1:
+            raise ValueError("llm_max_tokens must be >= 1")
         if self.rpc_merge_s < 0:
             raise ValueError("rpc_merge_s must be >= 0")
         if self.offline_grace_s < 0:

@@ -348,7 +348,7 @@ def _check_llm_args(args: dict[str, Any]) -> dict[str, Any]:
     return {"messages": messages, "tools": tools, "model": model, "max_tokens": max_tokens}
 
 
-def _llm_complete(provider: Provider) -> Handler:
+def _llm_complete(provider: Provider, default_max_tokens: int) -> Handler:
     def handler(ctx: CallContext, args: dict[str, Any], emit: Emit) -> Any:
         try:
             return provider.complete(
@@ -356,7 +356,7 @@ def _llm_complete(provider: Provider) -> Handler:
                 args["tools"],
                 emit,
                 model=args["model"],
-                max_tokens=args["max_tokens"],
+                max_tokens=args["max_tokens"] or default_max_tokens,
                 deadline=ctx.deadline,
             )
         except _CallOver:
@@ -413,6 +413,7 @@ class RpcServer:
         clock: Callable[[], float] = time.monotonic,
         device_limits: LimitsOf | None = None,
         merge_s: float = BridgeConfig.rpc_merge_s,
+        llm_max_tokens: int = BridgeConfig.llm_max_tokens,
     ) -> None:
         self._send = send
         self._refuse = refuse
@@ -436,7 +437,10 @@ class RpcServer:
         self._closed = False
         self.methods: dict[str, Method] = {
             "llm.complete": Method(
-                _llm_complete(provider), _check_llm_args, llm_timeout_s, fail_kind="llm"
+                _llm_complete(provider, llm_max_tokens),
+                _check_llm_args,
+                llm_timeout_s,
+                fail_kind="llm",
             ),
         }
 

@@ -257,7 +257,9 @@ def test_provider_error_is_an_llm_error(world: World) -> None:
     world.call(3, "llm.complete", {"messages": done})
     chunks, final = world.answers()
     assert chunks == []
-    assert final == {"c": 3, "s": 0, "err": {"kind": "llm", "msg": "script exhausted"}}
+    # A provider's failure carries its cause and whether asking again can help.
+    err = {"kind": "llm", "msg": "script exhausted", "cause": "unavailable", "retryable": True}
+    assert final == {"c": 3, "s": 0, "err": err}
     check_valid_call_works(world)
 
 

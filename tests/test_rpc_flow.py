@@ -386,7 +386,8 @@ def test_final_answers_count_the_chunks_before_them(stacks: Callable[..., Stack]
     s.board.call(2)  # an error after some chunks: they go out first, and are counted
     st = s.board.done(2)
     assert [ch["ch"] for ch in st.chunks] == [{"text": "x" * 512}, {"text": "x" * 88 + "y"}]
-    assert st.final == {"c": 2, "s": 2, "err": {"kind": "llm", "msg": "the model gave up"}}
+    err = {"kind": "llm", "msg": "the model gave up", "cause": "unavailable", "retryable": True}
+    assert st.final == {"c": 2, "s": 2, "err": err}
     # A refusal before a call starts has no s.
     s.board.call(3, method="mem.teleport")
     final = s.board.done(3).final

@@ -385,3 +385,12 @@ def test_a_models_failure_reaches_the_host_with_its_cause_and_what_to_do(
             assert snap.error.get("cause") == cause, snap.error
             assert advice in snap.error["msg"] and f"HTTP {status}" in snap.error["msg"]
             assert snap.retryable is retryable
+
+
+def test_every_model_call_is_bounded_by_max_tokens(server: ModelServer, tmp_path: Path) -> None:
+    # issue 10: an agent that names no max_tokens still gets the bridge's default, so a
+    # long answer is stopped by Wren and not only by the server's own cap.
+    server.script[:] = [Turn(text="Short.")]
+    with Stack(tmp_path, model_url=server.url, board_settings=PLAIN) as s:
+        assert s.ask("Hello").status == "done", s.describe()
+    assert server.requests[-1]["max_tokens"] == 1024
