@@ -348,7 +348,10 @@ def test_a_bridge_killed_mid_run_frees_the_boards_slot_within_the_grace(
     server: ModelServer, tmp_path: Path
 ) -> None:
     server.script[:] = [Turn(text=LONG, chunk_chars=4, delay_s=0.05)]
-    with Stack(tmp_path, model_url=server.url) as s:
+    # The thermostat without its memory field, like the other stress tests here: with it,
+    # a 128K board left fragmented by a long answer cut off mid-stream ran out of memory
+    # in its next run now and then (1 CI run in 3; the note on issue 8 says so).
+    with Stack(tmp_path, model_url=server.url, board_settings=PLAIN) as s:
         assert s.client is not None
         req = s.request("Count slowly")
         wait_until_streaming(s)
