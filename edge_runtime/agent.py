@@ -67,6 +67,7 @@ class Agent:
             from edge_runtime import budget as limits
             limits.check(budget)
         self.tools = {}
+        self.specs = None
 
     def field(self, name):
         # A declared field by name, or None (an undeclared key is private and run-scoped).
@@ -81,6 +82,7 @@ class Agent:
         # agent.tool("ask_user", "Ask the user", {...})(None).
         def register(fn):
             self.tools[name] = Tool(name, description, args, fn, approval)
+            self.specs = None  # the tools as the model sees them, encoded (toolloop)
             return fn
         return register
 

@@ -60,7 +60,7 @@ class Call:
         self.finished = False  # the final answer came, or the call failed
         self.answered = False  # the bridge's final answer came
         self.last = platform.ticks_ms()  # when the call was made or last heard of
-        self.ready = platform.asyncio.Event()
+        self.ready = platform.Bell()
 
     @property
     def done(self):
@@ -92,13 +92,10 @@ class Call:
             if idle <= 0:
                 raise RpcError("timeout", "no answer within %d ms" % self._client.timeout_ms)
             self.ready.clear()
-            try:
-                await platform.wait_for_ms(self.ready.wait(), min(wait_ms, idle))
-            except platform.asyncio.TimeoutError:
-                # Unless the call moved on as the wait ran out (a chunk, the answer, a
-                # failure set ready): the loop's top reports that, not "nothing came".
-                if wait_ms < idle and not self.ready.is_set():
-                    return None
+            # Unless the call moved on as the wait ran out (a chunk, the answer, a
+            # failure set ready): the loop's top reports that, not "nothing came".
+            if not await self.ready.wait(min(wait_ms, idle)) and wait_ms < idle:
+                return None
 
 
 class RpcClient:

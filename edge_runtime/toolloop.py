@@ -194,7 +194,6 @@ async def model_loop(run, state=None, pause=0):
     if state is not None:
         messages, first, usage = state
         state = None
-    specs = [t.describe(False) for t in agent.tools.values()]
     mem = None
     if agent.fields:
         # Loaded only for an agent that declares fields: the memory tools and core memory,
@@ -203,14 +202,21 @@ async def model_loop(run, state=None, pause=0):
         mem = Memory(run)
         from edge_runtime import memstart
         try:
-            specs = await memstart.start(mem, specs)
+            specs = await memstart.start(mem, [t.describe(False) for t in agent.tools.values()])
         finally:
             memstart = None
             platform.unload("memstart")
+        # Encoded once for the whole run: every model call carries them unchanged.
+        specs = codec.Raw(specs)
     else:
-        specs = codec.encode_exact(specs)
-    # Encoded once for the whole run: every model call carries them unchanged.
-    specs = codec.Raw(specs)
+        # Without fields the model is offered the same tools in every run: encoded at
+        # the first and kept by the agent (a few hundred bytes), rather than built and
+        # encoded again on each request's way to the model (0.17-0.19 ms of it on the
+        # unix port).
+        specs = agent.specs
+        if specs is None:
+            specs = agent.specs = codec.Raw(codec.encode_exact(
+                [t.describe(False) for t in agent.tools.values()]))
     start, end, model, tool_path, completed = _NODES
     for step in range(first, agent.max_steps):
         run.check_cancelled()
