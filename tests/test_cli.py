@@ -24,6 +24,7 @@ from server_bridge.brokerconf import check_password
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, RequestRefused
 from server_bridge.registry import DeviceRecord, Registry
+from tests.stack import Stack
 from tests.test_brokerconf import Client, P
 from tools.broker import (
     MosquittoMissing,
@@ -836,3 +837,91 @@ def test_ask_gives_up_on_silence_with_what_may_be_down(
         "wren ask: nothing from device thermo1 for 1.5 s (the board, the bridge or the broker "
         "may be down)"
     ]
+
+
+# --- presence told to `wren ask`: a board or a bridge that is down is said in one line ---
+
+ASK_USER = "host-ask"  # `wren ask` is a host connection of its own (PROTOCOL "Identity")
+
+
+def _ask_in(s: Stack, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`wren ask` as a user runs it, against the stack's broker and registry."""
+    env = _env()
+    env["WREN_HOST_USER"] = ASK_USER
+    env["WREN_HOST_PASSWORD"] = s.users[ASK_USER]
+    args = ("--broker", f"{s.host}:{s.port}", "--registry", str(s.registry_path), "--timeout",
+            "20", *extra, "How warm is it in here?")  # fmt: skip
+    return subprocess.run(
+        wren("ask", *args), cwd=s.workdir, env=env, capture_output=True, text=True,
+        timeout=TIMEOUT_S,
+    )  # fmt: skip
+
+
+def _clock_near(line: str, when: float) -> None:
+    """The HH:MM:SS at the end of `line` is the local time `when`, give or take 3 s."""
+    said = line.rsplit(" ", 1)[-1]
+    day = time.localtime(when)
+    t = time.mktime(time.strptime(f"{day.tm_year}-{day.tm_yday} {said}", "%Y-%j %H:%M:%S"))
+    assert abs(t - when) <= 3, (line, time.strftime("%H:%M:%S", day))
+
+
+def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_ask_says_in_one_line_that_the_device_is_offline_since_when_or_unknown(
+    tmp_path: Path,
+) -> None:
+    with Stack(tmp_path, extra_users={ASK_USER: "demo"}) as s:
+        line = _one_line(_ask_in(s, "--device", "nosuch"))
+        assert line == (
+            "wren ask: device nosuch is not a device of tenant demo (`wren device list` "
+            "shows the registry's devices)"
+        )
+        assert s.client is not None
+        stopped = time.time()
+        s.stop_board()
+        # The board's last will reaches the bridge: a request is then refused by name,
+        # with since when, and not sent on to run whenever the board is back.
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            req = s.request("Still there?")
+            try:
+                s.client.wait_run(req, timeout=2)
+            except RequestRefused as e:
+                assert e.kind == "device_offline", e
+                assert abs(e.detail["since"] / 1000 - stopped) < 3, e.detail
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline, s.describe()
+        presence = s.client.device_presence(s.device)
+        assert presence is not None and presence.offline
+        line = _one_line(_ask_in(s))
+        assert line.startswith("wren ask: device thermo1 is offline since "), line
+        _clock_near(line, stopped)
+        # Back, and asked again: answered.
+        s.start_board()
+        deadline = time.monotonic() + TIMEOUT_S
+        while (proc := _ask_in(s)).returncode != 0:
+            assert "is offline since" in proc.stderr and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.5)
+        assert "Traceback" not in proc.stderr
+
+
+def test_ask_says_in_one_line_that_the_bridge_is_offline_since_when(tmp_path: Path) -> None:
+    with Stack(tmp_path, extra_users={ASK_USER: "demo"}) as s:
+        stopped = time.time()
+        s.stop_bridge()  # a clean stop: its offline status says when
+        line = _one_line(_ask_in(s))
+        assert line.startswith("wren ask: the bridge is offline since "), line
+        _clock_near(line, stopped)
+        s.start_bridge()
+        killed = time.time()
+        s.kill_bridge()  # its last will, which cannot know the time: since before now
+        line = _one_line(_ask_in(s))
+        assert line.startswith("wren ask: the bridge is offline (since before "), line
+        _clock_near(line.rstrip(")"), killed)
