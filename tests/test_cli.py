@@ -925,3 +925,54 @@ def test_ask_says_in_one_line_that_the_bridge_is_offline_since_when(tmp_path: Pa
         line = _one_line(_ask_in(s))
         assert line.startswith("wren ask: the bridge is offline (since before "), line
         _clock_near(line.rstrip(")"), killed)
+
+
+# --- argument mistakes: one line, exit 2, before anything starts ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("localhost", "expected HOST:PORT such as 127.0.0.1:1883, got 'localhost'"),
+        ("localhost:mqtt", "expected HOST:PORT such as 127.0.0.1:1883, got 'localhost:mqtt'"),
+        (":1883", "expected HOST:PORT such as 127.0.0.1:1883, got ':1883'"),
+        ("localhost:99999", "the port must be 1..65535, got 'localhost:99999'"),
+        ("localhost:0", "the port must be 1..65535, got 'localhost:0'"),
+    ],
+)
+def test_a_bad_broker_address_is_one_line_and_exit_2(value: str, said: str) -> None:
+    for command in (["bridge"], ["ask", "Hello?"], ["board", "--virtual"], ["demo"]):
+        proc = subprocess.run(
+            wren(*command, f"--broker={value}"), cwd=ROOT, env=_env(), capture_output=True,
+            text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+        assert proc.returncode == 2, (command, proc.stderr)
+        assert proc.stderr.splitlines() == [
+            f"wren {command[0]}: error: argument --broker: {said} (see wren {command[0]} --help)"
+        ]
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("not-a-url", "expected an http:// or https:// URL such as http://127.0.0.1:11434/v1, "
+         "got 'not-a-url'"),
+        ("ftp://models.example/v1", "expected an http:// or https:// URL such as "
+         "http://127.0.0.1:11434/v1, got 'ftp://models.example/v1'"),
+        ("http://127.0.0.1:99999/v1", "the port of 'http://127.0.0.1:99999/v1' is not a number "
+         "in 0..65535"),
+    ],
+)  # fmt: skip
+def test_a_bad_model_base_url_is_refused_at_start_up_in_one_line(
+    url: str, said: str, tmp_path: Path
+) -> None:
+    # Refused before the bridge connects anywhere or writes anything.
+    proc = subprocess.run(
+        wren("bridge", "--openai-base-url", url, "--registry", str(tmp_path / "r.json")),
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"wren bridge: error: argument --openai-base-url: {said} (see wren bridge --help)"
+    ]
+    assert not (tmp_path / "r.json").exists()
