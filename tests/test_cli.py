@@ -976,3 +976,47 @@ def test_a_bad_model_base_url_is_refused_at_start_up_in_one_line(
         f"wren bridge: error: argument --openai-base-url: {said} (see wren bridge --help)"
     ]
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_interactive_demo_prints_the_status_line_before_the_next_prompt(
+    tmp_path: Path,
+) -> None:
+    # Issue 10 saw `status: done` after `you>`: the run's last lines must be out first.
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the demo, with the terminal as its controlling tty
+        os.environ["PYTHONPATH"] = str(ROOT)
+        os.execv(
+            sys.executable, [sys.executable, "-m", "tools.cli", "demo", "--workdir", str(tmp_path)]
+        )
+    out = b""
+
+    def read_until(needle: bytes, count: int) -> None:
+        nonlocal out
+        deadline = time.monotonic() + TIMEOUT_S
+        while out.count(needle) < count and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:
+                    return
+
+    try:
+        read_until(b"you> ", 1)
+        os.write(fd, b"Set it to my usual.\r")
+        read_until(b"you> ", 2)
+        text = out.decode(errors="replace")
+        assert text.count("you> ") == 2, text[-2000:]
+        second = text[text.index("you> ") :]
+        assert "status: done" in second[: second.rindex("you> ")], second
+        assert "status:" not in second[second.rindex("you> ") :], second
+        os.write(fd, b"\r")  # an empty line ends the demo
+        deadline = time.monotonic() + TIMEOUT_S
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            assert time.monotonic() < deadline, "the demo did not end on an empty line"
+            read_until(b"\0", 1)  # keep the terminal drained while it stops
+        pid = 0
+    finally:
+        os.close(fd)
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)
