@@ -686,10 +686,16 @@ class Bridge:
         req = check_host_req(obj)
         record, session, secret = self._session(t, req.tok)
         presence = self.intake.presence(record.device)
-        if presence is not None and presence["st"] == "offline":
-            # Not sent on to wait in the board's session: a request that runs when the
-            # board is back, hours later maybe, with no one watching, is not what the
-            # person who asked expects (a switch thrown late). Said by name instead.
+        if (
+            presence is not None
+            and presence["st"] == "offline"
+            and time.time() - presence["since"] >= self.config.offline_grace_s
+        ):
+            # Offline past the grace in which the bridge ends its runs: not sent on to
+            # wait in the board's session, where it would run when the board is back,
+            # hours later maybe, with no one watching (a switch thrown late). Said by
+            # name instead. Within the grace (a board restarting, a broker restart's
+            # wills) it is sent on and waits for the board, as any message for it does.
             raise DeviceOffline(
                 f"device {record.device} is offline; the request was not sent (ask again "
                 "once it is back)",

@@ -24,7 +24,7 @@ from server_bridge.brokerconf import check_password
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, RequestRefused
 from server_bridge.registry import DeviceRecord, Registry
-from tests.stack import Stack
+from tests.stack import Stack, forget_bridge_status
 from tests.test_brokerconf import Client, P
 from tools.broker import (
     MosquittoMissing,
@@ -831,6 +831,7 @@ def test_ask_gives_up_on_silence_with_what_may_be_down(
     broker: MosquittoProcess, tmp_path: Path
 ) -> None:
     # A broker with no bridge and no board: nothing answers, and the wait is for progress.
+    forget_bridge_status(broker)  # no bridge ever: none said it went offline either
     proc = _ask_alone(tmp_path, f"{broker.host}:{broker.port}", "--timeout", "1.5")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
