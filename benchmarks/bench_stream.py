@@ -56,6 +56,7 @@ from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import Stack, StackError, assistant_text  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
 from tools.demo import PREFIX  # noqa: E402
+from tools.steps import Steps  # noqa: E402
 
 # Each position checkable: a lost, doubled or swapped piece changes the text.
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters
@@ -93,8 +94,7 @@ class BenchError(RuntimeError):
     """A run did not end `done` with the exact text, or a wait ran out."""
 
 
-def progress(msg: str) -> None:
-    print(f"[bench_stream] {msg}", file=sys.stderr, flush=True)
+progress = Steps("bench_stream")
 
 
 def pct(values: Sequence[float], q: float) -> float:

@@ -67,6 +67,7 @@ from server_bridge.wire import (
     MAX_ID,
     REFUSALS,
     RETAINED,
+    DeviceOffline,
     TooLarge,
     UnknownDevice,
     check_host_ctl,
@@ -462,14 +463,22 @@ class Bridge:
                 log.exception("bridge housekeeping failed")
                 self._count("callback_errors")
 
-    def _status_payload(self, st: str) -> bytes:
+    def _status_payload(self, st: str, at: int | None = None) -> bytes:
         # `boot` is this process's: a board that sees it change knows the bridge
         # restarted and lost every call in flight, whatever the broker did meanwhile.
-        return encode({"st": st, "id": self.config.client_id, "boot": self._boot})
+        # `at` (Unix ms) says since when, for hosts; a last will, written at connect,
+        # cannot know it.
+        status: dict[str, Any] = {"st": st, "id": self.config.client_id, "boot": self._boot}
+        if at is not None:
+            status["at"] = at
+        return encode(status)
 
     def _say_offline(self, client: mqtt.Client) -> None:
         info = client.publish(
-            bridge_topic(self.config.prefix), self._status_payload("offline"), qos=1, retain=True
+            bridge_topic(self.config.prefix),
+            self._status_payload("offline", at=int(time.time() * 1000)),
+            qos=1,
+            retain=True,
         )
         try:
             info.wait_for_publish(_STOP_STATUS_WAIT_S)
@@ -638,15 +647,18 @@ class Bridge:
         except REFUSALS as e:
             kind = getattr(e, "kind", "bad_envelope")
             self._refuse(kind, topic, str(e))
-            self._tell_host(t, kind, _host_msg(e, obj), _req_of(obj))
+            self._tell_host(t, kind, _host_msg(e, obj), _req_of(obj), getattr(e, "detail", None))
 
-    def _tell_host(self, t: Topic, kind: str, msg: str, req: str | None) -> None:
-        """Publish a refusal as an `error` event of the bridge stream `_b` of T and D.
+    def _tell_host(
+        self, t: Topic, kind: str, msg: str, req: str | None, detail: dict[str, Any] | None = None
+    ) -> None:
+        """Publish a refusal as an `error` event of the bridge stream `_b` of T and D
+        (with the refusal's own fields, `detail`: a device_offline's `since`).
 
         On the topic's own tenant and device only (parse() has checked both levels), so
         it reaches the hosts of the tenant that sent the message, whoever owns D.
         """
-        d: dict[str, Any] = {"kind": kind, "msg": msg}
+        d: dict[str, Any] = {**(detail or {}), "kind": kind, "msg": msg}
         if req is not None:
             d["req"] = req
         self._bridge_error(t, d)
@@ -673,6 +685,22 @@ class Bridge:
     def _host_req(self, t: Topic, obj: Any) -> None:
         req = check_host_req(obj)
         record, session, secret = self._session(t, req.tok)
+        presence = self.intake.presence(record.device)
+        if (
+            presence is not None
+            and presence["st"] == "offline"
+            and time.time() - presence["since"] >= self.config.offline_grace_s
+        ):
+            # Offline past the grace in which the bridge ends its runs: not sent on to
+            # wait in the board's session, where it would run when the board is back,
+            # hours later maybe, with no one watching (a switch thrown late). Said by
+            # name instead. Within the grace (a board restarting, a broker restart's
+            # wills) it is sent on and waits for the board, as any message for it does.
+            raise DeviceOffline(
+                f"device {record.device} is offline; the request was not sent (ask again "
+                "once it is back)",
+                int(presence["since"] * 1000),
+            )
         # Built from named fields only: the user is the token's, and no other key of the
         # host payload (usr, ten, device, tok ...) reaches the board.
         out: dict[str, Any] = {"req": req.req, "usr": session.user, "input": req.input}

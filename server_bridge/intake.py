@@ -919,6 +919,12 @@ class EventIntake:
             else:
                 stale = False
                 if presence is not None:
+                    # `since`: when the bridge saw the device turn online or offline; a
+                    # status repeating the last one (a retained copy delivered again at
+                    # a subscribe) keeps it.
+                    before = self._presence.get(device)
+                    same = before is not None and before["st"] == presence["st"]
+                    presence["since"] = before["since"] if before and same else presence["seen"]
                     self._presence[device] = presence
                 if boot is not None:
                     self._boot[device] = boot
@@ -1035,5 +1041,8 @@ class EventIntake:
             return self._hello_used
 
     def presence(self, device: str) -> dict[str, Any] | None:
+        """The device's last status as kept (`st`, the contract's fields, `seen` and
+        `since`: Unix times of its arrival and of the change to `st`), None when none
+        came or an empty retained status cleared it."""
         with self._lock:
             return self._presence.get(device)

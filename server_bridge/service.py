@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from server_bridge.config import DEFAULT_CLIENT_ID, BridgeConfig
 from server_bridge.metrics import write_text_file
-from server_bridge.models.base import Provider
+from server_bridge.models.base import Provider, check_base_url
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
 
@@ -77,9 +77,20 @@ class ServiceError(RuntimeError):
 def broker_address(text: str) -> tuple[str, int]:
     """`HOST:PORT` as (host, port); an argparse type."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    if not sep or not host or not port.isdigit() or any(c.isspace() for c in host):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT such as 127.0.0.1:1883, got {text!r}")
+    if not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be 1..65535, got {text!r}")
     return host, int(port)
+
+
+def model_url(text: str) -> str:
+    """An OpenAI-compatible server's base URL, checked at start-up; an argparse type."""
+    try:
+        check_base_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def milliseconds(text: str) -> float:
@@ -140,7 +151,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--script", type=Path, help="scripted model: a JSON script file (default: the demo script)"
     )
     p.add_argument(
-        "--openai-base-url", help="use an OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1"
+        "--openai-base-url",
+        type=model_url,
+        metavar="URL",
+        help="use an OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1",
     )
     p.add_argument("--model", default=os.environ.get("WREN_MODEL", "gpt-4o-mini"))
     p.add_argument(

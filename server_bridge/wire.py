@@ -43,6 +43,7 @@ __all__ = [
     "BadTopic",
     "BadType",
     "Call",
+    "DeviceOffline",
     "HostCtl",
     "HostReq",
     "Limits",
@@ -113,6 +114,17 @@ class UnknownMethod(WireError):
 
 class UnknownDevice(WireError):
     kind = "unknown_device"
+
+
+class DeviceOffline(WireError):
+    """A host request for a device whose last status says offline: not sent on, and
+    `detail` (`since`, Unix ms) goes to the host with the refusal."""
+
+    kind = "device_offline"
+
+    def __init__(self, msg: str, since_ms: int) -> None:
+        super().__init__(msg)
+        self.detail = {"since": since_ms}
 
 
 # Everything the bridge refuses carries `.kind`; BadTopic and TokenError live next to

@@ -63,6 +63,7 @@ __all__ = [
     "Stack",
     "StackError",
     "assistant_text",
+    "forget_bridge_status",
     "i686_binary",
     "persistence_conf",
 ]
@@ -101,6 +102,16 @@ def i686_binary() -> str | None:
         if candidate and Path(candidate).is_file():
             return candidate
     return None
+
+
+def forget_bridge_status(broker: MosquittoProcess, prefix: str = PREFIX) -> None:
+    """Clear the retained bridge status on a shared broker (the session's): a bridge an
+    earlier test stopped left `offline` there, which a host (`wren ask`) reads as the
+    bridge being down. For a test that plays the bridge itself, or has none."""
+    import paho.mqtt.publish as publish
+
+    publish.single(f"{prefix}/b/status", b"", qos=1, retain=True, hostname=broker.host,
+                   port=broker.port)  # fmt: skip
 
 
 class StackError(RuntimeError):

@@ -1284,5 +1284,5 @@ def test_a_status_keeps_only_what_presence_is() -> None:
     it.handle_status(DEV, msgpack.packb(status))
     presence = it.presence("dev1")
     assert presence is not None
-    assert set(presence) == {"st", "seen", "fw", "heap", "boot"}
+    assert set(presence) == {"st", "seen", "since", "fw", "heap", "boot"}
     assert presence["fw"] == "f" * 64 and presence["heap"] == 90000

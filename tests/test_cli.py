@@ -24,6 +24,7 @@ from server_bridge.brokerconf import check_password
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, RequestRefused
 from server_bridge.registry import DeviceRecord, Registry
+from tests.stack import Stack, forget_bridge_status
 from tests.test_brokerconf import Client, P
 from tools.broker import (
     MosquittoMissing,
@@ -830,9 +831,193 @@ def test_ask_gives_up_on_silence_with_what_may_be_down(
     broker: MosquittoProcess, tmp_path: Path
 ) -> None:
     # A broker with no bridge and no board: nothing answers, and the wait is for progress.
+    forget_bridge_status(broker)  # no bridge ever: none said it went offline either
     proc = _ask_alone(tmp_path, f"{broker.host}:{broker.port}", "--timeout", "1.5")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "wren ask: nothing from device thermo1 for 1.5 s (the board, the bridge or the broker "
         "may be down)"
     ]
+
+
+# --- presence told to `wren ask`: a board or a bridge that is down is said in one line ---
+
+ASK_USER = "host-ask"  # `wren ask` is a host connection of its own (PROTOCOL "Identity")
+
+
+def _ask_in(s: Stack, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`wren ask` as a user runs it, against the stack's broker and registry."""
+    env = _env()
+    env["WREN_HOST_USER"] = ASK_USER
+    env["WREN_HOST_PASSWORD"] = s.users[ASK_USER]
+    args = ("--broker", f"{s.host}:{s.port}", "--registry", str(s.registry_path), "--timeout",
+            "20", *extra, "How warm is it in here?")  # fmt: skip
+    return subprocess.run(
+        wren("ask", *args), cwd=s.workdir, env=env, capture_output=True, text=True,
+        timeout=TIMEOUT_S,
+    )  # fmt: skip
+
+
+def _clock_near(line: str, when: float) -> None:
+    """The HH:MM:SS at the end of `line` is the local time `when`, give or take 3 s."""
+    said = line.rsplit(" ", 1)[-1]
+    day = time.localtime(when)
+    t = time.mktime(time.strptime(f"{day.tm_year}-{day.tm_yday} {said}", "%Y-%j %H:%M:%S"))
+    assert abs(t - when) <= 3, (line, time.strftime("%H:%M:%S", day))
+
+
+def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_ask_says_in_one_line_that_the_device_is_offline_since_when_or_unknown(
+    tmp_path: Path,
+) -> None:
+    with Stack(tmp_path, extra_users={ASK_USER: "demo"}) as s:
+        line = _one_line(_ask_in(s, "--device", "nosuch"))
+        assert line == (
+            "wren ask: device nosuch is not a device of tenant demo (`wren device list` "
+            "shows the registry's devices)"
+        )
+        assert s.client is not None
+        stopped = time.time()
+        s.stop_board()
+        # The board's last will reaches the bridge: a request is then refused by name,
+        # with since when, and not sent on to run whenever the board is back.
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            req = s.request("Still there?")
+            try:
+                s.client.wait_run(req, timeout=2)
+            except RequestRefused as e:
+                assert e.kind == "device_offline", e
+                assert abs(e.detail["since"] / 1000 - stopped) < 3, e.detail
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline, s.describe()
+        presence = s.client.device_presence(s.device)
+        assert presence is not None and presence.offline
+        line = _one_line(_ask_in(s))
+        assert line.startswith("wren ask: device thermo1 is offline since "), line
+        _clock_near(line, stopped)
+        # Back, and asked again: answered.
+        s.start_board()
+        deadline = time.monotonic() + TIMEOUT_S
+        while (proc := _ask_in(s)).returncode != 0:
+            assert "is offline since" in proc.stderr and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.5)
+        assert "Traceback" not in proc.stderr
+
+
+def test_ask_says_in_one_line_that_the_bridge_is_offline_since_when(tmp_path: Path) -> None:
+    with Stack(tmp_path, extra_users={ASK_USER: "demo"}) as s:
+        stopped = time.time()
+        s.stop_bridge()  # a clean stop: its offline status says when
+        line = _one_line(_ask_in(s))
+        assert line.startswith("wren ask: the bridge is offline since "), line
+        _clock_near(line, stopped)
+        s.start_bridge()
+        killed = time.time()
+        s.kill_bridge()  # its last will, which cannot know the time: since before now
+        line = _one_line(_ask_in(s))
+        assert line.startswith("wren ask: the bridge is offline (since before "), line
+        _clock_near(line.rstrip(")"), killed)
+
+
+# --- argument mistakes: one line, exit 2, before anything starts ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("localhost", "expected HOST:PORT such as 127.0.0.1:1883, got 'localhost'"),
+        ("localhost:mqtt", "expected HOST:PORT such as 127.0.0.1:1883, got 'localhost:mqtt'"),
+        (":1883", "expected HOST:PORT such as 127.0.0.1:1883, got ':1883'"),
+        ("localhost:99999", "the port must be 1..65535, got 'localhost:99999'"),
+        ("localhost:0", "the port must be 1..65535, got 'localhost:0'"),
+    ],
+)
+def test_a_bad_broker_address_is_one_line_and_exit_2(value: str, said: str) -> None:
+    for command in (["bridge"], ["ask", "Hello?"], ["board", "--virtual"], ["demo"]):
+        proc = subprocess.run(
+            wren(*command, f"--broker={value}"), cwd=ROOT, env=_env(), capture_output=True,
+            text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+        assert proc.returncode == 2, (command, proc.stderr)
+        assert proc.stderr.splitlines() == [
+            f"wren {command[0]}: error: argument --broker: {said} (see wren {command[0]} --help)"
+        ]
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("not-a-url", "expected an http:// or https:// URL such as http://127.0.0.1:11434/v1, "
+         "got 'not-a-url'"),
+        ("ftp://models.example/v1", "expected an http:// or https:// URL such as "
+         "http://127.0.0.1:11434/v1, got 'ftp://models.example/v1'"),
+        ("http://127.0.0.1:99999/v1", "the port of 'http://127.0.0.1:99999/v1' is not a number "
+         "in 0..65535"),
+    ],
+)  # fmt: skip
+def test_a_bad_model_base_url_is_refused_at_start_up_in_one_line(
+    url: str, said: str, tmp_path: Path
+) -> None:
+    # Refused before the bridge connects anywhere or writes anything.
+    proc = subprocess.run(
+        wren("bridge", "--openai-base-url", url, "--registry", str(tmp_path / "r.json")),
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"wren bridge: error: argument --openai-base-url: {said} (see wren bridge --help)"
+    ]
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_the_interactive_demo_prints_the_status_line_before_the_next_prompt(
+    tmp_path: Path,
+) -> None:
+    # Issue 10 saw `status: done` after `you>`: the run's last lines must be out first.
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the demo, with the terminal as its controlling tty
+        os.environ["PYTHONPATH"] = str(ROOT)
+        os.execv(
+            sys.executable, [sys.executable, "-m", "tools.cli", "demo", "--workdir", str(tmp_path)]
+        )
+    out = b""
+
+    def read_until(needle: bytes, count: int) -> None:
+        nonlocal out
+        deadline = time.monotonic() + TIMEOUT_S
+        while out.count(needle) < count and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:
+                    return
+
+    try:
+        read_until(b"you> ", 1)
+        os.write(fd, b"Set it to my usual.\r")
+        read_until(b"you> ", 2)
+        text = out.decode(errors="replace")
+        assert text.count("you> ") == 2, text[-2000:]
+        second = text[text.index("you> ") :]
+        assert "status: done" in second[: second.rindex("you> ")], second
+        assert "status:" not in second[second.rindex("you> ") :], second
+        os.write(fd, b"\r")  # an empty line ends the demo
+        deadline = time.monotonic() + TIMEOUT_S
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            assert time.monotonic() < deadline, "the demo did not end on an empty line"
+            read_until(b"\0", 1)  # keep the terminal drained while it stops
+        pid = 0
+    finally:
+        os.close(fd)
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)

@@ -25,6 +25,7 @@ from server_bridge.host.client import (
 )
 from server_bridge.host.reducer import RunSnapshot
 from server_bridge.host.terminal import render
+from tests.stack import forget_bridge_status
 from tools.broker import free_port
 
 PREFIX = "wren/v1"
@@ -553,6 +554,7 @@ def test_wren_ask_exits_non_zero_for_an_incomplete_run(
 
     monkeypatch.delenv("WREN_HOST_USER", raising=False)
     monkeypatch.delenv("WREN_HOST_PASSWORD", raising=False)
+    forget_bridge_status(broker)  # the fake bridge here says no status of its own
     registry = tmp_path / "registry.json"
     provision(registry, tenant, [("dev", "thermostat")])
 

@@ -817,3 +817,21 @@ def test_a_copy_keeps_tables_nodes_and_budgets_apart_from_the_reducer() -> None:
     assert snap.nodes["/model"].status == "completed"
     assert c.nodes["/model"].status == "running"
     assert c == copy.deepcopy(c)
+
+
+def test_a_device_offline_refusal_is_the_devices_presence_until_a_run_shows_it_back() -> None:
+    reducer = Reducer("thermo1")
+    assert reducer.presence is None
+    refusal = ev(1, "error", BRIDGE_RUN, kind="device_offline", msg="offline", req="q1",
+                 since=1_700_000_000_123)  # fmt: skip
+    reducer.apply(refusal)
+    presence = reducer.presence
+    assert presence is not None and presence.offline and presence.since == 1_700_000_000.123
+    reducer.apply(ev(2, "error", BRIDGE_RUN, kind="busy", msg="full", req="q2"))
+    assert reducer.presence is presence  # another refusal says nothing of presence
+    reducer.apply(ev(3, "error", BRIDGE_RUN, kind="device_offline", msg="offline", req="q3",
+                     since="soon"))  # fmt: skip
+    later = reducer.presence
+    assert later is not None and later.offline and later.since is None
+    reducer.apply(full_run()[0])
+    assert reducer.presence is None

@@ -24,7 +24,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from server_bridge import brokerconf, service
 from server_bridge.memory.grants import ALL_FIELDS, READ, WRITE
@@ -71,6 +71,11 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, **kw: Any) -> None:
         kw.setdefault("formatter_class", _ShowDefaults)
         super().__init__(**kw)
+
+    def error(self, message: str) -> NoReturn:
+        # One line, not the usage block above it: the line says what was wrong and
+        # --help the rest.
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # What MicroPython's -X heapsize takes: a number with an optional K or M. The bounds

@@ -26,8 +26,14 @@ from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, HostConnectError, RequestRefused
-from server_bridge.host.reducer import RunSnapshot
-from server_bridge.host.terminal import LiveView, print_transcript, render_status
+from server_bridge.host.reducer import Presence, RunSnapshot
+from server_bridge.host.terminal import (
+    LiveView,
+    print_transcript,
+    render_presence,
+    render_refusal,
+    render_status,
+)
 from server_bridge.memory import open_memory
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry, provision
@@ -405,6 +411,12 @@ def run_ask(args: argparse.Namespace) -> int:
         client.connect(timeout=10)
     except (HostConnectError, OSError, TimeoutError) as e:
         raise DemoError(f"cannot reach the broker at {host}:{port}: {e}") from e
+    # connect() has read the bridge's retained status: with the bridge away, the request
+    # would wait for it at the broker and run whenever it is back, unwatched. Not sent.
+    bridge = client.bridge_presence()
+    if bridge is not None and bridge.offline:
+        client.close()
+        raise DemoError(render_presence("the bridge", bridge))
     view = LiveView(sys.stdout)
 
     def show(_event: dict[str, Any], snap: Any) -> None:
@@ -414,21 +426,9 @@ def run_ask(args: argparse.Namespace) -> int:
     try:
         token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
         req = client.request(args.device, token, args.text)
-        # The wait is for progress, not for the whole answer: a long answer that keeps
-        # streaming is never cut off, and silence ends the wait (--timeout seconds,
-        # longer than the bridge's own model timeout, so its error comes first).
-        last = -1
-
-        def moved(x: RunSnapshot) -> bool:
-            return x.terminal or x.last_id != last
-
-        while True:
-            snap = client.wait_for(req, moved, timeout=args.timeout)
-            if snap.terminal:
-                break
-            last = snap.last_id
+        snap = _follow(client, req, args.timeout)
     except RequestRefused as e:
-        raise DemoError(f"the request was refused: {e.kind}: {e.msg}") from e
+        raise DemoError(render_refusal(args.device, args.tenant, e.kind, e.msg, e.detail)) from e
     except TimeoutError:
         raise DemoError(
             f"nothing from device {args.device} for {args.timeout:g} s "
@@ -440,3 +440,44 @@ def run_ask(args: argparse.Namespace) -> int:
     if not snap.complete:
         print(f"wren ask: {render_status(snap)}", file=sys.stderr)
     return 0 if snap.status == "done" and snap.complete else 1
+
+
+# How often `wren ask` looks at the bridge's presence while it waits.
+_PRESENCE_CHECK_S = 0.5
+
+
+def _follow(client: HostClient, req: str, timeout: float) -> RunSnapshot:
+    """Wait for the run of `req` to end; TimeoutError after `timeout` s without any event
+    of it. The wait is for progress, not for the whole answer: a long answer that keeps
+    streaming is never cut off (the timeout is longer than the bridge's own model
+    timeout, so its error comes first). The bridge going offline meanwhile is a notice
+    line on stderr, and the wait goes on: the board's events wait for the bridge at the
+    broker, and the run may still end."""
+    last = -1
+    progress = time.monotonic()
+    told: Presence | None = None
+
+    def moved(x: RunSnapshot) -> bool:
+        return x.terminal or x.last_id != last
+
+    while True:
+        left = progress + timeout - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no event of request {req} for {timeout} s")
+        try:
+            snap = client.wait_for(req, moved, timeout=min(_PRESENCE_CHECK_S, left))
+        except TimeoutError:
+            bridge = client.bridge_presence()
+            if bridge is not None and bridge.offline and told is None:
+                notice = f"{render_presence('the bridge', bridge)}; waiting for it"
+                print(f"\nwren ask: {notice} (at most {timeout:g} s without news)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                told = bridge
+            elif told is not None and bridge is not None and not bridge.offline:
+                print("wren ask: the bridge is back", file=sys.stderr, flush=True)
+                told = None
+            continue
+        if snap.terminal:
+            return snap
+        last = snap.last_id
+        progress = time.monotonic()

@@ -13,6 +13,11 @@ device stream `_` (busy), each as an `error` event naming the `req`. wait_run an
 wait_for raise RequestRefused as soon as one arrives instead of waiting out their
 timeout.
 
+Presence: the bridge's comes from `P/b/status` (retained), which the client reads with
+its events (bridge_presence()); a device's from the bridge, on its stream `_b`, when
+it refuses a request `device_offline` (device_presence()). See PROTOCOL.md "Presence
+at the host".
+
 It repairs holes itself, because the reducer applies a run's events only in id order
 and a run is finished only when every id below its terminal event is there or declared
 lost (so a partial answer is never shown as a whole one). When a run holds events above
@@ -52,13 +57,21 @@ from server_bridge.host.reducer import (
     DEVICE_RUN,
     STREAMS,
     OnApply,
+    Presence,
     Reducer,
     RunSnapshot,
 )
 from server_bridge.mqttclient import Client
 from server_bridge.tcp import no_delay
-from server_bridge.topics import DEFAULT_PREFIX, BadTopic, check_id, host_topic, parse
-from server_bridge.wire import Limits, WireError, check_events, decode, encode
+from server_bridge.topics import (
+    DEFAULT_PREFIX,
+    BadTopic,
+    bridge_topic,
+    check_id,
+    host_topic,
+    parse,
+)
+from server_bridge.wire import BadEnvelope, Limits, WireError, check_events, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +102,16 @@ class HostConnectError(ConnectionError):
 
 class RequestRefused(RuntimeError):
     """A request was refused before any run started for it: `kind` is the contract's
-    error kind (bad_token, unknown_device, bad_envelope, busy, ...), `msg` the
-    customer-safe text, `req` the request id."""
+    error kind (bad_token, unknown_device, device_offline, bad_envelope, busy, ...),
+    `msg` the customer-safe text, `req` the request id, `detail` the refusal's other
+    fields (a device_offline's `since`, Unix ms)."""
 
-    def __init__(self, kind: str, msg: str, req: str) -> None:
+    def __init__(self, kind: str, msg: str, req: str, detail: dict[str, Any] | None = None) -> None:
         super().__init__(f"request {req} was refused: {kind}: {msg}")
         self.kind = kind
         self.msg = msg
         self.req = req
+        self.detail = detail or {}
 
 
 def decode_events(payload: bytes | bytearray) -> list[dict[str, Any]]:
@@ -132,15 +147,39 @@ def _keep_copy(
     into.append((e, snap.copy()))
 
 
-def _refusal(event: dict[str, Any]) -> tuple[str, str, str] | None:
-    """(req, kind, msg) of an error event that refuses a request, else None."""
+# The fields of a refusal that are not its own detail.
+_REFUSAL_KEYS = ("req", "kind", "msg")
+
+
+def _refusal(event: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]] | None:
+    """(req, kind, msg, detail) of an error event that refuses a request, else None."""
     if event["r"] not in (BRIDGE_RUN, DEVICE_RUN) or event["t"] != "error":
         return None
     d = event["d"]
     req, kind, msg = d.get("req"), d.get("kind"), d.get("msg")
     if not isinstance(req, str) or not isinstance(kind, str):
         return None
-    return req, kind, msg if isinstance(msg, str) else ""
+    detail = {k: v for k, v in d.items() if k not in _REFUSAL_KEYS}
+    return req, kind, msg if isinstance(msg, str) else "", detail
+
+
+def _bridge_presence(payload: bytes | bytearray, retained: bool) -> Presence | None:
+    """The bridge's presence from its `P/b/status` payload `{st, id, boot, at?}`.
+
+    Since when: its `at` (Unix ms, on the offline status of a clean stop), else the time
+    it arrives when the broker sends it live; a retained copy without `at` (a last will
+    published before this client connected) says no time."""
+    try:
+        obj = decode(payload, HOST_LIMITS)
+    except WireError:
+        return None
+    if not isinstance(obj, dict) or obj.get("st") not in ("online", "offline"):
+        return None
+    now = time.time()
+    at = obj.get("at")
+    if isinstance(at, int) and not isinstance(at, bool) and at > 0:
+        return Presence(obj["st"], at / 1000, now)
+    return Presence(obj["st"], None if retained else now, now)
 
 
 class HostClient:
@@ -191,7 +230,10 @@ class HostClient:
         # req id -> (kind, msg) of the refusal that named it. Kept apart from the
         # reducers: it must survive a bridge restart, after which `_b` ids begin at 1
         # again and the reducer would skip them as already seen.
-        self._refused: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._refused: OrderedDict[str, tuple[str, str, dict[str, Any]]] = OrderedDict()
+        # The bridge's presence from P/b/status (None until one arrives; none arrives
+        # from a broker no bridge ever used).
+        self._bridge: Presence | None = None
         # Session tokens for replay requests: per device (the last used in request()),
         # and one for any other device.
         self._tokens: dict[str, str] = {}
@@ -227,13 +269,15 @@ class HostClient:
         self._client.on_subscribe = self._on_subscribe
         self._client.on_message = self._on_message
         self._evt_filter = f"{prefix}/h/{self.tenant}/+/evt"
+        self._status_topic = bridge_topic(prefix)
         self._started = False
 
     # --- connection ---------------------------------------------------------------
 
     def connect(self, timeout: float = 10) -> None:
         """Connect and subscribe; returns once the subscription is acknowledged, so no
-        event published after this returns is missed. Raises HostConnectError."""
+        event published after this returns is missed, and the bridge's retained status
+        (if any) has been read (bridge_presence()). Raises HostConnectError."""
         deadline = time.monotonic() + timeout
         self._client.connect_timeout = timeout
         try:
@@ -302,7 +346,11 @@ class HostClient:
         with self._cond:
             self._connected = True
         # Subscribe here, not in connect(): after an automatic reconnect the session is
-        # clean and the subscription must be made again.
+        # clean and the subscription must be made again. The bridge's status first, on
+        # its own: the broker sends a subscription's retained messages after its SUBACK
+        # and handles a client's packets in order, so by the events' SUBACK (what
+        # connect() waits for) the bridge's retained status has arrived.
+        client.subscribe(self._status_topic, qos=1)
         _, mid = client.subscribe(self._evt_filter, qos=1)
         with self._cond:
             self._sub_mid = mid
@@ -312,6 +360,8 @@ class HostClient:
     ) -> None:
         asks: list[tuple[str, str, int]] = []
         with self._cond:
+            if mid != self._sub_mid:
+                return  # the bridge's status: hosts may read it (PROTOCOL "Broker ACL")
             if any(rc.is_failure for rc in reason_codes):
                 self._connect_error = (
                     f"the MQTT broker refused the subscription to {self._evt_filter} "
@@ -427,11 +477,20 @@ class HostClient:
         # Everything is caught here: an exception escaping a paho callback would stop
         # the network thread, and with it every later event.
         try:
-            self._handle(msg.topic, msg.payload)
+            self._handle(msg.topic, msg.payload, bool(msg.retain))
         except Exception:
             log.exception("host client: unexpected error handling a message on %s", msg.topic)
 
-    def _handle(self, topic_name: str, payload: bytes | bytearray) -> None:
+    def _handle(self, topic_name: str, payload: bytes | bytearray, retained: bool = False) -> None:
+        if topic_name == self._status_topic:
+            presence = _bridge_presence(payload, retained)
+            if presence is None:
+                self._count_malformed(topic_name, BadEnvelope("not a bridge status"))
+                return
+            with self._cond:
+                self._bridge = presence
+                self._cond.notify_all()
+            return
         try:
             topic = parse(self.prefix, topic_name)
             if topic.side != "h" or topic.leaf != "evt" or topic.tenant != self.tenant:
@@ -446,8 +505,8 @@ class HostClient:
             with self._cond:
                 refusal = _refusal(event)
                 if refusal is not None:
-                    req, kind, msg = refusal
-                    self._refused[req] = (kind, msg)
+                    req, kind, msg, detail = refusal
+                    self._refused[req] = (kind, msg, detail)
                     self._refused.move_to_end(req)
                     while len(self._refused) > MAX_REFUSALS:
                         self._refused.popitem(last=False)
@@ -589,6 +648,19 @@ class HostClient:
             self.malformed += 1
         log.warning("host client: dropped a malformed event on %s: %s", topic_name, err)
 
+    def bridge_presence(self) -> Presence | None:
+        """The bridge's presence from its status on `P/b/status`; None before any came
+        (no bridge has used this broker, or its retained status was cleared)."""
+        with self._cond:
+            return self._bridge
+
+    def device_presence(self, device: str) -> Presence | None:
+        """The device's presence as the bridge last told it on `_b` (a request refused
+        `device_offline`); None when it has not."""
+        with self._cond:
+            reducer = self._reducers.get(device)
+            return reducer.presence if reducer is not None else None
+
     @property
     def events(self) -> list[dict[str, Any]]:
         """The envelopes received (the last `max_events` of them), oldest first."""
@@ -646,7 +718,7 @@ class HostClient:
                         # Only while no run exists: a refusal of a repeat of a request
                         # that did start a run (a resend with a stale token) does not end
                         # that run.
-                        raise RequestRefused(refused[0], refused[1], req_id)
+                        raise RequestRefused(*refused[:2], req_id, refused[2])
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError(self._describe_wait(req_id, snap, timeout))

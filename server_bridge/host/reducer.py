@@ -46,6 +46,7 @@ JavaScript folds by the same rules):
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -66,6 +67,7 @@ __all__ = [
     "BadEnvelope",
     "Budget",
     "NodeState",
+    "Presence",
     "Reducer",
     "Row",
     "RunSnapshot",
@@ -84,6 +86,35 @@ OnApply = Callable[[dict[str, Any], "RunSnapshot"], None]
 STREAMS: frozenset[str] = frozenset({DEVICE_RUN, BRIDGE_RUN})
 
 TERMINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
+
+
+@dataclass(frozen=True)
+class Presence:
+    """Whether a device or the bridge is online, as a host learned it (PROTOCOL.md
+    "Presence at the host"). `since`: Unix seconds of the change to `st`, None when it
+    is not known (a bridge's last will kept retained by the broker says no time); `seen`:
+    when this host learned it."""
+
+    st: str  # "online" or "offline"
+    since: float | None
+    seen: float
+
+    @property
+    def offline(self) -> bool:
+        return self.st == "offline"
+
+
+def presence_of(d: Mapping[str, Any], seen: float) -> Presence | None:
+    """A device's presence from an `error` the bridge sends on `_b`: a request refused
+    `device_offline` (`since`, Unix ms on the wire); None for any other."""
+    if d.get("kind") != "device_offline":
+        return None
+    st = "offline"
+    since = d.get("since")
+    if not isinstance(since, (int, float)) or isinstance(since, bool) or not since > 0:
+        return Presence(st, None, seen)
+    return Presence(st, since / 1000, seen)
+
 
 # The failure kinds of the contract (`run.failed` err.kind). Anything else is reported as
 # `internal`, so a UI can switch on the kind without meeting a value it does not know.
@@ -919,6 +950,9 @@ class Reducer:
         self._runs: dict[str, RunSnapshot] = {}
         # Terminal runs in the order they finished: the first to go when over max_runs.
         self._finished: dict[str, None] = {}
+        # The device's presence as the bridge last told it on `_b`: None when not told,
+        # or since an event of one of its runs showed it back.
+        self.presence: Presence | None = None
 
     def apply(self, event: Envelope) -> RunSnapshot:
         """Fold one envelope; returns the run's snapshot (unchanged for a duplicate or
@@ -939,6 +973,12 @@ class Reducer:
             self._evict(keep=r)
         applied = _apply_checked(snap, env, on_apply)
         self._note(snap)
+        if r == BRIDGE_RUN and applied and env["t"] == "error":
+            presence = presence_of(env["d"], time.time())
+            if presence is not None:
+                self.presence = presence
+        elif r not in STREAMS and applied:
+            self.presence = None
         return snap, applied
 
     def mark_lost(

@@ -13,10 +13,19 @@ is missing, and the status line says `(incomplete: events a..b missing)`.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from server_bridge.host.reducer import Budget, Envelope, Reducer, Row, RunSnapshot
+from server_bridge.host.reducer import (
+    Budget,
+    Envelope,
+    Presence,
+    Reducer,
+    Row,
+    RunSnapshot,
+    presence_of,
+)
 
 # Row statuses that mean "more text may still be appended to this row".
 _OPEN_STATUSES = frozenset({"streaming", "building"})
@@ -105,6 +114,38 @@ def _status(snap: RunSnapshot) -> str:
         # Which node is doing what: the latest started of those open.
         return f"status: {snap.status} (in {snap.active[-1][0]})"
     return f"status: {snap.status}"
+
+
+def clock_time(t: float, now: float | None = None) -> str:
+    """Local wall-clock time: `12:03:07`, with the date when it is not today's."""
+    local = time.localtime(t)
+    today = time.localtime(time.time() if now is None else now)
+    same_day = local[:3] == today[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M:%S", local)
+
+
+def render_presence(who: str, presence: Presence) -> str:
+    """`device thermo1 is offline since 12:03:07`, `the bridge is online since ...`;
+    with no known time, since before the moment this host learned it."""
+    if presence.since is not None:
+        return f"{who} is {presence.st} since {clock_time(presence.since)}"
+    return f"{who} is {presence.st} (since before {clock_time(presence.seen)})"
+
+
+def render_refusal(device: str, tenant: str, kind: str, msg: str, detail: dict[str, Any]) -> str:
+    """One line for a request refused before a run started (HostClient's
+    RequestRefused): the common ones in words, the rest as the contract's kind and the
+    bridge's or board's message."""
+    if kind == "device_offline":
+        presence = presence_of({"kind": kind, **detail}, time.time())
+        assert presence is not None  # a device_offline is always a presence
+        return render_presence(f"device {device}", presence)
+    if kind == "unknown_device":
+        return (
+            f"device {device} is not a device of tenant {tenant} "
+            "(`wren device list` shows the registry's devices)"
+        )
+    return f"the request was refused: {kind}: {msg}"
 
 
 def render_budget(budget: Budget) -> str:

@@ -22,6 +22,7 @@ Tools are `{"name", "description", "args": <JSON schema>}`.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -71,3 +72,18 @@ class Provider(Protocol):
         """Stream chunks through `emit` and return the final {usage, finish}; give up
         with a ModelError once time.monotonic() passes `deadline`."""
         ...
+
+
+def check_base_url(url: str) -> urllib.parse.SplitResult:
+    """An OpenAI-compatible server's base URL, split; ValueError, in words a user can
+    act on, for one that is not http:// or https:// with a host (and a valid port)."""
+    parts = urllib.parse.urlsplit(url.strip().rstrip("/"))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"expected an http:// or https:// URL such as http://127.0.0.1:11434/v1, got {url!r}"
+        )
+    try:
+        parts.port  # noqa: B018 - reading it is the check: urllib raises for a bad one
+    except ValueError:
+        raise ValueError(f"the port of {url!r} is not a number in 0..65535") from None
+    return parts

@@ -52,7 +52,7 @@ from typing import Any
 
 from server_bridge.config import BridgeConfig
 from server_bridge.models import http11
-from server_bridge.models.base import Chunk, Final, ModelError
+from server_bridge.models.base import Chunk, Final, ModelError, check_base_url
 from server_bridge.redact import scrub
 
 log = logging.getLogger(__name__)
@@ -415,9 +415,7 @@ class OpenAIProvider:
         max_idle: int = BridgeConfig.rpc_workers,
         idle_s: float = IDLE_S,
     ) -> None:
-        parts = urllib.parse.urlsplit(base_url.rstrip("/"))
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("base_url must be an http:// or https:// URL")
+        parts = check_base_url(base_url)
         self._basic: str | None = None
         if parts.username is not None:
             # http.client does not send URL credentials itself; turn them into a header
