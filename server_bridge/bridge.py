@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -88,6 +88,29 @@ F = TypeVar("F", bound=Callable[..., Any])
 _TICK_S = 0.05
 # How long a clean stop waits for the broker to take its offline status.
 _STOP_STATUS_WAIT_S = 5.0
+# How long a stop waits, once it has answered the calls in flight `bridge_stopping`, for
+# their boards' runs to end (their run.failed goes out to hosts through this bridge):
+# a board answers within a few ms; one that does not is left to the offline status.
+_STOP_RUNS_WAIT_S = 1.5
+_STOP_POLL_S = 0.02
+
+
+class _PahoLog(logging.LoggerAdapter):
+    """paho's log, as `wren.bridge.paho`; once the bridge is stopping, what paho says at
+    WARNING or above goes to DEBUG: paho 2.2's network thread may run once more after
+    the disconnect closed the socket and log "Client is not connected" or "failed to
+    receive on socket" at ERROR, the expected state of an orderly stop. Before the stop
+    a real error is still an ERROR. (Detaching paho's logger at the stop instead raced
+    paho's own check of it.)"""
+
+    def __init__(self, stopping: threading.Event) -> None:
+        super().__init__(logging.getLogger("wren.bridge.paho"), {})
+        self._stopping = stopping
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if level >= logging.WARNING and self._stopping.is_set():
+            level = logging.DEBUG
+        super().log(level, msg, *args, **kwargs)
 
 
 class _BridgeStreams:
@@ -346,7 +369,8 @@ class Bridge:
             protocol=mqtt.MQTTv311,
             clean_session=False,
         )
-        client.enable_logger(logging.getLogger("wren.bridge.paho"))
+        # paho only calls the logger's log(); an adapter that knows about the stop.
+        client.enable_logger(cast(logging.Logger, _PahoLog(self._stopping)))
         # The outbox hands paho at most max_inflight_messages unacknowledged messages,
         # all of which paho may have on the wire at once; paho's own bound is the
         # safety net above that (and what the few direct publishes, the presence, use).
@@ -412,31 +436,41 @@ class Bridge:
         log.info("memory recall index rebuilt: %d rows", n)
 
     def stop(self) -> None:
-        """Say offline, disconnect and stop the threads; calls still running get no answer.
+        """Fail the calls in flight, say offline, disconnect and stop the threads, in
+        about a second or two whatever the model is doing (PROTOCOL.md "RPC", "Bridge
+        presence").
 
-        The session stays at the broker (it is persistent): a bridge started again with
-        the same client id gets what boards sent in between.
+        Each call in flight is answered `bridge_stopping` (a model call: kind `llm`,
+        cause `unavailable`; retryable) and its model stream closed, so its board ends
+        the run with that cause; the stop waits up to _STOP_RUNS_WAIT_S for those runs'
+        ends to go out to hosts. The session stays at the broker (it is persistent): a
+        bridge started again with the same client id gets what boards sent in between.
         """
         self._stopping.set()
+        # New calls are refused `busy` from here; the ones in flight are answered now,
+        # while the connection is up, and their streams cut (a worker blocked on a slow
+        # model server returns at once instead of holding the process until it ends).
+        answered = self.rpc.stop_calls()
+        cancel = getattr(self.provider, "cancel", None)
+        if callable(cancel):
+            cancel()
         client, self._client = self._client, None
         if client is not None:
+            if answered and self._connected:
+                self._await_runs(answered)
             # What the lanes hold goes to paho first (bounded); paho sends it now, or
             # after the next connect of this persistent session.
             self.outbox.stop()
             if self._connected:
                 # A clean DISCONNECT suppresses the last will, so the bridge says it itself.
                 self._say_offline(client)
-            # paho 2.2's network thread may wake once more after disconnect() closed the
-            # socket and log "Client is not connected" at ERROR: at shutdown that is the
-            # expected state, so paho's own log is detached before the disconnect (after
-            # it, the thread may already have logged).
-            client.disable_logger()
             client.disconnect()
             client.loop_stop()
         if self._housekeeper is not None:
             self._housekeeper.join(timeout=5)
             self._housekeeper = None
-        # Do not wait on a model call that may take minutes; queued calls are dropped.
+        # The workers were told (their calls are done, their streams cut) and return in
+        # a moment; queued calls are dropped.
         self.rpc.close(wait=False)
         # A provider that keeps connections (the OpenAI one pools them) lets them go;
         # a call still running keeps its own and closes it when it ends.
@@ -444,6 +478,19 @@ class Bridge:
         if callable(close):
             close()
         self._connected = False
+
+    def _await_runs(self, calls: list[tuple[str, str | None]]) -> None:
+        """Wait (bounded) until the runs of the calls answered `bridge_stopping` have
+        ended at the intake: the board's run.failed is then in the lanes, which the stop
+        drains to the broker, and hosts see how the run ended and why."""
+        runs = {(device, run) for device, run in calls if run is not None}
+        deadline = time.monotonic() + _STOP_RUNS_WAIT_S
+        while runs and time.monotonic() < deadline:
+            runs = {k for k in runs if self.intake.finished(*k) is False}
+            if runs:
+                time.sleep(_STOP_POLL_S)
+        if runs:
+            log.info("stopping without the end of run(s) %s", sorted(r for _, r in runs))
 
     def __enter__(self) -> Bridge:
         self.start()
