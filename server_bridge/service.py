@@ -255,7 +255,7 @@ def run(
     config = bridge_config(args)
     # Imported here, not with this module: every `wren` command builds its parser from
     # this module, and the bridge (paho and all) is most of a command's start-up time.
-    from server_bridge.bridge import Bridge
+    from server_bridge.bridge import Bridge, RivalBridge
 
     registry = provision(args.registry, args.tenant, _devices(args.device))
     try:
@@ -266,6 +266,8 @@ def run(
         try:
             try:
                 bridge.start()
+            except RivalBridge as e:
+                raise ServiceError(str(e)) from e
             except Exception as e:
                 raise ServiceError(
                     f"could not connect to the broker at {config.host}:{config.port}: {e}"

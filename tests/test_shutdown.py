@@ -11,14 +11,16 @@ exit, far below the stream's length.
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.model_server import ModelServer, Turn
-from tests.stack import Stack
+from tests.stack import ROOT, Stack
 
 # A model that trickles: 400 events, 0.25 s apart, about 100 s in all.
 TRICKLE = Turn(text="warm " * 400, chunk_chars=5, delay_s=0.25)
@@ -70,3 +72,61 @@ def test_stopping_the_bridge_during_a_model_call_ends_it_at_once_and_the_run_by_
     tmp_path: Path, sig: int, turn: Turn
 ) -> None:
     _stop_during_the_model_call(tmp_path, sig, turn)
+
+
+def _bridge_as(s: Stack, user: str) -> list[str]:
+    """`wren bridge` as the Stack starts it, but logged in as `user`."""
+    out = []
+    for arg in s.bridge_command():
+        if arg.startswith("--user="):
+            arg = f"--user={user}"
+        elif arg.startswith("--password="):
+            arg = f"--password={s.users[user]}"
+        out.append(arg)
+    return out
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def test_a_second_bridge_on_the_prefix_refuses_to_start_and_the_first_serves_on(
+    tmp_path: Path,
+) -> None:
+    with Stack(tmp_path, extra_users={"bridge2": "bridge"}) as s:
+        second = subprocess.run(
+            _bridge_as(s, "bridge2"), cwd=s.workdir, env=_env(), capture_output=True,
+            text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert second.stdout == "" and "Traceback" not in second.stderr, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        line = lines[0]
+        assert line.startswith("wren bridge: another bridge (client id bridge, boot "), line
+        assert line.endswith(
+            f"is online on 127.0.0.1:{s.port} for prefix wren/v1: one bridge process per "
+            "prefix; stop it first"
+        ), line
+        # The first never noticed: it serves the next run.
+        assert s.ask("How warm is it?").status == "done", s.describe()
+
+        # SIGKILLed, the first leaves its will: a bridge started after it serves, of the
+        # same user (a restart after a crash) ...
+        s.kill_bridge()
+        s.start_bridge()
+        assert s.ask("How warm is it?").status == "done", s.describe()
+        # ... or of another.
+        s.kill_bridge()
+        other = subprocess.Popen(
+            _bridge_as(s, "bridge2"), cwd=s.workdir, env=_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            assert other.stdout is not None
+            first = other.stdout.readline()
+            assert first.startswith("bridge: "), first + other.stdout.read()
+            assert s.ask("How warm is it?").status == "done", s.describe()
+        finally:
+            other.terminate()
+            assert other.wait(timeout=15) == 130
