@@ -469,7 +469,8 @@ class Stack:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise self._error(f"bridge: pid {proc.pid} still running {timeout}s after signal {sig}")
+            msg = f"bridge: pid {proc.pid} still running {timeout}s after signal {sig}"
+            raise self._error(msg) from None
 
     def kill_bridge(self) -> None:
         """SIGKILL the bridge: no clean disconnect, its last will (if any) goes out."""

@@ -11,14 +11,18 @@ exit, far below the stream's length.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from server_bridge.bridge import _PahoLog
 from tests.model_server import ModelServer, Turn
 from tests.stack import ROOT, Stack
 
@@ -130,3 +134,35 @@ def test_a_second_bridge_on_the_prefix_refuses_to_start_and_the_first_serves_on(
         finally:
             other.terminate()
             assert other.wait(timeout=15) == 130
+
+
+def test_paho_errors_are_errors_until_the_stop_and_quiet_during_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What paho's network thread logs at ERROR as an orderly stop closes its socket
+    ("Client is not connected", "failed to receive on socket") is DEBUG once the bridge
+    is stopping; before, a real error is still an ERROR."""
+    stopping = threading.Event()
+    paho_log = _PahoLog(stopping)
+    caplog.set_level(logging.DEBUG, logger="wren.bridge.paho")
+    paho_log.log(logging.ERROR, "failed to receive on socket: %s", "reset")
+    stopping.set()
+    paho_log.log(logging.ERROR, "Client is not connected. Socket: %r", None)
+    paho_log.log(logging.DEBUG, "Sending DISCONNECT")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "failed to receive on socket: reset"),
+        ("DEBUG", "Client is not connected. Socket: None"),
+        ("DEBUG", "Sending DISCONNECT"),
+    ]
+
+
+def test_demo_once_exits_without_an_error_line(tmp_path: Path) -> None:
+    for k in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tools.cli", "demo", "--once", "--workdir",
+             str(tmp_path / f"run{k}")],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-2000:]
+        assert " ERROR " not in out and "Traceback" not in out, out[-2000:]
