@@ -478,9 +478,10 @@ class Bridge:
         meanwhile, in order.
         """
         cfg = self.config
-        if not self._probed.wait(cfg.connect_timeout_s):
-            if self._start_error is not None:
-                return  # said by start()'s own wait
+        probed = self._probed.wait(cfg.connect_timeout_s)
+        if self._start_error is not None:
+            return  # refused or failed: said by start()'s own wait
+        if not probed:
             raise BridgeError(
                 f"bridge could not start on {cfg.host}:{cfg.port}: no CONNACK and SUBACK "
                 f"within {cfg.connect_timeout_s}s"
@@ -501,10 +502,12 @@ class Bridge:
                 if self._lost_at_start:
                     raise RivalBridge(self._rival_msg(online[0] if online else None))
                 left = deadline - time.monotonic()
-                if left <= 0 or not (online or taken):
+                if left <= 0 or not (online or taken) or cfg.shared_subscription:
                     break
                 self._rivals_cond.wait(left)
-        if online:
+        # Processes configured to share the calls (shared_subscription, [planned] as a
+        # deployment) know of each other.
+        if online and not cfg.shared_subscription:
             raise RivalBridge(self._rival_msg(online[0]))
         self._subscribe(client)
         # What the session delivered meanwhile, in order, then the network thread's own:
