@@ -35,7 +35,8 @@ except ImportError:
 _PENDING = const(4)
 # Failures worth sending the same commit again for: the call did not get through or
 # was not answered. A refusal (bad_token, unknown_field ...) would only be refused again.
-_RETRY = " timeout link bridge_offline bridge_restarted unsendable gap overflow busy no_memory "
+_RETRY = (" timeout link bridge_offline bridge_restarted bridge_stopping unsendable gap overflow"
+          " busy no_memory ")
 
 
 def durable(agent):

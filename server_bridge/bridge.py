@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -76,7 +76,7 @@ from server_bridge.wire import (
     encode,
 )
 
-__all__ = ["BRIDGE_RUN", "Bridge", "BridgeError", "Refusal"]
+__all__ = ["BRIDGE_RUN", "Bridge", "BridgeError", "Refusal", "RivalBridge"]
 
 log = logging.getLogger("wren.bridge")
 
@@ -89,6 +89,38 @@ F = TypeVar("F", bound=Callable[..., Any])
 _TICK_S = 0.05
 # How long a clean stop waits for the broker to take its offline status.
 _STOP_STATUS_WAIT_S = 5.0
+# How long a stop waits, once it has answered the calls in flight `bridge_stopping`, for
+# their boards' runs to end (their run.failed goes out to hosts through this bridge):
+# a board answers within a few ms; one that does not is left to the offline status.
+_STOP_RUNS_WAIT_S = 1.5
+_STOP_POLL_S = 0.02
+# At start, how long another bridge's retained `online` may stand before this bridge
+# believes it: a bridge that died without a word (its socket half open, or our own
+# connection of the same user just took its over) is followed by its will, and a live
+# one of the same user takes its connection back within its 1 s reconnect delay.
+_RIVAL_GRACE_S = 2.5
+# Messages a persistent session delivers while the start checks for another bridge,
+# held and acted on once the check passes (a session keeps 1,000 at most in Mosquitto's
+# default config; past this they are dropped, counted, and their senders time out).
+_HELD_AT_START = 10_000
+
+
+class _PahoLog(logging.LoggerAdapter):
+    """paho's log, as `wren.bridge.paho`; once the bridge is stopping, what paho says at
+    WARNING or above goes to DEBUG: paho 2.2's network thread may run once more after
+    the disconnect closed the socket and log "Client is not connected" or "failed to
+    receive on socket" at ERROR, the expected state of an orderly stop. Before the stop
+    a real error is still an ERROR. (Detaching paho's logger at the stop instead raced
+    paho's own check of it.)"""
+
+    def __init__(self, stopping: threading.Event) -> None:
+        super().__init__(logging.getLogger("wren.bridge.paho"), {})
+        self._stopping = stopping
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if level >= logging.WARNING and self._stopping.is_set():
+            level = logging.DEBUG
+        super().log(level, msg, *args, **kwargs)
 
 
 class _BridgeStreams:
@@ -116,6 +148,11 @@ class _BridgeStreams:
 
 class BridgeError(RuntimeError):
     """The bridge could not start (broker unreachable, refused, or no subscription)."""
+
+
+class RivalBridge(BridgeError):
+    """Another bridge process is online on the same broker and prefix: one bridge process
+    per prefix (PROTOCOL.md "Bridge presence"); the message says which, in one line."""
 
 
 class Refusal(NamedTuple):
@@ -166,6 +203,19 @@ class Bridge:
         self._ready = threading.Event()
         self._start_error: str | None = None
         self._sub_mid: int | None = None
+        # The start's check for another bridge (_check_rivals): the other bridges' last
+        # presence seen on P/b/status, by boot; the round trip that says the retained one
+        # has arrived; what the session delivered meanwhile (None once checked).
+        self._rivals: dict[str, dict[str, Any]] = {}
+        self._rivals_cond = threading.Condition()
+        self._probe_sub_mid: int | None = None
+        self._probe_unsub_mid: int | None = None
+        self._probed = threading.Event()
+        self._early_subacks: dict[int, Any] = {}
+        self._start_thread: threading.Thread | None = None
+        self._lost_at_start = False
+        self._gate = threading.Lock()
+        self._held: deque[mqtt.MQTTMessage] | None = deque()
         self._connected = False
         self._stopping = threading.Event()
         self._housekeeper: threading.Thread | None = None
@@ -347,7 +397,8 @@ class Bridge:
             protocol=mqtt.MQTTv311,
             clean_session=False,
         )
-        client.enable_logger(logging.getLogger("wren.bridge.paho"))
+        # paho only calls the logger's log(); an adapter that knows about the stop.
+        client.enable_logger(cast(logging.Logger, _PahoLog(self._stopping)))
         # The outbox hands paho at most max_inflight_messages unacknowledged messages,
         # all of which paho may have on the wire at once; paho's own bound is the
         # safety net above that (and what the few direct publishes, the presence, use).
@@ -367,6 +418,7 @@ class Bridge:
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
         client.on_publish = self._on_publish
+        client.on_unsubscribe = self._on_unsubscribe
         self._ready.clear()
         self._start_error = None
         self._client = client
@@ -377,6 +429,16 @@ class Bridge:
             raise BridgeError(f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}") from e
         self.outbox.start(client)
         client.loop_start()
+        self._start_thread = threading.current_thread()
+        try:
+            self._check_rivals(client)
+        except BridgeError:
+            # A clean DISCONNECT: no will, so the other bridge's presence stands.
+            self.outbox.stop(drain_s=0)
+            client.disconnect()
+            client.loop_stop()
+            self._client = None
+            raise
         if not self._ready.wait(cfg.connect_timeout_s) or self._start_error is not None:
             why = self._start_error or f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
             self.outbox.stop(drain_s=0)
@@ -402,6 +464,90 @@ class Bridge:
             getattr(self.provider, "name", "?"),
         )
 
+    def _check_rivals(self, client: mqtt.Client) -> None:
+        """Refuse to start while another bridge process serves this prefix (RivalBridge).
+
+        Connected but subscribed to P/b/status only (_on_connect): once the retained
+        presence has come (an UNSUBSCRIBE round trip behind the SUBSCRIBE), another
+        bridge's `online` is believed when no `offline` of its boot follows within
+        _RIVAL_GRACE_S — a bridge killed with its socket still half open is followed by
+        its will, once the broker closes that socket or our connection of the same user
+        takes it over. A live bridge of the same user takes its connection back within a
+        second: this connection is then lost during the check, which also refuses. A
+        bridge that was SIGKILLed left its will, `offline`, retained: no wait at all.
+        Passing, it subscribes to its topics and acts on what the session delivered
+        meanwhile, in order.
+        """
+        cfg = self.config
+        probed = self._probed.wait(cfg.connect_timeout_s)
+        if self._start_error is not None:
+            return  # refused or failed: said by start()'s own wait
+        if not probed:
+            raise BridgeError(
+                f"bridge could not start on {cfg.host}:{cfg.port}: no CONNACK and SUBACK "
+                f"within {cfg.connect_timeout_s}s"
+            )
+        deadline = time.monotonic() + _RIVAL_GRACE_S
+        with self._rivals_cond:
+            # Of our own client id and online when we connected: our connection has just
+            # taken that one's over. Its will may follow; if it was alive it takes the
+            # connection back within the grace, else it is gone and we serve.
+            taken = {b for b, st in self._rivals.items()
+                     if st.get("st") == "online" and st.get("id") == cfg.client_id}  # fmt: skip
+            while True:
+                online = [
+                    st
+                    for b, st in self._rivals.items()
+                    if st.get("st") == "online" and b not in taken
+                ]
+                if self._lost_at_start:
+                    raise RivalBridge(self._rival_msg(online[0] if online else None))
+                left = deadline - time.monotonic()
+                if left <= 0 or not (online or taken) or cfg.shared_subscription:
+                    break
+                self._rivals_cond.wait(left)
+        # Processes configured to share the calls (shared_subscription, [planned] as a
+        # deployment) know of each other.
+        if online and not cfg.shared_subscription:
+            raise RivalBridge(self._rival_msg(online[0]))
+        self._subscribe(client)
+        # What the session delivered meanwhile, in order, then the network thread's own:
+        # one message at a time out of the gate, so no paho call is made under it (paho
+        # holds its callback lock while it waits for the gate in _on_message).
+        while True:
+            with self._gate:
+                if not self._held:
+                    self._held = None
+                    break
+                msg = self._held.popleft()
+            self._on_message(client, None, msg)
+
+    def _rival_msg(self, st: dict[str, Any] | None) -> str:
+        who = (
+            f"client id {st.get('id')!s:.64}, boot {st.get('boot')!s:.16}"
+            if st
+            else f"the same MQTT user, {self.config.client_id}"
+        )
+        return (
+            f"another bridge ({who}) is online on {self.config.host}:{self.config.port} for "
+            f"prefix {self.config.prefix}: one bridge process per prefix; stop it first"
+        )
+
+    def _subscribe(self, client: mqtt.Client) -> None:
+        rc, mid = client.subscribe([(topic, 1) for topic in self.subscriptions()])
+        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+            self._start_error = f"subscribe failed: {mqtt.error_string(rc)}"
+            self._ready.set()
+            return
+        # From start()'s thread the SUBACK may be read before subscribe() returns (the
+        # SUBSCRIBE is written at once, mqttclient.py): then it waits in _early_subacks.
+        with self._rivals_cond:
+            self._sub_mid = mid
+            early = self._early_subacks.pop(mid, None)
+            self._early_subacks.clear()
+        if early is not None:
+            self._subscribed(early)
+
     def _reindex(self) -> None:
         assert self.memory is not None
         try:
@@ -413,31 +559,41 @@ class Bridge:
         log.info("memory recall index rebuilt: %d rows", n)
 
     def stop(self) -> None:
-        """Say offline, disconnect and stop the threads; calls still running get no answer.
+        """Fail the calls in flight, say offline, disconnect and stop the threads, in
+        about a second or two whatever the model is doing (PROTOCOL.md "RPC", "Bridge
+        presence").
 
-        The session stays at the broker (it is persistent): a bridge started again with
-        the same client id gets what boards sent in between.
+        Each call in flight is answered `bridge_stopping` (a model call: kind `llm`,
+        cause `unavailable`; retryable) and its model stream closed, so its board ends
+        the run with that cause; the stop waits up to _STOP_RUNS_WAIT_S for those runs'
+        ends to go out to hosts. The session stays at the broker (it is persistent): a
+        bridge started again with the same client id gets what boards sent in between.
         """
         self._stopping.set()
+        # New calls are refused `busy` from here; the ones in flight are answered now,
+        # while the connection is up, and their streams cut (a worker blocked on a slow
+        # model server returns at once instead of holding the process until it ends).
+        answered = self.rpc.stop_calls()
+        cancel = getattr(self.provider, "cancel", None)
+        if callable(cancel):
+            cancel()
         client, self._client = self._client, None
         if client is not None:
+            if answered and self._connected:
+                self._await_runs(answered)
             # What the lanes hold goes to paho first (bounded); paho sends it now, or
             # after the next connect of this persistent session.
             self.outbox.stop()
             if self._connected:
                 # A clean DISCONNECT suppresses the last will, so the bridge says it itself.
                 self._say_offline(client)
-            # paho 2.2's network thread may wake once more after disconnect() closed the
-            # socket and log "Client is not connected" at ERROR: at shutdown that is the
-            # expected state, so paho's own log is detached before the disconnect (after
-            # it, the thread may already have logged).
-            client.disable_logger()
             client.disconnect()
             client.loop_stop()
         if self._housekeeper is not None:
             self._housekeeper.join(timeout=5)
             self._housekeeper = None
-        # Do not wait on a model call that may take minutes; queued calls are dropped.
+        # The workers were told (their calls are done, their streams cut) and return in
+        # a moment; queued calls are dropped.
         self.rpc.close(wait=False)
         # A provider that keeps connections (the OpenAI one pools them) lets them go;
         # a call still running keeps its own and closes it when it ends.
@@ -445,6 +601,19 @@ class Bridge:
         if callable(close):
             close()
         self._connected = False
+
+    def _await_runs(self, calls: list[tuple[str, str | None]]) -> None:
+        """Wait (bounded) until the runs of the calls answered `bridge_stopping` have
+        ended at the intake: the board's run.failed is then in the lanes, which the stop
+        drains to the broker, and hosts see how the run ended and why."""
+        runs = {(device, run) for device, run in calls if run is not None}
+        deadline = time.monotonic() + _STOP_RUNS_WAIT_S
+        while runs and time.monotonic() < deadline:
+            runs = {k for k in runs if self.intake.finished(*k) is False}
+            if runs:
+                time.sleep(_STOP_POLL_S)
+        if runs:
+            log.info("stopping without the end of run(s) %s", sorted(r for _, r in runs))
 
     def __enter__(self) -> Bridge:
         self.start()
@@ -497,27 +666,49 @@ class Bridge:
             self._start_error = f"broker refused the connection: {reason_code}"
             log.error("broker refused the bridge connection: %s", reason_code)
             self._ready.set()
+            self._probed.set()
             return
         self._connected = True
         self._count("connects")
         if flags.session_present:
             self._count("session.resumed")
+        if self._held is not None:
+            # Starting: first only the bridges' presence (_check_rivals).
+            rc, mid = client.subscribe(bridge_topic(self.config.prefix), qos=1)
+            if rc != mqtt.MQTT_ERR_SUCCESS:
+                self._start_error = f"subscribe failed: {mqtt.error_string(rc)}"
+                self._ready.set()
+                self._probed.set()
+                return
+            self._probe_sub_mid = mid
+            return
         # Subscribe on every connect: the session keeps the subscriptions, but a broker
         # that lost it (no persistence, or a first connect) must hear them again, and
         # the SUBACK is what start() waits for.
-        rc, mid = client.subscribe([(topic, 1) for topic in self.subscriptions()])
-        if rc != mqtt.MQTT_ERR_SUCCESS:
-            self._start_error = f"subscribe failed: {mqtt.error_string(rc)}"
-            self._ready.set()
-            return
-        self._sub_mid = mid
+        self._subscribe(client)
 
     @_guarded
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
     ) -> None:
-        if mid != self._sub_mid:
+        if mid == self._probe_sub_mid:
+            # The retained presence comes right behind this SUBACK; an UNSUBSCRIBE of a
+            # topic never subscribed is answered after it (the broker keeps the order).
+            rc, unsub = client.unsubscribe(f"{self.config.prefix}/b/probe")
+            if rc != mqtt.MQTT_ERR_SUCCESS:
+                self._start_error = f"unsubscribe failed: {mqtt.error_string(rc)}"
+                self._ready.set()
+                self._probed.set()
+            self._probe_unsub_mid = unsub
             return
+        with self._rivals_cond:
+            if mid != self._sub_mid:
+                if self._sub_mid is None and len(self._early_subacks) < 8:
+                    self._early_subacks[mid] = reason_codes
+                return
+        self._subscribed(reason_codes)
+
+    def _subscribed(self, reason_codes: Any) -> None:
         refused = [str(rc) for rc in reason_codes if rc.is_failure]
         if refused:
             # The broker's ACL said no to something the bridge must read; serving on
@@ -533,14 +724,26 @@ class Bridge:
         self._ready.set()
 
     @_guarded
+    def _on_unsubscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
+    ) -> None:
+        if mid == self._probe_unsub_mid:
+            self._probed.set()
+
+    @_guarded
     def _on_disconnect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
         self._connected = False
+        if self._held is not None:
+            with self._rivals_cond:
+                self._lost_at_start = True
+                self._rivals_cond.notify_all()
         # Offline statuses that arrived just now were most likely the wills of a broker
         # shutting down; what is true comes again, retained, after the reconnect.
         self.intake.broker_lost()
-        if not self._stopping.is_set():
+        # Starting (_check_rivals), a lost connection is a refusal, said by start().
+        if not self._stopping.is_set() and self._held is None:
             self._count("disconnects")
             log.warning("bridge disconnected from the broker (%s); paho reconnects", reason_code)
 
@@ -552,8 +755,19 @@ class Bridge:
 
     @_guarded
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        self._count("rx")
         topic = msg.topic
+        if topic == bridge_topic(self.config.prefix):
+            self._bridge_status(bytes(msg.payload))
+            return
+        with self._gate:
+            if self._held is not None and threading.current_thread() is not self._start_thread:
+                # Starting: what the session delivers before the check has passed.
+                if len(self._held) < _HELD_AT_START:
+                    self._held.append(msg)
+                else:
+                    self._count("rx.dropped_at_start")
+                return
+        self._count("rx")
         payload = bytes(msg.payload)
         # Only presence and a board's hello are retained in the contract. Anything else
         # the broker holds retained would come back at every subscribe, so at every
@@ -571,6 +785,18 @@ class Bridge:
             self._route(topic, payload)
         except REFUSALS as e:
             self._refuse(getattr(e, "kind", "bad_envelope"), topic, str(e))
+
+    def _bridge_status(self, payload: bytes) -> None:
+        """Another bridge's presence on P/b/status (ours is not another's)."""
+        try:
+            st = decode(payload, self.config.limits)
+        except REFUSALS:
+            return
+        if not isinstance(st, dict) or st.get("boot") == self._boot:
+            return
+        with self._rivals_cond:
+            self._rivals[str(st.get("boot"))] = st
+            self._rivals_cond.notify_all()
 
     def _clear_retained(self, client: mqtt.Client, topic: str) -> None:
         """Refuse a retained message on a topic the bridge acts on, and clear it at the

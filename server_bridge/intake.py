@@ -824,6 +824,13 @@ class EventIntake:
             st = self._runs.get((device, run))
             return st.highest if st else None
 
+    def finished(self, device: str, run: str) -> bool | None:
+        """Whether a run's terminal event went out (the board's, or the bridge's
+        run.failed); None when the run is unknown here."""
+        with self._lock:
+            st = self._runs.get((device, run))
+            return st.finished if st else None
+
     def boot(self, device: str) -> str | None:
         """The device's last known boot id (from status or hello), None before any."""
         with self._lock:

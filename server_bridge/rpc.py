@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server_bridge.config import BridgeConfig
-from server_bridge.models.base import Chunk, ModelError, Provider
+from server_bridge.models.base import Cancelled, Chunk, ModelError, Provider
 from server_bridge.redact import describe, scrubbed_traceback
 from server_bridge.registry import DeviceRecord
 from server_bridge.wire import (
@@ -83,6 +83,7 @@ from server_bridge.wire import (
 )
 
 __all__ = [
+    "BRIDGE_STOPPING",
     "CallContext",
     "Method",
     "RpcError",
@@ -108,6 +109,13 @@ Count = Callable[[str, int], None]
 LimitsOf = Callable[[str], "Limits | None"]  # device -> limits from its hello, if any
 
 _LLM_FAILED = "the model call failed"
+# What a call in flight when the bridge stops is answered (PROTOCOL.md "Errors").
+BRIDGE_STOPPING = "bridge_stopping"
+_STOPPING_MSG = "the bridge stopped during the call: ask again once it is back"
+_STOPPING_LLM_MSG = "the bridge stopped during the model call: ask again once it is back"
+# How long stop_calls() waits for a worker that is sending a chunk of its call before
+# it leaves that call unanswered (its board then fails it on the bridge's offline).
+_STOP_LOCK_S = 0.5
 
 # Call ids remembered to spot a repeated call (QoS 1 resends it with DUP after a
 # reconnect, seconds later, not hours): the last ones of each device, and the devices
@@ -361,6 +369,10 @@ def _llm_complete(provider: Provider, default_max_tokens: int) -> Handler:
             )
         except _CallOver:
             raise
+        except Cancelled as e:
+            # The bridge is stopping: stop_calls() has answered the call already; this
+            # answer only goes out if it has not (and nothing is logged: it is no fault).
+            raise RpcError("llm", str(e), {"cause": e.cause, "retryable": e.retryable}) from e
         except ModelError as e:
             # The provider's own failure report: its text is meant for the board (sent
             # capped); the log gets it scrubbed all the same, as a provider written
@@ -781,13 +793,16 @@ class RpcServer:
         answer: dict[str, Any],
         on_worker: bool = False,
         count: str | None = None,
+        lock_s: float | None = None,
     ) -> bool:
         """Send the call's one final answer, with `s`; False if it had one already.
 
         `count` (the outcome's counter) is counted, and a worker's call releases its
         slot, before the answer goes out: the thread that sends it writes it to the
         socket itself (server_bridge/mqttclient.py), so a board, or a test, may read
-        the answer before this call returns."""
+        the answer before this call returns. With `lock_s` it waits at most that long
+        for a worker that is sending a chunk of the call, and otherwise sends nothing
+        (the call is done all the same: nothing more goes out for it)."""
         with state.flow:
             if state.done:
                 return False
@@ -806,7 +821,12 @@ class RpcServer:
         # Only a worker may wait for room in the outgoing queue (on_worker); expire()
         # runs on the housekeeping thread.
         wait_until = state.wait_until if on_worker else None
-        with state.send_lock:
+        if not state.send_lock.acquire(timeout=-1 if lock_s is None else lock_s):
+            log.info(
+                "rpc %s for %s (call %r): ended unanswered", state.method, state.device, state.c
+            )
+            return True
+        try:
             out = {"c": state.c, "s": state.sent}
             out.update(answer)
             try:
@@ -819,6 +839,8 @@ class RpcServer:
                 )
                 failed = err(state.c, state.fail_kind, f"{state.method} failed")
                 self.answer(state.device, {"c": state.c, "s": state.sent, **failed}, wait_until)
+        finally:
+            state.send_lock.release()
         return True
 
     def answer(self, device: str, obj: Mapping[str, Any], wait_until: float | None = None) -> None:
@@ -918,6 +940,31 @@ class RpcServer:
             finally:
                 s.send_lock.release()
         return n
+
+    def stop_calls(self) -> list[tuple[str, str | None]]:
+        """The bridge is stopping: refuse new calls (`busy`) and answer each call in
+        flight now with a retryable error, `bridge_stopping` (an `llm.complete`: kind
+        `llm`, cause `unavailable`, PROTOCOL.md "Errors"), so its board ends the run
+        with the cause instead of waiting for the bridge's offline status. Never waits
+        for the room in the outgoing lanes; the handlers stop at their next emit (a
+        provider's cancel() ends a stream that is waiting on its server). Returns the
+        (device, run) of each call answered."""
+        with self._lock:
+            self._closed = True
+            running = [s for s in self._inflight if not s.done]
+        answered: list[tuple[str, str | None]] = []
+        for s in running:
+            if s.fail_kind == "llm":
+                answer = err(
+                    s.c, "llm", _STOPPING_LLM_MSG, {"cause": "unavailable", "retryable": True}
+                )
+            else:
+                answer = err(s.c, BRIDGE_STOPPING, _STOPPING_MSG, {"retryable": True})
+            if self._finish(s, answer, count="rpc.bridge_stopping", lock_s=_STOP_LOCK_S):
+                answered.append((s.device, s.run))
+        if answered:
+            log.info("rpc: answered %d call(s) in flight %s", len(answered), BRIDGE_STOPPING)
+        return answered
 
     def close(self, wait: bool = True) -> None:
         """Refuse new calls and end the ones in flight without answers (the bridge is

@@ -9,12 +9,15 @@ reuses the broker options (`add_broker_arguments`) for its other commands.
 The registry is provisioned at start (the tenant and each --device when missing, see
 `registry.provision`), the model is the scripted demo script unless --script or
 --openai-base-url names another, and the process runs until SIGTERM or Ctrl-C, either
-of which stops the bridge cleanly (it says offline at the broker) and exits 130.
+of which stops the bridge cleanly in a second or two, model streams and all (its calls
+in flight answered `bridge_stopping`, PROTOCOL.md "RPC"; it says offline at the broker)
+and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -22,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn, TextIO
@@ -265,7 +269,7 @@ def run(
     config = bridge_config(args)
     # Imported here, not with this module: every `wren` command builds its parser from
     # this module, and the bridge (paho and all) is most of a command's start-up time.
-    from server_bridge.bridge import Bridge
+    from server_bridge.bridge import Bridge, RivalBridge
 
     registry = provision(args.registry, args.tenant, _devices(args.device))
     try:
@@ -276,6 +280,8 @@ def run(
         try:
             try:
                 bridge.start()
+            except RivalBridge as e:
+                raise ServiceError(str(e)) from e
             except Exception as e:
                 raise ServiceError(
                     f"could not connect to the broker at {config.host}:{config.port}: {e}"
@@ -297,11 +303,29 @@ def run(
                 if stop.wait(min(1.0, args.stats_every)):
                     return 0
         finally:
-            bridge.stop()
-            # The last counters, after the stop: what a restart starts again from zero.
-            _write_stats(bridge, args.stats_file)
+            # A second Ctrl-C (or SIGTERM) must not cut the stop short: it is bounded
+            # (a couple of seconds) and what makes the boards' calls end by name.
+            with _signals_held():
+                bridge.stop()
+                # The last counters, after the stop: what a restart starts again from zero.
+                _write_stats(bridge, args.stats_file)
     finally:
         registry.close()
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored for the block (on the main thread only, where Python
+    runs signal handlers), then as before."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _write_stats(bridge: Bridge, path: Path) -> None:

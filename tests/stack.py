@@ -468,6 +468,21 @@ class Stack:
             self._note_bridge(f"SIGTERM pid {self.bridge_proc.pid}")
             _terminate(self.bridge_proc, "bridge")
 
+    def signal_bridge(self, sig: int, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Send the bridge `sig` (SIGTERM, SIGINT: a stop the test asks for) and wait for
+        it to exit; its exit code. Past `timeout` it is a StackError (and the teardown
+        kills it)."""
+        self._bridge_wanted = False
+        proc = self.bridge_proc
+        assert proc is not None
+        self._note_bridge(f"signal {sig} pid {proc.pid}")
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            msg = f"bridge: pid {proc.pid} still running {timeout}s after signal {sig}"
+            raise self._error(msg) from None
+
     def kill_bridge(self) -> None:
         """SIGKILL the bridge: no clean disconnect, its last will (if any) goes out."""
         self._bridge_wanted = False

@@ -56,6 +56,14 @@ class ModelError(Exception):
         self.retryable = retryable
 
 
+class Cancelled(ModelError):
+    """The call was ended from outside, mid-stream: the bridge is stopping
+    (`OpenAIProvider.cancel`). Retryable: the same call may succeed once a bridge is back."""
+
+    def __init__(self, msg: str = "the bridge stopped during the model call: ask again") -> None:
+        super().__init__(msg, "unavailable", True)
+
+
 class Provider(Protocol):
     name: str
 

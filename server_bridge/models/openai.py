@@ -21,6 +21,10 @@ Errors: every failure becomes a ModelError whose message is safe to show a custo
 names no key, no URL, no server text); the detail goes to the log, with the key
 scrubbed from it.
 
+Stopping: `cancel()` ends every call in flight at once (the bridge is stopping): it
+shuts their sockets down, so a read blocked on a slow or silent server returns now, and
+each call raises `Cancelled` (retryable) instead of streaming on until the model ends.
+
 Time: `timeout` bounds each wait on the socket; the call's `deadline` bounds the whole
 call. A server that keeps a stream open without finishing it (keep-alive comments, a
 slow trickle of tokens) would pass every per-read timeout, so at the deadline a watchdog
@@ -52,7 +56,7 @@ from typing import Any
 
 from server_bridge.config import BridgeConfig
 from server_bridge.models import http11
-from server_bridge.models.base import Chunk, Final, ModelError, check_base_url
+from server_bridge.models.base import Cancelled, Chunk, Final, ModelError, check_base_url
 from server_bridge.redact import scrub
 
 log = logging.getLogger(__name__)
@@ -289,6 +293,25 @@ def _usable(sock: socket.socket | None) -> bool:
     return False
 
 
+class _Live:
+    """One call in flight, for cancel(): its socket once it has one, and whether it was
+    cancelled (then its failure is the cancel's, whatever the read raised)."""
+
+    __slots__ = ("cancelled", "sock")
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.cancelled = False
+
+
+def _shut(sock: socket.socket | None) -> None:
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed: the call ended on its own
+
+
 class _Pool(_Timed):
     """A provider's idle keep-alive connections to its server.
 
@@ -448,6 +471,9 @@ class OpenAIProvider:
         )
         self._opener = urllib.request.build_opener() if proxied else None
         self._pool = None if proxied else _Pool(max_idle, idle_s)
+        # The calls in flight, for cancel(); bounded by the bridge's RPC workers.
+        self._live_lock = threading.Lock()
+        self._live: set[_Live] = set()
 
     @property
     def pooled(self) -> bool:
@@ -463,6 +489,28 @@ class OpenAIProvider:
         """Close the idle connections; calls after this still work, unpooled."""
         if self._pool is not None:
             self._pool.close()
+
+    def cancel(self) -> int:
+        """End every call in flight now: each raises Cancelled (retryable) within a
+        moment, its connection closed, never pooled. For a bridge that is stopping; calls
+        made after this are not affected. Returns how many calls there were."""
+        with self._live_lock:
+            live = list(self._live)
+            for call in live:
+                call.cancelled = True
+        for call in live:
+            _shut(call.sock)
+        return len(live)
+
+    def _track(self, live: _Live, sock: socket.socket | None) -> None:
+        """The call's socket, for cancel(); raises Cancelled if it was cancelled before
+        it had one."""
+        with self._live_lock:
+            live.sock = sock
+            cancelled = live.cancelled
+        if cancelled:
+            _shut(sock)
+            raise Cancelled()
 
     def __repr__(self) -> str:
         # Never show the key, even in a debugger or a log of the provider object.
@@ -562,18 +610,34 @@ class OpenAIProvider:
     ) -> Final:
         body, names = self.build_request(messages, tools, model, max_tokens)
         data = json.dumps(body).encode()
-        if self._opener is not None or self._pool is None:
-            return self._complete_by_proxy(data, emit, names, deadline)
-        conn, response = self._open(self._pool, data, deadline)
-        reusable = False
+        live = _Live()
+        with self._live_lock:
+            self._live.add(live)
         try:
-            final, reusable = self._stream(response, conn.sock, emit, names, deadline, True)
-            return final
+            if self._opener is not None or self._pool is None:
+                return self._complete_by_proxy(data, emit, names, deadline, live)
+            conn, response = self._open(self._pool, data, deadline, live)
+            reusable = False
+            try:
+                final, reusable = self._stream(
+                    response, conn.sock, emit, names, deadline, True, live
+                )
+                return final
+            finally:
+                if reusable and not live.cancelled:
+                    self._pool.put(conn)
+                else:
+                    conn.close()
+        except Cancelled:
+            raise
+        except (ModelError, OSError, ValueError, http.client.HTTPException):
+            if live.cancelled:
+                # Whatever the shut socket made the read raise, the cause is the cancel.
+                raise Cancelled() from None
+            raise
         finally:
-            if reusable:
-                self._pool.put(conn)
-            else:
-                conn.close()
+            with self._live_lock:
+                self._live.discard(live)
 
     def _wait_bound(self, deadline: float | None) -> float:
         """The bound on one wait on the socket: the per-read timeout, no longer than the
@@ -591,7 +655,7 @@ class OpenAIProvider:
         return conn
 
     def _open(
-        self, pool: _Pool, data: bytes, deadline: float | None
+        self, pool: _Pool, data: bytes, deadline: float | None, live: _Live
     ) -> tuple[http11.Connection, http11.Response]:
         """Send the request on an idle connection, or a new one; the connection and its
         response, status 2xx, headers read. A reused connection that fails before a byte
@@ -606,14 +670,21 @@ class OpenAIProvider:
                     conn = self._connect(timeout)
                 elif conn.sock is not None:
                     conn.sock.settimeout(timeout)
+                self._track(live, conn.sock)
                 try:
                     conn.request(self._path, self._headers(), data)
                 except _SEND_STALE as e:
                     raise _Unanswered(f"send failed: {e}") from e
                 response = conn.response()
+            except Cancelled:
+                if conn is not None:
+                    conn.close()
+                raise
             except _Unanswered as e:
                 if conn is not None:
                     conn.close()
+                if live.cancelled:
+                    raise Cancelled() from None
                 if not reused:
                     raise self._unreachable(e) from None
                 log.info(
@@ -627,6 +698,8 @@ class OpenAIProvider:
             except (OSError, http.client.HTTPException) as e:
                 if conn is not None:
                     conn.close()
+                if live.cancelled:
+                    raise Cancelled() from None
                 raise self._unreachable(e) from None
             if not 200 <= response.status < 300:
                 try:
@@ -649,7 +722,12 @@ class OpenAIProvider:
         )
 
     def _complete_by_proxy(
-        self, data: bytes, emit: Callable[[Chunk], None], names: _ToolNames, deadline: float | None
+        self,
+        data: bytes,
+        emit: Callable[[Chunk], None],
+        names: _ToolNames,
+        deadline: float | None,
+        live: _Live,
     ) -> Final:
         """The call through urllib, which speaks to the proxy the environment names: a
         connection per call, closed at its end."""
@@ -664,7 +742,9 @@ class OpenAIProvider:
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise self._unreachable(e) from None
         with response:
-            return self._stream(response, _socket_of(response), emit, names, deadline, False)[0]
+            sock = _socket_of(response)
+            self._track(live, sock)
+            return self._stream(response, sock, emit, names, deadline, False, live)[0]
 
     def _stream(
         self,
@@ -674,6 +754,7 @@ class OpenAIProvider:
         names: _ToolNames,
         deadline: float | None,
         drain: bool,
+        live: _Live,
     ) -> tuple[Final, bool]:
         """Read the streamed answer under the deadline's watchdog; the final, and
         whether the connection may carry another request (with `drain`: the body was
@@ -683,8 +764,12 @@ class OpenAIProvider:
             final, done = self._read_stream(response, emit, names, deadline)
             ended = drain and done and _drained(response, sock)
         except ModelError:
+            if live.cancelled:
+                raise Cancelled() from None
             raise
         except (OSError, ValueError, http.client.HTTPException) as e:
+            if live.cancelled:
+                raise Cancelled() from None
             if watchdog.fired or _past(deadline):
                 # The watchdog shut the socket: whatever the read raised, the reason
                 # is the deadline.
