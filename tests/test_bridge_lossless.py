@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -606,13 +607,18 @@ def test_presence_online_retained_and_offline_on_a_clean_stop(
     first = Peer(broker, [f"{w.p}/b/status"])
     try:
         assert status_of(first, w.p) == {"st": "online", "id": me}  # retained
+        before = int(time.time() * 1000)
         w.bridge.stop()
-        assert status_of(first, w.p) == {"st": "offline", "id": me}
+        said = status_of(first, w.p)
+        # A clean stop says when (hosts print "the bridge is offline since ...").
+        at = said.pop("at")
+        assert said == {"st": "offline", "id": me}
+        assert before <= at <= int(time.time() * 1000)
     finally:
         first.close()
     later = Peer(broker, [f"{w.p}/b/status"])
     try:
-        assert status_of(later, w.p) == {"st": "offline", "id": me}  # retained
+        assert status_of(later, w.p) == {"st": "offline", "id": me, "at": at}  # retained
     finally:
         later.close()
 
