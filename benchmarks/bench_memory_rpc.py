@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from server_bridge.memory.recall import default_embedder  # noqa: E402
 from server_bridge.tcp import no_delay  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
+from tools.steps import Steps  # noqa: E402
 
 P = "wren/v1"
 DEVICE = "bench1"
@@ -106,6 +107,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=300, help="rows written before recall")
     args = ap.parse_args()
     rng = random.Random(1)
+    steps = Steps("bench_memory_rpc")
+    steps("starting a broker, the bridge and a raw responder")
     work = Path(tempfile.mkdtemp(prefix="wren-bench-mem-"))
     broker = start_mosquitto(work / "mosquitto")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -146,11 +149,13 @@ def main() -> int:
 
         results: dict[str, list[float]] = {"remember": [], "recall": [], "raw": []}
         payload = msgpack.packb({"c": 1, "m": "mem.remember", "a": {"value": "x" * 60}})
+        steps(f"{max(args.rows, args.calls)} mem.remember calls (fsynced writes)")
         for n in range(max(args.rows, args.calls)):
             ms = wren("mem.remember", {"field": "notes", "value": sentence(), "w": f"w{n}"})
             if n < args.calls:
                 results["remember"].append(ms)
                 results["raw"].append(raw.round_trip(f"{P}/bench/echo", payload)[0])
+        steps(f"{args.calls} mem.recall calls")
         for _ in range(args.calls):
             q = " ".join(rng.choice(WORDS) for _ in range(3))
             results["recall"].append(wren("mem.recall", {"query": q, "k": 5}))

@@ -33,6 +33,7 @@ import msgpack  # noqa: E402
 
 from server_bridge.memory import Caller, MemoryService, ScopeRef, TinyMemoryStore  # noqa: E402
 from server_bridge.store import AtomicJSONStorage  # noqa: E402
+from tools.steps import Steps  # noqa: E402
 
 COMMAND = "python benchmarks/bench_memory_store.py"
 PER_USER = 100
@@ -146,8 +147,10 @@ def main() -> None:
             f"{'p99 ms':>8} {'load s':>7} {'total MB':>9} {'largest MB':>10}"
         )
         one: list[tuple[int, float]] = []
+        steps = Steps("bench_memory_store")
         for rows in sizes:
             for layout in ("one scope", "spread"):
+                steps(f"{rows:,} rows, {layout}: filling the store and timing writes")
                 # A write to a 100k-row file costs a second; fewer samples keep it short.
                 samples = 200 if layout == "spread" or rows <= 10_000 else 20
                 r = measure(rows, layout, Path(d), samples)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from server_bridge.wire import encode  # noqa: E402
 from tests.stack import Stack  # noqa: E402
+from tools.steps import Steps  # noqa: E402
 from tools.virtual_board import install_package, micropython_binary  # noqa: E402
 
 ASK = "How warm is it in here?"
@@ -137,6 +138,8 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=2000, help="node starts timed")
     args = parser.parse_args()
     print(f"command: python benchmarks/bench_nodes.py --runs {args.runs} --starts {args.starts}")
+    steps = Steps("bench_nodes")
+    steps(f"{args.runs} demo turns with node marking and {args.runs} without")
     w = wire_figures(args.runs)
     print(f"demo turns: {args.runs}, model steps: {w['steps']}")
     print("per model step            events   bytes")
@@ -145,6 +148,7 @@ def main() -> None:
     added = w["events_on"] - w["events_off"], w["bytes_on"] - w["bytes_off"]
     print(f"  marking adds            {added[0]:6.1f}  {added[1]:6.0f}")
     print("  of which: " + ", ".join(f"{k} {v:.1f}" for k, v in w["kinds"].items()))
+    steps(f"{args.starts} node starts on the unix port")
     us = node_start_us(args.starts)
     if us is None:
         print("node start: no MicroPython unix port here")

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from server_bridge.host.reducer import RunSnapshot  # noqa: E402
 from tests.model_server import ModelServer, ToolCall, Turn  # noqa: E402
 from tests.stack import Stack  # noqa: E402
+from tools.steps import Steps  # noqa: E402
 from tools.virtual_board import install_package, micropython_binary  # noqa: E402
 
 ASKER = """\
@@ -187,6 +188,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"command: python benchmarks/bench_pause.py --runs {args.runs} --boots {args.boots} "
           f"--writes {args.writes}")
+    steps = Steps("bench_pause")
+    steps(f"{args.runs} paused runs answered, {args.boots} of them across a board kill")
     f = pause_figures(args.runs, args.boots)
     ms = 1000.0
     r, s0 = f["resume"], f["start"]
@@ -199,6 +202,7 @@ def main() -> None:
           f"(n={len(b)}); baseline start -> link up: p50 {statistics.median(u) * ms:.0f} ms; "
           f"ratio {statistics.median(b) / statistics.median(u):.2f}; checkpoint on flash "
           f"while paused: {statistics.median(f['ck_bytes']):.0f} bytes")
+    steps(f"{args.writes} checkpoint writes on the unix port")
     c = checkpoint_figures(args.writes)
     if c:
         print(f"3. checkpoint per step (unix port, 64-bit): {c['bytes']} bytes, written in "

@@ -37,6 +37,7 @@ from server_bridge.memory.recall import (  # noqa: E402
     analyze,
     installed_model_path,
 )
+from tools.steps import Steps  # noqa: E402
 
 COMMAND = "python benchmarks/bench_recall.py"
 DATA = Path(__file__).resolve().parent / "data"
@@ -142,6 +143,8 @@ def main() -> None:
 
     print(f"# {COMMAND} {' '.join(sys.argv[1:])}".rstrip())
     print(f"# {platform.python_implementation()} {platform.python_version()}, {platform.machine()}")
+    steps = Steps("bench_recall")
+    steps("loading the labeled set and the embedding model")
     passages, queries = load_set()
     print(f"# labeled set: {len(passages)} passages, {len(queries)} queries")
 
@@ -159,6 +162,7 @@ def main() -> None:
         except ImportError as e:
             print(f"# embedding stack not installed ({e.name}): BM25 only")
 
+    steps("quality: indexing the passages and running the queries")
     print("\n## quality (MRR@10, hit@1)")
     bm25 = RecallIndex(None)
     bm25.rebuild((pid, text, {}) for pid, text in passages)
