@@ -739,9 +739,13 @@ def test_help_names_the_defaults() -> None:
     assert "(default: 150.0)" in ask.stdout and "(default: demo)" in ask.stdout
 
 
-def _ctrl_c_demo(workdir: Path, after: bytes) -> tuple[int, str]:
+def _ctrl_c_demo(
+    workdir: Path, after: bytes, how: str = "ctrl-c", delay: float = 0.3
+) -> tuple[int, str]:
     """`wren demo` on a pseudo-terminal, as a person runs it; Ctrl-C (the terminal's
-    SIGINT to the foreground group) once `after` has been printed. (exit code, output)."""
+    SIGINT to the foreground group), or `how` "sigterm" (a service manager's SIGTERM to
+    the demo's process alone), `delay` seconds after `after` has been printed.
+    (exit code, output)."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the command, with the terminal as its controlling tty
         os.environ["PYTHONPATH"] = str(ROOT)
@@ -758,8 +762,11 @@ def _ctrl_c_demo(workdir: Path, after: bytes) -> tuple[int, str]:
             seen = time.monotonic()
         # A moment after: Python's readline prints the prompt before it waits for input,
         # and a SIGINT in between waits for the next key (a person is never that fast).
-        if not sent and seen is not None and time.monotonic() - seen > 0.3:
-            os.write(fd, b"\x03")
+        if not sent and seen is not None and time.monotonic() - seen >= delay:
+            if how == "sigterm":
+                os.kill(pid, signal.SIGTERM)
+            else:
+                os.write(fd, b"\x03")
             sent = True
         ready, _, _ = select.select([fd], [], [], 0.1)
         if ready:
@@ -794,9 +801,23 @@ def _leftovers(workdir: Path) -> list[str]:
     return [line for line in proc.stdout.splitlines() if "pgrep" not in line]
 
 
-@pytest.mark.parametrize("after", [b"broker: ", b"you>"], ids=["starting", "at-the-prompt"])
-def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path, after: bytes) -> None:
-    code, out = _ctrl_c_demo(tmp_path, after)
+@pytest.mark.parametrize(
+    ("after", "how", "delay"),
+    [
+        (b"broker: ", "ctrl-c", 0.3),
+        (b"you>", "ctrl-c", 0.3),
+        # The first request's run has begun (its first words are on the screen): the
+        # stop lands while the run and its tool call go on.
+        (b"assistant:", "ctrl-c", 0.0),
+        (b"broker: ", "sigterm", 0.3),
+        (b"assistant:", "sigterm", 0.0),
+    ],
+    ids=["starting", "at-the-prompt", "mid-run", "sigterm-starting", "sigterm-mid-run"],
+)
+def test_ctrl_c_stops_the_demo_cleanly(
+    tmp_path: Path, after: bytes, how: str, delay: float
+) -> None:
+    code, out = _ctrl_c_demo(tmp_path, after, how, delay)
     assert code == 130, out[-2000:]
     assert "Traceback" not in out and "stopped" in out, out[-2000:]
     assert " ERROR " not in out, out[-2000:]
