@@ -43,7 +43,7 @@ TYPE_NAMES = (
     " msg.start msg.end msg.delta reason.delta output row row.delete"
     " tool.call tool.result approval.request approval.granted approval.denied"
     " mem.recall mem.write citation skill state.patch node.start node.end"
-    " edge usage budget guard error "
+    " edge usage budget guard error presence "
 )
 
 TERMINAL = ("run.done", "run.failed", "run.cancelled")

@@ -182,6 +182,16 @@ def log(*parts):
     print("wren:", *parts)
 
 
+def print_exception(e):
+    # Where an exception the board survives came from, on the console (a run out of
+    # memory: which allocation, under which call), as MicroPython prints it.
+    if IS_MICROPYTHON:
+        sys.print_exception(e)
+    else:
+        import traceback
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stdout)
+
+
 def read_file(path):
     try:
         with open(path, "rb") as f:

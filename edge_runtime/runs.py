@@ -508,11 +508,13 @@ class Runtime:
                 if e.cause:
                     err["cause"] = e.cause
                 run.emit("run.failed", {"err": err, "retryable": e.retryable})
-            except MemoryError:
+            except MemoryError as e:
                 # The run's state goes with the run; collected, the heap serves the next
                 # one, so asking again is worth it.
                 platform.collect()
                 platform.log("run", run.id, "ran out of memory")
+                platform.print_exception(e)
+                e = None
                 run.emit("run.failed", {"err": {"kind": "internal",
                                                 "msg": "the board ran out of memory"},
                                         "retryable": True})

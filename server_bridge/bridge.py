@@ -220,6 +220,9 @@ class Bridge:
         self._stopping = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._streams = _BridgeStreams()
+        # Devices whose hosts were told they are offline (a `presence` event on `_b`),
+        # to be told when they are back.
+        self._told_offline: set[str] = set()
         # Session tokens verified and scope tickets signed, kept for the next request.
         self._tokens = tokens.TokenCache()
         self._boot = uuid.uuid4().hex[:8]
@@ -311,8 +314,32 @@ class Bridge:
     def _device_reset(self, device: str, msg: str, new_boot: bool, boot: str | None) -> None:
         """A device restarted or went offline (the intake ended its runs): its calls in
         flight end — those of the boots that are gone — and after a reboot its call ids
-        may be used again."""
+        may be used again. Gone offline, past the grace: its tenant's hosts are told."""
         self.rpc.device_gone(device, msg, new_boot=new_boot, boot=boot)
+        if not new_boot:
+            self._tell_presence(device, "offline")
+
+    def _tell_presence(self, device: str, st: str) -> None:
+        """A `presence` event `{st, since}` on the device's `_b` stream for its tenant's
+        hosts (PROTOCOL "Presence at the host"): offline once the status has said so for
+        the grace (so a broker restart's wills do not flap a dashboard), online when a
+        device told offline is back."""
+        record = self.registry.device(device)
+        presence = self.intake.presence(device)
+        if record is None or presence is None or presence["st"] != st:
+            return
+        with self._lock:
+            if (st == "offline") == (device in self._told_offline):
+                return  # told already (offline), or never told offline (online)
+            if st == "offline":
+                self._told_offline.add(device)
+            else:
+                self._told_offline.discard(device)
+        d = {"st": st, "since": int(presence["since"] * 1000)}
+        t = Topic("h", device, "evt", record.tenant)
+        topic, payload = self._bridge_event(t, d, "presence")
+        self.outbox.notice(record.tenant, topic, payload)
+        self._count(f"host.presence_{st}")
 
     def metrics_text(self) -> str:
         """The counters and the bridge's present load in Prometheus text format
@@ -841,8 +868,10 @@ class Bridge:
             self.intake.handle_hello(record, payload)
             self._count("hello")
         else:
-            self.intake.handle_status(record, payload)
+            presence = self.intake.handle_status(record, payload)
             self._count("status")
+            if presence is not None and presence["st"] == "online":
+                self._tell_presence(t.device, "online")
 
     def _session(self, t: Topic, tok: object) -> tuple[DeviceRecord, tokens.Session, str]:
         """The user a host message speaks for, and the device, both checked against T;
@@ -896,13 +925,16 @@ class Bridge:
         topic, payload = self._bridge_event(t, d)
         self.outbox.notice(t.tenant, topic, payload)
 
-    def _bridge_event(self, t: Topic, d: dict[str, Any]) -> tuple[str, bytes]:
-        """The next `error` event of the bridge stream `_b` of the topic's T and D."""
+    def _bridge_event(
+        self, t: Topic, d: dict[str, Any], type_: str = "error"
+    ) -> tuple[str, bytes]:
+        """The next event (an `error`, or `presence`) of the bridge stream `_b` of the
+        topic's T and D."""
         assert t.tenant is not None  # a host topic always has one
         env = {
             "r": BRIDGE_RUN,
             "i": self._streams.next_id(t.tenant, t.device),
-            "t": "error",
+            "t": type_,
             "ts": int(time.time() * 1000),
             "d": d,
         }

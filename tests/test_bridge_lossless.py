@@ -424,6 +424,9 @@ def test_offline_ends_the_open_runs_and_the_board_finds_the_cancels(
             "b": [(3, "msg.delta"), (4, "error"), (5, "run.failed")],
         }
         assert (w.bridge.presence("dev1") or {}).get("st") == "offline"
+        # Its hosts are told, after the runs' ends (a dashboard's presence).
+        told = w.host.get(w.h("evt"))
+        assert (told["r"], told["t"], told["d"]["st"]) == ("_b", "presence", "offline")
         # The board comes back with the same boot: the cancels waited in its session.
         board = Peer(broker, client_id=board_id, clean_session=False)
         cancels = [board.get(w.d("ctl")) for _ in range(2)]

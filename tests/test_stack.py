@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from edge_runtime.events import PREFIX
-from server_bridge.host.reducer import RunSnapshot
+from server_bridge.host.reducer import Presence, RunSnapshot
 from tests.model_server import ModelServer, ToolCall, Turn
 from tests.stack import Stack, StackError, assistant_text, i686_binary
 from tools.demo import BRIDGE_USER
@@ -192,6 +193,35 @@ def test_a_bridges_replay_of_a_finished_run_leaves_the_board_its_heap(tmp_path: 
         # (within 2 KiB: a collection's exact yield varies), not 7 KiB less.
         _, last = _run_end(s, ".5 ")
         assert last > steady - 2048, s.describe()
+
+
+def test_hosts_are_told_when_a_device_goes_offline_and_when_it_is_back(tmp_path: Path) -> None:
+    # A dashboard's view: no request needed to learn that the board is away.
+    with Stack(tmp_path) as s:
+        assert s.client is not None
+        assert s.ask(QUESTION).status == "done", s.describe()
+        assert s.client.device_presence(s.device) is None
+        killed = time.time()
+        s.kill_board()
+        offline = _wait_presence(s, "offline")
+        # Since the will arrived, told once the bridge's 5 s grace had passed.
+        assert offline.since is not None and killed - 1 <= offline.since <= offline.seen
+        assert offline.seen - offline.since >= 4.5
+        s.start_board()
+        online = _wait_presence(s, "online")
+        assert online.since is not None and online.since > offline.since
+        assert s.ask(QUESTION).status == "done", s.describe()
+
+
+def _wait_presence(s: Stack, st: str) -> Presence:
+    assert s.client is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        presence = s.client.device_presence(s.device)
+        if presence is not None and presence.st == st:
+            return presence
+        time.sleep(0.05)
+    raise AssertionError(f"the host was not told {st}: {s.describe()}")
 
 
 def _run_end(s: Stack, run_suffix: str) -> tuple[str, int]:

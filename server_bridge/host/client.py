@@ -14,8 +14,9 @@ wait_for raise RequestRefused as soon as one arrives instead of waiting out thei
 timeout.
 
 Presence: the bridge's comes from `P/b/status` (retained), which the client reads with
-its events (bridge_presence()); a device's from the bridge, on its stream `_b`, when
-it refuses a request `device_offline` (device_presence()). See PROTOCOL.md "Presence
+its events (bridge_presence()); a device's from the bridge, on its stream `_b`: a
+`presence` event when it has been offline past the bridge's grace and when it is back,
+and a request refused `device_offline` (device_presence()). See PROTOCOL.md "Presence
 at the host".
 
 It repairs holes itself, because the reducer applies a run's events only in id order
@@ -655,8 +656,9 @@ class HostClient:
             return self._bridge
 
     def device_presence(self, device: str) -> Presence | None:
-        """The device's presence as the bridge last told it on `_b` (a request refused
-        `device_offline`); None when it has not."""
+        """The device's presence as the bridge last told it on `_b` (a `presence`
+        event, or a request refused `device_offline`); None when it has not, or since an
+        event of one of its runs showed it back."""
         with self._cond:
             reducer = self._reducers.get(device)
             return reducer.presence if reducer is not None else None

@@ -104,12 +104,16 @@ class Presence:
         return self.st == "offline"
 
 
-def presence_of(d: Mapping[str, Any], seen: float) -> Presence | None:
-    """A device's presence from an `error` the bridge sends on `_b`: a request refused
-    `device_offline` (`since`, Unix ms on the wire); None for any other."""
-    if d.get("kind") != "device_offline":
+def presence_of(t: str, d: Mapping[str, Any], seen: float) -> Presence | None:
+    """A device's presence from what the bridge sends on `_b`: a `presence` event
+    `{st, since}`, or an `error` refusing a request `device_offline` (`since`); Unix ms
+    on the wire. None for any other."""
+    if t == "presence" and d.get("st") in ("online", "offline"):
+        st = d["st"]
+    elif t == "error" and d.get("kind") == "device_offline":
+        st = "offline"
+    else:
         return None
-    st = "offline"
     since = d.get("since")
     if not isinstance(since, (int, float)) or isinstance(since, bool) or not since > 0:
         return Presence(st, None, seen)
@@ -973,8 +977,8 @@ class Reducer:
             self._evict(keep=r)
         applied = _apply_checked(snap, env, on_apply)
         self._note(snap)
-        if r == BRIDGE_RUN and applied and env["t"] == "error":
-            presence = presence_of(env["d"], time.time())
+        if r == BRIDGE_RUN and applied:
+            presence = presence_of(env["t"], env["d"], time.time())
             if presence is not None:
                 self.presence = presence
         elif r not in STREAMS and applied:

@@ -137,7 +137,7 @@ def render_refusal(device: str, tenant: str, kind: str, msg: str, detail: dict[s
     RequestRefused): the common ones in words, the rest as the contract's kind and the
     bridge's or board's message."""
     if kind == "device_offline":
-        presence = presence_of({"kind": kind, **detail}, time.time())
+        presence = presence_of("error", {"kind": kind, **detail}, time.time())
         assert presence is not None  # a device_offline is always a presence
         return render_presence(f"device {device}", presence)
     if kind == "unknown_device":
