@@ -459,7 +459,7 @@ class Encoder:
         if t is str:
             data = _utf8(obj)
             n = len(data)
-            if n >= _LEND and self._lent is not None:
+            if self._lent is not None and n >= self._lend:
                 pos = self._head(pos, _STR_HEADS, n, n)
                 self._lent.append((pos, data))
                 return pos
@@ -540,7 +540,7 @@ def encode_exact(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
     return enc._buf
 
 
-def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
+def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH, lend=_LEND):
     # The encoding as a list of buffers that, written one after another, are the
     # payload. A str of _LEND bytes or more is not copied in but lent: its UTF-8 (a
     # view of the str itself on MicroPython) is one of the parts. A model call carries
@@ -548,8 +548,11 @@ def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
     # buffer for its structure instead of a second copy of every text in one block,
     # which a fragmented board heap may not have. Strs are immutable: the parts stay
     # valid for as long as they are kept (a QoS 1 resend); so are a Raw's bytes.
+    # `lend`: the shortest str lent. Lower, more parts and a smaller block for the
+    # rest: what a fragmented heap may still have (Runtime.publish_msg's second try).
     count = Encoder(None, max_depth)
     count._lent = []
+    count._lend = lend
     n = count._pack(obj, max_payload)  # the buffer's bytes: lent ones are not in it
     total = n
     for _, data in count._lent:
@@ -559,6 +562,7 @@ def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
     count = None
     enc = Encoder(n, max_depth)
     enc._lent = []
+    enc._lend = lend
     enc._pack(obj, n)
     if not enc._lent:
         return [enc._buf]

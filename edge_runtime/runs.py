@@ -237,8 +237,13 @@ class Runtime:
             try:
                 data = codec.encode_parts(msg, self.max_send)
             except MemoryError:
+                # No free block of the structure's size (a model call's: 0.5-1 KiB, all
+                # but its long texts): collected, and with every str of 16 bytes or more
+                # lent as well, it needs a smaller one. A fragmented heap has small
+                # holes, and the memory thermostat at 128K failed its third request's
+                # second model call here about once in 80 demos.
                 platform.collect()
-                data = codec.encode_parts(msg, self.max_send)
+                data = codec.encode_parts(msg, self.max_send, lend=16)
         except codec.CodecError as e:
             self.stats["unsendable"] += 1
             platform.log("cannot encode message for", topic, e)

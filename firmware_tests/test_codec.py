@@ -315,6 +315,32 @@ def test_a_raw_value_is_written_as_its_bytes_and_lent_by_encode_parts():
     raises(TooLarge, codec.encode_exact, msg, len(whole) - 1)
 
 
+def test_encode_parts_lending_shorter_strs_needs_a_smaller_block_for_the_same_bytes():
+    # Runtime.publish_msg's second try on a fragmented heap: strs of 16 bytes or more
+    # lent too, so the one block left to allocate (the structure) is smaller.
+    msg = {"c": 7, "m": "llm.complete", "a": {"messages": [
+        {"role": "system", "content": "You are a thermostat. " * 20},
+        {"role": "user", "content": "Set it to my usual temperature, please."},
+        {"role": "assistant", "content": "Let me look that up for you first."},
+        {"role": "tool", "tool_call_id": "call_1_0", "content": "usual_celsius is 22"},
+    ]}}
+    whole = encode(msg)
+    usual = codec.encode_parts(msg)
+    small = codec.encode_parts(msg, codec.MAX_PAYLOAD, codec.MAX_DEPTH, 16)
+    for parts in (usual, small):
+        assert b"".join(bytes(p) for p in parts) == whole
+    assert len(small) > len(usual)
+    # The structure's block: the bytes of every part that is not a lent text.
+    texts = [m[k].encode() for m in msg["a"]["messages"] for k in m] + [b"llm.complete"]
+
+    def block(parts):
+        return sum(len(p) for p in parts if bytes(p) not in texts)
+
+    system = msg["a"]["messages"][0]["content"].encode()
+    assert block(usual) == len(whole) - len(system)  # only the long system prompt lent
+    assert block(small) < block(usual) * 2 // 3
+
+
 def test_encode_depth():
     nested = None
     for _ in range(16):
