@@ -67,6 +67,8 @@ class Agent:
             from edge_runtime import budget as limits
             limits.check(budget)
         self.tools = {}
+        # The model's tools encoded, kept across runs by the model loop: a codec.Raw, or
+        # with fields (core documents opened, Raw) (toolloop, memstart).
         self.specs = None
 
     def field(self, name):
