@@ -4,8 +4,10 @@ collection, one recall and one core append, served on the MicroPython unix port 
 (firmware_tests/memory_turn.py) in this process. The smallest heap it needs is
 benchmarks/bench_heap.py's `memory` figure.
 
-The ceilings are that figure (125-126 KiB 64-bit, 89 KiB 32-bit, bisected on several
-runs, the model loop's nodes included) with 1-2 KiB to spare. What got it there from
+The ceilings are that figure (125-127 KiB 64-bit, 89-90 KiB 32-bit, bisected on several
+runs, the model loop's nodes included, and since the session that kept the model's
+tools encoded across runs and woke RPC readers with a Bell) with 1-2 KiB to spare; the
+64-bit one is the demo's 128K, the heap the issue asks this turn to run in. What got it there from
 130/93: modules a run needs only at its edges (state: load and commit; core: a
 document's open and each edit; memstart: the memory's start) are imported for that and
 let go again (platform.unload), so they are not on the heap while the model loop runs,
@@ -30,7 +32,7 @@ from firmware_tests.memory_turn import turn_ok
 from tests.stack import i686_binary
 from tools.virtual_board import lay_out_flash, micropython_binary
 
-CEILING_KIB = {64: 127, 32: 90}
+CEILING_KIB = {64: 128, 32: 91}
 
 
 def test_a_memory_turn_runs_within_its_ceiling_from_mpy(broker, tmp_path: Path) -> None:
