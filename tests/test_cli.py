@@ -934,6 +934,44 @@ def test_ask_says_in_one_line_that_the_device_is_offline_since_when_or_unknown(
         assert "Traceback" not in proc.stderr
 
 
+def test_ask_sent_as_the_board_went_away_says_so_and_gets_its_answer_when_it_is_back(
+    tmp_path: Path,
+) -> None:
+    # A board rebooting for longer than the bridge's 5 s grace: the request went out
+    # within the grace, so it waits in the board's session; `wren ask` says the device
+    # is offline instead of waiting in silence, and the answer comes once it is back.
+    with Stack(tmp_path, extra_users={ASK_USER: "demo"}) as s:
+        stopped = time.time()
+        s.stop_board()
+        env = _env()
+        env["WREN_HOST_USER"] = ASK_USER
+        env["WREN_HOST_PASSWORD"] = s.users[ASK_USER]
+        args = ("--broker", f"{s.host}:{s.port}", "--registry", str(s.registry_path),
+                "--timeout", "60", "How warm is it in here?")  # fmt: skip
+        proc = subprocess.Popen(
+            wren("ask", *args), cwd=s.workdir, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            notice = ""
+            while "offline" not in notice:
+                notice = proc.stderr.readline()
+                assert notice, "wren ask ended without the notice"
+            assert "wren ask: device thermo1 is offline since " in notice, notice
+            assert notice.rstrip().endswith("the request waits for it (at most 60 s without news)")
+            _clock_near(notice.split("; ")[0], stopped)
+            s.start_board()
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 0, err
+        assert "wren ask: device thermo1 is back" in err and "Traceback" not in err
+        assert "It is 21.5 °C in here." in out
+
+
 def test_ask_says_in_one_line_that_the_bridge_is_offline_since_when(tmp_path: Path) -> None:
     with Stack(tmp_path, extra_users={ASK_USER: "demo"}) as s:
         stopped = time.time()

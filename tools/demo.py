@@ -426,7 +426,7 @@ def run_ask(args: argparse.Namespace) -> int:
     try:
         token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
         req = client.request(args.device, token, args.text)
-        snap = _follow(client, req, args.timeout)
+        snap = _follow(client, req, args.timeout, args.device)
     except RequestRefused as e:
         raise DemoError(render_refusal(args.device, args.tenant, e.kind, e.msg, e.detail)) from e
     except TimeoutError:
@@ -446,16 +446,19 @@ def run_ask(args: argparse.Namespace) -> int:
 _PRESENCE_CHECK_S = 0.5
 
 
-def _follow(client: HostClient, req: str, timeout: float) -> RunSnapshot:
+def _follow(client: HostClient, req: str, timeout: float, device: str) -> RunSnapshot:
     """Wait for the run of `req` to end; TimeoutError after `timeout` s without any event
     of it. The wait is for progress, not for the whole answer: a long answer that keeps
     streaming is never cut off (the timeout is longer than the bridge's own model
     timeout, so its error comes first). The bridge going offline meanwhile is a notice
     line on stderr, and the wait goes on: the board's events wait for the bridge at the
-    broker, and the run may still end."""
+    broker, and the run may still end. So is the device's going offline past the
+    bridge's grace (its `presence` event): a request sent within the grace waits for
+    the board in its session."""
     last = -1
     progress = time.monotonic()
     told: Presence | None = None
+    told_device = False
 
     def moved(x: RunSnapshot) -> bool:
         return x.terminal or x.last_id != last
@@ -476,7 +479,20 @@ def _follow(client: HostClient, req: str, timeout: float) -> RunSnapshot:
             elif told is not None and bridge is not None and not bridge.offline:
                 print("wren ask: the bridge is back", file=sys.stderr, flush=True)
                 told = None
+            away = client.device_presence(device)
+            if away is not None and away.offline and not told_device:
+                notice = f"{render_presence(f'device {device}', away)}; the request waits for it"
+                print(f"\nwren ask: {notice} (at most {timeout:g} s without news)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                told_device = True
+            elif told_device and away is not None and not away.offline:
+                print(f"wren ask: device {device} is back", file=sys.stderr, flush=True)
+                told_device = False
             continue
+        if told_device:
+            # An event of the run: the board is back and at it.
+            print(f"wren ask: device {device} is back", file=sys.stderr, flush=True)
+            told_device = False
         if snap.terminal:
             return snap
         last = snap.last_id
