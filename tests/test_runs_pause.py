@@ -108,9 +108,14 @@ def test_a_board_killed_while_paused_resumes_and_finishes(tmp_path: Path) -> Non
 
 
 def test_a_bridge_restarted_while_paused_still_delivers_the_answers(tmp_path: Path) -> None:
+    # 136K, not the demo's 128K: after a bridge restart the board takes the new
+    # bridge's replay of the paused run (control and pause loaded, the checkpoint read)
+    # and then the answers, and applying one at 128K ran out of memory in 1 CI run of
+    # 3 (0 of 25 here; at 125K 1 of 6, at 122K 2 of 2). The margin is what the note on
+    # issue 9 reports; the other pause tests run at 128K.
     with (
         ModelServer(_script()) as server,
-        Stack(tmp_path, model_url=server.url, main_py=VALVES, heap="128K") as s,
+        Stack(tmp_path, model_url=server.url, main_py=VALVES, heap="136K") as s,
     ):
         assert s.client is not None
         req = s.request("Open valve 3.")
