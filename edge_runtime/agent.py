@@ -67,8 +67,6 @@ class Agent:
             from edge_runtime import budget as limits
             limits.check(budget)
         self.tools = {}
-        # The model's tools encoded, kept across runs by the model loop: a codec.Raw, or
-        # with fields (core documents opened, Raw) (toolloop, memstart).
         self.specs = None
 
     def field(self, name):

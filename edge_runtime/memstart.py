@@ -8,9 +8,9 @@ from edge_runtime import codec, platform
 from edge_runtime.memtools import TOOLS, _kind
 
 
-async def start(mem):
-    # Opens what the run's memory needs and returns the model's tools, encoded (a Raw):
-    # the agent's own, then the memory tools that apply.
+async def start(mem, tools):
+    # Opens what the run's memory needs and returns the model's tools, encoded: `tools`,
+    # the agent's own specs, then the memory tools that apply.
     run = mem.run
     for f in run.agent.fields:
         if f.core:
@@ -31,16 +31,6 @@ async def start(mem):
             finally:
                 rows = None
                 platform.unload("rows")
-    # Which memory tools apply depends on the core documents opened, the same run after
-    # run: the encoding is kept by the agent with them (agent.specs), so a run does not
-    # need a free block of its size (2 KiB) at its start, where a fragmented 128K heap
-    # may not have one.
-    agent = run.agent
-    opened = tuple(mem.docs)
-    if agent.specs is not None and agent.specs[0] == opened:
-        return agent.specs[1]
-    agent.specs = None
-    tools = [t.describe(False) for t in agent.tools.values()]
     # A msgpack array written one tool's dict at a time (the eleven schemas as dicts at
     # once are 7 KiB of heap, 64-bit unix port). Walked twice, counted and then written
     # into one buffer of the exact size (2 KiB for the eleven): encoded one by one and
@@ -58,9 +48,7 @@ async def start(mem):
     pos = len(head)
     for d in _specs(mem, tools):
         pos += len(codec.Encoder(buf=mv[pos:]).pack(d))
-    mv = tools = None
-    agent.specs = (opened, codec.Raw(buf))
-    return agent.specs[1]
+    return buf
 
 
 def _specs(mem, tools):

@@ -202,10 +202,12 @@ async def model_loop(run, state=None, pause=0):
         mem = Memory(run)
         from edge_runtime import memstart
         try:
-            specs = await memstart.start(mem)
+            specs = await memstart.start(mem, [t.describe(False) for t in agent.tools.values()])
         finally:
             memstart = None
             platform.unload("memstart")
+        # Encoded once for the whole run: every model call carries them unchanged.
+        specs = codec.Raw(specs)
     else:
         # Without fields the model is offered the same tools in every run: encoded at
         # the first and kept by the agent (a few hundred bytes), rather than built and
