@@ -5,9 +5,9 @@ one about a single tenant is named `tenant.<tenant>.<name>`, next to the bridge-
 `<name>`. They only go up and never wrap: `add` stops each at 2**63 - 1, which no honest
 stream reaches, so a hostile one cannot make a rate go negative in a dashboard. The
 export is Prometheus's text format: each name becomes `wren_<name, _ for .>_total`, a
-tenant's counter carrying a `tenant` label. Until the bridge serves HTTP, the bridge
-service writes it to a file that node_exporter's textfile collector, or `wren bridge
---stats`, reads.
+tenant's counter carrying a `tenant` label. The bridge service writes it to a file that
+node_exporter's textfile collector, or `wren bridge --stats`, reads, and with
+`--metrics HOST:PORT` serves it at /metrics too (metrics_http.py).
 """
 
 from __future__ import annotations

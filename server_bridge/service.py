@@ -11,7 +11,8 @@ The registry is provisioned at start (the tenant and each --device when missing,
 --openai-base-url names another, and the process runs until SIGTERM or Ctrl-C, either
 of which stops the bridge cleanly in a second or two, model streams and all (its calls
 in flight answered `bridge_stopping`, PROTOCOL.md "RPC"; it says offline at the broker)
-and exits 130.
+and exits 130. With --metrics HOST:PORT it also serves the counters at
+http://HOST:PORT/metrics (metrics_http.py) while it runs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from server_bridge.registry import provision
 if TYPE_CHECKING:
     from server_bridge.bridge import Bridge
     from server_bridge.memory import MemoryService
+    from server_bridge.metrics_http import MetricsServer
 
 __all__ = [
     "DEFAULT_AGENT",
@@ -51,6 +53,7 @@ __all__ = [
     "broker_address",
     "build_parser",
     "main",
+    "metrics_address",
     "milliseconds",
     "model_provider",
     "run",
@@ -63,10 +66,14 @@ DEFAULT_BROKER = ("127.0.0.1", 1883)
 # runs (edge_runtime/demo.py).
 DEFAULT_AGENT = "thermostat"
 STOP_EXIT_CODE = 130  # what a shell reports for a process ended by Ctrl-C
-# The counters' export until the bridge serves HTTP (/metrics): a file beside the
-# registry, rewritten every few seconds (a scraper's usual interval is 15 s or more).
+# The counters' export for node_exporter's textfile collector and `--stats`: a file
+# beside the registry, rewritten every few seconds (a scraper's usual interval is 15 s
+# or more). --metrics serves the same text over HTTP.
 DEFAULT_STATS_FILE = Path(".wren/bridge.prom")
 STATS_EVERY_S = 5.0
+# Where --metrics binds when its HOST is left out: loopback, as the counters name the
+# tenants; every interface only when asked for (0.0.0.0).
+METRICS_HOST = "127.0.0.1"
 
 log = logging.getLogger("wren.service")
 
@@ -86,6 +93,21 @@ def broker_address(text: str) -> tuple[str, int]:
     if not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"the port must be 1..65535, got {text!r}")
     return host, int(port)
+
+
+def metrics_address(text: str) -> tuple[str, int]:
+    """`[HOST]:PORT` as (host, port), METRICS_HOST when HOST is left out; port 0 is any
+    free one. An IPv6 host in brackets, `[::1]:9464`. An argparse type."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not (port.isascii() and port.isdigit()) or any(c.isspace() for c in host):
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT or :PORT such as 127.0.0.1:9464, got {text!r}"
+        )
+    if int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"the port must be 0..65535, got {text!r}")
+    return host or METRICS_HOST, int(port)
 
 
 def model_url(text: str) -> str:
@@ -190,6 +212,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the counters the running bridge last wrote to --stats-file, and exit",
     )
+    p.add_argument(
+        "--metrics",
+        type=metrics_address,
+        metavar="HOST:PORT",
+        help="serve the counters at http://HOST:PORT/metrics for Prometheus (default: off; "
+        f"HOST defaults to {METRICS_HOST}, 0.0.0.0 is every interface; port 0 picks one)",
+    )
 
 
 def build_parser(prog: str = "python -m server_bridge") -> argparse.ArgumentParser:
@@ -262,7 +291,8 @@ def run(
     until KeyboardInterrupt, which goes on to the caller once the bridge has stopped.
 
     A `bridge: ...` line on `out` (stdout) says the bridge is connected and subscribed;
-    a broker that cannot be reached is a ServiceError.
+    a broker that cannot be reached, or a --metrics address that cannot be bound, is a
+    ServiceError. With --metrics, a `metrics at URL` line follows it.
     """
     out = out if out is not None else sys.stdout
     stop = stop if stop is not None else threading.Event()
@@ -275,9 +305,13 @@ def run(
     try:
         provider, what = model_provider(args)
         bridge = Bridge(config, registry, provider, memory_service(args))
+        metrics: MetricsServer | None = None
         # stop() also after a start that failed or was interrupted: it shuts down the
         # RPC pool the bridge made, and is a no-op for the connection it never had.
         try:
+            # Before connecting: a port in use is said at once, whatever the broker does.
+            if args.metrics is not None:
+                metrics = _serve_metrics(bridge, *args.metrics)
             try:
                 bridge.start()
             except RivalBridge as e:
@@ -290,7 +324,7 @@ def run(
             # writes the newline apart, and a log line on stderr may land in between.
             out.write(
                 f"bridge: {config.host}:{config.port}, registry {args.registry}, {what};"
-                " Ctrl-C stops\n"
+                " Ctrl-C stops\n" + (f"metrics at {metrics.url}\n" if metrics else "")
             )
             out.flush()
             # In one-second waits rather than one endless one, so that Ctrl-C (and
@@ -306,9 +340,14 @@ def run(
             # A second Ctrl-C (or SIGTERM) must not cut the stop short: it is bounded
             # (a couple of seconds) and what makes the boards' calls end by name.
             with _signals_held():
-                bridge.stop()
-                # The last counters, after the stop: what a restart starts again from zero.
-                _write_stats(bridge, args.stats_file)
+                try:
+                    bridge.stop()
+                    # The last counters, after the stop: what a restart starts again
+                    # from zero.
+                    _write_stats(bridge, args.stats_file)
+                finally:
+                    if metrics is not None:
+                        metrics.stop()
     finally:
         registry.close()
 
@@ -326,6 +365,20 @@ def _signals_held() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def _serve_metrics(bridge: Bridge, host: str, port: int) -> MetricsServer:
+    """--metrics: the bridge's counters at http://host:port/metrics, served from now on."""
+    from server_bridge.metrics_http import MetricsServer
+
+    try:
+        server = MetricsServer(bridge.metrics_text, host, port)
+    except OSError as e:
+        raise ServiceError(
+            f"could not serve the metrics at {host}:{port}: {e.strerror or e}"
+        ) from e
+    server.start()
+    return server
 
 
 def _write_stats(bridge: Bridge, path: Path) -> None:
