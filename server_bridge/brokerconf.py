@@ -1,4 +1,4 @@
-"""Mosquitto password and ACL files for Wren.
+"""Mosquitto's password and ACL files for Wren, or its dynamic security plugin's file.
 
 The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
 
@@ -30,6 +30,12 @@ device's rights, so keep the names apart (e.g. `bridge`, `host-<tenant>`). The r
 `P/b/status` is a `pattern` line too (without `%u`), so it reaches devices and host
 users alike.
 
+The same rights can come from Mosquitto's dynamic security plugin instead
+(`dynsec_config`; `wren broker-files --access dynsec`). It refuses a subscription
+outside them in its SUBACK, which the `acl_file` grants and then serves nothing on
+(PROTOCOL.md, "Broker ACL"). It has no `%u`, so each device gets a role of its own, and
+it reads its file only when the broker starts.
+
 Passwords are stored the way `mosquitto_passwd` (Mosquitto 2.x) stores them:
 `$7$<iterations>$<base64 salt>$<base64 hash>`, PBKDF2-HMAC-SHA512 over the raw
 12-byte salt, a 64-byte hash, 101 iterations by default.
@@ -40,11 +46,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
-from collections.abc import Collection, Mapping
+import sysconfig
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from server_bridge.topics import bridge_topic, check_id
 
@@ -52,17 +61,23 @@ __all__ = [
     "BROKER_QUEUES",
     "DEVICE_READ",
     "DEVICE_WRITE",
+    "DYNSEC_PLUGIN",
+    "DYNSEC_PLUGIN_ENV",
     "HOST_READ",
     "HOST_WRITE",
     "acl_text",
     "check_entry",
     "check_password",
     "check_user",
+    "dynsec_config",
+    "dynsec_mosquitto_conf",
+    "dynsec_plugin",
     "hash_password",
     "mosquitto_conf",
     "new_password",
     "secure_mosquitto_conf",
     "write_broker_files",
+    "write_dynsec_files",
     "write_password_entries",
     "write_password_file",
 ]
@@ -184,6 +199,24 @@ def _names(users: str | Collection[str], what: str) -> list[str]:
     return names
 
 
+def _parties(
+    prefix: str,
+    bridge_user: str | Collection[str],
+    tenants: Mapping[str, str | Collection[str]],
+) -> tuple[list[str], dict[str, list[str]]]:
+    """The bridge users and each tenant's host users, checked: sorted, at least one of
+    each, and no user both."""
+    _check_prefix(prefix)
+    bridges = _names(bridge_user, "the bridge")
+    hosts: dict[str, list[str]] = {}
+    for tenant, users in sorted(tenants.items()):
+        check_id(tenant, "tenant")  # the contract's id rule, from topics.py; a ValueError
+        hosts[tenant] = _names(users, f"tenant {tenant}")
+        if set(hosts[tenant]) & set(bridges):
+            raise ValueError("a host user cannot be a bridge user")
+    return bridges, hosts
+
+
 def acl_text(
     prefix: str,
     bridge_user: str | Collection[str],
@@ -196,14 +229,7 @@ def acl_text(
     `tenants` maps a tenant id to the MQTT user its hosts connect as, or to several
     (one per host connection, for the same reason).
     """
-    _check_prefix(prefix)
-    bridges = _names(bridge_user, "the bridge")
-    hosts: dict[str, list[str]] = {}
-    for tenant, users in sorted(tenants.items()):
-        check_id(tenant, "tenant")  # the contract's id rule, from topics.py; a ValueError
-        hosts[tenant] = _names(users, f"tenant {tenant}")
-        if set(hosts[tenant]) & set(bridges):
-            raise ValueError("a host user cannot be a bridge user")
+    bridges, hosts = _parties(prefix, bridge_user, tenants)
     out = [
         "# Wren broker ACL (written by server_bridge/brokerconf.py). Mosquitto denies whatever",
         "# is not granted here.",
@@ -225,6 +251,144 @@ def acl_text(
             out += [f"topic read {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_READ]
             out += [f"topic write {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_WRITE]
     return "\n".join(out) + "\n"
+
+
+# --- dynamic security -----------------------------------------------------------------------
+
+DYNSEC_PLUGIN = "mosquitto_dynamic_security.so"
+# The plugin to load, when it is not in one of the usual library directories.
+DYNSEC_PLUGIN_ENV = "WREN_MOSQUITTO_DYNSEC"
+
+# Every right not granted by a role is denied, unsubscribing too: a client may drop
+# only a subscription it was allowed to make (and the bridge its `P/b/probe`).
+_DENY_ALL = {
+    "publishClientSend": False,
+    "publishClientReceive": False,
+    "subscribe": False,
+    "unsubscribe": False,
+}
+# Role names; a device's and a tenant's carry the id after the dash, so none collide.
+_BRIDGE_ROLE = "bridge"
+_PRESENCE_ROLE = "presence"
+
+
+def _reads(topic: str) -> list[dict[str, Any]]:
+    """A read right: subscribing (and unsubscribing) to `topic` and getting what is
+    published there. A filter with a wildcard is granted as a pattern, which allows it and
+    any narrower filter; without one, as a literal, which allows that filter alone."""
+    kind = "Pattern" if "+" in topic or "#" in topic else "Literal"
+    return [
+        {"acltype": "publishClientReceive", "topic": topic, "allow": True},
+        {"acltype": f"subscribe{kind}", "topic": topic, "allow": True},
+        {"acltype": f"unsubscribe{kind}", "topic": topic, "allow": True},
+    ]
+
+
+def _writes(topic: str) -> list[dict[str, Any]]:
+    return [{"acltype": "publishClientSend", "topic": topic, "allow": True}]
+
+
+def _stored(entry: str) -> dict[str, Any]:
+    """A `$7$` entry in the plugin's own fields. The plugin skips, without a word, a
+    client whose salt is not 12 bytes or whose hash is not 64: refuse such an entry
+    here instead (mosquitto_passwd and hash_password write exactly those)."""
+    _, _, iterations, salt64, hash64 = check_entry(entry).split("$")
+    salt, digest = base64.b64decode(salt64), base64.b64decode(hash64)
+    if len(salt) != SALT_BYTES or len(digest) != HASH_BYTES:
+        raise ValueError(
+            f"the dynamic security plugin takes a {SALT_BYTES}-byte salt and a "
+            f"{HASH_BYTES}-byte hash"
+        )
+    return {
+        "password": base64.b64encode(digest).decode(),
+        "salt": base64.b64encode(salt).decode(),
+        "iterations": int(iterations),
+    }
+
+
+def dynsec_config(
+    prefix: str,
+    bridge_user: str | Collection[str],
+    tenants: Mapping[str, str | Collection[str]],
+    entries: Mapping[str, str],
+) -> dict[str, Any]:
+    """The dynamic security plugin's file (as JSON data) for the rules in this module's
+    docstring: the same rights as `acl_text(prefix, bridge_user, tenants)`, for the users
+    of `entries` (user -> `$7$` entry; a user without one cannot log in).
+
+    The plugin's ACLs have no `%u` (Mosquitto 2.0.11), so every device has a role of its
+    own, `device-<id>`; each tenant's host users share `tenant-<id>`, the bridge users
+    `bridge`, and devices and hosts `presence` (the read of `P/b/status`). As with the
+    ACL's `%u` patterns, a user that is neither a bridge nor a host user is a device.
+    Unlike them, a user has one part's rights only. The bridge may also subscribe to
+    `P/#` as a shared subscription (`$share/<group>/...`).
+    """
+    bridges, hosts = _parties(prefix, bridge_user, tenants)
+    presence = bridge_topic(prefix)
+    roles: dict[str, list[dict[str, Any]]] = {
+        _BRIDGE_ROLE: _reads(f"{prefix}/#")
+        + _writes(f"{prefix}/#")
+        + [
+            {"acltype": kind, "topic": f"$share/+/{prefix}/#", "allow": True}
+            for kind in ("subscribePattern", "unsubscribePattern")
+        ],
+        _PRESENCE_ROLE: _reads(presence),
+    }
+    part: dict[str, list[str]] = {user: [_BRIDGE_ROLE] for user in bridges}
+    for tenant, users in hosts.items():
+        roles[f"tenant-{tenant}"] = [
+            acl for leaf in HOST_READ for acl in _reads(f"{prefix}/h/{tenant}/+/{leaf}")
+        ] + [acl for leaf in HOST_WRITE for acl in _writes(f"{prefix}/h/{tenant}/+/{leaf}")]
+        for user in users:  # a host user of two tenants (the ACL allows it) has both
+            part.setdefault(user, [_PRESENCE_ROLE]).insert(-1, f"tenant-{tenant}")
+    clients = []
+    for user, entry in sorted(entries.items()):
+        check_user(user)
+        if user not in part:
+            role = f"device-{user}"
+            roles[role] = [
+                acl for leaf in DEVICE_READ for acl in _reads(f"{prefix}/d/{user}/{leaf}")
+            ] + [acl for leaf in DEVICE_WRITE for acl in _writes(f"{prefix}/d/{user}/{leaf}")]
+            part[user] = [role, _PRESENCE_ROLE]
+        clients.append(
+            {"username": user, **_stored(entry), "roles": [{"rolename": r} for r in part[user]]}
+        )
+    return {
+        "defaultACLAccess": dict(_DENY_ALL),
+        "clients": clients,
+        "roles": [{"rolename": name, "acls": acls} for name, acls in sorted(roles.items())],
+    }
+
+
+def _plugin_dirs() -> list[Path]:
+    """Where packages put Mosquitto's plugins: Debian's multiarch directory (this
+    interpreter's first, then any other), other distributions', a source build's and
+    Homebrew's."""
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    dirs = [Path("/usr/lib") / multiarch] if multiarch else []
+    dirs += sorted(Path("/usr/lib").glob("*-linux-gnu*"))
+    dirs += map(Path, ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/opt/homebrew/lib"))
+    return list(dict.fromkeys(dirs))
+
+
+def dynsec_plugin(dirs: Sequence[Path | str] | None = None) -> Path:
+    """Mosquitto's dynamic security plugin: the file $WREN_MOSQUITTO_DYNSEC names when it
+    is set, else the first in `dirs` (the usual library directories by default). A
+    FileNotFoundError in one line, naming the file and where it was looked for, if none."""
+    named = os.environ.get(DYNSEC_PLUGIN_ENV)
+    if named:
+        if Path(named).is_file():
+            return Path(named)
+        raise FileNotFoundError(f"{DYNSEC_PLUGIN_ENV}={named}: no such file")
+    looked = [Path(d) for d in dirs] if dirs is not None else _plugin_dirs()
+    for directory in looked:
+        if (directory / DYNSEC_PLUGIN).is_file():
+            return directory / DYNSEC_PLUGIN
+    raise FileNotFoundError(
+        f"Mosquitto's dynamic security plugin {DYNSEC_PLUGIN} is not in "
+        f"{', '.join(map(str, looked))}: install Mosquitto 2 (`apt-get install mosquitto`) "
+        f"or name the file in {DYNSEC_PLUGIN_ENV}"
+    )
 
 
 # --- Mosquitto configuration -------------------------------------------------------------------
@@ -260,17 +424,50 @@ def write_broker_files(directory: Path | str, entries: Mapping[str, str], acl: s
     pw = write_password_entries(directory / "passwords", entries)
     acl_path = directory / "acl"
     _write_private(acl_path, acl)
-    lines = [f"password_file {pw.resolve()}", f"acl_file {acl_path.resolve()}"]
+    return _bound([f"password_file {pw.resolve()}", f"acl_file {acl_path.resolve()}"])
+
+
+def write_dynsec_files(
+    directory: Path | str, document: Mapping[str, Any], plugin: Path | str | None = None
+) -> str:
+    """Write `document` (dynsec_config's) into `directory` as `dynsec.json` and return the
+    configuration lines that load Mosquitto's dynamic security plugin with it, to append
+    as `secure_mosquitto_conf`'s are. `plugin` is the plugin's file, dynsec_plugin()'s
+    by default (looked for before anything is written).
+
+    The plugin reads its file once, at start: a running broker does not see it written
+    again (SIGHUP reloads neither it nor the plugin; Mosquitto 2.0.11), so a change of
+    users needs a restart. The plugin writes the file only on commands sent to its
+    `$CONTROL` topic, which no user here may send.
+    """
+    plugin = Path(plugin) if plugin is not None else dynsec_plugin()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "dynsec.json"
+    _write_private(path, json.dumps(document, indent=1) + "\n")
+    return _bound([f"plugin {plugin}", f"plugin_opt_config_file {path.resolve()}"])
+
+
+def _bound(lines: list[str]) -> str:
+    """The access lines, then those that bind client ids to users and size the queues."""
     # Client ids bound to users (see the module docstring). A listener option: these
     # lines must follow the `listener` line they are for (start_mosquitto writes its
     # listener first), and a config with several listeners needs it under each.
-    lines.append("use_username_as_clientid true")
+    lines = [*lines, "use_username_as_clientid true"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         # Started as root, Mosquitto switches to the `mosquitto` user before it reads
         # these files, which are the caller's and private (0600), often in a private
         # directory too. Keep the caller's identity rather than loosen the files.
         lines.append("user root")
     return "\n".join(lines) + "\n" + BROKER_QUEUES
+
+
+def _check_listener(port: int, bind: str | None) -> str:
+    if not 0 < port < 65536:
+        raise ValueError(f"bad port {port}")
+    if bind is not None and not re.fullmatch(r"[^\s#]+", bind):
+        raise ValueError(f"bad listener address {bind!r}")
+    return f"listener {port}" + (f" {bind}" if bind else "")
 
 
 def mosquitto_conf(
@@ -288,16 +485,32 @@ def mosquitto_conf(
     Written again with other users, the files are replaced whole (each by a rename), so
     a broker sent SIGHUP reloads either the old or the new ones, never half of each.
     """
-    if not 0 < port < 65536:
-        raise ValueError(f"bad port {port}")
-    if bind is not None and not re.fullmatch(r"[^\s#]+", bind):
-        raise ValueError(f"bad listener address {bind!r}")
-    directory = Path(directory)
+    listener = _check_listener(port, bind)
     lines = write_broker_files(directory, entries, acl)
-    listener = f"listener {port}" + (f" {bind}" if bind else "")
+    return _whole_conf(Path(directory), listener, lines, "then send Mosquitto SIGHUP to reload")
+
+
+def dynsec_mosquitto_conf(
+    directory: Path | str,
+    document: Mapping[str, Any],
+    port: int = 1883,
+    bind: str | None = None,
+    plugin: Path | str | None = None,
+) -> Path:
+    """`mosquitto_conf` with the dynamic security plugin instead of the password file and
+    the ACL: `dynsec.json` (dynsec_config's `document`) and `mosquitto.conf` in
+    `directory`. Written again, it takes a restart of the broker (write_dynsec_files);
+    with the persistence this config turns on, sessions and what waits in them survive it.
+    """
+    listener = _check_listener(port, bind)
+    lines = write_dynsec_files(directory, document, plugin)
+    return _whole_conf(Path(directory), listener, lines, "then restart Mosquitto")
+
+
+def _whole_conf(directory: Path, listener: str, lines: str, reload: str) -> Path:
     text = (
         "# Wren's broker (written by server_bridge/brokerconf.py from the registry; written\n"
-        "# again after every change of its users: then send Mosquitto SIGHUP to reload).\n"
+        f"# again after every change of its users: {reload}).\n"
         # The security options are the listener's own: they must follow its line.
         f"{listener}\n"
         "allow_anonymous false\n"

@@ -15,7 +15,9 @@ What runs:
   process, or a test speaking as the bridge), "device" (another registered device of
   the tenant, with no board) or a tenant id (a host user of that tenant). With
   `persistence=True` it saves its sessions on SIGTERM and loads them again;
-  `broker_conf` lines are appended to its config (e.g. `set_tcp_nodelay true`).
+  `broker_conf` lines are appended to its config (e.g. `set_tcp_nodelay true`). With
+  `access="dynsec"` the same rights come from Mosquitto's dynamic security plugin
+  instead of the password file and the ACL.
 - **bridge**: `python -m tools.cli bridge ...` as a subprocess (the scripted demo model, or
   `--openai-base-url model_url --model model`), its stdout and stderr in `bridge.log`.
 - **board**: `edge_runtime` laid out as .mpy (`lay_out_flash`) and run on the MicroPython
@@ -158,6 +160,7 @@ class Stack:
         start_timeout_s: float = START_TIMEOUT_S,
         extra_users: Mapping[str, str] | None = None,
         main_py: str | None = None,
+        access: str = "acl_file",
     ) -> None:
         self._owned_dir: tempfile.TemporaryDirectory[str] | None = None
         if workdir is None:
@@ -177,6 +180,7 @@ class Stack:
         self.mpy = mpy
         self.persistence = persistence
         self.broker_conf = broker_conf
+        self.access = access
         self.board_settings = dict(board_settings or {})
         self.bridge_args = list(bridge_args)
         self.bridge_verbose = bridge_verbose
@@ -239,9 +243,15 @@ class Stack:
         for user, part in self.extra_users.items():
             if part not in ("bridge", "device"):
                 tenants.setdefault(part, []).append(user)
-        conf = brokerconf.secure_mosquitto_conf(
-            broker_dir, self.users, brokerconf.acl_text(PREFIX, bridges, tenants)
-        )
+        if self.access == "dynsec":
+            entries = {user: brokerconf.hash_password(pw) for user, pw in self.users.items()}
+            conf = brokerconf.write_dynsec_files(
+                broker_dir, brokerconf.dynsec_config(PREFIX, bridges, tenants, entries)
+            )
+        else:
+            conf = brokerconf.secure_mosquitto_conf(
+                broker_dir, self.users, brokerconf.acl_text(PREFIX, bridges, tenants)
+            )
         conf += "log_type subscribe\n"
         if self.persistence:
             conf += persistence_conf(broker_dir / "persist")

@@ -1,13 +1,17 @@
 """server_bridge/brokerconf.py: password entries that Mosquitto accepts, and the Wren ACL
-as a real Mosquitto enforces it."""
+as a real Mosquitto enforces it, written as an `acl_file` and as the dynamic security
+plugin's file (each broker test runs on both)."""
 
 from __future__ import annotations
 
 import base64
+import json
 import queue
 import re
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +38,21 @@ TENANTS = {"acme": "host-acme", "other": "host-other"}
 # let through is seen (Wren's rules let no one but the bridge read all of P/#, and no
 # one read outside it).
 OBSERVER_ACL = "\n# Tests only: sees every write the broker accepts.\nuser observer\ntopic read #\n"
+# The same for the dynamic security plugin: a role of the observer's.
+OBSERVER_ROLE = {
+    "rolename": "observer",
+    "acls": [
+        {"acltype": "publishClientReceive", "topic": "#", "allow": True},
+        {"acltype": "subscribePattern", "topic": "#", "allow": True},
+    ],
+}
+# The access backends of the broker tests: Mosquitto's acl_file and its dynamic
+# security plugin.
+ACCESS = ("acl_file", "dynsec")
+# SUBACK reason codes: QoS 1 granted; refused under MQTT 3.1.1 and under MQTT 5.
+GRANTED_1 = 0x01
+REFUSED_311 = 0x80
+NOT_AUTHORIZED_5 = 0x87
 
 
 # --- password entries ------------------------------------------------------------------
@@ -185,6 +204,159 @@ def test_the_configuration_binds_client_ids_to_users(tmp_path: Path) -> None:
     assert "use_username_as_clientid true" in lines
 
 
+# --- the dynamic security plugin's file ------------------------------------------------
+
+
+def _acls(document: dict[str, Any], role: str) -> list[tuple[str, str]]:
+    [found] = [r for r in document["roles"] if r["rolename"] == role]
+    assert all(acl["allow"] is True for acl in found["acls"])
+    return [(acl["acltype"], acl["topic"]) for acl in found["acls"]]
+
+
+def _reads(topic: str, kind: str = "Literal") -> list[tuple[str, str]]:
+    return [
+        ("publishClientReceive", topic),
+        (f"subscribe{kind}", topic),
+        (f"unsubscribe{kind}", topic),
+    ]
+
+
+def test_dynsec_config_is_exactly_the_wren_rules() -> None:
+    users = ("bridge", "bridge-b", "dev1", "host-acme", "host-acme-2", "host-other")
+    entries = {user: brokerconf.hash_password(user) for user in users}
+    doc = brokerconf.dynsec_config(
+        P, ["bridge", "bridge-b"], {"acme": ["host-acme", "host-acme-2"], "other": "host-other"},
+        entries,
+    )  # fmt: skip
+    # Whatever no role grants is denied, unsubscribing too.
+    assert doc["defaultACLAccess"] == {
+        "publishClientSend": False,
+        "publishClientReceive": False,
+        "subscribe": False,
+        "unsubscribe": False,
+    }
+    assert {c["username"]: [r["rolename"] for r in c["roles"]] for c in doc["clients"]} == {
+        "bridge": ["bridge"],
+        "bridge-b": ["bridge"],
+        "dev1": ["device-dev1", "presence"],
+        "host-acme": ["tenant-acme", "presence"],
+        "host-acme-2": ["tenant-acme", "presence"],
+        "host-other": ["tenant-other", "presence"],
+    }
+    assert [r["rolename"] for r in doc["roles"]] == [
+        "bridge", "device-dev1", "presence", "tenant-acme", "tenant-other",
+    ]  # fmt: skip
+    assert _acls(doc, "bridge") == [
+        *_reads("wren/v1/#", "Pattern"),
+        ("publishClientSend", "wren/v1/#"),
+        ("subscribePattern", "$share/+/wren/v1/#"),
+        ("unsubscribePattern", "$share/+/wren/v1/#"),
+    ]
+    assert _acls(doc, "device-dev1") == [
+        *_reads("wren/v1/d/dev1/req"),
+        *_reads("wren/v1/d/dev1/ctl"),
+        *_reads("wren/v1/d/dev1/rpc/res"),
+        ("publishClientSend", "wren/v1/d/dev1/status"),
+        ("publishClientSend", "wren/v1/d/dev1/hello"),
+        ("publishClientSend", "wren/v1/d/dev1/evt"),
+        ("publishClientSend", "wren/v1/d/dev1/rpc"),
+    ]
+    assert _acls(doc, "tenant-acme") == [
+        *_reads("wren/v1/h/acme/+/evt", "Pattern"),
+        ("publishClientSend", "wren/v1/h/acme/+/req"),
+        ("publishClientSend", "wren/v1/h/acme/+/ctl"),
+    ]
+    assert _acls(doc, "presence") == _reads("wren/v1/b/status")
+    # Each password as the registry stored it, in the plugin's fields.
+    for client in doc["clients"]:
+        entry = f"$7${client['iterations']}${client['salt']}${client['password']}"
+        assert entry == entries[client["username"]]
+    # A user without an entry cannot log in: it has no client.
+    assert "host-acme-2" not in {
+        c["username"] for c in brokerconf.dynsec_config(
+            P, "bridge", {"acme": ["host-acme", "host-acme-2"]},
+            {u: entries[u] for u in ("bridge", "host-acme")},
+        )["clients"]
+    }  # fmt: skip
+    fields = entries["dev1"].split("$")
+    short_salt = "$".join([*fields[:3], base64.b64encode(b"8 bytes!").decode(), fields[4]])
+    for bad in (
+        ("wren/#", "bridge", {}, {}),
+        (P, "bridge", {"acme": "bridge"}, {}),
+        (P, "bridge", {}, {"dev1": "a plain password"}),
+        (P, "bridge", {}, {"a b": entries["dev1"]}),
+        # The plugin would skip such a client without a word.
+        (P, "bridge", {}, {"dev1": short_salt}),
+    ):
+        with pytest.raises(ValueError):
+            brokerconf.dynsec_config(*bad)  # type: ignore[arg-type]
+
+
+def test_dynsec_passwords_are_what_mosquitto_ctrl_stores(tmp_path: Path) -> None:
+    exe = shutil.which("mosquitto_ctrl") or "/usr/bin/mosquitto_ctrl"
+    if not Path(exe).exists():
+        pytest.skip("mosquitto_ctrl is not installed")
+    path = tmp_path / "dynsec.json"
+    subprocess.run([exe, "dynsec", "init", str(path), "admin", "s3cret pass"],
+                   check=True, timeout=30, capture_output=True)  # fmt: skip
+    [theirs] = json.loads(path.read_text())["clients"]
+    entry = brokerconf.hash_password(
+        "s3cret pass", base64.b64decode(theirs["salt"]), theirs["iterations"]
+    )
+    [ours] = brokerconf.dynsec_config(P, "admin", {}, {"admin": entry})["clients"]
+    assert {k: ours[k] for k in ("password", "salt", "iterations")} == {
+        k: theirs[k] for k in ("password", "salt", "iterations")
+    }
+
+
+def test_dynsec_mosquitto_conf_loads_the_plugin_with_the_file(tmp_path: Path) -> None:
+    doc = brokerconf.dynsec_config(P, "bridge", {}, {"bridge": brokerconf.hash_password("b")})
+    plugin = tmp_path / brokerconf.DYNSEC_PLUGIN
+    plugin.touch()
+    conf = brokerconf.dynsec_mosquitto_conf(tmp_path / "broker", doc, 18830, "127.0.0.1", plugin)
+    directory = (tmp_path / "broker").resolve()
+    options = [line for line in conf.read_text().splitlines() if not line.startswith("#")]
+    assert options[:2] == ["listener 18830 127.0.0.1", "allow_anonymous false"]
+    for line in (
+        f"plugin {plugin}",
+        f"plugin_opt_config_file {directory / 'dynsec.json'}",
+        "use_username_as_clientid true",
+        "set_tcp_nodelay true",
+        "persistence true",
+        *brokerconf.BROKER_QUEUES.splitlines(),
+    ):
+        assert line in options
+    assert not [line for line in options if line.startswith(("password_file", "acl_file"))]
+    written = tmp_path / "broker" / "dynsec.json"
+    assert json.loads(written.read_text()) == doc
+    assert written.stat().st_mode & 0o777 == 0o600
+    assert "then restart Mosquitto" in conf.read_text()
+
+
+def test_a_missing_dynsec_plugin_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(brokerconf.DYNSEC_PLUGIN_ENV, raising=False)
+    with pytest.raises(FileNotFoundError) as e:
+        brokerconf.dynsec_plugin([tmp_path / "a", tmp_path / "b"])
+    assert str(e.value) == (
+        f"Mosquitto's dynamic security plugin mosquitto_dynamic_security.so is not in "
+        f"{tmp_path / 'a'}, {tmp_path / 'b'}: install Mosquitto 2 (`apt-get install "
+        f"mosquitto`) or name the file in WREN_MOSQUITTO_DYNSEC"
+    )
+    (tmp_path / "b" / brokerconf.DYNSEC_PLUGIN).parent.mkdir()
+    (tmp_path / "b" / brokerconf.DYNSEC_PLUGIN).touch()
+    found = brokerconf.dynsec_plugin([tmp_path / "a", tmp_path / "b"])
+    assert found == tmp_path / "b" / brokerconf.DYNSEC_PLUGIN
+    monkeypatch.setenv(brokerconf.DYNSEC_PLUGIN_ENV, str(tmp_path / "nowhere.so"))
+    with pytest.raises(FileNotFoundError, match=r"^WREN_MOSQUITTO_DYNSEC=.*nowhere.so: no such"):
+        brokerconf.dynsec_plugin([tmp_path / "b"])
+    # Nothing is written when the plugin is missing.
+    with pytest.raises(FileNotFoundError):
+        brokerconf.dynsec_mosquitto_conf(tmp_path / "broker", {})
+    assert not (tmp_path / "broker").exists()
+
+
 # --- enforced by a real broker ----------------------------------------------------------------
 
 
@@ -197,6 +369,7 @@ class Client:
         password: str | None,
         client_id: str | None = None,
         clean_session: bool = True,
+        protocol: int = paho.MQTTv311,
     ) -> None:
         self.messages: queue.Queue[paho.MQTTMessage] = queue.Queue()
         self.connacks: queue.Queue[Any] = queue.Queue()
@@ -205,8 +378,9 @@ class Client:
         self.c = paho.Client(
             paho.CallbackAPIVersion.VERSION2,
             client_id=client_id or f"t-{user}",
-            protocol=paho.MQTTv311,
-            clean_session=clean_session,
+            protocol=protocol,
+            # MQTT 5 has clean start instead, at connect (paho refuses clean_session).
+            clean_session=None if protocol == paho.MQTTv5 else clean_session,
         )
         if user is not None:
             self.c.username_pw_set(user, password)
@@ -222,6 +396,10 @@ class Client:
         """Subscribe at QoS 1; the SUBACK's reason codes."""
         self.c.subscribe(topic, 1)
         return list(self.subacks.get(timeout=TIMEOUT_S))
+
+    def suback(self, topic: str) -> list[int]:
+        """Subscribe at QoS 1; the SUBACK's raw reason codes, as the broker sent them."""
+        return [rc.value for rc in self.subscribe(topic)]
 
     def publish(self, topic: str, payload: bytes) -> None:
         self.c.publish(topic, payload, 1).wait_for_publish(TIMEOUT_S)
@@ -247,6 +425,7 @@ class Secured:
     port: int
     clients: list[Client]
     broker: MosquittoProcess
+    access: str  # one of ACCESS
 
     def connect(self, user: str | None, password: str | None = None, **kw: Any) -> Client:
         if user is not None and password is None:
@@ -261,12 +440,25 @@ class Secured:
         return c
 
 
-@pytest.fixture
-def secured(tmp_path: Path) -> Iterator[Secured]:
-    acl = brokerconf.acl_text(P, "bridge", TENANTS) + OBSERVER_ACL
-    extra = brokerconf.secure_mosquitto_conf(tmp_path / "conf", USERS, acl)
+def access_conf(access: str, directory: Path, users: dict[str, str]) -> str:
+    """The configuration lines of USERS' rights (and the observer's) under `access`."""
+    if access == "acl_file":
+        acl = brokerconf.acl_text(P, "bridge", TENANTS) + OBSERVER_ACL
+        return brokerconf.secure_mosquitto_conf(directory, users, acl)
+    entries = {user: brokerconf.hash_password(pw) for user, pw in users.items()}
+    doc = brokerconf.dynsec_config(P, "bridge", TENANTS, entries)
+    # The observer is a device to the rules (the ACL's %u makes it one too), and reads all.
+    doc["roles"].append(OBSERVER_ROLE)
+    [observer] = [c for c in doc["clients"] if c["username"] == "observer"]
+    observer["roles"].append({"rolename": "observer"})
+    return brokerconf.write_dynsec_files(directory, doc)
+
+
+@pytest.fixture(params=ACCESS)
+def secured(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Secured]:
+    extra = access_conf(request.param, tmp_path / "conf", USERS)
     m = start_mosquitto(tmp_path / "mosquitto", extra_conf=extra, allow_anonymous=False)
-    s = Secured(m.host, m.port, [], m)
+    s = Secured(m.host, m.port, [], m, request.param)
     try:
         yield s
     finally:
@@ -313,7 +505,14 @@ def test_host_users_stay_in_their_tenant(secured: Secured) -> None:
     bridge = secured.login("bridge")
     bridge.subscribe(f"{P}/h/+/+/req")
     host = secured.login("host-acme")
-    host.subscribe(f"{P}/h/+/+/evt")  # wider than allowed: only acme's events may come
+    # Wider than allowed: the acl_file grants it and serves only acme's events on it; the
+    # dynamic security plugin refuses it, and the host asks for its own.
+    wide = host.suback(f"{P}/h/+/+/evt")
+    if secured.access == "dynsec":
+        assert wide == [REFUSED_311]
+        assert host.suback(f"{P}/h/acme/+/evt") == [GRANTED_1]
+    else:
+        assert wide == [GRANTED_1]
     bridge.publish(f"{P}/h/other/dev9/evt", b"other tenant's event")
     bridge.publish(f"{P}/h/acme/dev1/evt", b"acme event")
     assert host.until(b"acme event") == [(f"{P}/h/acme/dev1/evt", b"acme event")]
@@ -395,14 +594,17 @@ MARKER_READ = {
 }
 
 
-def granted(
-    secured: Secured, checks: list[tuple[str | None, str, bool]]
-) -> set[tuple[str | None, str, bool]]:
+Check = tuple[str | None, str, bool]
+
+
+def granted(secured: Secured, checks: list[Check]) -> tuple[set[Check], set[Check]]:
     """The checks the broker grants, seen from outside: a write is granted when the
     observer receives it, a read when the user receives what the bridge publishes there.
     Payloads carry the attempt's tag, so a message of an earlier attempt still queued
-    for the same reader is not counted again."""
-    got: set[tuple[str | None, str, bool]] = set()
+    for the same reader is not counted again. Also the reads whose subscription the
+    SUBACK refused."""
+    got: set[Check] = set()
+    refused: set[Check] = set()
     clients = {"observer": secured.login("observer"), "bridge": secured.login("bridge")}
     clients["observer"].subscribe("#")
     for user in sorted({u for u, _, _ in checks if u is not None} - clients.keys()):
@@ -418,8 +620,10 @@ def granted(
             sender, reader, marker_topic = clients[user], clients["observer"], MARKER_WRITE[user]
         else:
             sender, reader, marker_topic = clients["bridge"], clients[user], MARKER_READ[user]
-            for topic in [*topics, marker_topic]:
-                reader.subscribe(topic)
+            for topic in topics:
+                if any(rc.is_failure for rc in reader.subscribe(topic)):
+                    refused.add((user, topic, write))
+            assert reader.suback(marker_topic) == [GRANTED_1]
         for topic in topics:
             sender.publish(topic, f"{tag} {topic}".encode())
         marker = f"{tag} marker".encode()
@@ -427,13 +631,17 @@ def granted(
         for topic, payload in reader.until(marker):
             if payload == f"{tag} {topic}".encode():
                 got.add((user, topic, write))
-    return got
+    return got, refused
 
 
 def test_mosquitto_grants_exactly_the_listed_rights(secured: Secured) -> None:
-    got = granted(secured, ALLOWED + DENIED)
+    got, refused = granted(secured, ALLOWED + DENIED)
     assert sorted(set(ALLOWED) - got, key=repr) == [], "refused although allowed"
     assert sorted(got & set(DENIED), key=repr) == [], "granted although denied"
+    # The acl_file grants every subscription in SUBACK; the dynamic security plugin
+    # refuses exactly the denied reads there.
+    denied_reads = {(u, t, w) for u, t, w in DENIED if u is not None and not w}
+    assert refused == (denied_reads if secured.access == "dynsec" else set())
 
 
 # --- identity: client ids bound to users -----------------------------------------------------
@@ -472,6 +680,7 @@ def test_a_second_connection_of_one_user_takes_over_the_first(secured: Secured) 
     assert TAKEOVER in secured.broker.log()
 
 
+@pytest.mark.parametrize("secured", ["acl_file"], indirect=True)
 def test_a_denied_subscription_is_granted_in_suback_and_delivers_nothing(
     secured: Secured,
 ) -> None:
@@ -500,3 +709,91 @@ def test_a_denied_subscription_is_granted_in_suback_and_delivers_nothing(
     bridge.publish(f"{P}/h/acme/dev1/evt", b"marker")
     assert dev1.until(b"marker") == [(f"{P}/d/dev1/req", b"marker")]
     assert host.until(b"marker") == [(f"{P}/h/acme/dev1/evt", b"marker")]
+
+
+# --- the dynamic security plugin: refused in SUBACK -------------------------------------------
+
+
+@pytest.mark.parametrize("secured", ["dynsec"], indirect=True)
+def test_dynsec_refuses_a_denied_subscription_in_suback(secured: Secured) -> None:
+    """The dynamic security plugin checks a subscription against the user's roles and
+    refuses what they do not grant (0x80 under MQTT 3.1.1): a client learns at once, and
+    the broker keeps no subscription that could only deliver nothing."""
+    clients = {user: secured.login(user) for user in ("bridge", "dev1", "host-acme")}
+    bridge, dev1, host = clients.values()
+    denied = [
+        ("dev1", f"{P}/d/dev2/req"),  # another device's
+        ("dev1", f"{P}/d/+/req"),
+        ("dev1", f"{P}/d/dev1/#"),  # wider than its own, though all it matches is its own
+        ("dev1", f"{P}/d/dev1/evt"),  # its own, but one it writes
+        ("dev1", f"{P}/#"),
+        ("dev1", "#"),
+        ("dev1", f"$share/g/{P}/d/dev1/req"),
+        ("dev1", f"{P}/h/acme/+/evt"),
+        ("host-acme", f"{P}/h/other/+/evt"),  # another tenant's
+        ("host-acme", f"{P}/h/other/dev2/evt"),
+        ("host-acme", f"{P}/h/+/+/evt"),
+        ("host-acme", f"{P}/h/acme/+/req"),  # its own tenant's, but one it writes
+        ("host-acme", f"{P}/d/+/req"),
+        ("host-acme", f"{P}/#"),
+        ("bridge", "elsewhere/#"),
+        ("bridge", "#"),
+    ]
+    codes = {(user, topic): clients[user].suback(topic) for user, topic in denied}
+    assert {k: v for k, v in codes.items() if v != [REFUSED_311]} == {}
+    own = [
+        ("dev1", f"{P}/d/dev1/req"),
+        ("dev1", f"{P}/d/dev1/ctl"),
+        ("dev1", f"{P}/d/dev1/rpc/res"),
+        ("dev1", f"{P}/b/status"),
+        ("host-acme", f"{P}/h/acme/+/evt"),
+        ("host-acme", f"{P}/b/status"),
+        ("bridge", f"{P}/d/+/evt"),
+        ("bridge", f"$share/bridge/{P}/d/+/rpc"),  # the bridge's shared_subscription
+    ]
+    codes = {(user, topic): clients[user].suback(topic) for user, topic in own}
+    assert {k: v for k, v in codes.items() if v != [GRANTED_1]} == {}
+    # What the refused filters would have matched, then markers on their own topics.
+    bridge.publish(f"{P}/d/dev2/req", b"denied")
+    bridge.publish(f"{P}/h/other/dev2/evt", b"denied")
+    bridge.publish(f"{P}/d/dev1/req", b"marker")
+    bridge.publish(f"{P}/d/dev1/rpc/res", b"answer")
+    bridge.publish(f"{P}/h/acme/dev1/evt", b"marker")
+    assert dev1.until(b"answer") == [
+        (f"{P}/d/dev1/req", b"marker"),
+        (f"{P}/d/dev1/rpc/res", b"answer"),
+    ]
+    assert host.until(b"marker") == [(f"{P}/h/acme/dev1/evt", b"marker")]
+    dev1.publish(f"{P}/d/dev1/rpc", b"call")
+    dev1.publish(f"{P}/d/dev1/evt", b"event")
+    assert bridge.until(b"event") == [(f"{P}/d/dev1/rpc", b"call"), (f"{P}/d/dev1/evt", b"event")]
+
+
+@pytest.mark.parametrize("secured", ["dynsec"], indirect=True)
+def test_dynsec_refuses_a_denied_subscription_in_mqtt5_suback(secured: Secured) -> None:
+    dev1 = secured.login("dev1", protocol=paho.MQTTv5)
+    host = secured.login("host-other", protocol=paho.MQTTv5)
+    assert dev1.suback(f"{P}/d/dev2/req") == [NOT_AUTHORIZED_5]
+    assert host.suback(f"{P}/h/acme/+/evt") == [NOT_AUTHORIZED_5]
+    assert dev1.suback(f"{P}/d/dev1/req") == [GRANTED_1]
+    assert host.suback(f"{P}/h/other/+/evt") == [GRANTED_1]
+
+
+@pytest.mark.parametrize("secured", ["dynsec"], indirect=True)
+def test_dynsec_takes_new_users_at_a_restart_not_at_sighup(
+    secured: Secured, tmp_path: Path
+) -> None:
+    """Mosquitto 2.0.11 reloads neither the plugin nor its file on SIGHUP: the registry's
+    changes reach a broker using dynsec at its restart (brokerconf.write_dynsec_files)."""
+    access_conf("dynsec", tmp_path / "conf", {**USERS, "dev3": "dev3-pw"})
+    offset = len(secured.broker.log())
+    secured.broker.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + TIMEOUT_S
+    while "Reloading config" not in secured.broker.log()[offset:]:
+        assert time.monotonic() < deadline, secured.broker.log()
+        time.sleep(0.05)
+    # The reload is done before the broker reads another packet.
+    assert secured.connect("dev3", "dev3-pw").rc.is_failure
+    assert not secured.connect("dev1").rc.is_failure
+    secured.broker.restart()
+    assert not secured.connect("dev3", "dev3-pw").rc.is_failure

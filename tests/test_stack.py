@@ -72,6 +72,18 @@ def test_a_run_with_the_scripted_model_and_a_clean_teardown(tmp_path: Path) -> N
     assert not HAVE_PROC or processes_under(tmp_path) == []
 
 
+def test_a_run_through_a_broker_with_the_dynamic_security_plugin(tmp_path: Path) -> None:
+    # Every topic of a run under the plugin's roles: the host's req and evt, the board's
+    # hello, evt and RPC calls, the bridge's req and RPC answers, and both presences. A
+    # subscription the roles did not grant would be refused, and the bridge (or the host
+    # client) would fail to start.
+    with Stack(tmp_path, access="dynsec") as s:
+        assert "plugin_opt_config_file" in (tmp_path / "mosquitto" / "mosquitto.conf").read_text()
+        snap = s.ask(QUESTION)
+        assert snap.status == "done", s.describe()
+        assert assistant_rows(snap) == SCRIPTED_ROWS
+
+
 def test_a_run_with_the_model_server(tmp_path: Path) -> None:
     text = "It is comfortably warm in here, about twenty-one degrees."
     with ModelServer([Turn(text=text, chunk_chars=4)]) as server:

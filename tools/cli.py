@@ -12,7 +12,7 @@ wren host-user add NAME --tenant T another host user of a tenant (password print
 wren grant add --tenant T --agent A [--field F] [--read-only]
                                    let an agent use the tenant's tenant-scoped memory
 wren grant list | remove           the registry's grants
-wren broker-files                  Mosquitto's password file, ACL and config from the registry
+wren broker-files [--access dynsec] Mosquitto's password file, ACL and config from the registry
 """
 
 from __future__ import annotations
@@ -45,7 +45,12 @@ DEFAULT_BROKER_DIR = Path(".wren/broker")
 # The commands that change or read the registry (handled by `_registry_command`).
 REGISTRY_COMMANDS = ("tenant", "device", "bridge-user", "host-user", "grant", "broker-files")
 ONCE = "shown this once: it cannot be shown again (the registry keeps only its hash)"
-RELOAD = "next: `wren broker-files`, then SIGHUP to the Mosquitto that uses them"
+RELOAD = (
+    "next: `wren broker-files`, then SIGHUP to the Mosquitto that uses them "
+    "(with --access dynsec: restart it)"
+)
+# How the broker enforces the rules: Mosquitto's acl_file, or its dynamic security plugin.
+ACCESS = ("acl_file", "dynsec")
 
 
 class CommandError(Exception):
@@ -300,6 +305,14 @@ def _add_registry_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     f.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix (default %(default)s)")
     f.add_argument("--port", type=int, default=1883, help="listener port (default %(default)s)")
     f.add_argument("--bind", help="listener address (default: every interface)")
+    f.add_argument(
+        "--access",
+        choices=ACCESS,
+        default="acl_file",
+        help="acl_file: a password file and an ACL, reloaded on SIGHUP (a denied subscription "
+        "is granted in SUBACK and delivers nothing); dynsec: Mosquitto's dynamic security "
+        "plugin, which refuses it in SUBACK, read only at start (default %(default)s)",
+    )
 
 
 # --- the registry commands: thin over server_bridge.registry and brokerconf ---------------
@@ -513,23 +526,33 @@ def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
     for u in users:
         if u.role == HOST and u.tenant is not None:
             hosts.setdefault(u.tenant, []).append(u.user)
-    acl = brokerconf.acl_text(args.prefix, bridges, hosts)
-    conf = brokerconf.mosquitto_conf(
-        args.out, {u.user: u.password_hash for u in users}, acl, args.port, args.bind
-    )
+    entries = {u.user: u.password_hash for u in users}
+    if args.access == "dynsec":
+        document = brokerconf.dynsec_config(args.prefix, bridges, hosts, entries)
+        conf = brokerconf.dynsec_mosquitto_conf(args.out, document, args.port, args.bind)
+        wrote = f"{args.out / 'dynsec.json'} ({len(users)} users)"
+    else:
+        acl = brokerconf.acl_text(args.prefix, bridges, hosts)
+        conf = brokerconf.mosquitto_conf(args.out, entries, acl, args.port, args.bind)
+        wrote = f"{args.out / 'passwords'} ({len(users)} users), {args.out / 'acl'}"
     logins = {u.user for u in users if u.role == DEVICE}
     _warn_without_login([d for d in devices if d.device not in logins])
     listener = f"{args.bind or '*'}:{args.port}"
-    print(
-        f"wrote {args.out / 'passwords'} ({len(users)} users), {args.out / 'acl'}, {conf}"
-        f" (listener {listener})",
-        file=out,
-    )
+    print(f"wrote {wrote}, {conf} (listener {listener})", file=out)
     print(f"start Mosquitto:  mosquitto -c {conf.resolve()}", file=out)
-    print(
-        "a Mosquitto started with it reloads the users and the ACL on SIGHUP:  kill -HUP <its pid>",
-        file=out,
-    )
+    if args.access == "dynsec":
+        # brokerconf.write_dynsec_files says why.
+        print(
+            "a Mosquitto started with it reads the users and their rights only at start: "
+            "restart it after a change (its persistent sessions survive)",
+            file=out,
+        )
+    else:
+        print(
+            "a Mosquitto started with it reloads the users and the ACL on SIGHUP:  "
+            "kill -HUP <its pid>",
+            file=out,
+        )
 
 
 def _registry_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
