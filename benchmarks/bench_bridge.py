@@ -4,7 +4,8 @@ same Mosquitto in the same run (loopback).
 1. Request -> first `msg.delta` at the host, p50/p99: a host request through `wren bridge`
    to the board (.mpy on the MicroPython unix port, then the same code on CPython), whose
    llm.complete the bridge answers from tests/model_server.py (a one-chunk answer, so no
-   coalescing timer is waited on); next to a raw paho chain over the same six broker legs
+   coalescing timer is waited on; the server in a process of its own, as a model server
+   is, so it shares no interpreter lock with the host client timing the runs); next to a raw paho chain over the same six broker legs
    (host -> "bridge" -> "board" -> "bridge" -> "board" -> "bridge" -> host, two relay
    clients that republish at once), through the same broker, one message after each
    request (so both see the same moment of a noisy machine). The model server's own time
@@ -439,7 +440,50 @@ def _child_flood(conf: dict[str, Any]) -> Callable[[str], Any]:
     return command
 
 
+def _child_model(conf: dict[str, Any]) -> Callable[[str], Any]:
+    """The model server (tests/model_server.py) answering ANSWER in one chunk: in a
+    process of its own, as a model server is, so it shares no interpreter lock with the
+    host client that times the runs. `stamps` answers its request count and the
+    time.monotonic() (one clock for every process of the machine) at which each request
+    began and each stream ended."""
+    server = ModelServer().start()
+    server.script[:] = [Turn(text=ANSWER, chunk_chars=len(ANSWER))]
+
+    def command(cmd: str) -> Any:
+        if cmd == "stop":
+            server.close()
+            return "stopped"
+        if cmd == "url":
+            return server.url
+        return {
+            "requests": len(server.requests),
+            "starts": server.request_starts,
+            "ends": server.stream_ends,
+        }
+
+    return command
+
+
+class ModelProcess:
+    """The model server in a child process (_child_model), for figures 1 and 4."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._child = Child("model", {}, workdir)
+        self.url: str = self._child.ask("url")
+
+    def stamps(self) -> tuple[int, dict[int, float], dict[int, float]]:
+        """Requests answered so far; when each began and when its stream ended."""
+        got = self._child.ask("stamps")
+        starts = {int(k): float(v) for k, v in got["starts"].items()}
+        ends = {int(k): float(v) for k, v in got["ends"].items()}
+        return int(got["requests"]), starts, ends
+
+    def close(self) -> None:
+        self._child.close()
+
+
 CHILDREN = {
+    "model": _child_model,
     "bridge": _child_bridge,
     "relay": _child_relay,
     "host": _child_host,
@@ -585,7 +629,7 @@ class FirstDelta:
 
 
 def measure_first_delta(
-    s: Stack, server: ModelServer, runs: int
+    s: Stack, server: ModelProcess, runs: int
 ) -> tuple[list[FirstDelta], list[float]]:
     """Figure 1 on one stack: each request through Wren, then one message through the raw
     chain on the same broker, in turn, so both see the same moment of a noisy machine."""
@@ -594,9 +638,8 @@ def measure_first_delta(
 
 
 def _first_deltas(
-    s: Stack, server: ModelServer, runs: int, chain: RawChain
+    s: Stack, server: ModelProcess, runs: int, chain: RawChain
 ) -> tuple[list[FirstDelta], list[float]]:
-    server.script[:] = [Turn(text=ANSWER, chunk_chars=len(ANSWER))]
     raw: list[float] = []
     first: dict[str, float] = {}
 
@@ -609,14 +652,15 @@ def _first_deltas(
     out = []
     try:
         for k in range(runs + 1):  # the first is a warm-up
-            number = len(server.requests) + 1
+            number = server.stamps()[0] + 1
             t0 = time.monotonic()
             req = s.request("What is the temperature?")
             snap = s.wait_run(req, RUN_TIMEOUT_S)
             if snap.status != "done" or assistant_text(snap) != ANSWER:
                 raise BenchError(f"run {snap.run}: {snap.status} {snap.error}\n{s.describe()}")
-            end = server.stream_ends.get(number)
-            begin = server.request_starts.get(number)
+            _, starts, ends = server.stamps()
+            end = ends.get(number)
+            begin = starts.get(number)
             if req not in first or end is None or begin is None:
                 raise BenchError(f"run {snap.run}: no msg.delta or model stream stamps")
             if k:
@@ -716,10 +760,7 @@ class QuietTenant:
     bridge_log: dict[str, int] = field(default_factory=dict)
 
 
-def quiet_tenant(
-    s: Stack, server: ModelServer, workdir: Path, n: int, spacing_s: float, flood: bool
-) -> QuietTenant:
-    server.script[:] = [Turn(text=ANSWER, chunk_chars=len(ANSWER))]
+def quiet_tenant(s: Stack, workdir: Path, n: int, spacing_s: float, flood: bool) -> QuietTenant:
     res = QuietTenant(n)
     log_mark = len(s.bridge_log())
     flooder: Child | None = None
@@ -1327,11 +1368,11 @@ def print_first_delta(
                 f"p99 {pct(w, 0.99) / pct(chain, 0.99):.1f}x"
             )
     print(
-        "(nearest-rank percentiles: with 20 samples p99 is the largest. The chain's relays "
-        "are two paho clients in this\n process; Wren's legs cross the bridge and board "
-        "processes, and the model call is an HTTP request on loopback to a Python server\n "
-        "in this process, whose own time (parsing the request, writing the stream) no "
-        "chain has: shown apart)"
+        "(nearest-rank percentiles: with fewer than 100 samples p99 is the largest. The "
+        "chain's relays are two paho clients in\n this process; Wren's legs cross the bridge "
+        "and board processes, and the model call is an HTTP request on loopback to\n a "
+        "Python server in a process of its own, whose own time (parsing the request, "
+        "writing the stream) no chain has:\n shown apart)"
     )
 
 
@@ -1605,46 +1646,50 @@ def main() -> None:
     takeovers: dict[str, int] = {}  # broker -> connections taken over (TAKEOVER)
     # Users with the bridge's rights for the raw chain of figure 1, next to the stack's bridge.
     chain = dict.fromkeys(CHAIN_USERS, "bridge")
-    with workdir_for(args.workdir) as work, ModelServer() as server:
+    with workdir_for(args.workdir) as work:
         if not {"1", "4"} <= skip:
-            progress("figures 1 and 4: stack with the board on the MicroPython unix port ...")
-            # What both of figure 1's stacks share (the CPython board has no heap size).
-            common: dict[str, Any] = {
-                "model_url": server.url,
-                "broker_conf": extra,
-                "extra_users": chain,
-                "board_settings": board,
-            }
-            s = Stack(work / "stack-mpy", heap=heap, **common)
-            # Figure 4's flooder: a device of another tenant (provisioned below, once the
-            # registry is there), so not an extra_users "device" (those are demo's).
-            s.users[FLOOD_DEVICE] = secrets.token_urlsafe(12)
-            with s:
+            # The model server in a process of its own, as a real one is: in this one
+            # it would share the interpreter lock with the host client that times runs.
+            server = ModelProcess(work / "model")
+            try:
+                progress("figures 1 and 4: stack with the board on the MicroPython unix port ...")
+                # What both of figure 1's stacks share (the CPython board has no heap size).
+                common: dict[str, Any] = {
+                    "model_url": server.url,
+                    "broker_conf": extra,
+                    "extra_users": chain,
+                    "board_settings": board,
+                }
+                s = Stack(work / "stack-mpy", heap=heap, **common)
+                # Figure 4's flooder: a device of another tenant (provisioned below, once the
+                # registry is there), so not an extra_users "device" (those are demo's).
+                s.users[FLOOD_DEVICE] = secrets.token_urlsafe(12)
+                with s:
+                    if "1" not in skip:
+                        fd, raw = measure_first_delta(s, server, args.latency_runs)
+                        progress(f"  wren p50 {pct([x.total_ms for x in fd], 0.5):.1f} ms")
+                        first["board .mpy, MicroPython unix port"] = (fd, raw)
+                    if "4" not in skip:
+                        reg = provision(s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT)])
+                        reg.close()
+                        progress(f"figure 4: {args.requests} requests, no flood ...")
+                        control = quiet_tenant(s, work, args.requests, args.spacing_s, flood=False)
+                        progress(f"figure 4: {args.requests} requests during the flood ...")
+                        flooded = quiet_tenant(s, work, args.requests, args.spacing_s, flood=True)
+                        quiet = (control, flooded)
+                        progress(
+                            f"  completed {flooded.completed}/{args.requests}, lost {flooded.lost}"
+                        )
+                takeovers["stack .mpy"] = s.broker_log().count(TAKEOVER)
                 if "1" not in skip:
-                    fd, raw = measure_first_delta(s, server, args.latency_runs)
-                    progress(f"  wren p50 {pct([x.total_ms for x in fd], 0.5):.1f} ms")
-                    first["board .mpy, MicroPython unix port"] = (fd, raw)
-                if "4" not in skip:
-                    reg = provision(s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT)])
-                    reg.close()
-                    progress(f"figure 4: {args.requests} requests, no flood ...")
-                    control = quiet_tenant(
-                        s, server, work, args.requests, args.spacing_s, flood=False
-                    )
-                    progress(f"figure 4: {args.requests} requests during the flood ...")
-                    flooded = quiet_tenant(
-                        s, server, work, args.requests, args.spacing_s, flood=True
-                    )
-                    quiet = (control, flooded)
-                    progress(
-                        f"  completed {flooded.completed}/{args.requests}, lost {flooded.lost}"
-                    )
-            takeovers["stack .mpy"] = s.broker_log().count(TAKEOVER)
-            if "1" not in skip:
-                progress("figure 1: stack with the board on CPython ...")
-                with CPythonStack(work / "stack-cpython", mpy=False, **common) as s:
-                    first["board .py, CPython"] = measure_first_delta(s, server, args.latency_runs)
-                takeovers["stack CPython"] = s.broker_log().count(TAKEOVER)
+                    progress("figure 1: stack with the board on CPython ...")
+                    with CPythonStack(work / "stack-cpython", mpy=False, **common) as s:
+                        first["board .py, CPython"] = measure_first_delta(
+                            s, server, args.latency_runs
+                        )
+                    takeovers["stack CPython"] = s.broker_log().count(TAKEOVER)
+            finally:
+                server.close()
         steps: dict[str, dict[int, list[Step]]] = {}
         rss: dict[str, Rss] = {}
         counters: dict[str, dict[str, int]] = {}
