@@ -805,8 +805,9 @@ def quiet_tenant(s: Stack, workdir: Path, n: int, spacing_s: float, flood: bool)
         for req, t0 in sent:
             try:
                 snap = s.client.wait_run(req, timeout=max(0.1, deadline - time.monotonic()))
-            except RequestRefused:
+            except RequestRefused as e:
                 res.refused += 1
+                progress(f"  request {req[:8]} refused: {e.kind}: {e.msg}")
                 continue
             except TimeoutError:
                 if s.client.find_run(req) is None:
