@@ -224,6 +224,11 @@ class Outbox:
         self._handing = False
         # RPC workers waiting in board() for room in the board lane.
         self._board_waiting = 0
+        # The forwarder waits for a message (not for room in the window): only then does
+        # a producer's new message wake it. Woken for every event while it waited for
+        # the broker's acks, it took the lock, found no room and slept again: under a
+        # flood that was a fifth of the network thread's time.
+        self._forwarder_idle = False
 
     # ------------------------------------------------------------------ producers
 
@@ -260,7 +265,7 @@ class Outbox:
                 ten.bytes += cost
                 if tenant not in self._event_turn:
                     self._event_turn[tenant] = ten
-                self._cond.notify_all()
+                self._queued()
         if direct is not None:
             self._publish(direct, msg)
         return None
@@ -311,7 +316,7 @@ class Outbox:
                 )
                 if messages and tenant not in self._host_turn:
                     self._host_turn[tenant] = ten
-                self._cond.notify_all()
+                self._queued()
         if direct is not None:
             self._publish(direct, _Msg(*messages[0], kind, tenant, 0))
 
@@ -340,7 +345,7 @@ class Outbox:
                 ten.notices += 1
                 if tenant not in self._host_turn:
                     self._host_turn[tenant] = ten
-                self._cond.notify_all()
+                self._queued()
                 self._untold_episode = False
                 return True
         if first:
@@ -381,7 +386,7 @@ class Outbox:
             direct = self._direct()
             if direct is None:
                 self._board.append(msg)
-                self._cond.notify_all()
+                self._queued()
         if direct is not None:
             self._publish(direct, msg)
 
@@ -484,6 +489,7 @@ class Outbox:
                     )
                     if self._stopping and not draining:
                         return
+                    idle = False
                     if (
                         self._client is not None
                         and self._outstanding < self._window
@@ -494,7 +500,12 @@ class Outbox:
                             break
                         if self._stopping:
                             return  # drained
-                    self._cond.wait(_IDLE_S if not self._stopping else _RETRY_S)
+                        idle = True
+                    self._forwarder_idle = idle
+                    try:
+                        self._cond.wait(_IDLE_S if not self._stopping else _RETRY_S)
+                    finally:
+                        self._forwarder_idle = False
                 self._outstanding += 1
                 self._handing = True
                 client = self._client
@@ -546,6 +557,12 @@ class Outbox:
             # for the forwarder to wake up for.
             client.flush()
         return ok
+
+    def _queued(self) -> None:
+        """A message was queued: wake the forwarder if it waits for one (the lock is
+        held). Waiting for room instead, it is woken when room comes (_wake)."""
+        if self._forwarder_idle:
+            self._cond.notify_all()
 
     def _wake(self) -> None:
         """Wake the forwarder (and the RPC workers waiting for the board lane) after the

@@ -4,6 +4,7 @@ the network thread or after a disconnect."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -143,3 +144,81 @@ def test_no_flush_on_the_network_thread_or_after_disconnect(
     sender.disconnect()
     sender.publish(topic, b"two", qos=1)
     assert not sender.flush()
+
+
+class _CountingPair:
+    """Stands in for paho's wake-up socket (its write end): counts the wake-ups, which
+    paho makes by `send` alone, and passes them on."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.sends: list[int] = []
+
+    def send(self, data: bytes) -> int:
+        self.sends.append(threading.get_ident())
+        return int(self.sock.send(data))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_the_network_thread_queues_without_waking_itself(broker: MosquittoProcess) -> None:
+    # A relay: what comes in on `a` is published on `b` from the network thread's own
+    # callback, with a PUBACK for each message read. Those packets reach the broker
+    # without a wake-up byte (only another thread's publish needs one), and every one
+    # of them gets there.
+    a, b = (f"wren-test/relay/{uuid.uuid4().hex[:8]}/{leaf}" for leaf in "ab")
+    relay = Client(CallbackAPIVersion.VERSION2, client_id=f"relay-{uuid.uuid4().hex[:8]}")
+    relay.max_inflight_messages_set(64)
+    net: list[int] = []
+
+    def relay_it(cl: mqtt.Client, u: Any, msg: mqtt.MQTTMessage) -> None:
+        net.append(threading.get_ident())
+        cl.publish(b, msg.payload, qos=1)
+
+    relay.on_message = relay_it
+    sink = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"sink-{uuid.uuid4().hex[:8]}")
+    got: list[bytes] = []
+    done = threading.Event()
+    n = 200
+
+    def on_sink(cl: mqtt.Client, u: Any, msg: mqtt.MQTTMessage) -> None:
+        got.append(msg.payload)
+        if len(got) == n:
+            done.set()
+
+    sink.on_message = on_sink
+    source = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"src-{uuid.uuid4().hex[:8]}")
+    _connected(sink, broker, (b,))
+    _connected(relay, broker, (a,))
+    _connected(source, broker)
+    pair = _CountingPair(relay._sockpairW)
+    relay._sockpairW = pair  # type: ignore[assignment]
+    try:
+        for k in range(n):
+            source.publish(a, b"%d" % k, qos=1)
+        assert done.wait(WAIT), len(got)
+        assert got == [b"%d" % k for k in range(n)]
+        assert set(net) == {relay._flush_net}
+        assert pair.sends == []
+        # Another thread's publish still wakes the network thread, which writes it.
+        relay.publish(b, b"from the main thread", qos=1).wait_for_publish(WAIT)
+        assert pair.sends == [threading.get_ident()]
+    finally:
+        for c in (source, relay, sink):
+            c.disconnect()
+            c.loop_stop()
+
+
+def test_paho_debug_lines_are_dropped_unless_debug_is_on(
+    pair: tuple[Client, mqtt.Client, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    sender, sub, topic = pair
+    logger = logging.getLogger(f"wren-test.paho.{uuid.uuid4().hex[:8]}")
+    sender.enable_logger(logger)
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        sender.publish(topic, b"quiet", qos=1).wait_for_publish(WAIT)
+    assert not [r for r in caplog.records if r.name == logger.name]
+    with caplog.at_level(logging.DEBUG, logger=logger.name):
+        sender.publish(topic, b"loud", qos=1).wait_for_publish(WAIT)
+    assert any("PUBLISH" in r.getMessage() for r in caplog.records if r.name == logger.name)
