@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from server_bridge import mqttclient
 from server_bridge.mqttclient import Client
 from tools.broker import MosquittoProcess
 
@@ -222,3 +224,66 @@ def test_paho_debug_lines_are_dropped_unless_debug_is_on(
     with caplog.at_level(logging.DEBUG, logger=logger.name):
         sender.publish(topic, b"loud", qos=1).wait_for_publish(WAIT)
     assert any("PUBLISH" in r.getMessage() for r in caplog.records if r.name == logger.name)
+
+
+def test_the_broker_stream_is_read_in_blocks_and_nothing_waits_in_them(
+    broker: MosquittoProcess,
+) -> None:
+    # A burst of small messages: the receiving client's network thread reads them a
+    # block at a time rather than three reads a packet, and the last packets of a block
+    # are handled at once (paho's loop sees them pending), not when more data comes.
+    topic = f"wren-test/blocks/{uuid.uuid4().hex[:8]}"
+    receiver = Client(CallbackAPIVersion.VERSION2, client_id=f"rx-{uuid.uuid4().hex[:8]}")
+    got: list[bytes] = []
+    done = threading.Event()
+    n = 500
+
+    def on_message(cl: mqtt.Client, u: Any, msg: mqtt.MQTTMessage) -> None:
+        got.append(msg.payload)
+        if len(got) == n:
+            done.set()
+
+    receiver.on_message = on_message
+    _connected(receiver, broker, (topic,))
+    sock = receiver.socket()
+    assert isinstance(sock, mqttclient._BufferedSocket)
+    reads: list[int] = []
+    inner = sock._sock
+    recv = inner.recv
+
+    class Counting:
+        def recv(self, size: int) -> bytes:
+            data = recv(size)
+            reads.append(len(data))
+            return data
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+    sock._sock = Counting()  # type: ignore[assignment]
+    source = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"tx-{uuid.uuid4().hex[:8]}")
+    _connected(source, broker)
+    try:
+        # One publish after the burst, alone: it must arrive without anything after it.
+        for k in range(n - 1):
+            source.publish(topic, b"%d:" % k + b"z" * (k % 90), qos=1)
+        assert wait_until(lambda: len(got) == n - 1), len(got)
+        source.publish(topic, b"last", qos=1)
+        assert done.wait(WAIT), len(got)
+        assert got[:-1] == [b"%d:" % k + b"z" * (k % 90) for k in range(n - 1)]
+        assert got[-1] == b"last"
+        assert sum(reads) > 0
+        assert len(reads) < n  # paho alone: at least three reads for each of the n
+    finally:
+        for c in (source, receiver):
+            c.disconnect()
+            c.loop_stop()
+
+
+def wait_until(pred: Any, timeout: float = WAIT) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
