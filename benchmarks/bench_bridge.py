@@ -5,11 +5,12 @@ same Mosquitto in the same run (loopback).
    to the board (.mpy on the MicroPython unix port, then the same code on CPython), whose
    llm.complete the bridge answers from tests/model_server.py (a one-chunk answer, so no
    coalescing timer is waited on; the server in a process of its own, as a model server
-   is, so it shares no interpreter lock with the host client timing the runs); next to a raw paho chain over the same six broker legs
-   (host -> "bridge" -> "board" -> "bridge" -> "board" -> "bridge" -> host, two relay
-   clients that republish at once), through the same broker, one message after each
-   request (so both see the same moment of a noisy machine). The model server's own time
-   (request read -> stream end), which no chain has, is also shown apart.
+   is, so it shares no interpreter lock with the host client timing the runs); next to a
+   raw paho chain over the same six broker legs (host -> "bridge" -> "board" -> "bridge"
+   -> "board" -> "bridge" -> host, two relay clients that republish at once), through the
+   same broker, one message after each request (so both see the same moment of a noisy
+   machine). The model server's own time (request read -> stream end), which no chain
+   has, is also shown apart.
 2. The highest lossless events/s from 1, 10 and 50 simulated boards (paho clients logged
    in as device users, status + hello, then runs of `run.started`, `msg.delta`s and
    `run.done`, ids 1, 2, 3 ..., msgpack, QoS 1) through the real Bridge (a child process
