@@ -46,6 +46,7 @@ import msgpack  # noqa: E402
 import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
+from server_bridge.tcp import no_delay  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
 from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary  # noqa: E402
 
@@ -90,7 +91,8 @@ class Peer:
             CallbackAPIVersion.VERSION2, client_id=f"peer-{uuid.uuid4().hex[:6]}"
         )
         self.client.on_message = self._on_message
-        self.client.on_socket_open = lambda c, u, sock: sock.setsockopt(6, 1, 1)
+        # Nagle off, as on every socket of Wren's (server_bridge/tcp.py).
+        self.client.on_socket_open = no_delay
         ready = threading.Event()
         self.client.on_subscribe = lambda *a: ready.set()
         self.client.on_connect = lambda c, *a: c.subscribe(f"{PREFIX}/d/{DEVICE}/+", 1)
