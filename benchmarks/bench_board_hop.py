@@ -13,7 +13,9 @@ peer) plus the board's own work:
   request -> llm.complete   the request read and decoded, the run admitted and started,
                             the model call built, encoded and sent;
   chunk -> msg.delta        the chunk read and decoded, handed to the waiting run, the
-                            text coalesced and emitted as an event.
+                            text coalesced and emitted as an event (the chunk is sent
+                            once the board's msg.start is in: a real model's first
+                            words come after the work that follows the call).
 
 The baseline is the echo: a program on the same runtime and heap whose edge_runtime Link
 publishes each message it receives straight back (the same two legs, the link's own
@@ -184,6 +186,10 @@ def run_board(peer: Peer, n: int) -> tuple[list[float], list[float]]:
         t0 = peer.send("req", {"req": uuid.uuid4().hex, "input": "What is the temperature?"})
         t1, call = peer.wait(_is_call)
         c = call["c"]
+        # The chunk once the board has done what follows its call (run.started, its
+        # collection, node.start, msg.start), as a real model's first words come after
+        # that: sent at once, it would wait behind that work and time it too.
+        peer.wait(_is_event("msg.start"))
         t2 = peer.send("rpc/res", {"c": c, "s": 1, "ch": {"text": ANSWER}})
         t3, _ = peer.wait(_is_event("msg.delta"))
         peer.send(
