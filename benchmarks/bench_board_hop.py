@@ -12,6 +12,9 @@ peer) plus the board's own work:
 
   request -> llm.complete   the request read and decoded, the run admitted and started,
                             the model call built, encoded and sent;
+  llm.complete -> msg.start what the board does after its call is out, before it reads
+                            the answer: run.started, the step's collection, node.start
+                            and msg.start (a model answering faster finds it busy);
   chunk -> msg.delta        the chunk read and decoded, handed to the waiting run, the
                             text coalesced and emitted as an event (the chunk is sent
                             once the board's msg.start is in: a real model's first
@@ -177,9 +180,11 @@ def _started(board: VirtualBoard) -> subprocess.Popen[str]:
     raise SystemExit("bench_board_hop: the board did not come up")
 
 
-def run_board(peer: Peer, n: int) -> tuple[list[float], list[float]]:
-    """n requests (and one warm-up): ms request -> llm.complete, ms chunk -> msg.delta."""
+def run_board(peer: Peer, n: int) -> tuple[list[float], list[float], list[float]]:
+    """n requests (and one warm-up): ms request -> llm.complete, llm.complete -> msg.start
+    (what the board does after its call), chunk -> msg.delta."""
     to_call: list[float] = []
+    after_call: list[float] = []
     to_delta: list[float] = []
     for k in range(n + 1):
         peer.drain()
@@ -189,7 +194,7 @@ def run_board(peer: Peer, n: int) -> tuple[list[float], list[float]]:
         # The chunk once the board has done what follows its call (run.started, its
         # collection, node.start, msg.start), as a real model's first words come after
         # that: sent at once, it would wait behind that work and time it too.
-        peer.wait(_is_event("msg.start"))
+        ready, _ = peer.wait(_is_event("msg.start"))
         t2 = peer.send("rpc/res", {"c": c, "s": 1, "ch": {"text": ANSWER}})
         t3, _ = peer.wait(_is_event("msg.delta"))
         peer.send(
@@ -198,9 +203,10 @@ def run_board(peer: Peer, n: int) -> tuple[list[float], list[float]]:
         peer.wait(_is_event("run.done"))
         if k:
             to_call.append((t1 - t0) * 1000)
+            after_call.append((ready - t1) * 1000)
             to_delta.append((t3 - t2) * 1000)
         time.sleep(0.02)
-    return to_call, to_delta
+    return to_call, after_call, to_delta
 
 
 def run_echo(peer: Peer, n: int) -> tuple[list[float], list[float]]:
@@ -254,17 +260,22 @@ def main() -> None:
                 board = _board(work, broker.host, broker.port, args.heap, cpython, None)
                 _started(board)
                 try:
-                    to_call, to_delta = run_board(peer, args.requests)
+                    to_call, after_call, to_delta = run_board(peer, args.requests)
                 finally:
                     board.stop()
-                _report(label, cold, warm, to_call, to_delta)
+                _report(label, cold, warm, to_call, after_call, to_delta)
         finally:
             peer.close()
             broker.stop()
 
 
 def _report(
-    label: str, cold: list[float], warm: list[float], to_call: list[float], to_delta: list[float]
+    label: str,
+    cold: list[float],
+    warm: list[float],
+    to_call: list[float],
+    after_call: list[float],
+    to_delta: list[float],
 ) -> None:
     def p(xs: list[float], q: float) -> float:
         xs = sorted(xs)
@@ -274,6 +285,7 @@ def _report(
     rows = (
         ("echo after a pause", cold, None),
         ("request -> llm.complete", to_call, cold),
+        ("llm.complete -> msg.start", after_call, None),
         ("echo at once after another", warm, None),
         ("chunk -> msg.delta", to_delta, warm),
     )
