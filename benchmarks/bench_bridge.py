@@ -448,7 +448,7 @@ def _child_model(conf: dict[str, Any]) -> Callable[[str], Any]:
     time.monotonic() (one clock for every process of the machine) at which each request
     began and each stream ended."""
     server = ModelServer().start()
-    server.script[:] = [Turn(text=ANSWER, chunk_chars=len(ANSWER))]
+    server.script[:] = [Turn(text=ANSWER, chunk_chars=len(ANSWER), hang_s=conf["wait_s"])]
 
     def command(cmd: str) -> Any:
         if cmd == "stop":
@@ -468,8 +468,8 @@ def _child_model(conf: dict[str, Any]) -> Callable[[str], Any]:
 class ModelProcess:
     """The model server in a child process (_child_model), for figures 1 and 4."""
 
-    def __init__(self, workdir: Path) -> None:
-        self._child = Child("model", {}, workdir)
+    def __init__(self, workdir: Path, wait_s: float = 0.0) -> None:
+        self._child = Child("model", {"wait_s": wait_s}, workdir)
         self.url: str = self._child.ask("url")
 
     def stamps(self) -> tuple[int, dict[int, float], dict[int, float]]:
@@ -1342,12 +1342,16 @@ def ms_row(name: str, xs: Sequence[float]) -> str:
 
 
 def print_first_delta(
-    results: dict[str, tuple[list[FirstDelta], list[float]]], runs: int, nagle: bool
+    results: dict[str, tuple[list[FirstDelta], list[float]]],
+    runs: int,
+    nagle: bool,
+    model_wait_ms: float,
 ) -> None:
     print()
+    wait = f", after {model_wait_ms:g} ms" if model_wait_ms else ""
     print(
         f"1. Host request -> first msg.delta at the host, ms ({runs} requests per board, "
-        f"one at a time; a one-chunk model answer\n   from tests/model_server.py, so no "
+        f"one at a time; a one-chunk model answer{wait}\n   from tests/model_server.py, so no "
         f"coalescing timer runs; Mosquitto {'with Nagle on' if nagle else 'as Wren configures it'})"
     )
     print(f"{'':60} {'min':>8} {'p50':>8} {'p99':>8} {'max':>8}")
@@ -1583,6 +1587,16 @@ def workdir_for(keep: Path | None) -> Iterator[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--latency-runs", type=int, default=20, help="figure 1 (default 20)")
+    parser.add_argument(
+        "--model-wait-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="figures 1 and 4: the model server waits MS before it answers, as a real model "
+        "takes its time to the first token (default 0: it answers at once, and the board's "
+        "work after its call is still under way when the answer comes). Counted in the "
+        "model's own time, which figure 1 also shows taken out",
+    )
     parser.add_argument("--step-s", type=float, default=2.0, help="figure 2 step (default 2)")
     parser.add_argument("--start-rate", type=int, default=250, help="figure 2 (default 250/s)")
     parser.add_argument("--max-rate", type=int, default=32000, help="figure 2 (default 32000/s)")
@@ -1652,7 +1666,7 @@ def main() -> None:
         if not {"1", "4"} <= skip:
             # The model server in a process of its own, as a real one is: in this one
             # it would share the interpreter lock with the host client that times runs.
-            server = ModelProcess(work / "model")
+            server = ModelProcess(work / "model", args.model_wait_ms / 1000)
             try:
                 progress("figures 1 and 4: stack with the board on the MicroPython unix port ...")
                 # What both of figure 1's stacks share (the CPython board has no heap size).
@@ -1708,7 +1722,7 @@ def main() -> None:
         + (f"\nbroker: {version.split(': ', 1)[-1]}" if version else "")
     )
     if first:
-        print_first_delta(first, args.latency_runs, args.nagle)
+        print_first_delta(first, args.latency_runs, args.nagle, args.model_wait_ms)
     if steps:
         print_load(steps, args.step_s, counters, args.factor, args.ring, args.ring_bytes)
     if quiet is not None:
