@@ -287,12 +287,7 @@ async def read_head(reader, sender="b"):
         raise MalformedPacket(packet_name(t) + " flags")
     n = shift = 0
     while True:
-        # The length's bytes came with the first one: read at once where the stream
-        # lets us (MicroPython's keeps its socket in `s`; see platform.read_into).
-        # The first byte is awaited, so the reader still yields once a packet.
-        s = getattr(reader, "s", None)
-        b = s.read(1) if s is not None else None
-        b = (b or await reader.readexactly(1))[0]
+        b = (await reader.readexactly(1))[0]
         n |= (b & 127) << shift
         if b < 128:
             break

@@ -122,13 +122,7 @@ async def read_into(stream, mv, n):
     got = 0
     while got < n:
         if IS_MICROPYTHON:
-            # What has come already is taken without a turn of the scheduler (its
-            # socket is non-blocking: None when nothing is there): a packet's body is
-            # usually in by the time its header is read, and each awaited read costs
-            # a round through the scheduler and two polls.
-            k = stream.s.readinto(mv[got:n])
-            if k is None:
-                k = await stream.readinto(mv[got:n])
+            k = await stream.readinto(mv[got:n])
         else:
             data = await stream.read(n - got)
             k = len(data)
