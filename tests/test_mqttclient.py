@@ -148,6 +148,20 @@ def test_no_flush_on_the_network_thread_or_after_disconnect(
     assert not sender.flush()
 
 
+class _Inbox:
+    """A client's on_message that keeps the payloads, and `done` once n have come."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.got: list[bytes] = []
+        self.done = threading.Event()
+
+    def on_message(self, cl: mqtt.Client, u: Any, msg: mqtt.MQTTMessage) -> None:
+        self.got.append(msg.payload)
+        if len(self.got) == self.n:
+            self.done.set()
+
+
 class _CountingPair:
     """Stands in for paho's wake-up socket (its write end): counts the wake-ups, which
     paho makes by `send` alone, and passes them on."""
@@ -180,16 +194,10 @@ def test_the_network_thread_queues_without_waking_itself(broker: MosquittoProces
 
     relay.on_message = relay_it
     sink = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"sink-{uuid.uuid4().hex[:8]}")
-    got: list[bytes] = []
-    done = threading.Event()
     n = 200
-
-    def on_sink(cl: mqtt.Client, u: Any, msg: mqtt.MQTTMessage) -> None:
-        got.append(msg.payload)
-        if len(got) == n:
-            done.set()
-
-    sink.on_message = on_sink
+    inbox = _Inbox(n)
+    got, done = inbox.got, inbox.done
+    sink.on_message = inbox.on_message
     source = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"src-{uuid.uuid4().hex[:8]}")
     _connected(sink, broker, (b,))
     _connected(relay, broker, (a,))
@@ -234,16 +242,10 @@ def test_the_broker_stream_is_read_in_blocks_and_nothing_waits_in_them(
     # are handled at once (paho's loop sees them pending), not when more data comes.
     topic = f"wren-test/blocks/{uuid.uuid4().hex[:8]}"
     receiver = Client(CallbackAPIVersion.VERSION2, client_id=f"rx-{uuid.uuid4().hex[:8]}")
-    got: list[bytes] = []
-    done = threading.Event()
     n = 500
-
-    def on_message(cl: mqtt.Client, u: Any, msg: mqtt.MQTTMessage) -> None:
-        got.append(msg.payload)
-        if len(got) == n:
-            done.set()
-
-    receiver.on_message = on_message
+    inbox = _Inbox(n)
+    got, done = inbox.got, inbox.done
+    receiver.on_message = inbox.on_message
     _connected(receiver, broker, (topic,))
     sock = receiver.socket()
     assert isinstance(sock, mqttclient._BufferedSocket)
