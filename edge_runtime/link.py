@@ -28,7 +28,7 @@
 from edge_runtime import mqtt, platform
 # The clock (ticks_ms, sleep_ms, wait_for_ms) is read through platform at call time:
 # a test can then swap its source (platform.use_clock) while this real Link runs.
-from edge_runtime.platform import asyncio, log, read_into, ticks_diff
+from edge_runtime.platform import asyncio, log, read_some, ticks_diff
 from edge_runtime.ring import Ring
 
 try:
@@ -162,7 +162,8 @@ class Link:
         self._wanted_room = False  # a publish was refused since on_room last ran
         self._opened = self._rx_at = self._tx_at = 0
         self._ping = None  # ticks_ms of an unanswered PINGREQ
-        self._skipped = None  # (topic, pid, qos, size) of the PUBLISH _skip read past
+        self._skipped = None  # (topic, pid, qos, size) of the PUBLISH _read_packet read past
+        self._rxn = [0, 0]  # the receive buffer's unread bytes: _rx[_rxn[0]:_rxn[1]]
         # Built once: CONNECT is the same bytes on every attempt.
         self._connect_pkt = mqtt.encode_connect(client_id, clean_session, keepalive, user,
                                                 password, will)
@@ -324,6 +325,7 @@ class Link:
         # Everything that belongs to this connection, handed to its tasks: a task whose
         # connection is no longer self._conn stops, whatever it was doing.
         conn = self._conn = (r, w, asyncio.Lock())
+        self._rxn[0] = self._rxn[1] = 0  # nothing of an earlier connection's is read
         await self._write(conn, self._connect_pkt)
         t, _, body = await platform.wait_for_ms(self._read_packet(r), _OPEN_MS)
         if t != mqtt.CONNACK:
@@ -522,36 +524,60 @@ class Link:
 
     async def _read_packet(self, r):
         # The next packet -> (type, flags, body), the body a view of the receive
-        # buffer, valid until the next read. A PUBLISH too large for the buffer comes
-        # back with body None, having been read past (see _skip).
-        t, flags, n = await mqtt.read_head(r, mqtt.FROM_SERVER)
-        if n > len(self._rx):
-            if t != mqtt.PUBLISH:
-                raise mqtt.PacketTooLarge("%s of %d bytes" % (mqtt.packet_name(t), n))
-            await self._skip(r, flags, n)
-            return t, flags, None
-        await read_into(r, self._rxv, n)
-        return t, flags, self._rxv[:n]
-
-    async def _skip(self, r, flags, n):
-        # Reads the topic and packet id of an oversized PUBLISH into the buffer, then
-        # the rest in buffer-sized pieces that are thrown away: the broker stops
-        # resending a message only once we acknowledge it, and an unread packet would
-        # leave the stream in the middle of it.
-        qos = flags >> 1 & 3
-        mv = self._rxv
-        await read_into(r, mv, 2)
-        head = 2 + (mv[0] << 8 | mv[1]) + (2 if qos else 0)
-        if head > n or head > len(mv):
-            raise mqtt.MalformedPacket("PUBLISH topic")
-        await read_into(r, mv[2:], head - 2)
-        topic, _, qos, _, _, pid = mqtt.parse_publish(flags, mv[:head])
-        left = n - head
-        while left:
-            k = min(left, len(mv))
-            await read_into(r, mv, k)
-            left -= k
-        self._skipped = (topic, pid, qos, n)
+        # buffer, valid until the next read. The socket is read for as many bytes as
+        # have come (up to the buffer's end) and each packet parsed where it lies, so
+        # packets that came together (a message and the acks ahead of it) cost one read
+        # and a turn of the scheduler each, where reading each packet's first byte,
+        # length and body apart took three of each (and 1.1 KiB of heap a packet, in
+        # a board's run on the unix port). A PUBLISH too large for the buffer is read
+        # past: its topic and packet id are kept in _skipped and it comes back with
+        # body None.
+        buf = self._rxv
+        size = len(buf)
+        if self._rxn[0] < self._rxn[1]:
+            # Still a turn of the scheduler for each packet, as a read would give: the
+            # run that the last message woke takes it before the next is decoded. Taken
+            # one after another, a chunk, its answer and the acks between them were all
+            # on the heap at the memory thermostat's peak, and its turn at 128 KiB ran
+            # out of memory 5 times in 16.
+            await platform.sleep_ms(0)
+        while True:
+            at, end = self._rxn
+            head = mqtt.parse_head(buf, at, end, mqtt.FROM_SERVER)
+            if head is not None:
+                t, flags, n, k = head
+                if k + n <= size:
+                    if at + k + n <= end:
+                        self._rxn[0] = at + k + n
+                        return t, flags, buf[at + k:at + k + n]
+                elif t != mqtt.PUBLISH:
+                    raise mqtt.PacketTooLarge("%s of %d bytes" % (mqtt.packet_name(t), n))
+                elif end - at >= k + 2:
+                    # Too large: once its topic and packet id are in, the rest is
+                    # thrown away as it comes (the broker stops resending a message
+                    # only once we acknowledge it, and an unread packet would leave
+                    # the stream in the middle of it).
+                    want = 2 + (buf[at + k] << 8 | buf[at + k + 1]) + (2 if flags & 6 else 0)
+                    if want > n or k + want > size:
+                        raise mqtt.MalformedPacket("PUBLISH topic")
+                    if end - at >= k + want:
+                        topic, _, qos, _, _, pid = mqtt.parse_publish(
+                            flags, buf[at + k:at + k + want])
+                        left = k + n - (end - at)  # the buffer holds nothing past it
+                        self._rxn[0] = self._rxn[1] = 0
+                        while left:
+                            left -= await read_some(r, buf[:min(left, size)])
+                        self._skipped = (topic, pid, qos, n)
+                        return t, flags, None
+            # More is needed: what is unread goes to the buffer's start (in pieces
+            # that do not overlap), then the socket fills the room after it.
+            if at:
+                for i in range(0, end - at, at):
+                    j = min(i + at, end - at)
+                    buf[i:j] = buf[at + i:at + j]
+                end -= at
+                self._rxn[0] = 0
+            self._rxn[1] = end + await read_some(r, buf[end:])
 
     async def _read_loop(self, conn):
         r = conn[0]

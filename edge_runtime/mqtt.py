@@ -1,6 +1,6 @@
 # MQTT 3.1.1 packets as pure functions: encoders return bytes, parsers take a packet
-# body and return plain values, and one reader (read_packet) pulls whole packets off a
-# stream. No sockets or tasks here, so the board's Link and the board tests (which play
+# body and return plain values, and one parser of fixed headers (parse_head) finds whole
+# packets in what has been read. No sockets or tasks here, so the board's Link and the board tests (which play
 # a broker's side too) share one byte layout. On a board every line and every public
 # name here is loaded into a small heap, so only what a client needs is here.
 #
@@ -40,7 +40,7 @@ _F_CLEAN = const(0x02)
 _LEVEL = const(4)  # protocol level of 3.1.1
 _MAX_LEN = const(268435455)  # the most four varint bytes can say
 
-# Public names for code that dispatches on read_packet's result: the packets a client
+# Public names for code that dispatches on parse_head's result: the packets a client
 # reads, and SUBSCRIBE for the board tests' proxy. (Every public name is a slot in the
 # module's dict on the board, so the types only a broker reads are not here.)
 CONNACK = _CONNACK
@@ -49,10 +49,10 @@ PUBACK = _PUBACK
 SUBSCRIBE = _SUBSCRIBE
 SUBACK = _SUBACK
 PINGRESP = _PINGRESP
-FROM_CLIENT = "c"  # read_packet(..., sender=FROM_CLIENT) on a broker
-FROM_SERVER = "s"  # read_packet(..., sender=FROM_SERVER) on a client
+FROM_CLIENT = "c"  # parse_head(..., sender=FROM_CLIENT) on a broker
+FROM_SERVER = "s"  # parse_head(..., sender=FROM_SERVER) on a client
 
-# The protocol as one table and read_packet its one reader. Row t (16 characters) is
+# The protocol as one table and parse_head its one reader. Row t (16 characters) is
 # packet type t: its name; who sends it (c client, s server, b both, - reserved type);
 # the fixed-header flags the spec requires (MQTT-2.2.2-2; * where they carry meaning);
 # the body length of a fixed-size packet (* variable). All of it is checked before a
@@ -247,7 +247,7 @@ def encode_puback(pid):
 
 def parse_packet_id(body):
     # PUBACK, UNSUBACK and the QoS 2 acks: the body is the packet id alone (the
-    # table made read_packet check it is two bytes).
+    # table made parse_head check it is two bytes).
     return body[0] << 8 | body[1]
 
 
@@ -271,12 +271,16 @@ def parse_suback(body):
     return pid, codes
 
 
-async def read_head(reader, sender="b"):
-    # The fixed header of the next packet -> (type, flags, remaining length). The
-    # table's checks come before a byte of the body is read, so a peer announcing an
-    # impossible packet costs us at most five bytes. `sender` is FROM_SERVER on a
-    # client (a broker never sends CONNECT...) and FROM_CLIENT on a broker.
-    first = (await reader.readexactly(1))[0]
+def parse_head(buf, start, end, sender="b"):
+    # The fixed header of the packet at buf[start:end] -> (type, flags, remaining
+    # length, the header's size), or None while the bytes there do not hold all of it.
+    # The table's checks come before a byte of the body is looked at, each as soon as
+    # its byte is there, so a peer announcing an impossible packet costs us at most five
+    # bytes. `sender` is FROM_SERVER on a client (a broker never sends CONNECT...) and
+    # FROM_CLIENT on a broker.
+    if start >= end:
+        return None
+    first = buf[start]
     t = first >> 4
     row = t * _ROW
     who = _TABLE[row + 12]
@@ -286,8 +290,12 @@ async def read_head(reader, sender="b"):
     if want != "*" and first & 15 != ord(want) - 48:
         raise MalformedPacket(packet_name(t) + " flags")
     n = shift = 0
+    i = start + 1
     while True:
-        b = (await reader.readexactly(1))[0]
+        if i >= end:
+            return None
+        b = buf[i]
+        i += 1
         n |= (b & 127) << shift
         if b < 128:
             break
@@ -297,14 +305,4 @@ async def read_head(reader, sender="b"):
     want = _TABLE[row + 14]
     if want != "*" and n != ord(want) - 48:
         raise MalformedPacket(packet_name(t) + " length")
-    return t, first & 15, n
-
-
-async def read_packet(reader, limit, sender="b"):
-    # One whole packet -> (type, flags, body), the body a new bytes object. A packet
-    # over `limit` bytes is refused before its body is read. (The board's Link reads bodies
-    # into its one receive buffer instead; this is for brokers and tests.)
-    t, flags, n = await read_head(reader, sender)
-    if n > limit:
-        raise PacketTooLarge("%s of %d bytes" % (packet_name(t), n))
-    return t, flags, (await reader.readexactly(n) if n else b"")
+    return t, first & 15, n, i - start

@@ -115,21 +115,20 @@ class Bell:
         return self.state
 
 
-async def read_into(stream, mv, n):
-    # Fill mv[:n] from an asyncio stream. MicroPython's streams read straight into a
-    # buffer the caller allocated once; CPython's have no readinto, so there a read's
-    # bytes are copied in (CPython is the simulation, not where the heap is small).
-    got = 0
-    while got < n:
-        if IS_MICROPYTHON:
-            k = await stream.readinto(mv[got:n])
-        else:
-            data = await stream.read(n - got)
-            k = len(data)
-            mv[got:got + k] = data
-        if not k:
-            raise EOFError("stream ended")
-        got += k
+async def read_some(stream, mv):
+    # What an asyncio stream has, at least one byte and at most len(mv), into mv -> the
+    # count. MicroPython's streams read straight into a buffer the caller allocated
+    # once; CPython's have no readinto, so there a read's bytes are copied in (CPython
+    # is the simulation, not where the heap is small).
+    if IS_MICROPYTHON:
+        k = await stream.readinto(mv)
+    else:
+        data = await stream.read(len(mv))
+        k = len(data)
+        mv[:k] = data
+    if not k:
+        raise EOFError("stream ended")
+    return k
 
 
 def collect():

@@ -59,3 +59,27 @@ def remove(*paths):
                 os.remove(path)
             except OSError:
                 pass
+
+
+# A broker's (or a scripted peer's) way of reading packets off a stream. The board's
+# Link parses what it has read in its buffer with mqtt.parse_head instead, so these
+# live with the tests, not in the board's heap.
+async def read_head(reader, sender="b"):
+    # mqtt.parse_head over a stream, a byte at a time -> (type, flags, remaining length).
+    from edge_runtime import mqtt
+    head = bytearray(5)
+    for i in range(5):
+        head[i] = (await reader.readexactly(1))[0]
+        got = mqtt.parse_head(head, 0, i + 1, sender)
+        if got is not None:
+            return got[0], got[1], got[2]
+
+
+async def read_packet(reader, limit, sender="b"):
+    # One whole packet -> (type, flags, body), the body a new bytes object. A packet
+    # over `limit` bytes is refused before its body is read.
+    from edge_runtime import mqtt
+    t, flags, n = await read_head(reader, sender)
+    if n > limit:
+        raise mqtt.PacketTooLarge("%s of %d bytes" % (mqtt.packet_name(t), n))
+    return t, flags, (await reader.readexactly(n) if n else b"")

@@ -9,7 +9,7 @@ import sys
 from edge_runtime import mqtt
 from edge_runtime.link import Link
 from edge_runtime.platform import asyncio, sleep_ms, wait_for_ms
-from firmware_tests.support import broker_address, run
+from firmware_tests.support import broker_address, read_packet, run
 
 WAIT_MS = 10000  # every wait here is bounded by this
 
@@ -141,7 +141,7 @@ class CutProxy:
     async def _pump(self, pair, r, w, side, other):
         try:
             while True:
-                t, flags, body = await mqtt.read_packet(r, 1 << 20, side)
+                t, flags, body = await read_packet(r, 1 << 20, side)
                 if side == mqtt.FROM_CLIENT and t == mqtt.PUBLISH:
                     if mqtt.parse_publish(flags, body)[0] == self.topic:
                         self.seen.append(flags)

@@ -4,10 +4,10 @@
 import sys
 
 from edge_runtime import mqtt
-from edge_runtime.link import Link
+from edge_runtime.link import Link, _unsent
 from edge_runtime.platform import asyncio, sleep_ms, wait_for_ms
 from firmware_tests.clock import Clock
-from firmware_tests.support import raises, run
+from firmware_tests.support import raises, read_head, read_packet, run
 
 H = bytes.fromhex
 WAIT_MS = 5000  # every wait in these tests is bounded by this
@@ -98,7 +98,7 @@ class Bytes:
 
 def _read(data, max_size=20000, sender=mqtt.FROM_SERVER):
     r = Bytes(data)
-    out = run(mqtt.read_packet(r, max_size, sender))
+    out = run(read_packet(r, max_size, sender))
     return out, r.pos
 
 
@@ -107,7 +107,7 @@ def _read_error(exc, data, max_size=20000, sender=mqtt.FROM_SERVER):
 
     async def go():
         try:
-            await mqtt.read_packet(r, max_size, sender)
+            await read_packet(r, max_size, sender)
         except exc as e:
             return e
         raise AssertionError("expected %s" % exc.__name__)
@@ -139,13 +139,13 @@ def test_read_packet_at_the_length_boundaries():
     for n in (127, 128, 16383, 16384, 2097151, 2097152):
         header = H("30") + mqtt.encode_length(n)
         r = Parts(header, b"")
-        assert run(mqtt.read_head(r)) == (mqtt.PUBLISH, 0, n) and r.pos == len(header), n
+        assert run(read_head(r)) == (mqtt.PUBLISH, 0, n) and r.pos == len(header), n
     for n in (127, 128):
         header = H("30") + mqtt.encode_length(n)
         body = bytearray(n)
         body[0:5] = H("00 03 61 2f 62")  # topic "a/b", then the payload
         r = Parts(header, body)
-        t, flags, got = run(mqtt.read_packet(r, 20000))
+        t, flags, got = run(read_packet(r, 20000))
         assert (t, flags, len(got), r.pos) == (mqtt.PUBLISH, 0, n, len(header) + n), n
     # The small end, through the encoder too.
     pkt = mqtt.encode_publish("a/b", b"x" * 122)
@@ -448,6 +448,78 @@ def test_refusal_and_protocol_errors_lead_to_reconnect():
     run(main())
 
 
+def test_packets_that_come_together_or_in_pieces_are_each_read_whole():
+    # The link reads what has come into its buffer and parses packets where they lie:
+    # several in one segment, one cut anywhere (its length bytes too), one that must be
+    # moved to the buffer's start to be completed, and a PUBLISH over the buffer cut
+    # across segments with the next packet right behind it.
+    def pub(topic, payload, qos=0, pid=0):
+        return mqtt.encode_publish(topic, payload, qos, False, False, pid)
+
+    async def main():
+        peer = await Peer().start()
+        got = []
+        refused = []
+        link = Link("p", "127.0.0.1", peer.port, keepalive=0, backoff_ms=(10, 40),
+                    rx_size=160, on_message=lambda t, p: got.append((t, bytes(p))),
+                    on_refused=lambda t, n: refused.append((t, n)))
+        task = asyncio.create_task(link.run())
+        try:
+            c = await peer.accept()
+            await c.expect("10 0d 00 04 4d 51 54 54 04 02 00 00 00 01 70")
+            # The CONNACK and a message the session kept, in one segment.
+            await c.send("20 02 00 00" + pub("a", b"kept").hex())
+            assert await link.wait_connected(WAIT_MS)
+            await _until(lambda: got == [("a", b"kept")])
+            # Three in one segment, the second QoS 1: all delivered, in order, acked.
+            await c.send((pub("a", b"x1") + pub("a", b"x2", 1, 5) + pub("a", b"x3")).hex())
+            await c.expect("40 02 00 05")
+            await _until(lambda: len(got) == 4)
+            assert got[1:] == [("a", b"x1"), ("a", b"x2"), ("a", b"x3")]
+            # One byte at a time, its two remaining-length bytes apart too.
+            long_topic = "t/" + "y" * 40
+            whole = pub(long_topic, b"z" * 100, 1, 9)
+            assert whole[2] == 1 and len(whole) <= 160
+            for i in range(len(whole)):
+                await c.send(whole[i:i + 1].hex())
+                await sleep_ms(1)
+            await c.expect("40 02 00 09")
+            await _until(lambda: len(got) == 5)
+            assert got[4] == (long_topic, b"z" * 100)
+            # A first packet of 115 bytes and the start of a 67-byte one: the second
+            # goes past the buffer's end where it lies, so it is moved to complete it.
+            first, second = pub("a", b"f" * 110), pub("b", b"s" * 60, 1, 10)
+            both = first + second
+            await c.send(both[:130].hex())
+            await sleep_ms(5)
+            await c.send(both[130:].hex())
+            await c.expect("40 02 00 0a")
+            await _until(lambda: len(got) == 7)
+            assert got[5:] == [("a", b"f" * 110), ("b", b"s" * 60)]
+            # Over the buffer, cut inside its topic, with the next message behind it in
+            # the same segment as its end: read past, acked, reported; the next whole.
+            big = pub("big/one", b"B" * 300, 1, 11)
+            after = pub("a", b"after", 1, 12)
+            await c.send(big[:6].hex())
+            await sleep_ms(5)
+            await c.send(big[6:200].hex())
+            await sleep_ms(5)
+            await c.send((big[200:] + after).hex())
+            await c.expect("40 02 00 0b")
+            await c.expect("40 02 00 0c")
+            await _until(lambda: len(got) == 8)
+            assert got[7] == ("a", b"after")
+            assert refused == [("big/one", len(big) - 3)]
+            assert link.connected and link.stats["reconnects"] == 0
+            assert link.stats["received"] == 8 and link.stats["oversized"] == 1
+            await _stop(link, task, c)
+        finally:
+            task.cancel()
+            await peer.close()
+
+    run(main())
+
+
 def test_a_full_outbox_refuses_and_copies_reused_buffers():
     async def main():
         peer = await Peer().start()
@@ -473,6 +545,57 @@ def test_a_full_outbox_refuses_and_copies_reused_buffers():
             assert link.stats["sent"] == 3
         finally:
             task.cancel()
+            await peer.close()
+
+    run(main())
+
+
+def test_headers_sent_while_the_socket_is_full_arrive_whole():
+    # Messages sent while the peer reads nothing fill the socket, so writes are taken in
+    # part and the stream keeps the rest (the same payload object lent to each, its
+    # header built apart): each message must still arrive whole, in order.
+    async def main():
+        peer = await Peer().start()
+        link = Link("f", "127.0.0.1", peer.port, keepalive=0, outbox_size=4,
+                    max_packet=1100, backoff_ms=(10, 40))
+        payload = b"p" * 1000  # one object, lent to every message
+        n = 6000  # 6 MB: past what the loopback sockets hold for a peer that reads nothing
+        task = asyncio.create_task(link.run())
+        reader = None
+        try:
+            c = await peer.accept()
+            await c.expect("10 0d 00 04 4d 51 54 54 04 02 00 00 00 01 66")
+            await c.send("20 02 00 00")
+            assert await link.wait_connected(WAIT_MS)
+            whole = [0]  # messages read with their own topic and payload, in order
+
+            async def read_all():
+                for i in range(n):
+                    t, flags, body = await wait_for_ms(
+                        read_packet(c.r, 1100, mqtt.FROM_CLIENT), WAIT_MS)
+                    topic, got, qos, _, _, _ = mqtt.parse_publish(flags, body)
+                    if t == mqtt.PUBLISH and topic == "t/%04d" % i and got == payload:
+                        whole[0] += 1
+
+            sent = held = 0
+            while sent < n:
+                if link.publish("t/%04d" % sent, payload):
+                    sent += 1
+                else:
+                    held = max(held, _unsent(link._conn[1]))
+                    if held and reader is None:
+                        # The socket is full now; reading begins (within the link's
+                        # bound on a write), and the rest goes as it is read.
+                        reader = asyncio.create_task(read_all())
+                    await link.wait_room(WAIT_MS)
+            assert held > 0  # writes were taken in part: the stream kept the rest
+            await wait_for_ms(reader, WAIT_MS)
+            assert whole[0] == n, whole
+            await _stop(link, task, c)
+        finally:
+            task.cancel()
+            if reader is not None:
+                reader.cancel()
             await peer.close()
 
     run(main())
