@@ -80,7 +80,7 @@ def _save(run, st, step, messages, usage, waiting, left=None):
           "q": {"req": run.req, "input": run.input, "conv": run.conv, "usr": run.user,
                 "sc": run.sc, "ttl": run.ttl},
           "m": messages, "s": step, "u": usage, "e": em.last_id,
-          "ring": [bytes(em.ring.at(i)) for i in range(len(em.ring))],
+          "ring": [bytes(em.held(i)) for i in range(len(em.ring))],
           "w": waiting, "sv": run.state, "ld": run.loaded, "wr": run._writes, "nd": run.nodes}
     if left is not None:
         ck["left"] = left
@@ -137,6 +137,7 @@ def _gone(runtime, run):
     # The run leaves memory (paused again, or ended): only its ring stays, for replays.
     _forget(runtime, run.id)
     runtime.recent.push(run.emitter)
+    run.emitter.settle()
 
 
 def _forget(runtime, run_id):
@@ -427,19 +428,29 @@ def replay(runtime, run_id, after):
     return True
 
 
+def _names(entries):
+    # ilistdir gives (name, type, inode[, size]) tuples, listdir names.
+    for e in entries:
+        yield e if isinstance(e, str) else e[0]
+
+
 def boot(runtime):
     # At boot: the checkpoints on flash. A paused run comes back and announces again
     # what it waits for; a run that was running fails once, retryable.
     fd = runtime.flash_dir  # a prefix of paths: a folder, and the start of file names
     cut = fd.rfind("/") + 1
     head = fd[cut:] + _PREFIX
+    # Only the checkpoints' names are kept, read one entry at a time where the port can
+    # (ilistdir): a folder shared with many other files (a board's root, or /tmp on the
+    # unix port) made a list of every name, a 4 KiB block a board may not have at boot.
+    # Collected before any is handled, as handling one writes into the same folder.
+    listing = getattr(os, "ilistdir", os.listdir)
     try:
-        names = os.listdir(fd[:cut] or ".")
+        names = [n for n in _names(listing(fd[:cut] or "."))
+                 if n.startswith(head) and n.endswith(".bin")]
     except OSError:
         return
     for name in names:
-        if not (name.startswith(head) and name.endswith(".bin")):
-            continue
         ck = _read(fd[:cut] + name)
         if ck is None:
             continue

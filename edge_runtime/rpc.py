@@ -103,7 +103,8 @@ class RpcClient:
                  window=WINDOW, room=None):
         # publish(topic, msg_dict, qos) encodes and queues on the link, False when it
         # cannot; online() says whether the link is up right now; room(), when given,
-        # is awaited before a call is published (the run waits for outbox room).
+        # is awaited before a call is published (the run waits for outbox room), and
+        # room(True) before it is tried again short of memory.
         self._publish = publish
         self._online = online
         self._room = room
@@ -135,7 +136,17 @@ class RpcClient:
         msg = {"c": cid, "m": method, "a": args}
         if run_id is not None:
             msg["r"] = run_id
-        if not self._publish(self._topic, msg, _QOS_CALL):
+        try:
+            sent = self._publish(self._topic, msg, _QOS_CALL)
+        except MemoryError:
+            if self._room is None:
+                raise
+            # No block for its encoding even after a collection (a model call, a run's
+            # largest message): room(True) waits until what the link holds until the
+            # broker acknowledges it is let go, and the call goes once more.
+            await self._room(True)
+            sent = self._publish(self._topic, msg, _QOS_CALL)
+        if not sent:
             # Too large to encode, or no room: waiting would only run out the timeout.
             raise RpcError("unsendable", "the call to %s could not be sent" % method)
         self._pending[cid] = call

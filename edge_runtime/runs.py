@@ -40,6 +40,10 @@ _DEFAULT_BRIDGE_GRACE_MS = const(5000)
 # which keep the run and the link going while events wait.
 _EVENT_SPARE = const(4)
 _RECENT_RUNS = const(2)
+# How long a model call short of memory waits for the link's messages in flight to be
+# acknowledged (Runtime._call_room), and how often it looks.
+_DRAIN_MS = const(2000)
+_DRAIN_POLL_MS = const(20)
 _SEEN_REQS = const(16)
 # The topic leaves the board subscribes to under its base. Read by if-chains rather than
 # dicts of bound methods: those cost a dict and an object per entry on the board heap
@@ -294,10 +298,19 @@ class Runtime:
                                 % (self.stall_ms // 1000), True)
             await link.wait_room(left, _EVENT_SPARE)
 
-    async def _call_room(self):
+    async def _call_room(self, short=False):
         # An RPC call waits for outbox room like an event does (its own slots, though).
+        # Short of memory, it waits (up to _DRAIN_MS) until the link holds nothing the
+        # broker has not acknowledged: each message in flight keeps its payload and its
+        # entry (the events sent just before a model call, eight or more).
         link = self.link
-        if link is not None and not link.room():
+        if short:
+            waited = 0
+            while link is not None and link.pending and waited < _DRAIN_MS:
+                await platform.sleep_ms(_DRAIN_POLL_MS)
+                waited += _DRAIN_POLL_MS
+            platform.collect()
+        elif link is not None and not link.room():
             await link.wait_room(self.stall_ms)
 
     # --- input --------------------------------------------------------------------
@@ -532,9 +545,15 @@ class Runtime:
         finally:
             self.active.pop(run.id, None)
             # Only the event ring outlives a run (for replays), not its state.
-            self.recent.push(run.emitter)
+            emitter = run.emitter
+            self.recent.push(emitter)
             run_id = run.id
             run = state = None
+            platform.collect()
+            # Into one block now that the run's own objects are free (Emitter.settle),
+            # and collected again to free the events it moved.
+            emitter.settle()
+            emitter = None
             platform.collect()
             # One console line per run: on a serial console this is how heap trouble shows.
             platform.log("run", run_id, "ended; heap free", free_heap())

@@ -43,13 +43,19 @@ def broker_address():
 
 
 def scratch(name):
-    # A path prefix for the files a test's board writes (core memory): under /tmp where
-    # there is one (CPython, the unix port), else the board's own flash root.
+    # A path prefix for the files a test's board writes (core memory, checkpoints): in a
+    # folder of their own under /tmp where there is one (CPython, the unix port), not
+    # /tmp itself, whose other files a board listing its folder would read too; else the
+    # board's own flash root.
     try:
         os.stat("/tmp")
-        return "/tmp/wren-fw-%s-" % name
     except (OSError, AttributeError):
         return name + "-"
+    try:
+        os.mkdir("/tmp/wren-fw")
+    except OSError:
+        pass  # there already
+    return "/tmp/wren-fw/%s-" % name
 
 
 def remove(*paths):

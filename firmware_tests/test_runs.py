@@ -305,9 +305,35 @@ def test_cancel_before_the_run_begins_still_frees_its_slot():
                 break
             await platform.sleep_ms(10)
         assert runtime.active == {}
-        ring = list(runtime.recent)[-1].ring
-        got = [codec.decode(b) for b in ring]
+        em = list(runtime.recent)[-1]
+        got = [codec.decode(bytes(em.held(k))) for k in range(len(em.ring))]
         assert [e["t"] for e in got] == ["run.started", "run.cancelled"]
         assert got[1]["d"]["reason"] == "early"
 
     run(body())
+
+
+def test_a_model_call_short_of_memory_waits_for_the_link_to_let_go_and_goes():
+    # The allocator failing for the call's encoding even after a collection (a board's
+    # fragmented heap) is stood in for at the runtime's publish: the second model call,
+    # made right behind the first turn's events, finds no block once. The call then
+    # waits until the broker has acknowledged what the link holds, and goes.
+    async def body(bridge, runtime):
+        publish = runtime.rpc._publish
+        seen = []
+
+        def short_once(topic, msg, qos):
+            if msg.get("m") == "llm.complete":
+                seen.append(runtime.link.pending)
+                if len(seen) == 2:
+                    raise MemoryError("no block for the encoding")
+            return publish(topic, msg, qos)
+
+        runtime.rpc._publish = short_once
+        bridge.send("req", {"req": "q-short", "input": "How warm is it?"})
+        await bridge.wait_for(lambda: any(e["t"] in ("run.done", "run.failed") for e in bridge.events))
+        assert [e["t"] for e in bridge.events if e["t"].startswith("run.")] == ["run.started", "run.done"]
+        # Tried again once, when the link held nothing unacknowledged.
+        assert len(bridge.calls) == 2 and len(seen) == 3 and seen[2] == 0
+
+    run(with_board("tb-short", body))
