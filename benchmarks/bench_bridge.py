@@ -1261,7 +1261,8 @@ def load_figures(
     broker_dir = workdir / "load-broker"
     conf = brokerconf.secure_mosquitto_conf(
         broker_dir,
-        users,
+        # The bridge's control connection logs in as its control user, same password.
+        brokerconf.with_control_users(users, [BRIDGE_USER]),
         brokerconf.acl_text(PREFIX, [BRIDGE_USER, RELAY_USER], {TENANT: HOST_USER}),
     )
     broker = start_mosquitto(broker_dir, extra_conf=conf + extra_conf, allow_anonymous=False)
@@ -1401,6 +1402,8 @@ WREN_COUNTERS = (
     "callback_errors",
     "connects",
     "disconnects",
+    "control.connects",
+    "control.disconnects",
 )
 
 

@@ -23,6 +23,31 @@ network thread only decodes, validates and queues, and nothing the bridge took i
 dropped. A tenant's host requests are refused `rate_limited` or `busy` (on `_b`) when it
 is over its rate or its lane is full.
 
+Two connections, two users (`config.username` and its control user, brokerconf.py):
+the event connection reads boards' `evt`, `hello` and `status` and sends events to
+hosts; the control connection reads boards' RPC calls (`P/d/+/rpc`) and hosts' `req`
+and `ctl`, sends everything the bridge itself says to boards (RPC answers, `req`, `ctl`)
+and to hosts on `_b`, and carries the bridge's presence and last will. Mosquitto keeps
+one queue per connection: with one, a board's model call and a host's request waited
+behind every event a flooding neighbour had queued (bench_bridge figure 4), tens of
+thousands a second. A flood now fills only the event connection's queue. Presence
+follows the control connection, because what boards and hosts read it for is whether
+their calls and requests are served: its will says offline when it drops, and it says
+online again when it is back. The event connection alone dropping changes nothing a
+board acts on: what boards send meanwhile waits in its persistent session.
+
+Two network threads now call _on_message. Everything they reach is shared under a lock
+of its own, as it already was for the housekeeping thread and the RPC workers: the
+intake's state (one lock, EventIntake._lock), the RPC server's calls (RpcServer._lock
+and each call's own), the outbox (its condition), the registry's snapshot, the token
+cache, the `_b` stream ids, the counters and refusals and `_told_offline` (self._lock),
+the other bridges' presence (`_rivals_cond`). No lock is held while another is taken,
+except each component's own in its order, so no new lock order arises. What the
+threads do not share is order: a board's `status` (event connection) may be acted on
+after an RPC call it sent later (control connection). The contract relies on no order
+across topics (PROTOCOL.md "Order"): calls carry their run id, whose boot says whether
+its board is still the one that made it.
+
 Nothing is lost while the bridge or the broker is away. The bridge's MQTT session is
 persistent (clean session off, a stable client id): what boards send while it is
 stopped waits at the broker, and what it publishes while the broker is away paho keeps
@@ -49,7 +74,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge import metrics, tokens
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
-from server_bridge.lanes import Budget, Kind, Outbox
+from server_bridge.lanes import CONTROL, EVENTS, Budget, Kind, Outbox
 from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
 from server_bridge.metrics import prometheus_text
@@ -199,8 +224,20 @@ class Bridge:
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._refusals: deque[Refusal] = deque(maxlen=config.refusals_kept)
+        # The control connection (presence, will, RPC calls, host input) and the event
+        # connection (module docstring), each up or not on its own.
         self._client: mqtt.Client | None = None
+        self._events: mqtt.Client | None = None
+        self._control_up = False
+        self._events_up = False
+        self._events_ready = threading.Event()
+        self._events_error: str | None = None
+        self._events_sub_mid: int | None = None
         self._ready = threading.Event()
+        # Both connections subscribed once: from then on the control connection says
+        # online at each (re)connect. Not before: at a first start an event a board sent
+        # on the word "online" would find no subscription of the event connection yet.
+        self._serving = False
         self._start_error: str | None = None
         self._sub_mid: int | None = None
         # The start's check for another bridge (_check_rivals): the other bridges' last
@@ -216,7 +253,6 @@ class Bridge:
         self._lost_at_start = False
         self._gate = threading.Lock()
         self._held: deque[mqtt.MQTTMessage] | None = deque()
-        self._connected = False
         self._stopping = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._streams = _BridgeStreams()
@@ -291,7 +327,16 @@ class Bridge:
 
     @property
     def connected(self) -> bool:
-        return self._connected
+        """Both connections are up."""
+        return self._control_up and self._events_up
+
+    @property
+    def control_connected(self) -> bool:
+        return self._control_up
+
+    @property
+    def events_connected(self) -> bool:
+        return self._events_up
 
     def hello(self, device: str) -> dict[str, Any] | None:
         """The capabilities a device last announced on P/d/D/hello (None before any)."""
@@ -306,8 +351,7 @@ class Bridge:
         the tenant's `_b` stream of that device, as a gap naming the run (the form of a
         replay answer), so a host's transcript marks them missing instead of waiting."""
         d = {"kind": "gap", "r": run, "from": lo, "to": hi, "msg": f"events {lo}..{hi}: {why}"}
-        topic, payload = self._bridge_event(Topic("h", device, "evt", tenant), d)
-        self.outbox.notice(tenant, topic, payload, loss=True)
+        self._device_notice(tenant, device, d, "error")
         self._count("host.gaps_told")
         self._count(f"tenant.{tenant}.host.gaps_told")
 
@@ -336,10 +380,20 @@ class Bridge:
             else:
                 self._told_offline.discard(device)
         d = {"st": st, "since": int(presence["since"] * 1000)}
-        t = Topic("h", device, "evt", record.tenant)
-        topic, payload = self._bridge_event(t, d, "presence")
-        self.outbox.notice(record.tenant, topic, payload)
+        self._device_notice(record.tenant, device, d, "presence")
         self._count(f"host.presence_{st}")
+
+    def _device_notice(self, tenant: str, device: str, d: dict[str, Any], type_: str) -> None:
+        """An event of `_b` about a device's own stream (its presence, events it lost),
+        queued behind that device's events, on the event connection.
+
+        Not with the `_b` answers to hosts' requests on the control connection: a host
+        reads a gap report only for a run it holds, and takes any event of a run as its
+        device being back; a notice that overtook the events before it would be read
+        past, or undone by them. Forced like the bridge's own run ends: a handful per
+        run, each the one report of what it says."""
+        topic, payload = self._bridge_event(Topic("h", device, "evt", tenant), d, type_)
+        self.outbox.offer_event(tenant, device, topic, payload, force=True, kind=Kind.NOTICE)
 
     def metrics_text(self) -> str:
         """The counters and the bridge's present load in Prometheus text format
@@ -353,7 +407,8 @@ class Bridge:
             ("bridge.queued_host", depth["host"], "host requests and notices waiting"),
             ("bridge.queued_board", depth["board"], "messages to boards waiting"),
             ("bridge.unacked", depth["outstanding"], "publishes the broker has not acked"),
-            ("bridge.connected", int(self._connected), "1 while connected to the broker"),
+            ("bridge.connected", int(self.connected), "1 while both connections are up"),
+            ("bridge.connected_control", int(self._control_up), "1 while the control one is"),
         ]
         return prometheus_text(self.stats, gauges)
 
@@ -387,6 +442,7 @@ class Bridge:
     # ------------------------------------------------------------------ lifecycle
 
     def subscriptions(self) -> list[str]:
+        """What the bridge reads, both connections together."""
         p = self.config.prefix
         # With several bridge processes the broker spreads RPC calls among them: a call
         # is complete in itself. Nothing else is shared. evt must reach one process per
@@ -406,13 +462,30 @@ class Bridge:
             f"{p}/h/+/+/ctl",
         ]
 
-    def start(self) -> None:
-        """Connect, subscribe and return once subscribed; raise BridgeError if not in time."""
-        if self._client is not None:
-            raise BridgeError("bridge already started")
-        if self._stopping.is_set():
-            # stop() shut the RPC worker pool down; a restart is a new Bridge.
-            raise BridgeError("a stopped bridge cannot be started again")
+    def control_subscriptions(self) -> list[str]:
+        """What the control connection reads: boards' calls, hosts' requests and ctl."""
+        all_ = self.subscriptions()
+        return [all_[0], all_[4], all_[5]]
+
+    def event_subscriptions(self) -> list[str]:
+        """What the event connection reads: boards' events, hellos and statuses."""
+        return self.subscriptions()[1:4]
+
+    def _not_for_events(self) -> list[str]:
+        """What the event connection's session must not read: the control topics, in
+        either form, and the bridges' presence. A session of the one-connection bridge
+        (the same user and client id) still holds them, and a message on both
+        connections would be acted on twice."""
+        p = self.config.prefix
+        return [
+            f"$share/bridge/{p}/d/+/rpc",
+            f"{p}/d/+/rpc",
+            f"{p}/h/+/+/req",
+            f"{p}/h/+/+/ctl",
+            bridge_topic(p),
+        ]
+
+    def _new_client(self, client_id: str, username: str | None, password: str | None) -> Client:
         cfg = self.config
         # A persistent session: what boards send while this bridge is away waits at the
         # broker for its client id, and the broker keeps its subscriptions.
@@ -420,7 +493,7 @@ class Bridge:
         # (server_bridge/mqttclient.py): an RPC chunk does not wait for the network thread.
         client = Client(
             CallbackAPIVersion.VERSION2,
-            client_id=cfg.client_id,
+            client_id=client_id,
             protocol=mqtt.MQTTv311,
             clean_session=False,
         )
@@ -431,48 +504,92 @@ class Bridge:
         # safety net above that (and what the few direct publishes, the presence, use).
         client.max_inflight_messages_set(cfg.max_inflight_messages)
         client.max_queued_messages_set(cfg.max_queued_messages)
-        if cfg.username is not None:
-            client.username_pw_set(cfg.username, cfg.password)
+        if username is not None:
+            client.username_pw_set(username, password)
         client.connect_timeout = cfg.connect_timeout_s
         client.reconnect_delay_set(1, 30)
+        client.on_socket_open = no_delay
+        client.on_message = self._on_message
+        return client
+
+    def _abort(self) -> None:
+        """Undo a start that failed: a clean DISCONNECT of each connection (no will, so
+        another bridge's presence stands) and no forwarders."""
+        self.outbox.stop(drain_s=0)
+        for client in (self._events, self._client):
+            if client is not None:
+                client.disconnect()
+                client.loop_stop()
+        self._client = self._events = None
+
+    def start(self) -> None:
+        """Connect, subscribe and return once subscribed; raise BridgeError if not in time."""
+        if self._client is not None:
+            raise BridgeError("bridge already started")
+        if self._stopping.is_set():
+            # stop() shut the RPC worker pool down; a restart is a new Bridge.
+            raise BridgeError("a stopped bridge cannot be started again")
+        cfg = self.config
+        assert cfg.client_id is not None and cfg.control_client_id is not None
+        # The control connection first: the check for another bridge, the presence and
+        # the will are its own (module docstring).
+        client = self._new_client(cfg.control_client_id, cfg.control_username, cfg.control_password)
         # Set before connecting: the broker publishes it if the bridge vanishes.
         client.will_set(
             bridge_topic(cfg.prefix), self._status_payload("offline"), qos=1, retain=True
         )
-        client.on_socket_open = no_delay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
-        client.on_message = self._on_message
         client.on_publish = self._on_publish
         client.on_unsubscribe = self._on_unsubscribe
+        events = self._new_client(cfg.client_id, cfg.username, cfg.password)
+        events.on_connect = self._on_events_connect
+        events.on_disconnect = self._on_events_disconnect
+        events.on_subscribe = self._on_events_subscribe
+        events.on_publish = self._on_events_publish
         self._ready.clear()
-        self._start_error = None
+        self._events_ready.clear()
+        self._start_error = self._events_error = None
         self._client = client
         try:
             client.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
         except OSError as e:
             self._client = None
             raise BridgeError(f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}") from e
-        self.outbox.start(client)
+        self.outbox.start(events, client)
         client.loop_start()
         self._start_thread = threading.current_thread()
         try:
             self._check_rivals(client)
         except BridgeError:
-            # A clean DISCONNECT: no will, so the other bridge's presence stands.
-            self.outbox.stop(drain_s=0)
-            client.disconnect()
-            client.loop_stop()
-            self._client = None
+            self._abort()
             raise
         if not self._ready.wait(cfg.connect_timeout_s) or self._start_error is not None:
             why = self._start_error or f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
-            self.outbox.stop(drain_s=0)
-            client.disconnect()
-            client.loop_stop()
-            self._client = None
-            raise BridgeError(f"bridge could not start on {cfg.host}:{cfg.port}: {why}")
+            self._abort()
+            raise BridgeError(
+                f"bridge could not start on {cfg.host}:{cfg.port} (control connection, user "
+                f"{cfg.control_username or '(none)'}): {why}"
+            )
+        # Then the event connection, once this process is the one serving the prefix:
+        # its session may hold what boards sent meanwhile, acted on as it comes.
+        self._events = events
+        try:
+            events.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
+        except OSError as e:
+            self._abort()
+            raise BridgeError(f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}") from e
+        events.loop_start()
+        if not self._events_ready.wait(cfg.connect_timeout_s) or self._events_error is not None:
+            why = self._events_error or f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
+            self._abort()
+            raise BridgeError(
+                f"bridge could not start on {cfg.host}:{cfg.port} (event connection, user "
+                f"{cfg.username or '(none)'}): {why}"
+            )
+        self._serving = True
+        self._say_online()
         self._housekeeper = threading.Thread(
             target=self._housekeeping, name="wren-bridge-housekeeping", daemon=True
         )
@@ -561,7 +678,7 @@ class Bridge:
         )
 
     def _subscribe(self, client: mqtt.Client) -> None:
-        rc, mid = client.subscribe([(topic, 1) for topic in self.subscriptions()])
+        rc, mid = client.subscribe([(topic, 1) for topic in self.control_subscriptions()])
         if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
             self._start_error = f"subscribe failed: {mqtt.error_string(rc)}"
             self._ready.set()
@@ -605,17 +722,21 @@ class Bridge:
         if callable(cancel):
             cancel()
         client, self._client = self._client, None
+        events, self._events = self._events, None
         if client is not None:
-            if answered and self._connected:
+            if answered and self.connected:
                 self._await_runs(answered)
             # What the lanes hold goes to paho first (bounded); paho sends it now, or
             # after the next connect of this persistent session.
             self.outbox.stop()
-            if self._connected:
+            if self._control_up:
                 # A clean DISCONNECT suppresses the last will, so the bridge says it itself.
                 self._say_offline(client)
             client.disconnect()
             client.loop_stop()
+        if events is not None:
+            events.disconnect()
+            events.loop_stop()
         if self._housekeeper is not None:
             self._housekeeper.join(timeout=5)
             self._housekeeper = None
@@ -627,7 +748,7 @@ class Bridge:
         close = getattr(self.provider, "close", None)
         if callable(close):
             close()
-        self._connected = False
+        self._control_up = self._events_up = False
 
     def _await_runs(self, calls: list[tuple[str, str | None]]) -> None:
         """Wait (bounded) until the runs of the calls answered `bridge_stopping` have
@@ -695,10 +816,10 @@ class Bridge:
             self._ready.set()
             self._probed.set()
             return
-        self._connected = True
-        self._count("connects")
+        self._control_up = True
+        self._count("control.connects")
         if flags.session_present:
-            self._count("session.resumed")
+            self._count("control.session.resumed")
         if self._held is not None:
             # Starting: first only the bridges' presence (_check_rivals).
             rc, mid = client.subscribe(bridge_topic(self.config.prefix), qos=1)
@@ -742,13 +863,16 @@ class Bridge:
             # half the topics would look healthy and lose messages.
             self._start_error = f"broker refused subscriptions: {', '.join(refused)}"
             log.error("broker refused bridge subscriptions: %s", refused)
-        else:
+        elif self._serving:
             # Online once it serves, on every (re)connect: after a dropped connection the
             # will left "offline" retained until the bridge says otherwise.
-            self.outbox.board(
-                bridge_topic(self.config.prefix), self._status_payload("online"), retain=True
-            )
+            self._say_online()
         self._ready.set()
+
+    def _say_online(self) -> None:
+        self.outbox.board(
+            bridge_topic(self.config.prefix), self._status_payload("online"), retain=True
+        )
 
     @_guarded
     def _on_unsubscribe(
@@ -761,24 +885,87 @@ class Bridge:
     def _on_disconnect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
-        self._connected = False
+        self._control_up = False
         if self._held is not None:
             with self._rivals_cond:
                 self._lost_at_start = True
                 self._rivals_cond.notify_all()
-        # Offline statuses that arrived just now were most likely the wills of a broker
-        # shutting down; what is true comes again, retained, after the reconnect.
-        self.intake.broker_lost()
         # Starting (_check_rivals), a lost connection is a refusal, said by start().
+        # Otherwise the will says offline until _subscribed says online again; the
+        # intake's presence comes on the event connection, which has its own callback.
         if not self._stopping.is_set() and self._held is None:
-            self._count("disconnects")
-            log.warning("bridge disconnected from the broker (%s); paho reconnects", reason_code)
+            self._count("control.disconnects")
+            log.warning(
+                "bridge disconnected from the broker, control connection (%s); paho reconnects",
+                reason_code,
+            )
 
     @_guarded
     def _on_publish(
         self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any, properties: Any
     ) -> None:
-        self.outbox.on_publish(mid)
+        self.outbox.on_publish(mid, CONTROL)
+
+    # The event connection's own callbacks (its network thread).
+
+    @_guarded
+    def _on_events_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        if reason_code.is_failure:
+            self._events_error = f"broker refused the connection: {reason_code}"
+            log.error("broker refused the bridge's event connection: %s", reason_code)
+            self._events_ready.set()
+            return
+        self._events_up = True
+        self._count("connects")
+        if flags.session_present:
+            self._count("session.resumed")
+        # Subscribed on every connect, as the control connection is (_on_connect); from
+        # this callback the SUBACK cannot be read before the mid is kept (one thread).
+        rc, mid = client.subscribe([(topic, 1) for topic in self.event_subscriptions()])
+        if rc != mqtt.MQTT_ERR_SUCCESS:
+            self._events_error = f"subscribe failed: {mqtt.error_string(rc)}"
+            self._events_ready.set()
+            return
+        self._events_sub_mid = mid
+        # After the control connection has subscribed (start() connects this one then),
+        # so nothing falls between: a message of the old session's may come on both
+        # once, which every control message survives (PROTOCOL.md "At least once").
+        client.unsubscribe(self._not_for_events())
+
+    @_guarded
+    def _on_events_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
+    ) -> None:
+        if mid != self._events_sub_mid:
+            return
+        refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        if refused:
+            self._events_error = f"broker refused subscriptions: {', '.join(refused)}"
+            log.error("broker refused the event connection's subscriptions: %s", refused)
+        self._events_ready.set()
+
+    @_guarded
+    def _on_events_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        self._events_up = False
+        # Offline statuses that arrived just now were most likely the wills of a broker
+        # shutting down; what is true comes again, retained, after the reconnect.
+        self.intake.broker_lost()
+        if not self._stopping.is_set():
+            self._count("disconnects")
+            log.warning(
+                "bridge disconnected from the broker, event connection (%s); paho reconnects",
+                reason_code,
+            )
+
+    @_guarded
+    def _on_events_publish(
+        self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any, properties: Any
+    ) -> None:
+        self.outbox.on_publish(mid, EVENTS)
 
     @_guarded
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:

@@ -2,7 +2,9 @@
 
 The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
 
-- the bridge user reads and writes all of `P/#`;
+- the bridge user reads and writes all of `P/#`, and so does its control user
+  (`control_user`: the bridge user's name and `.ctl`), the login of the bridge's second
+  connection, which carries RPC calls and host requests apart from the event flood;
 - a device, whose MQTT user name *is* its device id, reads only its own
   `P/d/<id>/req`, `P/d/<id>/ctl` and `P/d/<id>/rpc/res` and writes only its own
   `P/d/<id>/status`, `hello`, `evt` and `rpc` (so only the bridge can publish the
@@ -23,6 +25,15 @@ connection that must stay up needs a user of its own: the bridge process has its
 connection of a tenant gets a host user of its own (`acl_text` takes several per
 tenant). The persistent sessions of the bridge and the boards are kept under their
 user names.
+
+A bridge process has two connections (server_bridge/bridge.py says why), so two users:
+its own and its control user, `<user>.ctl`, with the same password and the same rights.
+They are one party with one secret, which is why the rights are the same: a narrower
+control user would guard nothing its sibling's password does not open. The rules below
+grant every bridge user's control user with it (`_parties`), and `with_control_users`
+adds its login (the bridge user's password or `$7$` entry) to a map of users. The name
+cannot be a device's or a tenant's (`.` is not in their alphabet), so no `%u` pattern
+or device role ever means it, and the registry refuses it to anyone else.
 
 Device rules are Mosquitto `pattern` lines with `%u`, which apply to every user: a
 bridge or host user name that is also a registered device id would share that
@@ -59,6 +70,7 @@ from server_bridge.topics import bridge_topic, check_id
 
 __all__ = [
     "BROKER_QUEUES",
+    "CONTROL_SUFFIX",
     "DEVICE_READ",
     "DEVICE_WRITE",
     "DYNSEC_PLUGIN",
@@ -69,6 +81,7 @@ __all__ = [
     "check_entry",
     "check_password",
     "check_user",
+    "control_user",
     "dynsec_config",
     "dynsec_mosquitto_conf",
     "dynsec_plugin",
@@ -76,6 +89,7 @@ __all__ = [
     "mosquitto_conf",
     "new_password",
     "secure_mosquitto_conf",
+    "with_control_users",
     "write_broker_files",
     "write_dynsec_files",
     "write_password_entries",
@@ -92,6 +106,10 @@ _USER = re.compile(r"[^\s:#+/]{1,128}")
 _ENTRY = re.compile(r"\$7\$[1-9][0-9]{0,9}\$[A-Za-z0-9+/]+={0,2}\$[A-Za-z0-9+/]+={0,2}")
 # A prefix of plain topic levels (no wildcards, no empty level).
 _PREFIX = re.compile(r"[^/+#\s]+(/[^/+#\s]+)*")
+
+# What makes a bridge user's control user of it (module docstring): a character no
+# device or tenant id has, so the name can never be a device's.
+CONTROL_SUFFIX = ".ctl"
 
 DEVICE_READ = ("req", "ctl", "rpc/res")
 DEVICE_WRITE = ("status", "hello", "evt", "rpc")
@@ -181,6 +199,22 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def control_user(user: str) -> str:
+    """The control user of bridge user `user`: the login of that bridge process's
+    control connection (module docstring). ValueError when it would not fit the files."""
+    return check_user(check_user(user) + CONTROL_SUFFIX)
+
+
+def with_control_users(users: Mapping[str, str], bridges: Collection[str]) -> dict[str, str]:
+    """`users` (name -> password, or name -> `$7$` entry) with the control user of each
+    of `bridges` added under that bridge user's own value, unless it has one already."""
+    out = dict(users)
+    for user in bridges:
+        if user in users:
+            out.setdefault(control_user(user), users[user])
+    return out
+
+
 # --- ACL ------------------------------------------------------------------------------------
 
 
@@ -204,10 +238,11 @@ def _parties(
     bridge_user: str | Collection[str],
     tenants: Mapping[str, str | Collection[str]],
 ) -> tuple[list[str], dict[str, list[str]]]:
-    """The bridge users and each tenant's host users, checked: sorted, at least one of
-    each, and no user both."""
+    """The bridge users, each with its control user, and each tenant's host users,
+    checked: sorted, at least one of each, and no user both."""
     _check_prefix(prefix)
-    bridges = _names(bridge_user, "the bridge")
+    named = _names(bridge_user, "the bridge")
+    bridges = sorted({*named, *map(control_user, named)})
     hosts: dict[str, list[str]] = {}
     for tenant, users in sorted(tenants.items()):
         check_id(tenant, "tenant")  # the contract's id rule, from topics.py; a ValueError
@@ -225,7 +260,8 @@ def acl_text(
     """A Mosquitto `acl_file` for the rules in this module's docstring.
 
     `bridge_user` is the bridge's MQTT user, or several (one per bridge process: with
-    client ids bound to users, two processes of one user would knock each other off).
+    client ids bound to users, two processes of one user would knock each other off);
+    each one's control user gets the same rights.
     `tenants` maps a tenant id to the MQTT user its hosts connect as, or to several
     (one per host connection, for the same reason).
     """

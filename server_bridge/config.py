@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from server_bridge.brokerconf import CONTROL_SUFFIX, control_user
 from server_bridge.topics import DEFAULT_PREFIX
 from server_bridge.wire import Limits
 
@@ -42,6 +43,13 @@ class BridgeConfig:
     # own there), and the id the bridge gives itself then matches the session it has;
     # without a user, DEFAULT_CLIENT_ID.
     client_id: str | None = None
+    # The control connection's login and client id (bridge.py: RPC calls and host
+    # requests on a connection of their own, never queued behind a flood of events).
+    # None follows the bridge's user: its control user, `<user>.ctl`, with the same
+    # password (brokerconf.py); without a user, the client id and `.ctl`.
+    control_username: str | None = None
+    control_password: str | None = None
+    control_client_id: str | None = None
     keepalive_s: int = 30
     # What the bridge accepts from boards and hosts. What it sends a board is sized by the
     # limits that board announced in its hello.
@@ -146,6 +154,15 @@ class BridgeConfig:
         if not isinstance(self.client_id, str) or not self.client_id:
             # A persistent session needs an id of its own (MQTT 3.1.1 refuses an empty one).
             raise ValueError("client_id must be a non-empty str")
+        if self.control_username is None and self.username is not None:
+            self.control_username = control_user(self.username)
+        if self.control_password is None:
+            self.control_password = self.password
+        if self.control_client_id is None:
+            self.control_client_id = self.control_username or self.client_id + CONTROL_SUFFIX
+        if self.control_client_id == self.client_id:
+            # One id for both connections: each would take the other's over, for ever.
+            raise ValueError("control_client_id must differ from client_id")
         for name in ("connect_timeout_s", "llm_timeout_s", "rpc_timeout_s", "replay_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

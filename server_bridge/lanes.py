@@ -1,30 +1,45 @@
 """What the bridge sends: bounded lanes, a fair scheduler, and a publisher that never drops.
 
 Every message the bridge publishes goes through an `Outbox`. The thread that makes a
-message (paho's network thread for events and host input, the housekeeping thread for
-replay retries, RPC workers for answers) only puts it in a lane; one forwarder thread
-takes messages out, in this order, and hands them to paho:
+message (paho's network threads for events and host input, the housekeeping thread for
+replay retries, RPC workers for answers) only puts it in a lane; a forwarder thread per
+connection takes messages out and hands them to that connection's paho client.
 
-1. the board lane: what the bridge itself sends boards (RPC answers and chunks, replay
-   and cancel `ctl`) and its presence — first, because a board's run waits on it;
-2. the host lanes, one per tenant, round robin: host `req` and `ctl` on their way to a
-   board, the bridge's answers on `_b`, replay answers — ahead of event fan-out, so a
-   tenant's request is never stuck behind another tenant's flood;
-3. the event lanes: round robin across tenants, then across that tenant's devices, one
-   message per turn, so a flooding device slows only itself and its own tenant.
+The bridge has two connections (bridge.py), so the outbox has two channels, each with
+its own client, window of unacknowledged messages and forwarder:
 
-When every lane is empty and nothing is being handed to paho, the thread that made a
-message hands it to paho itself (`_direct`) instead of waking the forwarder for it: it
-would be next in any order, and a thread's wake-up is a good share of a relay's latency
-(paho's own network thread then writes it, as it writes everything). One message is
-handed to paho at a time, by the forwarder or by such a producer (`_handing`), so the
-lanes' order holds. For the same reason the forwarder is woken only when it has
+- CONTROL, in this order: 1. the board lane: what the bridge itself sends boards (RPC
+  answers and chunks, replay and cancel `ctl`) and its presence — first, because a
+  board's run waits on it; 2. the host lanes, one per tenant, round robin: host `req`
+  and `ctl` on their way to a board, the bridge's answers on `_b`, replay answers;
+- EVENTS: the event lanes, round robin across tenants, then across that tenant's
+  devices, one message per turn, so a flooding device slows only itself and its own
+  tenant.
+
+Apart, because a window shared with a flood of events is full whenever the flood is on:
+a board's RPC chunk, first in line, still waited for the broker to acknowledge one of
+the flood's events before it could go. Nothing needs an order across the channels: the
+broker keeps order per topic and connection, and what both write to one topic (a host's
+P/h/T/D/evt) is told apart by run and id: a run's events (and a replay answer's copies
+of them, which hosts drop by id) and the bridge's stream `_b`, which hosts fold as it
+comes. What the bridge says on `_b` about a device's own stream (its presence, events
+it lost) is queued behind that device's events (`offer_event` with kind NOTICE), so it
+does not overtake them (bridge.py `_device_notice`).
+
+When every lane of a channel is empty and nothing is being handed to its paho client,
+the thread that made a message hands it to paho itself (`_direct`) instead of waking the
+forwarder for it: it would be next in any order, and a thread's wake-up is a good share
+of a relay's latency (paho's own network thread then writes it, as it writes
+everything). One message is
+handed to a channel's client at a time, by its forwarder or by such a producer
+(`handing`), so the lanes' order holds. For the same reason the forwarder is woken only when it has
 something to do (`_wake`): a message queued, or one waiting for the window or the
 handing turn. Woken at every hand-over and acknowledgement, it took the interpreter's
 lock from the thread relaying the next event twice per event.
 
 The publisher respects paho's capacity: it keeps at most `window` QoS 1 messages that
-paho holds and the broker has not acknowledged (counted by `on_publish`), and otherwise
+a client holds and the broker has not acknowledged (counted by `on_publish`, per
+channel: message ids are a client's own), and otherwise
 waits (bounded waits, woken by each acknowledgement). A message it took is never
 dropped: one paho refuses for a full queue goes back to the front and is tried again.
 
@@ -51,7 +66,7 @@ from server_bridge.config import BridgeConfig
 from server_bridge.mqttclient import Client
 from server_bridge.wire import WireError
 
-__all__ = ["Budget", "Busy", "Kind", "Outbox", "RateLimited"]
+__all__ = ["CONTROL", "EVENTS", "Budget", "Busy", "Kind", "Outbox", "RateLimited"]
 
 log = logging.getLogger("wren.bridge.lanes")
 
@@ -76,6 +91,9 @@ _EARLY_MAX = 1024
 # the room for the refusals of a burst, beyond which a host that keeps sending is not
 # told again (counted `host.untold`).
 NOTICES_PER_TENANT = 256
+# The outbox's channels (module docstring): the connection a message goes out on.
+EVENTS = "events"
+CONTROL = "control"
 
 
 class Kind:
@@ -153,6 +171,32 @@ class _Msg(NamedTuple):
     retain: bool = False
 
 
+class _Channel:
+    """One connection's side of the outbox: its client and forwarder, and what it has
+    handed that client (all under the outbox's lock)."""
+
+    def __init__(self, name: str, window: int) -> None:
+        self.name = name
+        self.window = window
+        self.client: mqtt.Client | None = None
+        self.thread: threading.Thread | None = None
+        # QoS 1 messages the client holds that the broker has not acknowledged, by mid.
+        self.outstanding = 0
+        self.mids: set[int] = set()
+        self.early: set[int] = set()
+        # A message is being handed to the client (by the forwarder, or by its producer
+        # on the direct path): nobody else hands one over meanwhile, so order holds.
+        self.handing = False
+        # The forwarder waits for a message (not for room in the window): only then does
+        # a producer's new message wake it. Woken for every event while it waited for
+        # the broker's acks, it took the lock, found no room and slept again: under a
+        # flood the wake-ups alone were a tenth of the network thread's time.
+        self.idle = False
+        # What the client refused, first in line for another try.
+        self.retry: deque[_Msg] = deque()
+        self.full_episode = False
+
+
 @dataclass(eq=False)
 class _Tenant:
     name: str
@@ -189,7 +233,6 @@ class Outbox:
     ) -> None:
         self._count = count
         self.budget = budget
-        self._window = window
         self._device_cap = device_queue_bytes
         self._tenant_cap = tenant_queue_bytes
         self._host_cap = host_lane
@@ -203,44 +246,37 @@ class Outbox:
         # only briefly, so no lock order with paho's own locks arises.
         self._cond = threading.Condition(threading.Lock())
         self._board: deque[_Msg] = deque()
-        self._retry: deque[_Msg] = deque()
+        self._events = _Channel(EVENTS, window)
+        self._control = _Channel(CONTROL, window)
         # Tenants in least-recently-used order, bounded (a tenant's state is its lanes
         # and its rate bucket; one with nothing queued is forgotten first).
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
         self._host_turn: OrderedDict[str, _Tenant] = OrderedDict()
         self._event_turn: OrderedDict[str, _Tenant] = OrderedDict()
-        self._client: mqtt.Client | None = None
-        self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining_until = 0.0
-        # QoS 1 messages paho holds that the broker has not acknowledged.
-        self._outstanding = 0
-        self._mids: set[int] = set()
-        self._early: set[int] = set()
         self._untold_episode = False
-        self._full_episode = False
-        # A message is being handed to paho (by the forwarder, or by its producer on
-        # the direct path): nobody else hands one over meanwhile, so order holds.
-        self._handing = False
         # RPC workers waiting in board() for room in the board lane.
         self._board_waiting = 0
-        # The forwarder waits for a message (not for room in the window): only then does
-        # a producer's new message wake it. Woken for every event while it waited for
-        # the broker's acks, it took the lock, found no room and slept again: under a
-        # flood the wake-ups alone were a tenth of the network thread's time.
-        self._forwarder_idle = False
 
     # ------------------------------------------------------------------ producers
 
     def offer_event(
-        self, tenant: str, device: str, topic: str, payload: bytes, force: bool = False
+        self,
+        tenant: str,
+        device: str,
+        topic: str,
+        payload: bytes,
+        force: bool = False,
+        kind: str = Kind.EVT,
     ) -> str | None:
         """Queue an event for hosts; None when taken, else why not: "device", "tenant"
         (that queue is full) or "budget" (the memory budget is spent).
 
         A queue that is empty always takes one event, however large, so the caps never
         stop a device for good. `force` takes it whatever the caps say (the events the
-        bridge makes itself, a handful per run).
+        bridge makes itself, a handful per run). `kind` NOTICE is a `_b` notice that must
+        keep its place behind the device's events (a loss the bridge tells of them).
         """
         cost = len(payload) + OVERHEAD
         with self._cond:
@@ -254,8 +290,9 @@ class Outbox:
                 return "tenant"
             elif not self.budget.take(cost):
                 return "budget"
-            msg = _Msg(topic, payload, Kind.EVT, tenant, cost)
-            direct = self._direct()
+            msg = _Msg(topic, payload, kind, tenant, cost)
+            ch = self._events
+            direct = self._direct(ch)
             if direct is None:
                 lane = ten.devices.get(device)
                 if lane is None:
@@ -265,9 +302,9 @@ class Outbox:
                 ten.bytes += cost
                 if tenant not in self._event_turn:
                     self._event_turn[tenant] = ten
-                self._queued()
+                self._queued(ch)
         if direct is not None:
-            self._publish(direct, msg)
+            self._publish(ch, direct, msg)
         return None
 
     def has_room(self, tenant: str, device: str) -> bool:
@@ -307,18 +344,19 @@ class Outbox:
         """Queue a host request's messages (admitted by admit_host) in its tenant's lane,
         in order. A replay answer is up to a run's window of events: the lane's bound is
         counted in requests, each bringing at most that many messages."""
+        ch = self._control
         with self._cond:
             ten = self._tenant(tenant)
-            direct = self._direct() if len(messages) == 1 else None
+            direct = self._direct(ch) if len(messages) == 1 else None
             if direct is None:
                 ten.host.extend(
                     _Msg(topic, payload, kind, tenant, 0) for topic, payload in messages
                 )
                 if messages and tenant not in self._host_turn:
                     self._host_turn[tenant] = ten
-                self._queued()
+                self._queued(ch)
         if direct is not None:
-            self._publish(direct, _Msg(*messages[0], kind, tenant, 0))
+            self._publish(ch, direct, _Msg(*messages[0], kind, tenant, 0))
 
     def notice(self, tenant: str, topic: str, payload: bytes, loss: bool = False) -> bool:
         """Queue an `error` of the bridge's `_b` stream for a tenant's hosts.
@@ -345,7 +383,7 @@ class Outbox:
                 ten.notices += 1
                 if tenant not in self._host_turn:
                     self._host_turn[tenant] = ten
-                self._queued()
+                self._queued(self._control)
                 self._untold_episode = False
                 return True
         if first:
@@ -367,6 +405,7 @@ class Outbox:
         holds more than its bound, so a model streaming faster than the broker takes it
         is slowed, not queued without end.
         """
+        ch = self._control
         with self._cond:
             while (
                 wait_until is not None
@@ -383,12 +422,12 @@ class Outbox:
                 finally:
                     self._board_waiting -= 1
             msg = _Msg(topic, payload, Kind.BOARD, None, 0, retain)
-            direct = self._direct()
+            direct = self._direct(ch)
             if direct is None:
                 self._board.append(msg)
-                self._queued()
+                self._queued(ch)
         if direct is not None:
-            self._publish(direct, msg)
+            self._publish(ch, direct, msg)
 
     def _tenant(self, name: str) -> _Tenant:
         ten = self._tenants.get(name)
@@ -413,12 +452,14 @@ class Outbox:
     def depth(self) -> dict[str, int]:
         """How much waits in the lanes now, and the budget: for stats and tests."""
         with self._cond:
+            events = sum(len(q) for t in self._tenants.values() for q in t.devices.values())
             return {
-                "board": len(self._board) + len(self._retry),
+                "board": len(self._board) + len(self._control.retry),
                 "host": sum(len(t.host) for t in self._tenants.values()),
-                "events": sum(len(q) for t in self._tenants.values() for q in t.devices.values()),
+                "events": events + len(self._events.retry),
                 "event_bytes": sum(t.bytes for t in self._tenants.values()),
-                "outstanding": self._outstanding,
+                "outstanding": self._events.outstanding + self._control.outstanding,
+                "outstanding_control": self._control.outstanding,
                 "budget_used": self.budget.used,
                 "budget_peak": self.budget.peak,
             }
@@ -432,30 +473,37 @@ class Outbox:
 
     # ------------------------------------------------------------------ the forwarder
 
-    def start(self, client: mqtt.Client) -> None:
-        """Start the forwarder on `client` (whose on_publish must call on_publish)."""
+    def start(self, events: mqtt.Client, control: mqtt.Client) -> None:
+        """Start a forwarder for each channel: events on `events`, the board and host
+        lanes on `control` (each client's on_publish must call on_publish with its
+        channel). Two clients, never one: the channels count message ids apart."""
+        if events is control:
+            raise ValueError("the outbox's channels need a client each")
         with self._cond:
-            self._client = client
+            self._events.client, self._control.client = events, control
             self._stopping = False
-        self._thread = threading.Thread(
-            target=self._forward, name="wren-bridge-forwarder", daemon=True
-        )
-        self._thread.start()
+        for ch, name in ((self._events, "wren-bridge-forwarder"),
+                         (self._control, "wren-bridge-forwarder-ctl")):  # fmt: skip
+            ch.thread = threading.Thread(target=self._forward, args=(ch,), name=name, daemon=True)
+            ch.thread.start()
 
     def stop(self, drain_s: float = _DRAIN_S) -> int:
         """Let the forwarder hand paho what is queued (for up to drain_s), then stop it;
         returns how many messages were left unsent (counted `lanes.unsent_at_stop`)."""
-        thread = self._thread
         with self._cond:
             self._draining_until = time.monotonic() + drain_s
             self._stopping = True
             self._cond.notify_all()
-        if thread is not None:
-            thread.join(drain_s + 1.0)
-            self._thread = None
+        for ch in (self._events, self._control):
+            if ch.thread is not None:
+                # Both drain at once: the second waits only for what the first left.
+                ch.thread.join(max(0.0, self._draining_until - time.monotonic()) + 1.0)
+                ch.thread = None
         with self._cond:
-            self._client = None
-            left = len(self._board) + len(self._retry)
+            left = len(self._board)
+            for ch in (self._events, self._control):
+                ch.client = None
+                left += len(ch.retry)
             for ten in self._tenants.values():
                 left += len(ten.host) + sum(len(q) for q in ten.devices.values())
         if left:
@@ -463,18 +511,20 @@ class Outbox:
             log.warning("stopping with %d messages not handed to the broker", left)
         return left
 
-    def on_publish(self, mid: int) -> None:
-        """paho's on_publish (network thread, with paho's locks held): the broker has a
-        message. Only counts and wakes the forwarder; never calls paho."""
+    def on_publish(self, mid: int, channel: str = EVENTS) -> None:
+        """paho's on_publish of a channel's client (its network thread, with paho's locks
+        held): the broker has a message. Only counts and wakes the forwarder; never
+        calls paho."""
+        ch = self._control if channel == CONTROL else self._events
         with self._cond:
-            if mid in self._mids:
-                self._mids.discard(mid)
-                self._outstanding -= 1
-                self._wake()
-            elif len(self._early) < _EARLY_MAX:
-                self._early.add(mid)
+            if mid in ch.mids:
+                ch.mids.discard(mid)
+                ch.outstanding -= 1
+                self._wake(ch)
+            elif len(ch.early) < _EARLY_MAX:
+                ch.early.add(mid)
 
-    def _forward(self) -> None:
+    def _forward(self, ch: _Channel) -> None:
         while True:
             with self._cond:
                 msg = None
@@ -484,60 +534,62 @@ class Outbox:
                     draining = (
                         self._stopping
                         and time.monotonic() < self._draining_until
-                        and self._client is not None
-                        and self._client.is_connected()
+                        and ch.client is not None
+                        and ch.client.is_connected()
                     )
                     if self._stopping and not draining:
                         return
                     idle = False
-                    if (
-                        self._client is not None
-                        and self._outstanding < self._window
-                        and not self._handing
-                    ):
-                        msg = self._next()
+                    if ch.client is not None and ch.outstanding < ch.window and not ch.handing:
+                        msg = self._next(ch)
                         if msg is not None:
                             break
                         if self._stopping:
                             return  # drained
                         idle = True
-                    self._forwarder_idle = idle
+                    ch.idle = idle
                     try:
                         self._cond.wait(_IDLE_S if not self._stopping else _RETRY_S)
                     finally:
-                        self._forwarder_idle = False
-                self._outstanding += 1
-                self._handing = True
-                client = self._client
+                        ch.idle = False
+                ch.outstanding += 1
+                ch.handing = True
+                client = ch.client
             assert client is not None
-            if not self._publish(client, msg):
+            if not self._publish(ch, client, msg):
                 time.sleep(_RETRY_S)
 
-    def _direct(self) -> mqtt.Client | None:
-        """The client, when the caller may hand its message to paho itself: nothing
-        queued, nothing being handed over, room in the window (the lock is held). The
-        caller then holds the handing turn and must call _publish; else None."""
+    def _waiting(self, ch: _Channel) -> bool:
+        """Something of this channel waits in its lanes (the lock is held)."""
+        if ch.retry:
+            return True
+        if ch is self._control:
+            return bool(self._board or self._host_turn)
+        return bool(self._event_turn)
+
+    def _direct(self, ch: _Channel) -> mqtt.Client | None:
+        """The channel's client, when the caller may hand its message to paho itself:
+        nothing of the channel queued, nothing being handed over, room in its window
+        (the lock is held). The caller then holds the handing turn and must call
+        _publish; else None."""
         if (
-            self._handing
-            or self._client is None
+            ch.handing
+            or ch.client is None
             or self._stopping
-            or self._outstanding >= self._window
-            or self._retry
-            or self._board
-            or self._host_turn
-            or self._event_turn
+            or ch.outstanding >= ch.window
+            or self._waiting(ch)
         ):
             return None
-        self._outstanding += 1
-        self._handing = True
-        return self._client
+        ch.outstanding += 1
+        ch.handing = True
+        return ch.client
 
-    def _publish(self, client: mqtt.Client, msg: _Msg) -> bool:
+    def _publish(self, ch: _Channel, client: mqtt.Client, msg: _Msg) -> bool:
         """Hand one message to paho, then give the handing turn back (the lock not
         held); False when it failed and waits in the retry lane."""
         ok = True
         try:
-            self._send(client, msg)
+            self._send(ch, client, msg)
         except Exception:
             # Our bug, or paho's: logged and counted, and the message is not lost.
             log.exception("the bridge failed to publish to %s", msg.topic)
@@ -545,10 +597,10 @@ class Outbox:
             ok = False
         with self._cond:
             if not ok:
-                self._outstanding -= 1
-                self._retry.appendleft(msg)
-            self._handing = False
-            self._wake()
+                ch.outstanding -= 1
+                ch.retry.appendleft(msg)
+            ch.handing = False
+            self._wake(ch)
         if ok and isinstance(client, Client):
             # Written now by this thread, not when paho's network thread gets to it
             # (server_bridge/mqttclient.py): an RPC worker's chunk, the forwarder's next.
@@ -558,30 +610,27 @@ class Outbox:
             client.flush()
         return ok
 
-    def _queued(self) -> None:
-        """A message was queued: wake the forwarder if it waits for one (the lock is
-        held). Waiting for room instead, it is woken when room comes (_wake)."""
-        if self._forwarder_idle:
+    def _queued(self, ch: _Channel) -> None:
+        """A message was queued for a channel: wake its forwarder if it waits for one
+        (the lock is held). Waiting for room instead, it is woken when room comes."""
+        if ch.idle:
             self._cond.notify_all()
 
-    def _wake(self) -> None:
-        """Wake the forwarder (and the RPC workers waiting for the board lane) after the
-        window or the handing turn freed up, when someone can use it: a message is
-        queued, a worker waits, or the outbox is stopping. The lock is held."""
-        if (
-            self._retry
-            or self._board
-            or self._host_turn
-            or self._event_turn
-            or self._board_waiting
-            or self._stopping
-        ):
+    def _wake(self, ch: _Channel) -> None:
+        """Wake the forwarders (and the RPC workers waiting for the board lane) after a
+        channel's window or handing turn freed up, when someone can use it: a message of
+        the channel is queued, a worker waits, or the outbox is stopping. The lock is
+        held."""
+        if self._waiting(ch) or self._board_waiting or self._stopping:
             self._cond.notify_all()
 
-    def _next(self) -> _Msg | None:
-        """The next message by the lanes' order (module docstring); the lock is held."""
-        if self._retry:
-            return self._retry.popleft()
+    def _next(self, ch: _Channel) -> _Msg | None:
+        """The channel's next message by the lanes' order (module docstring); the lock
+        is held."""
+        if ch.retry:
+            return ch.retry.popleft()
+        if ch is self._events:
+            return self._next_event()
         if self._board:
             return self._board.popleft()
         if self._host_turn:
@@ -593,6 +642,10 @@ class Outbox:
             if ten.host:
                 self._host_turn[name] = ten  # to the back of the round
             return msg
+        return None
+
+    def _next_event(self) -> _Msg | None:
+        """The next event, round robin (module docstring); the lock is held."""
         if self._event_turn:
             name, ten = next(iter(self._event_turn.items()))
             device, lane = next(iter(ten.devices.items()))
@@ -611,31 +664,31 @@ class Outbox:
             return msg
         return None
 
-    def _send(self, client: mqtt.Client | None, msg: _Msg) -> None:
+    def _send(self, ch: _Channel, client: mqtt.Client | None, msg: _Msg) -> None:
         assert client is not None
         info = client.publish(msg.topic, msg.payload, qos=1, retain=msg.retain)
         rc = info.rc
         with self._cond:
             if rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 # Taken: NO_CONN means paho keeps it and sends it once connected again.
-                if info.mid in self._early:
-                    self._early.discard(info.mid)
-                    self._outstanding -= 1
+                if info.mid in ch.early:
+                    ch.early.discard(info.mid)
+                    ch.outstanding -= 1
                 else:
-                    self._mids.add(info.mid)
+                    ch.mids.add(info.mid)
                 if msg.cost:
                     self.budget.give(msg.cost)
-                if self._full_episode:
-                    self._full_episode = False
+                if ch.full_episode:
+                    ch.full_episode = False
                     log.info("paho takes messages again")
             elif rc == mqtt.MQTT_ERR_QUEUE_SIZE:
                 # paho's own bound (max_queued_messages) is above the window, so only a
                 # publish made outside the outbox gets here: wait, then the same message.
-                self._outstanding -= 1
-                self._retry.appendleft(msg)
-                first, self._full_episode = not self._full_episode, True
+                ch.outstanding -= 1
+                ch.retry.appendleft(msg)
+                first, ch.full_episode = not ch.full_episode, True
             else:
-                self._outstanding -= 1
+                ch.outstanding -= 1
                 if msg.cost:
                     self.budget.give(msg.cost)
         if rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):

@@ -10,7 +10,9 @@ the password, never the password), so that Mosquitto's password file and ACL fol
 from the registry (`wren broker-files`): a device's user is its device id, a tenant's
 host users are `host-<tenant>` and others, and the bridge has users of its own. User
 names and device ids share one name space, since the ACL's device rules apply to any
-user whose name is a device id.
+user whose name is a device id. Each bridge user's control user (`<user>.ctl`,
+brokerconf.control_user: the login of its second connection, with its password) is not
+stored but is in that name space too: no one else may be given its name.
 
 Grants (`grants`: tenant, agent, field, access) say which agents of a tenant may use
 which of its `tenant` memory fields: `field` is a field name or `*` (every tenant
@@ -48,7 +50,7 @@ from typing import Any
 from tinydb import Query, TinyDB
 
 from edge_runtime.events import MAX_ID
-from server_bridge.brokerconf import check_entry, check_user
+from server_bridge.brokerconf import CONTROL_SUFFIX, check_entry, check_user, control_user
 from server_bridge.memory.grants import (
     ALL_FIELDS,
     NO_GRANTS,
@@ -360,6 +362,13 @@ class Registry:
             raise RegistryError(f"{name!r} is a device")
         if self._users.get(q.user == name) is not None:
             raise RegistryError(f"broker user {name!r} already exists")
+        # A bridge user's control user is not stored: it is made from the name wherever
+        # the broker's files are written (brokerconf.control_user). Anyone else taking
+        # that name would log in with the bridge's rights under the ACL written for it.
+        if name.endswith(CONTROL_SUFFIX):
+            owner = self._users.get(q.user == name[: -len(CONTROL_SUFFIX)])
+            if isinstance(owner, dict) and owner.get("role") == BRIDGE:
+                raise RegistryError(f"{name!r} is bridge user {owner['user']!r}'s control user")
 
     # ------------------------------------------------------------------ tenants
 
@@ -511,6 +520,9 @@ class Registry:
         else:
             raise RegistryError(f"role must be {BRIDGE!r} or {HOST!r}, not {role!r}")
         self._check_name_free(user)
+        if role == BRIDGE:
+            # Its control user comes with it, so that name must be free and fit too.
+            self._check_name_free(control_user(user))
         self._users.insert({"user": user, "role": role, "tenant": tenant, "hash": password_hash})
         return BrokerUser(user, role, tenant, password_hash)
 

@@ -243,14 +243,16 @@ class Stack:
         for user, part in self.extra_users.items():
             if part not in ("bridge", "device"):
                 tenants.setdefault(part, []).append(user)
+        # The bridge's control connection logs in as its control user, same password.
+        logins = brokerconf.with_control_users(self.users, bridges)
         if self.access == "dynsec":
-            entries = {user: brokerconf.hash_password(pw) for user, pw in self.users.items()}
+            entries = {user: brokerconf.hash_password(pw) for user, pw in logins.items()}
             conf = brokerconf.write_dynsec_files(
                 broker_dir, brokerconf.dynsec_config(PREFIX, bridges, tenants, entries)
             )
         else:
             conf = brokerconf.secure_mosquitto_conf(
-                broker_dir, self.users, brokerconf.acl_text(PREFIX, bridges, tenants)
+                broker_dir, logins, brokerconf.acl_text(PREFIX, bridges, tenants)
             )
         conf += "log_type subscribe\n"
         if self.persistence:

@@ -355,7 +355,8 @@ def test_the_forwarder_is_woken_only_when_it_has_something_to_do() -> None:
     outbox = Outbox(lambda name, n: None, Budget(1 << 20), window=2)
     cond = outbox._cond = _CountingCondition(threading.Lock())
     paho = _Paho()
-    outbox._client = paho  # type: ignore[assignment]  # no forwarder thread: direct only
+    # No forwarder thread: direct only, on the events channel.
+    outbox._events.client = paho  # type: ignore[assignment]
     assert outbox.offer_event("demo", "dev1", "t/1", b"x") is None
     outbox.on_publish(1)
     assert paho.sent == ["t/1"] and cond.notified == 0  # nothing queued: nobody woken

@@ -162,6 +162,11 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         "user bridge\n"
         "topic readwrite wren/v1/#\n"
         "\n"
+        # Its control user (the login of its second connection): the same rights.
+        "# The bridge.\n"
+        "user bridge.ctl\n"
+        "topic readwrite wren/v1/#\n"
+        "\n"
         "# Hosts of tenant acme.\n"
         "user host-acme\n"
         "topic read wren/v1/h/acme/+/evt\n"
@@ -174,6 +179,8 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         (P, "bridge", {"Acme": "h"}),
         (P, "bridge", {"acme": "bridge"}),
         (P, ["bridge", "b2"], {"acme": ["h1", "b2"]}),
+        (P, "bridge", {"acme": "bridge.ctl"}),  # the bridge's control user
+        (P, "b" * 125, {}),  # no room for its control user's name
         (P, [], {}),
         (P, "bridge", {"acme": []}),
     ):
@@ -189,6 +196,8 @@ def test_acl_text_takes_a_user_per_connection() -> None:
     assert blocks == [
         "# The bridge.\nuser bridge\ntopic readwrite wren/v1/#",
         "# The bridge.\nuser bridge-b\ntopic readwrite wren/v1/#",
+        "# The bridge.\nuser bridge-b.ctl\ntopic readwrite wren/v1/#",
+        "# The bridge.\nuser bridge.ctl\ntopic readwrite wren/v1/#",
         *(
             f"# Hosts of tenant acme.\nuser {user}\n"
             "topic read wren/v1/h/acme/+/evt\n"
@@ -223,7 +232,9 @@ def _reads(topic: str, kind: str = "Literal") -> list[tuple[str, str]]:
 
 def test_dynsec_config_is_exactly_the_wren_rules() -> None:
     users = ("bridge", "bridge-b", "dev1", "host-acme", "host-acme-2", "host-other")
-    entries = {user: brokerconf.hash_password(user) for user in users}
+    entries = brokerconf.with_control_users(
+        {user: brokerconf.hash_password(user) for user in users}, ["bridge", "bridge-b"]
+    )
     doc = brokerconf.dynsec_config(
         P, ["bridge", "bridge-b"], {"acme": ["host-acme", "host-acme-2"], "other": "host-other"},
         entries,
@@ -238,6 +249,9 @@ def test_dynsec_config_is_exactly_the_wren_rules() -> None:
     assert {c["username"]: [r["rolename"] for r in c["roles"]] for c in doc["clients"]} == {
         "bridge": ["bridge"],
         "bridge-b": ["bridge"],
+        # Each bridge user's control user: the bridge's role, its password.
+        "bridge.ctl": ["bridge"],
+        "bridge-b.ctl": ["bridge"],
         "dev1": ["device-dev1", "presence"],
         "host-acme": ["tenant-acme", "presence"],
         "host-acme-2": ["tenant-acme", "presence"],
@@ -441,7 +455,9 @@ class Secured:
 
 
 def access_conf(access: str, directory: Path, users: dict[str, str]) -> str:
-    """The configuration lines of USERS' rights (and the observer's) under `access`."""
+    """The configuration lines of USERS' rights (and the observer's) under `access`; the
+    bridge's control user logs in with the bridge's password."""
+    users = brokerconf.with_control_users(users, ["bridge"])
     if access == "acl_file":
         acl = brokerconf.acl_text(P, "bridge", TENANTS) + OBSERVER_ACL
         return brokerconf.secure_mosquitto_conf(directory, users, acl)
@@ -472,6 +488,54 @@ def test_wrong_password_and_strangers_are_refused(secured: Secured) -> None:
     assert secured.connect("nobody", "dev1-pw").rc.is_failure
     assert secured.connect(None).rc.is_failure
     assert not secured.connect("dev1").rc.is_failure
+
+
+def test_the_bridges_control_user_has_the_bridges_rights_and_no_others(
+    secured: Secured,
+) -> None:
+    ctl = brokerconf.control_user("bridge")
+    # No one else's password opens it.
+    for password in ("dev1-pw", "acme-pw", "not-the-password"):
+        assert secured.connect(ctl, password).rc.is_failure
+    bridge = secured.login(ctl, password=USERS["bridge"])
+    # What the control connection reads: boards' calls, hosts' requests and control.
+    for topic in (f"{P}/d/+/rpc", f"{P}/h/+/+/req", f"{P}/h/+/+/ctl", f"{P}/b/status"):
+        assert bridge.suback(topic) == [GRANTED_1]
+    if secured.access == "dynsec":
+        assert bridge.suback("elsewhere/#") == [REFUSED_311]  # nothing outside the prefix
+    dev1 = secured.login("dev1")
+    dev1.subscribe(f"{P}/d/dev1/rpc/res")
+    dev1.subscribe(f"{P}/d/dev1/req")
+    host = secured.login("host-acme")
+    host.subscribe(f"{P}/h/acme/+/evt")
+    host.subscribe(f"{P}/b/status")
+    observer = secured.login("observer")
+    observer.subscribe("#")
+    dev1.publish(f"{P}/d/dev1/rpc", b"a call")
+    host.publish(f"{P}/h/acme/dev1/req", b"a request")
+    assert bridge.until(b"a request") == [
+        (f"{P}/d/dev1/rpc", b"a call"),
+        (f"{P}/h/acme/dev1/req", b"a request"),
+    ]
+    # What it writes: answers and requests to boards, `_b` to hosts, the presence.
+    bridge.publish(f"{P}/d/dev1/rpc/res", b"an answer")
+    bridge.publish(f"{P}/d/dev1/req", b"the request")
+    assert dev1.until(b"the request") == [
+        (f"{P}/d/dev1/rpc/res", b"an answer"),
+        (f"{P}/d/dev1/req", b"the request"),
+    ]
+    bridge.publish(f"{P}/h/acme/dev1/evt", b"a notice")
+    bridge.c.publish(f"{P}/b/status", b"online", 1, retain=True).wait_for_publish(TIMEOUT_S)
+    assert host.until(b"online") == [
+        (f"{P}/h/acme/dev1/evt", b"a notice"),
+        (f"{P}/b/status", b"online"),
+    ]
+    # Nothing outside the prefix: the observer sees the marker after it and not it.
+    bridge.publish("elsewhere/x", b"outside")
+    bridge.publish(f"{P}/d/dev1/ctl", b"marker")
+    assert [m for m in observer.until(b"marker") if m[1] in (b"outside", b"marker")] == [
+        (f"{P}/d/dev1/ctl", b"marker")
+    ]
 
 
 def test_device_writes_only_its_own_outgoing_topics(secured: Secured) -> None:

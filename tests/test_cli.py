@@ -504,6 +504,10 @@ def test_a_device_added_by_the_cli_logs_in_with_its_printed_password_and_only_as
     try:
         bridge = connect("bridge", bridge_pw)
         assert not bridge.rc.is_failure
+        # The bridge's control connection logs in as its control user, with its password,
+        # and no other.
+        assert not connect("bridge.ctl", bridge_pw).rc.is_failure
+        assert connect("bridge.ctl", dev1["password"]).rc.is_failure
         bridge.subscribe(f"{P}/#")
         device = connect("dev1", dev1["password"])
         assert not device.rc.is_failure

@@ -183,7 +183,9 @@ class World:
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[World]:
     acl = brokerconf.acl_text(P, "bridge", HOSTS) + OBSERVER_ACL
-    extra = brokerconf.secure_mosquitto_conf(tmp_path / "conf", USERS, acl)
+    # The bridge's control connection logs in as its control user, same password.
+    logins = brokerconf.with_control_users(USERS, ["bridge"])
+    extra = brokerconf.secure_mosquitto_conf(tmp_path / "conf", logins, acl)
     broker = start_mosquitto(tmp_path / "mosquitto", extra_conf=extra, allow_anonymous=False)
     registry = Registry(tmp_path / "registry.json")
     registry.add_tenant("acme", SECRET)

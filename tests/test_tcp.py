@@ -41,8 +41,10 @@ def test_the_bridge_and_a_host_connect_with_nagle_off(
     host = HostClient(broker.host, broker.port, "acme", prefix=cfg.prefix)
     try:
         host.connect(timeout=10)
-        assert bridge._client is not None
+        # Both of the bridge's connections: the control one and the event one.
+        assert bridge._client is not None and bridge._events is not None
         assert _nodelay(bridge._client.socket()) != 0
+        assert _nodelay(bridge._events.socket()) != 0
         assert _nodelay(host._client.socket()) != 0
     finally:
         host.close()

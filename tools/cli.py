@@ -7,7 +7,7 @@ wren ask "question"                send one request as a host and watch the run
 wren tenant add T                  a tenant and its host user (password printed once)
 wren device add D --tenant T       a device and its broker user (password printed once)
 wren device list | remove D        the registry's devices
-wren bridge-user add NAME          a bridge's broker user (password printed once)
+wren bridge-user add NAME          a bridge's broker user, and NAME.ctl (password printed once)
 wren host-user add NAME --tenant T another host user of a tenant (password printed once)
 wren grant add --tenant T --agent A [--field F] [--read-only]
                                    let an agent use the tenant's tenant-scoped memory
@@ -382,6 +382,10 @@ def _user_add(args: argparse.Namespace, role: str, out: TextIO) -> None:
             print(f"{role} user {args.user}{whose}: added", file=out)
     env = "WREN_BRIDGE" if role == BRIDGE else "WREN_HOST"
     _print_password(out, args.user, password, f"{env}_USER={args.user} {env}_PASSWORD=...")
+    if role == BRIDGE:
+        # brokerconf.py: the second connection's login, written by `wren broker-files`.
+        ctl = brokerconf.control_user(args.user)
+        print(f"its control connection logs in as {ctl}, with the same password", file=out)
 
 
 def _device_add(args: argparse.Namespace, out: TextIO) -> None:
@@ -526,15 +530,17 @@ def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
     for u in users:
         if u.role == HOST and u.tenant is not None:
             hosts.setdefault(u.tenant, []).append(u.user)
-    entries = {u.user: u.password_hash for u in users}
+    # Each bridge user logs in twice (its control connection as `<user>.ctl`), with one
+    # password: its stored entry serves both.
+    entries = brokerconf.with_control_users({u.user: u.password_hash for u in users}, bridges)
     if args.access == "dynsec":
         document = brokerconf.dynsec_config(args.prefix, bridges, hosts, entries)
         conf = brokerconf.dynsec_mosquitto_conf(args.out, document, args.port, args.bind)
-        wrote = f"{args.out / 'dynsec.json'} ({len(users)} users)"
+        wrote = f"{args.out / 'dynsec.json'} ({len(entries)} users)"
     else:
         acl = brokerconf.acl_text(args.prefix, bridges, hosts)
         conf = brokerconf.mosquitto_conf(args.out, entries, acl, args.port, args.bind)
-        wrote = f"{args.out / 'passwords'} ({len(users)} users), {args.out / 'acl'}"
+        wrote = f"{args.out / 'passwords'} ({len(entries)} users), {args.out / 'acl'}"
     logins = {u.user for u in users if u.role == DEVICE}
     _warn_without_login([d for d in devices if d.device not in logins])
     listener = f"{args.bind or '*'}:{args.port}"

@@ -102,8 +102,11 @@ def start_demo_broker(
     users: the broker binds client ids to users, so each connection that must stay up
     alongside another has a user of its own (see server_bridge/brokerconf.py).
     """
+    # Each bridge user also logs in as its control user, with the same password.
     extra = brokerconf.secure_mosquitto_conf(
-        workdir, users, brokerconf.acl_text(PREFIX, bridges, {TENANT: hosts})
+        workdir,
+        brokerconf.with_control_users(users, bridges),
+        brokerconf.acl_text(PREFIX, bridges, {TENANT: hosts}),
     )
     try:
         m = start_mosquitto(workdir / "mosquitto", extra_conf=extra, allow_anonymous=False)
