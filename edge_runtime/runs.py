@@ -566,7 +566,15 @@ async def _state(run, commit):
     # state.commit after it, so it is imported for each and let go again
     # (platform.unload): its 4.6 KiB (64-bit .mpy) are not on the heap while the model
     # loop runs (the demo's third request at 128 KiB ran out by less than that).
-    from edge_runtime import state
+    try:
+        from edge_runtime import state
+    except MemoryError:
+        # No block for a piece of its code, the heap fragmented (at a run's end, its
+        # last events in flight beside it: the memory thermostat at 128K on a loaded
+        # machine, 1 demo in 36). Tried again once what the link holds is acknowledged.
+        platform.unload("state")
+        await run.runtime._call_room(True)
+        from edge_runtime import state
     try:
         if commit:
             await state.commit(run)

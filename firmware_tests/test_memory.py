@@ -80,6 +80,42 @@ def test_durable_fields_are_seeded_and_what_changed_is_committed_once():
     run(with_board("tm-commit", body, agent=_state_agent(_bump)))
 
 
+def test_state_code_with_no_room_to_load_is_loaded_again_once_the_link_lets_go():
+    # The allocator failing while the state module loads (a fragmented heap, a run's end
+    # with its last events in flight) is stood in for at the import: the first import
+    # at each of the run's two edges finds no block. Each is tried again once the link
+    # holds nothing unacknowledged, and the run loads and commits as it would have.
+    import builtins
+    real = builtins.__import__
+    failed = []
+
+    def short_of_memory(name, *args):
+        fromlist = args[2] if len(args) > 2 else ()
+        if name == "edge_runtime" and fromlist and "state" in fromlist and len(failed) % 2 == 0:
+            failed.append(name)
+            raise MemoryError("no block for the module's code")
+        if name == "edge_runtime" and fromlist and "state" in fromlist:
+            failed.append(None)
+        return real(name, *args)
+
+    async def body(bridge, runtime):
+        _seed(bridge)
+        builtins.__import__ = short_of_memory
+        try:
+            bridge.send("req", {"req": "s9", "usr": "u1", "input": "x", "sc": "ticket-u1"})
+            await bridge.wait_for(lambda: _ended(bridge))
+        finally:
+            builtins.__import__ = real
+        assert _ended(bridge)[0]["t"] == "run.done"
+        # Refused once and then imported, at the load and at the commit.
+        assert failed == ["edge_runtime", None, "edge_runtime", None]
+        assert len(bridge.mem_calls("state.load")) == 1
+        assert len(bridge.mem_calls("state.commit")) == 1
+        assert bridge.memory.values == {"visits": 5, "tags": ["a", "b"], "log": "one two"}
+
+    run(with_board("tm-noroom", body, agent=_state_agent(_bump)))
+
+
 def test_a_run_that_changes_nothing_commits_nothing_and_a_failed_run_commits_nothing():
     async def fails(run_):
         run_.state["visits"] = 100
