@@ -20,7 +20,7 @@ import pytest
 from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
-from server_bridge.lanes import NOTICES_PER_TENANT, OVERHEAD, Budget, Outbox
+from server_bridge.lanes import CONTROL, NOTICES_PER_TENANT, OVERHEAD, Budget, Outbox
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from tests.fakeboard import FakeBoard, HostTally
@@ -328,9 +328,10 @@ def test_a_loss_notice_is_queued_past_the_refusal_notices_cap() -> None:
 class _CountingCondition(threading.Condition):
     notified = 0
 
-    def notify_all(self) -> None:
+    def notify(self, n: int = 1) -> None:
+        # notify_all() comes here too: one count either way.
         self.notified += 1
-        super().notify_all()
+        super().notify(n)
 
 
 class _Info:
@@ -351,22 +352,35 @@ class _Paho:
 
 def test_the_forwarder_is_woken_only_when_it_has_something_to_do() -> None:
     # Every hand-over and every acknowledgement used to wake it: twice an event, each
-    # taking the interpreter's lock from the thread relaying the next one.
+    # taking the interpreter's lock from the thread relaying the next one. And each
+    # channel's forwarder is woken by its own channel only: an ack of the flood's events
+    # woke the idle control forwarder too.
     outbox = Outbox(lambda name, n: None, Budget(1 << 20), window=2)
-    cond = outbox._cond = _CountingCondition(threading.Lock())
-    paho = _Paho()
-    # No forwarder thread: direct only, on the events channel.
+    lock = threading.Lock()
+    workers = outbox._cond = _CountingCondition(lock)
+    events = outbox._events.cond = _CountingCondition(lock)
+    control = outbox._control.cond = _CountingCondition(lock)
+    paho, paho_ctl = _Paho(), _Paho()
+    # No forwarder threads: direct only.
     outbox._events.client = paho  # type: ignore[assignment]
+    outbox._control.client = paho_ctl  # type: ignore[assignment]
     assert outbox.offer_event("demo", "dev1", "t/1", b"x") is None
     outbox.on_publish(1)
-    assert paho.sent == ["t/1"] and cond.notified == 0  # nothing queued: nobody woken
+    assert paho.sent == ["t/1"] and events.notified == 0  # nothing queued: nobody woken
     for k in (2, 3, 4):  # the window is 2: the third waits in its lane
         outbox.offer_event("demo", "dev1", f"t/{k}", b"x")
     assert paho.sent == ["t/1", "t/2", "t/3"] and outbox.depth()["events"] == 1
-    woken = cond.notified
+    woken = events.notified
     outbox.on_publish(2)  # room again, and a message waits: the forwarder must hear it
-    assert cond.notified == woken + 1
-    outbox._board_waiting = 1  # an RPC worker waits for the board lane
+    assert events.notified == woken + 1
+    assert control.notified == 0 and workers.notified == 0
+    # An RPC worker waits for the board lane: the control channel's acks wake it, the
+    # events channel's do not (they free no room there).
+    outbox._board_waiting = 1
     outbox._event_turn.clear()
     outbox.on_publish(3)
-    assert cond.notified == woken + 2
+    assert workers.notified == 0 and control.notified == 0
+    outbox.board("d/dev1/rpc/res", b"y")
+    assert paho_ctl.sent == ["d/dev1/rpc/res"] and workers.notified == 1
+    outbox.on_publish(1, CONTROL)
+    assert workers.notified == 2 and events.notified == woken + 1
