@@ -32,6 +32,7 @@ from server_bridge.models.base import Chunk, Final, ModelError
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.wire import BOARD_DEFAULTS, MAX_ID, MAX_REASON
+from tests.waiting import wait_for
 from tools.broker import MosquittoProcess, free_port, start_mosquitto
 
 SECRET = bytes(range(32))
@@ -39,16 +40,6 @@ OTHER_SECRET = bytes(range(1, 33))
 WAIT = 5.0
 
 # ---------------------------------------------------------------- helpers
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Peer:

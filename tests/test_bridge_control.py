@@ -30,6 +30,7 @@ from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import DeviceRecord, Registry
+from tests.waiting import wait_for
 from tools.broker import MosquittoProcess, start_mosquitto
 
 P = "wren/v1"
@@ -43,16 +44,6 @@ USERS = {
 }
 CTL = brokerconf.control_user("bridge")
 USER_TEXT = {"role": "user", "content": "What is the temperature?"}
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Peer:

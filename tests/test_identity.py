@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.wire import decode
 from tests.stack import DEVICE, Stack
+from tests.waiting import wait_for
 from tools.broker import MosquittoProcess, start_mosquitto
 from tools.demo import PREFIX, TENANT
 
@@ -53,17 +53,6 @@ HOSTS = {"acme": ["host-acme", "host-acme-2"], "rival": ["host-rival"]}
 OBSERVER_ACL = "\n# Tests only: reads everything.\nuser observer\ntopic read #\n"
 # Mosquitto's log line when a connection takes over a client id in use.
 TAKEOVER = "already connected, closing old connection"
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class Peer:

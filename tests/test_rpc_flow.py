@@ -33,22 +33,13 @@ from server_bridge.models.base import Chunk, Final, ModelError
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
 from server_bridge.wire import Limits, encode
+from tests.waiting import wait_for
 from tools.broker import MosquittoProcess
 
 WAIT = 5.0
 FINAL: Final = {"usage": {"in": 0, "out": 0, "reason": 0}, "finish": "stop"}
 USER = {"role": "user", "content": "Tell me everything."}
 Play = Callable[[Callable[[Chunk], None]], None]
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class PlayProvider:
