@@ -155,7 +155,9 @@ class Link:
         self._conn = None  # (reader, writer, write lock) of the current connection
         self._tasks = []
         self._stopping = False
-        self._wake = asyncio.Event()  # the sender has work
+        # The sender has work. A Bell: its bounded wait allocates nothing, where an Event
+        # under wait_for made two tasks each time the sender woke.
+        self._wake = platform.Bell()
         self._up = asyncio.Event()  # connected and subscribed
         self._down = asyncio.Event()  # this connection is over, or stop()
         self._room = asyncio.Event()  # the sender took something out of the outbox
@@ -511,10 +513,9 @@ class Link:
                     await self._publish(conn, e, qos, False)
                 if _unsent(conn[1]) and conn is self._conn:
                     await self._write(conn)  # what a direct write left: drain it
-                try:
-                    await platform.wait_for_ms(self._wake.wait(), 4 * _TICK_MS)
-                except asyncio.TimeoutError:
-                    pass  # look again anyway: a missed wake-up costs at most this long
+                # Look again anyway once the wait runs out: a missed wake-up costs at
+                # most this long.
+                await self._wake.wait(4 * _TICK_MS)
         except Exception as e:
             why = e
         finally:
@@ -617,7 +618,10 @@ class Link:
                     for i in range(len(self._inflight)):
                         if self._inflight[i][_PID] == pid:
                             self._inflight.pop(i)
-                            self._wake.set()  # room for the next QoS 1 message
+                            if len(self._outbox):
+                                # Room in flight for what waits. With nothing waiting
+                                # the sender is not woken for each ack of a run's events.
+                                self._wake.set()
                             break
                     # else: the ack of a message acked already (we resent it); ignored.
                 elif t == mqtt.SUBACK:
