@@ -337,3 +337,33 @@ def test_a_model_call_short_of_memory_waits_for_the_link_to_let_go_and_goes():
         assert len(bridge.calls) == 2 and len(seen) == 3 and seen[2] == 0
 
     run(with_board("tb-short", body))
+
+
+def test_a_board_done_with_its_runs_collects_once_its_last_events_are_acknowledged():
+    # MicroPython collects after every threshold's worth of allocation: garbage left
+    # from reading a finished run's acks counted towards the next request, and that
+    # collection fell on its way to the model call. So once the last run's events are
+    # acknowledged and no run is active, the board collects. (platform.collect is the
+    # real one, called through; only its calls are noted.)
+    async def body(bridge, runtime):
+        collect = platform.collect
+        seen = []
+
+        def noting():
+            seen.append((len(runtime.active), runtime.link.pending))
+            collect()
+
+        platform.collect = noting
+        try:
+            bridge.send("req", {"req": "q-idle", "input": "How warm is it?"})
+            await bridge.wait_for(lambda: any(e["t"] == "run.done" for e in bridge.events))
+            await bridge.wait_for(lambda: seen and seen[-1] == (0, 0))
+        finally:
+            platform.collect = collect
+        # The run's end collected while its last events were still in flight; the
+        # collection after them, with nothing active and nothing unacknowledged, came
+        # once, last.
+        assert seen.count((0, 0)) == 1 and seen[-1] == (0, 0), seen
+        assert any(active == 0 and pending > 0 for active, pending in seen), seen
+
+    run(with_board("tb-idle", body))
