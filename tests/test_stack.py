@@ -202,9 +202,12 @@ def test_a_bridges_replay_of_a_finished_run_leaves_the_board_its_heap(tmp_path: 
         for _ in range(3):
             assert s.ask(QUESTION).status == "done", s.describe()
         # The runs after the replay end with the heap the runs before it ended with
-        # (within 2 KiB: a collection's exact yield varies), not 7 KiB less.
-        _, last = _run_end(s, ".5 ")
-        assert last > steady - 2048, s.describe()
+        # (within 2 KiB: a collection's exact yield varies), not 7 KiB less. The best of
+        # the three: one run's figure dips by what is still in flight as it is read (a
+        # run's last events), by up to 2.3 KiB on unchanged code; the doubling this
+        # guards against takes its 7 KiB from every run after it.
+        after = max(_run_end(s, f".{k} ")[1] for k in (3, 4, 5))
+        assert after > steady - 2048, s.describe()
 
 
 def test_hosts_are_told_when_a_device_goes_offline_and_when_it_is_back(tmp_path: Path) -> None:
