@@ -749,7 +749,14 @@ def test_the_bridge_rides_out_a_broker_restart(
         assert host.get(w.h("evt")) == ev(1, run="x")
 
         def while_down() -> None:
-            wait_for(lambda: not w.bridge.connected, "the bridge to notice", SLOW)
+            # Both connections: `connected` is false once either has noticed, and paho
+            # takes a publish as sent (not kept for the reconnect) while its socket is
+            # open still.
+            wait_for(
+                lambda: not (w.bridge.control_connected or w.bridge.events_connected),
+                "the bridge to notice",
+                SLOW,
+            )
             wait_for(lambda: not (board.connected or host.connected), "the peers to notice", SLOW)
             # Forwarding an event while the broker is away: paho keeps it (handed over
             # by the forwarder thread).
