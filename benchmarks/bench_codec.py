@@ -98,7 +98,7 @@ def run_board(n: int) -> tuple[list[str], list[tuple[str, float, float, int]]]:
         proc = subprocess.run(
             cmd,
             cwd=ROOT,
-            env=dict(os.environ, MICROPYPATH=str(ROOT)),
+            env=dict(os.environ, MICROPYPATH=f"{ROOT}:.frozen"),
             capture_output=True,
             text=True,
             timeout=600,
