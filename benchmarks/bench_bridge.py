@@ -9,7 +9,9 @@ same Mosquitto in the same run (loopback).
    raw paho chain over the same six broker legs (host -> "bridge" -> "board" -> "bridge"
    -> "board" -> "bridge" -> host, two relay clients that republish at once), through the
    same broker, one message after each request (so both see the same moment of a noisy
-   machine). The model server's own time (request read -> stream end), which no chain
+   machine); twice: with the relays in this process, and in two child processes of their
+   own, as Wren's bridge and board are (each leg then wakes another process, as Wren's
+   legs do). The model server's own time (request read -> stream end), which no chain
    has, is also shown apart.
 2. The highest lossless events/s from 1, 10 and 50 simulated boards (paho clients logged
    in as device users, status + hello, then runs of `run.started`, `msg.delta`s and
@@ -97,9 +99,10 @@ FLOOD_DEVICE = "flood1"
 HOST_USER = f"host-{TENANT}"
 # The broker binds client ids to users (use_username_as_clientid): a second connection
 # of one user takes over the first. So every connection that is up alongside another
-# has a user of its own, with the rights it needs: the raw chain's four clients (figure
-# 1) and the raw relay (figures 2, 3, 5) the bridge's, next to the bridge's own user.
+# has a user of its own, with the rights it needs: the four clients of each raw chain
+# (figure 1) and the raw relay (figures 2, 3, 5) the bridge's, next to the bridge's own.
 CHAIN_USERS = ("chain-source", "chain-bridge", "chain-board", "chain-sink")
+PROCS_CHAIN_USERS = ("pchain-source", "pchain-bridge", "pchain-board", "pchain-sink")
 RELAY_USER = "bench-relay"
 # Mosquitto's notice when a connection takes over one of the same client id: counted in
 # each broker's log and reported, so a figure skewed by one user connected twice shows.
@@ -314,6 +317,21 @@ def _child_relay(conf: dict[str, Any]) -> Callable[[str], Any]:
     return command
 
 
+def _child_chain_relay(conf: dict[str, Any]) -> Callable[[str], Any]:
+    """One relay of figure 1's raw chain in a process of its own, as the bridge and the
+    board are: each message on one of its legs republished on the next leg at once."""
+    c = chain_relay(conf["user"], conf["password"], conf["legs"])
+    connect(c, conf["host"], conf["port"], conf["subs"])
+
+    def command(cmd: str) -> Any:
+        if cmd == "stop":
+            disconnect(c)
+            return "stopped"
+        return "ok"
+
+    return command
+
+
 def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
     """The host subscriber: keeps what arrives, counts holes per run when asked."""
     got: list[bytes] = []
@@ -487,6 +505,7 @@ CHILDREN = {
     "model": _child_model,
     "bridge": _child_bridge,
     "relay": _child_relay,
+    "chain_relay": _child_chain_relay,
     "host": _child_host,
     "flood": _child_flood,
 }
@@ -629,19 +648,28 @@ class FirstDelta:
         return self.total_ms - self.model_ms
 
 
-def measure_first_delta(
-    s: Stack, server: ModelProcess, runs: int
-) -> tuple[list[FirstDelta], list[float]]:
-    """Figure 1 on one stack: each request through Wren, then one message through the raw
-    chain on the same broker, in turn, so both see the same moment of a noisy machine."""
+@dataclass
+class Figure1:
+    """Figure 1 on one stack: Wren's requests, and after each one message through each
+    raw chain (relays in this process; relays in processes of their own)."""
+
+    deltas: list[FirstDelta] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+    raw_procs: list[float] = field(default_factory=list)
+
+
+def measure_first_delta(s: Stack, server: ModelProcess, runs: int, workdir: Path) -> Figure1:
+    """Figure 1 on one stack: each request through Wren, then one message through each raw
+    chain on the same broker, in turn, so all see the same moment of a noisy machine."""
     with RawChain(s.host, s.port, s.users) as chain:
-        return _first_deltas(s, server, runs, chain)
+        with RawChain(s.host, s.port, s.users, workdir, "procs", PROCS_CHAIN_USERS) as chain_procs:
+            return _first_deltas(s, server, runs, chain, chain_procs)
 
 
 def _first_deltas(
-    s: Stack, server: ModelProcess, runs: int, chain: RawChain
-) -> tuple[list[FirstDelta], list[float]]:
-    raw: list[float] = []
+    s: Stack, server: ModelProcess, runs: int, chain: RawChain, chain_procs: RawChain
+) -> Figure1:
+    out = Figure1()
     first: dict[str, float] = {}
 
     def on_event(event: dict[str, Any], snap: RunSnapshot) -> None:
@@ -650,7 +678,6 @@ def _first_deltas(
 
     assert s.client is not None
     s.client.on_event = on_event
-    out = []
     try:
         for k in range(runs + 1):  # the first is a warm-up
             number = server.stamps()[0] + 1
@@ -665,7 +692,7 @@ def _first_deltas(
             if req not in first or end is None or begin is None:
                 raise BenchError(f"run {snap.run}: no msg.delta or model stream stamps")
             if k:
-                out.append(
+                out.deltas.append(
                     FirstDelta(
                         (first[req] - t0) * 1000,
                         (begin - t0) * 1000,
@@ -674,43 +701,76 @@ def _first_deltas(
                     )
                 )
                 time.sleep(0.02)
-                raw.append(chain.once())
+                out.raw.append(chain.once())
+                time.sleep(0.02)
+                out.raw_procs.append(chain_procs.once())
             time.sleep(0.02)
     finally:
         s.client.on_event = None
-    return out, raw
+    return out
+
+
+def chain_relay(user: str, password: str, legs: list[str]) -> paho.Client:
+    """A paho client that republishes each leg's message on the next leg at once, from
+    its callback (not yet connected)."""
+    c = paho_client(user, password)
+
+    def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
+        k = legs.index(msg.topic)
+        if k + 1 < len(legs):
+            cl.publish(legs[k + 1], msg.payload, qos=1)
+
+    c.on_message = on_message
+    return c
 
 
 class RawChain:
     """A raw paho chain over CHAIN_LEGS broker legs, QoS 1, one message at a time: two
     relay clients (as the bridge and the board) republish each leg's message on the next
     leg at once. Each client logged in as its own user of CHAIN_USERS (bridge rights), on
-    topics nothing else reads. A context manager; once() is one message's milliseconds
-    from the source's publish to the sink's arrival."""
+    topics nothing else reads. With `workdir` the two relays run in child processes of
+    their own, as the bridge and the board do (so each leg wakes another process, as
+    Wren's do); without, they are clients in this process. A context manager; once() is
+    one message's milliseconds from the source's publish to the sink's arrival."""
 
-    def __init__(self, host: str, port: int, passwords: dict[str, str]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        passwords: dict[str, str],
+        workdir: Path | None = None,
+        name: str = "leg",
+        users: tuple[str, str, str, str] = CHAIN_USERS,
+    ) -> None:
         self.host, self.port, self.passwords = host, port, passwords
-        self.legs = [f"{PREFIX}/bench/leg/{k}" for k in range(1, CHAIN_LEGS + 1)]
+        self.workdir = workdir
+        self.users = users
+        # Topics of their own, so two chains on one broker never cross.
+        self.legs = [f"{PREFIX}/bench/{name}/{k}" for k in range(1, CHAIN_LEGS + 1)]
         self.arrivals: queue.Queue[float] = queue.Queue()
         self.clients: list[paho.Client] = []
+        self.children: list[Child] = []
         self.payload = bytes(range(100))  # about a msg.delta envelope
         self.source: paho.Client | None = None
 
     def _relay(self, user: str, subs: list[str]) -> None:
-        c = paho_client(user, self.passwords[user])
-        legs = self.legs
-
-        def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
-            k = legs.index(msg.topic)
-            if k + 1 < len(legs):
-                cl.publish(legs[k + 1], msg.payload, qos=1)
-
-        c.on_message = on_message
-        connect(c, self.host, self.port, subs)
-        self.clients.append(c)
+        if self.workdir is None:
+            c = chain_relay(user, self.passwords[user], self.legs)
+            connect(c, self.host, self.port, subs)
+            self.clients.append(c)
+            return
+        conf = {
+            "host": self.host,
+            "port": self.port,
+            "user": user,
+            "password": self.passwords[user],
+            "legs": self.legs,
+            "subs": subs,
+        }
+        self.children.append(Child("chain_relay", conf, self.workdir))
 
     def __enter__(self) -> RawChain:
-        source_user, bridge_user, board_user, sink_user = CHAIN_USERS
+        source_user, bridge_user, board_user, sink_user = self.users
         try:
             sink = paho_client(sink_user, self.passwords[sink_user])
             sink.on_message = lambda *a: self.arrivals.put(time.monotonic())
@@ -742,6 +802,9 @@ class RawChain:
         for c in self.clients:
             disconnect(c)
         self.clients = []
+        for child in self.children:
+            child.close()
+        self.children = []
 
 
 # --------------------------------------------------------------------------- figure 4
@@ -1343,7 +1406,7 @@ def ms_row(name: str, xs: Sequence[float]) -> str:
 
 
 def print_first_delta(
-    results: dict[str, tuple[list[FirstDelta], list[float]]],
+    results: dict[str, Figure1],
     runs: int,
     nagle: bool,
     model_wait_ms: float,
@@ -1356,7 +1419,8 @@ def print_first_delta(
         f"coalescing timer runs; Mosquitto {'with Nagle on' if nagle else 'as Wren configures it'})"
     )
     print(f"{'':60} {'min':>8} {'p50':>8} {'p99':>8} {'max':>8}")
-    for name, (fd, chain) in results.items():
+    for name, fig in results.items():
+        fd = fig.deltas
         print(name)
         rows = (
             ("  request -> first msg.delta", [x.total_ms for x in fd]),
@@ -1364,22 +1428,26 @@ def print_first_delta(
             ("    the model server's own time (read -> stream end)", [x.model_ms for x in fd]),
             ("    model stream end -> first msg.delta (3 legs)", [x.out_ms for x in fd]),
             ("  request -> first msg.delta, less the model's own time", [x.wren_ms for x in fd]),
-            (f"  raw paho chain, {CHAIN_LEGS} legs, same broker", chain),
+            (f"  raw paho chain, {CHAIN_LEGS} legs, relays in this process", fig.raw),
+            (f"  raw paho chain, {CHAIN_LEGS} legs, relays in processes", fig.raw_procs),
         )
         for label, xs in rows:
             print(ms_row(label, xs))
-        ratios = (("", [x.total_ms for x in fd]), (" less the model", [x.wren_ms for x in fd]))
-        for what, w in ratios:
-            print(
-                f"  ratio wren{what}/raw: p50 {pct(w, 0.5) / pct(chain, 0.5):.1f}x, "
-                f"p99 {pct(w, 0.99) / pct(chain, 0.99):.1f}x"
-            )
+        for chain, raw in (("raw", fig.raw), ("raw in processes", fig.raw_procs)):
+            for what, w in (
+                ("", [x.total_ms for x in fd]),
+                (" less the model", [x.wren_ms for x in fd]),
+            ):
+                print(
+                    f"  ratio wren{what}/{chain}: p50 {pct(w, 0.5) / pct(raw, 0.5):.1f}x, "
+                    f"p99 {pct(w, 0.99) / pct(raw, 0.99):.1f}x"
+                )
     print(
-        "(nearest-rank percentiles: with fewer than 100 samples p99 is the largest. The "
-        "chain's relays are two paho clients in\n this process; Wren's legs cross the bridge "
-        "and board processes, and the model call is an HTTP request on loopback to\n a "
-        "Python server in a process of its own, whose own time (parsing the request, "
-        "writing the stream) no chain has:\n shown apart)"
+        "(nearest-rank percentiles: with fewer than 100 samples p99 is the largest. One "
+        "chain's relays are two paho clients\n in this process, the other's two child "
+        "processes, as Wren's legs cross the bridge and board processes. The\n model call "
+        "is an HTTP request on loopback to a Python server in a process of its own, whose "
+        "own time (parsing\n the request, writing the stream) no chain has: shown apart)"
     )
 
 
@@ -1660,11 +1728,11 @@ def main() -> None:
     # is about latency, so that board gets 144K.
     heap = "128K" if args.plain else "144K"
     started = time.monotonic()
-    first: dict[str, tuple[list[FirstDelta], list[float]]] = {}
+    first: dict[str, Figure1] = {}
     quiet: tuple[QuietTenant, QuietTenant] | None = None
     takeovers: dict[str, int] = {}  # broker -> connections taken over (TAKEOVER)
     # Users with the bridge's rights for the raw chain of figure 1, next to the stack's bridge.
-    chain = dict.fromkeys(CHAIN_USERS, "bridge")
+    chain = dict.fromkeys(CHAIN_USERS + PROCS_CHAIN_USERS, "bridge")
     with workdir_for(args.workdir) as work:
         if not {"1", "4"} <= skip:
             # The model server in a process of its own, as a real one is: in this one
@@ -1685,9 +1753,9 @@ def main() -> None:
                 s.users[FLOOD_DEVICE] = secrets.token_urlsafe(12)
                 with s:
                     if "1" not in skip:
-                        fd, raw = measure_first_delta(s, server, args.latency_runs)
-                        progress(f"  wren p50 {pct([x.total_ms for x in fd], 0.5):.1f} ms")
-                        first["board .mpy, MicroPython unix port"] = (fd, raw)
+                        fig = measure_first_delta(s, server, args.latency_runs, work / "chain")
+                        progress(f"  wren p50 {pct([x.total_ms for x in fig.deltas], 0.5):.1f} ms")
+                        first["board .mpy, MicroPython unix port"] = fig
                     if "4" not in skip:
                         reg = provision(s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT)])
                         reg.close()
@@ -1704,7 +1772,7 @@ def main() -> None:
                     progress("figure 1: stack with the board on CPython ...")
                     with CPythonStack(work / "stack-cpython", mpy=False, **common) as s:
                         first["board .py, CPython"] = measure_first_delta(
-                            s, server, args.latency_runs
+                            s, server, args.latency_runs, work / "chain"
                         )
                     takeovers["stack CPython"] = s.broker_log().count(TAKEOVER)
             finally:
