@@ -609,12 +609,13 @@ class Outbox:
                 ch.retry.appendleft(msg)
             ch.handing = False
             self._wake(ch)
-        if ok and isinstance(client, Client):
+        if isinstance(client, Client):
             # Written now by this thread, not when paho's network thread gets to it
             # (server_bridge/mqttclient.py): an RPC worker's chunk, the forwarder's next.
             # After the handing turn is given back: paho has the message in its order
             # already, and a producer that found the turn taken would queue its own
-            # for the forwarder to wake up for.
+            # for the forwarder to wake up for. Also when the send failed: a message
+            # queued quietly before the failure is then the network thread's.
             client.flush()
         return ok
 
@@ -676,7 +677,11 @@ class Outbox:
 
     def _send(self, ch: _Channel, client: mqtt.Client | None, msg: _Msg) -> None:
         assert client is not None
-        info = client.publish(msg.topic, msg.payload, qos=1, retain=msg.retain)
+        if isinstance(client, Client):
+            # Written by this thread's flush (_publish): the network thread is not woken.
+            info = client.publish_quiet(msg.topic, msg.payload, qos=1, retain=msg.retain)
+        else:
+            info = client.publish(msg.topic, msg.payload, qos=1, retain=msg.retain)
         rc = info.rc
         with self._cond:
             if rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):

@@ -19,6 +19,13 @@ _FLUSH_WAIT_S it leaves its packet to the network thread, which paho's own wake-
 reaches, as before. A reconnect holds the lock too, so no packet of the old connection
 is written on the new one ahead of its CONNECT.
 
+A thread that publishes and then flushes needs no wake-up of the network thread either:
+`publish_quiet()` queues without one, and its `flush()` wakes the network thread only
+for what it leaves (all of it, when it could not take the lock; the rest of a packet
+the socket took part of). Woken for nothing, the network thread took the interpreter's
+lock from the writing thread just as it wrote: an RPC worker's chunk on its way to the
+board, a host's request on its way to the broker.
+
 What a flush does not do is handle a failure: a send that fails leaves its packet at
 the front of paho's queue, and the network thread, which paho woke for the packet
 anyway, meets the failure on its next read or write and reconnects as it always does.
@@ -82,6 +89,8 @@ class Client(mqtt.Client):
         self._flush_lock = threading.RLock()
         self._flush_net: int | None = None  # the network thread's ident, once it runs
         self._flush_on = True  # off from disconnect(): its DISCONNECT is paho's to write
+        # Per thread: `quiet` while publish_quiet() queues, `owed` until its flush().
+        self._local = threading.local()
 
     def loop_forever(self, *args: Any, **kwargs: Any) -> mqtt.MQTTErrorCode:
         # loop_start()'s thread runs this: remember which thread it is.
@@ -108,7 +117,10 @@ class Client(mqtt.Client):
     ) -> mqtt.MQTTErrorCode:
         # On the network thread of loop_start(), queued without the wake-up byte (module
         # docstring): the loop computes what to write after the read that queued this.
-        if self._thread is None or threading.get_ident() != self._flush_net:
+        # So is publish_quiet()'s packet, which its own thread writes.
+        if self._thread is None or (
+            threading.get_ident() != self._flush_net and not getattr(self._local, "quiet", False)
+        ):
             return super()._packet_queue(command, packet, mid, qos, info)
         queued: Any = {
             "command": command,
@@ -141,9 +153,39 @@ class Client(mqtt.Client):
         self._flush_on = False
         return super().disconnect(*args, **kwargs)
 
+    def publish_quiet(
+        self, topic: str, payload: bytes, qos: int = 0, retain: bool = False
+    ) -> mqtt.MQTTMessageInfo:
+        """publish(), without waking the network thread: for a thread that calls flush()
+        next, which writes the message itself and wakes the network thread only for what
+        it could not write (module docstring)."""
+        local = self._local
+        local.quiet = True
+        try:
+            return self.publish(topic, payload, qos=qos, retain=retain)
+        finally:
+            local.quiet = False
+            local.owed = True
+
     def flush(self) -> bool:
         """Write what paho has queued, from this thread; True when this call wrote (or
-        tried to), False when it left the writing to someone else."""
+        tried to), False when it left the writing to someone else. After publish_quiet()
+        on this thread, what is left queued (all of it, when this call could not write)
+        is the network thread's, woken for it."""
+        local = self._local
+        owed = getattr(local, "owed", False)
+        local.owed = False
+        wrote = self._flush()
+        if owed and (not wrote or self._out_packet) and threading.get_ident() != self._flush_net:
+            sockpair = self._sockpairW
+            if sockpair is not None:
+                try:
+                    sockpair.send(b"0")  # paho's own wake-up (its _packet_queue)
+                except BlockingIOError:
+                    pass  # a wake-up is pending already
+        return wrote
+
+    def _flush(self) -> bool:
         if not self._flush_on or threading.get_ident() == self._flush_net:
             return False
         if isinstance(self.socket(), ssl.SSLSocket):

@@ -289,3 +289,44 @@ def wait_until(pred: Any, timeout: float = WAIT) -> bool:
             return True
         time.sleep(0.01)
     return bool(pred())
+
+
+def test_a_quiet_publish_is_written_by_its_flush_and_wakes_no_one(
+    pair: tuple[Client, mqtt.Client, str],
+) -> None:
+    # publish_quiet() and flush() on one thread: the message reaches the subscriber
+    # without a wake-up byte for the network thread. When the flush cannot write (the
+    # lock held past its wait, as by a network thread stuck mid-write), the network
+    # thread is woken for the message and writes it.
+    sender, sub, topic = pair
+    inbox = _Inbox(2)
+    sub.on_message = inbox.on_message
+    wake = _CountingPair(sender._sockpairW)
+    sender._sockpairW = wake  # type: ignore[assignment]
+    first = sender.publish_quiet(topic, b"written by its flush", qos=1)
+    assert sender.flush()
+    first.wait_for_publish(WAIT)
+    assert first.is_published()
+    assert wake.sends == []
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold_the_lock() -> None:
+        with sender._flush_lock:
+            held.set()
+            release.wait(WAIT)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    try:
+        assert held.wait(WAIT)
+        second = sender.publish_quiet(topic, b"left to the network thread", qos=1)
+        assert not sender.flush()  # gave up waiting for the lock
+        assert wake.sends == [threading.get_ident()]
+    finally:
+        release.set()
+        holder.join(WAIT)
+    second.wait_for_publish(WAIT)
+    assert second.is_published()
+    assert inbox.done.wait(WAIT)
+    assert inbox.got == [b"written by its flush", b"left to the network thread"]

@@ -422,10 +422,11 @@ class HostClient:
             # refusal of this attempt may end a wait on it.
             self._refused.pop(req_id, None)
             self._tokens[device] = token  # for replays of this device's runs
-        info = self._client.publish(topic, encode(body), qos=1)
+        # Written by this thread's flush, without waking paho's network thread for it.
+        info = self._client.publish_quiet(topic, encode(body), qos=1)
+        self._client.flush()
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
             raise HostConnectError(f"could not publish the request: {mqtt.error_string(info.rc)}")
-        self._client.flush()
         info.wait_for_publish(timeout)
         if not info.is_published():
             raise TimeoutError(f"the broker did not acknowledge request {req_id} within {timeout}s")
