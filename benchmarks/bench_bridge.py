@@ -11,7 +11,7 @@ same Mosquitto in the same run (loopback).
    same broker, one message after each request (so both see the same moment of a noisy
    machine); twice: with the relays in this process, and in two child processes of their
    own, as Wren's bridge and board are (each leg then wakes another process, as Wren's
-   legs do). The model server's own time (request read -> stream end), which no chain
+   legs do). The model server's own time (request line read -> stream end), which no chain
    has, is also shown apart.
 2. The highest lossless events/s from 1, 10 and 50 simulated boards (paho clients logged
    in as device users, status + hello, then runs of `run.started`, `msg.delta`s and
@@ -640,7 +640,7 @@ class FirstDelta:
     total_ms: float  # host publishes the request -> first msg.delta at the host
     in_ms: float  # -> the model server has read the request (3 legs, the HTTP request)
     out_ms: float  # model end -> first msg.delta at the host (3 legs)
-    model_ms: float  # the model server's own time: request headers read -> stream end
+    model_ms: float  # the model server's own time: request line read -> stream end
 
     @property
     def wren_ms(self) -> float:
@@ -1425,7 +1425,7 @@ def print_first_delta(
         rows = (
             ("  request -> first msg.delta", [x.total_ms for x in fd]),
             ("    request -> the model server has it (3 legs + HTTP)", [x.in_ms for x in fd]),
-            ("    the model server's own time (read -> stream end)", [x.model_ms for x in fd]),
+            ("    the model server's own time (from its request line)", [x.model_ms for x in fd]),
             ("    model stream end -> first msg.delta (3 legs)", [x.out_ms for x in fd]),
             ("  request -> first msg.delta, less the model's own time", [x.wren_ms for x in fd]),
             (f"  raw paho chain, {CHAIN_LEGS} legs, relays in this process", fig.raw),
