@@ -59,6 +59,11 @@ def test_paho_still_has_the_writer_flush_calls() -> None:
     c = Client(CallbackAPIVersion.VERSION2)
     assert callable(getattr(c, "_packet_write", None))
     assert hasattr(c, "_out_packet")
+    # And what Client._handle_pubackcomp takes over for MQTT 3.1.1.
+    for name in ("_handle_pubackcomp", "_do_on_publish"):
+        assert callable(getattr(mqtt.Client, name, None)), name
+    for name in ("_in_packet", "_out_messages", "_out_message_mutex", "_protocol"):
+        assert hasattr(c, name), name
 
 
 def test_a_flush_writes_on_the_calling_thread(pair: tuple[Client, mqtt.Client, str]) -> None:
@@ -330,3 +335,43 @@ def test_a_quiet_publish_is_written_by_its_flush_and_wakes_no_one(
     assert second.is_published()
     assert inbox.done.wait(WAIT)
     assert inbox.got == [b"written by its flush", b"left to the network thread"]
+
+
+@pytest.mark.parametrize("protocol", [mqtt.MQTTv311, mqtt.MQTTv5])
+def test_pubacks_reach_on_publish_as_success(
+    broker: MosquittoProcess, protocol: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under MQTT 3.1.1 Client reads a PUBACK's packet id itself (paho's own handler
+    # builds a reason code and properties for each); under MQTT 5 paho's handler runs.
+    # Either way on_publish hears of each message once, as a success (under MQTT 5 the
+    # broker may say 16, no subscriber matched, which is one), and it counts as published.
+    paho_calls: list[str] = []
+    handle = mqtt.Client._handle_pubackcomp
+
+    def counted(self: mqtt.Client, cmd: Any) -> mqtt.MQTTErrorCode:
+        paho_calls.append(cmd)
+        return handle(self, cmd)
+
+    monkeypatch.setattr(mqtt.Client, "_handle_pubackcomp", counted)
+    topic = f"wren-test/ack/{uuid.uuid4().hex[:8]}"
+    sender = Client(
+        CallbackAPIVersion.VERSION2, client_id=f"a-{uuid.uuid4().hex[:8]}", protocol=protocol
+    )
+    acks: list[tuple[int, int, bool, str]] = []
+
+    def on_publish(cl: mqtt.Client, u: Any, mid: int, rc: Any, props: Any) -> None:
+        acks.append((mid, rc.value, rc.is_failure, type(props).__name__))
+
+    sender.on_publish = on_publish
+    _connected(sender, broker)
+    try:
+        infos = [sender.publish(topic, b"%d" % k, qos=1) for k in range(5)]
+        for info in infos:
+            info.wait_for_publish(WAIT)
+            assert info.is_published()
+        ok = 0 if protocol == mqtt.MQTTv311 else 16
+        assert sorted(acks) == [(info.mid, ok, False, "Properties") for info in infos]
+        assert len(paho_calls) == (0 if protocol == mqtt.MQTTv311 else 5)
+    finally:
+        sender.disconnect()
+        sender.loop_stop()
