@@ -26,11 +26,13 @@ HEAP = {"mpy": "128K", "py": "256K"}
 # so on the unix port they get more than a board needs; the board's own heap is measured
 # alone (tests/test_streams.py, benchmarks/bench_heap.py).
 # test_memory's table runs make the most events (a row event per row shown), all kept by
-# that bridge: at 256K one of them ran out now and then (1 suite run in 3 or so), so 320K.
+# that bridge: at 256K one of them ran out now and then (1 suite run in 3 or so), and at
+# 320K once in a fresh-clone CI (the next test's 4 KB receive buffer found no free block
+# after the table test), so 384K.
 HEAP_OVERRIDE = {
     "test_runs": {"mpy": "256K", "py": "384K"},
     "test_flow": {"mpy": "256K", "py": "384K"},
-    "test_memory": {"mpy": "320K", "py": "384K"},
+    "test_memory": {"mpy": "384K", "py": "384K"},
     "test_pause": {"mpy": "256K", "py": "384K"},
     "test_nodes": {"mpy": "256K", "py": "384K"},
     "test_budget": {"mpy": "256K", "py": "384K"},
