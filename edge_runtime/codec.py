@@ -534,20 +534,6 @@ def encode_exact(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
     # encodes everything it sends this way: the link keeps the payload until its
     # PUBACK anyway, so encoding straight into that one allocation needs no buffer
     # reserved for the largest payload and no second copy of each message.
-    # What fits the board's scratch buffer (most of what it sends: its events) is
-    # written there in one walk and copied out, a third less time than counting it
-    # first (bench_codec); a larger payload stops the walk there and is counted after all.
-    # Imported here, not at the top: one more module-level name fills the hash table of
-    # this module's globals (28 names in 29 slots), and every builtin this module calls
-    # (len, type, isinstance) is looked up there first and missed: a full table is then
-    # searched to its end each time, and encoding and decoding took 40 % longer
-    # (bench_codec).
-    from edge_runtime.platform import SCRATCH as buf
-    if buf is not None:
-        try:
-            return bytearray(Encoder(None, max_depth, buf).pack(obj, max_payload))
-        except TooLarge:
-            pass
     n = Encoder(None, max_depth)._pack(obj, max_payload)
     enc = Encoder(n, max_depth)
     enc._pack(obj, n)

@@ -69,6 +69,15 @@ def _size(payload):
     return len(payload)
 
 
+def _jitter(n):
+    # Spreads a fleet that lost the same broker so it does not return in lockstep.
+    try:
+        from random import getrandbits
+        return getrandbits(16) % (n + 1)
+    except ImportError:
+        return platform.ticks_ms() % (n + 1)
+
+
 def _no_delay(w):
     # Nagle off: each of the link's messages is small and waits on the one before (an
     # ack, a chunk, an event), and with Nagle on each small write waits up to 40 ms for
@@ -282,15 +291,10 @@ class Link:
                 await self._close()
                 if self._stopping:
                     break
-                # Doubling from the minimum up to the maximum; half of it random, so a
-                # fleet that lost the same broker does not come back in lockstep.
+                # Doubling from the minimum up to the maximum; half of it random.
                 lo, hi = self.backoff_ms
-                d = min(lo << min(fails, 16), hi) // 2
-                try:
-                    from random import getrandbits
-                    d += getrandbits(16) % (d + 1)
-                except ImportError:
-                    d += platform.ticks_ms() % (d + 1)
+                d = min(lo << min(fails, 16), hi)
+                d = d // 2 + _jitter(d // 2)
                 self._down.clear()
                 try:
                     await platform.wait_for_ms(self._down.wait(), d)  # only stop() sets it now
@@ -393,7 +397,8 @@ class Link:
         w = conn[1]
         if conn is not self._conn or conn[2].locked() or _unsent(w):
             return False
-        self._put(w, parts)
+        for p in parts:
+            w.write(p)
         self._tx_at = platform.ticks_ms()
         if _unsent(w):
             self._wake.set()  # the socket took only part of it: the sender drains it
@@ -432,43 +437,13 @@ class Link:
         self.stats["sent"] += 1
         return True
 
-    def _put(self, w, parts):
-        # A packet's parts in as few writes as the scratch buffer allows (platform.SCRATCH;
-        # joined on CPython). Each write is a system call and, with Nagle off, a TCP
-        # segment of its own that the broker reads apart: an event went as two (its
-        # header, its payload), a model call as four. The buffer is free again when
-        # write() returns: MicroPython's stream took the bytes or copied what its socket
-        # did not.
-        if len(parts) < 2:
-            for p in parts:
-                w.write(p)
-            return
-        buf = platform.SCRATCH
-        if buf is None:
-            w.write(b"".join(parts))
-            return
-        size = len(buf)
-        at = 0
-        for p in parts:
-            n = len(p)
-            if at + n > size:
-                if at:
-                    w.write(buf[:at])
-                    at = 0
-                if n > size:
-                    w.write(p)
-                    continue
-            buf[at:at + n] = p
-            at += n
-        if at:
-            w.write(buf[:at])
-
     async def _write(self, conn, *parts):
         # One lock per connection for every write: packets must not interleave, and on
         # MicroPython two tasks may not wait to write on one stream at the same time.
         w = conn[1]
         async with conn[2]:
-            self._put(w, parts)
+            for p in parts:
+                w.write(p)
             await platform.wait_for_ms(w.drain(), _WRITE_MS)
         self._tx_at = platform.ticks_ms()
 
@@ -495,6 +470,17 @@ class Link:
                     break
             else:
                 return p
+
+    def _took(self):
+        # Something left the outbox: wake whoever waits for room.
+        self._room.set()
+        if self._wanted_room:
+            self._wanted_room = False
+            if self.on_room:
+                try:
+                    self.on_room()
+                except Exception as e:  # an application bug must not take the link down
+                    log("link: on_room:", repr(e))
 
     async def _send_loop(self, conn):
         why = None
@@ -523,15 +509,7 @@ class Link:
                          False]
                     if qos:
                         self._inflight.append(e)
-                    # Something left the outbox: wake whoever waits for room.
-                    self._room.set()
-                    if self._wanted_room:
-                        self._wanted_room = False
-                        if self.on_room:
-                            try:
-                                self.on_room()
-                            except Exception as ex:  # an application bug must not end the link
-                                log("link: on_room:", repr(ex))
+                    self._took()
                     await self._publish(conn, e, qos, False)
                 if _unsent(conn[1]) and conn is self._conn:
                     await self._write(conn)  # what a direct write left: drain it

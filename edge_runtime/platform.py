@@ -12,16 +12,6 @@ except ImportError:  # pragma: no cover - very old MicroPython ports
 
 IS_MICROPYTHON = sys.implementation.name == "micropython"
 
-# One buffer for the board's small writes and encodes, allocated at boot and never again:
-# the link copies a packet's parts into it to write them at once, and codec.encode_exact
-# encodes a payload in it in one walk. Neither keeps it past the call that uses it, and
-# neither awaits inside, so they never meet. 384 bytes: a full msg.delta (256 characters
-# of text, delta_chars) and its MQTT header fit; at 512 the paused valves agent of
-# tests/test_runs_pause.py ran out of memory on its resume at 128K. MicroPython only:
-# CPython's stream transport may keep a view of what it is given, and its bench boards
-# encode from several threads.
-SCRATCH = memoryview(bytearray(384)) if IS_MICROPYTHON else None
-
 if IS_MICROPYTHON:
     ticks_ms = time.ticks_ms
     ticks_diff = time.ticks_diff
@@ -187,15 +177,8 @@ def unload(name):
 
 def log(*parts):
     # One line per event, prefixed so a serial console and the virtual board's
-    # output read the same. Written whole: print() writes each part and each space
-    # apart, a system call each on the unix port (ten for a run's end line), each
-    # waking whatever reads the console. Short of heap for the line, print() it is.
-    try:
-        line = "wren: " + " ".join([str(p) for p in parts]) + "\n"
-    except MemoryError:
-        print("wren:", *parts)
-        return
-    sys.stdout.write(line)
+    # output read the same.
+    print("wren:", *parts)
 
 
 def print_exception(e):

@@ -6,7 +6,7 @@
 import random
 import sys
 
-from edge_runtime import mqtt, platform
+from edge_runtime import mqtt
 from edge_runtime.link import Link
 from edge_runtime.platform import asyncio, sleep_ms, wait_for_ms
 from firmware_tests.support import broker_address, read_packet, run
@@ -425,61 +425,3 @@ def test_the_link_turns_nagle_off_on_its_socket():
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
     run(_with([link], body))
-
-
-def test_a_packets_parts_go_in_one_write_where_they_fit():
-    # A packet is written whole where it fits the scratch buffer (platform.SCRATCH):
-    # its header and an event's payload, or a batch of parts, were a write each, a
-    # system call and a TCP segment each. A packet larger than the buffer goes in
-    # buffer-sized writes (whole on CPython, which joins them), and either way the bytes
-    # on the wire are the packet's, in order. Checked on the direct way (_send_now) and
-    # on the sender's, for a message that waited for room in flight.
-    base = _base()
-    topic = base + "/parts"
-    size = len(platform.SCRATCH) if platform.SCRATCH is not None else 384
-    small = [b"\x93", bytearray(b"a" * 100), memoryview(b"b" * 60)]
-    large = [b"\x92", bytearray(b"c" * (size - 100)), memoryview(b"d" * (size - 100))]
-
-    async def main():
-        got, on_message = _collector()
-        sub = _link("sub", on_message=on_message)
-        sub.subscribe(topic, 1)
-        dev = _link("dev", inflight=1)
-        writes = []
-
-        async def body():
-            w = dev._conn[1]
-            write = w.write
-
-            def counted(data):
-                writes.append(bytes(data))
-                return write(data)
-
-            w.write = counted
-            try:
-                for payload in (small, large, small):
-                    del writes[:]
-                    assert dev.publish(topic, payload, 1)  # the last waits for the ack
-                    await _until(lambda: dev.pending == 0, "the PUBACK")
-                    whole = b"".join([bytes(p) for p in payload])
-                    packet = b"".join(writes)
-                    assert packet[0] == 0x32 and packet.endswith(whole), packet[:8]
-                    if payload is small or sys.implementation.name != "micropython":
-                        assert len(writes) == 1, [len(x) for x in writes]
-                    else:
-                        assert [len(x) for x in writes][1:] == [size - 100], [len(x) for x in writes]
-            finally:
-                w.write = write
-            await _until(lambda: len(got) == 3, "three messages")
-            assert [p for _, p in got] == [b"".join([bytes(p) for p in x])
-                                           for x in (small, large, small)]
-
-        sub_task = asyncio.create_task(sub.run())
-        try:
-            assert await sub.wait_connected(WAIT_MS)
-            await _with([dev], body)
-        finally:
-            sub.stop()
-            await wait_for_ms(sub_task, WAIT_MS)
-
-    run(main())
