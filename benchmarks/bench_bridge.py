@@ -3,16 +3,19 @@ same Mosquitto in the same run (loopback).
 
 1. Request -> first `msg.delta` at the host, p50/p99: a host request through `wren bridge`
    to the board (.mpy on the MicroPython unix port, then the same code on CPython), whose
-   llm.complete the bridge answers from tests/model_server.py (a one-chunk answer, so no
-   coalescing timer is waited on; the server in a process of its own, as a model server
-   is, so it shares no interpreter lock with the host client timing the runs); next to a
+   llm.complete the bridge answers from tests/model_server.py (its text in one chunk, so
+   no coalescing timer is waited on, and the end of its stream 20 ms later, as a model's
+   next token: the board's end of the run does not ride behind the first delta, as it
+   does not with a real model; --answer-ends-at-once measures that too. The server runs
+   in a process of its own, as a model server does, so it shares no interpreter lock
+   with the host client timing the runs); next to a
    raw paho chain over the same six broker legs (host -> "bridge" -> "board" -> "bridge"
    -> "board" -> "bridge" -> host, two relay clients that republish at once), through the
    same broker, one message after each request (so both see the same moment of a noisy
    machine); twice: with the relays in this process, and in two child processes of their
    own, as Wren's bridge and board are (each leg then wakes another process, as Wren's
-   legs do). The model server's own time (request line read -> stream end), which no chain
-   has, is also shown apart.
+   legs do). The model server's own time (request line read -> its first words written),
+   which no chain has, is also shown apart.
 2. The highest lossless events/s from 1, 10 and 50 simulated boards (paho clients logged
    in as device users, status + hello, then runs of `run.started`, `msg.delta`s and
    `run.done`, ids 1, 2, 3 ..., msgpack, QoS 1) through the real Bridge (a child process
@@ -110,6 +113,11 @@ TAKEOVER = "already connected, closing old connection"
 BOARD_COUNTS = (1, 10, 50)
 MANY_DEVICES = 1000
 ANSWER = "Hello from the model: the room is 21.5 degrees."
+# The model server writes ANSWER as its first words, then ends its stream this many
+# seconds later, as a model streaming 50 tokens a second writes its next token: the
+# board's end of the run (msg.end, usage, node.end, run.done, its collections) comes after
+# the first delta's way to the host, as with a real model. --answer-ends-at-once sets 0.
+REST_AFTER_S = 0.02
 DELTA_TEXT = "x" * 64  # a msg.delta's text: about 100 bytes an envelope
 RUN_LEN = 50  # events of one simulated run: run.started, 48 msg.delta, run.done
 SMALL_RUN = 5  # figure 5: run.started, 3 msg.delta, run.done
@@ -466,7 +474,14 @@ def _child_model(conf: dict[str, Any]) -> Callable[[str], Any]:
     time.monotonic() (one clock for every process of the machine) at which each request
     began and each stream ended."""
     server = ModelServer().start()
-    server.script[:] = [Turn(text=ANSWER, chunk_chars=len(ANSWER), hang_s=conf["wait_s"])]
+    server.script[:] = [
+        Turn(
+            text=ANSWER,
+            chunk_chars=len(ANSWER),
+            hang_s=conf["wait_s"],
+            rest_after_s=conf["rest_s"],
+        )
+    ]
 
     def command(cmd: str) -> Any:
         if cmd == "stop":
@@ -477,7 +492,7 @@ def _child_model(conf: dict[str, Any]) -> Callable[[str], Any]:
         return {
             "requests": len(server.requests),
             "starts": server.request_starts,
-            "ends": server.stream_ends,
+            "first_words": server.first_words,
         }
 
     return command
@@ -486,16 +501,17 @@ def _child_model(conf: dict[str, Any]) -> Callable[[str], Any]:
 class ModelProcess:
     """The model server in a child process (_child_model), for figures 1 and 4."""
 
-    def __init__(self, workdir: Path, wait_s: float = 0.0) -> None:
-        self._child = Child("model", {"wait_s": wait_s}, workdir)
+    def __init__(self, workdir: Path, wait_s: float = 0.0, rest_s: float = REST_AFTER_S) -> None:
+        self._child = Child("model", {"wait_s": wait_s, "rest_s": rest_s}, workdir)
         self.url: str = self._child.ask("url")
 
     def stamps(self) -> tuple[int, dict[int, float], dict[int, float]]:
-        """Requests answered so far; when each began and when its stream ended."""
+        """Requests answered so far; when each began and when its first words (the
+        answer's text) were written."""
         got = self._child.ask("stamps")
         starts = {int(k): float(v) for k, v in got["starts"].items()}
-        ends = {int(k): float(v) for k, v in got["ends"].items()}
-        return int(got["requests"]), starts, ends
+        words = {int(k): float(v) for k, v in got["first_words"].items()}
+        return int(got["requests"]), starts, words
 
     def close(self) -> None:
         self._child.close()
@@ -639,8 +655,8 @@ class CPythonStack(Stack):
 class FirstDelta:
     total_ms: float  # host publishes the request -> first msg.delta at the host
     in_ms: float  # -> the model server has read the request (3 legs, the HTTP request)
-    out_ms: float  # model end -> first msg.delta at the host (3 legs)
-    model_ms: float  # the model server's own time: request line read -> stream end
+    out_ms: float  # the model's first words -> first msg.delta at the host (3 legs)
+    model_ms: float  # the model server's own time: request line read -> first words
 
     @property
     def wren_ms(self) -> float:
@@ -686,8 +702,8 @@ def _first_deltas(
             snap = s.wait_run(req, RUN_TIMEOUT_S)
             if snap.status != "done" or assistant_text(snap) != ANSWER:
                 raise BenchError(f"run {snap.run}: {snap.status} {snap.error}\n{s.describe()}")
-            _, starts, ends = server.stamps()
-            end = ends.get(number)
+            _, starts, words = server.stamps()
+            end = words.get(number)
             begin = starts.get(number)
             if req not in first or end is None or begin is None:
                 raise BenchError(f"run {snap.run}: no msg.delta or model stream stamps")
@@ -1410,13 +1426,16 @@ def print_first_delta(
     runs: int,
     nagle: bool,
     model_wait_ms: float,
+    rest_s: float,
 ) -> None:
     print()
     wait = f", after {model_wait_ms:g} ms" if model_wait_ms else ""
+    rest = f"its end {rest_s * 1000:g} ms later" if rest_s else "its end at once"
     print(
         f"1. Host request -> first msg.delta at the host, ms ({runs} requests per board, "
-        f"one at a time; a one-chunk model answer{wait}\n   from tests/model_server.py, so no "
-        f"coalescing timer runs; Mosquitto {'with Nagle on' if nagle else 'as Wren configures it'})"
+        f"one at a time; a model answer in one text chunk{wait},\n   {rest}, from "
+        f"tests/model_server.py, so no coalescing timer runs; Mosquitto "
+        f"{'with Nagle on' if nagle else 'as Wren configures it'})"
     )
     print(f"{'':60} {'min':>8} {'p50':>8} {'p99':>8} {'max':>8}")
     for name, fig in results.items():
@@ -1425,8 +1444,8 @@ def print_first_delta(
         rows = (
             ("  request -> first msg.delta", [x.total_ms for x in fd]),
             ("    request -> the model server has it (3 legs + HTTP)", [x.in_ms for x in fd]),
-            ("    the model server's own time (from its request line)", [x.model_ms for x in fd]),
-            ("    model stream end -> first msg.delta (3 legs)", [x.out_ms for x in fd]),
+            ("    the model server's own time (to its first words)", [x.model_ms for x in fd]),
+            ("    the model's first words -> first msg.delta (3 legs)", [x.out_ms for x in fd]),
             ("  request -> first msg.delta, less the model's own time", [x.wren_ms for x in fd]),
             (f"  raw paho chain, {CHAIN_LEGS} legs, relays in this process", fig.raw),
             (f"  raw paho chain, {CHAIN_LEGS} legs, relays in processes", fig.raw_procs),
@@ -1668,6 +1687,13 @@ def main() -> None:
         "work after its call is still under way when the answer comes). Counted in the "
         "model's own time, which figure 1 also shows taken out",
     )
+    parser.add_argument(
+        "--answer-ends-at-once",
+        action="store_true",
+        help="figures 1 and 4: the model server ends its stream straight behind its first "
+        f"words (default: {REST_AFTER_S * 1000:g} ms later, as a model's next token): the "
+        "board's end of the run then follows its first delta to the host",
+    )
     parser.add_argument("--step-s", type=float, default=2.0, help="figure 2 step (default 2)")
     parser.add_argument("--start-rate", type=int, default=250, help="figure 2 (default 250/s)")
     parser.add_argument("--max-rate", type=int, default=32000, help="figure 2 (default 32000/s)")
@@ -1727,6 +1753,7 @@ def main() -> None:
     # and runs out after some twenty runs (a few KiB short: README, bench_heap); figure 1
     # is about latency, so that board gets 144K.
     heap = "128K" if args.plain else "144K"
+    rest_s = 0.0 if args.answer_ends_at_once else REST_AFTER_S
     started = time.monotonic()
     first: dict[str, Figure1] = {}
     quiet: tuple[QuietTenant, QuietTenant] | None = None
@@ -1737,7 +1764,7 @@ def main() -> None:
         if not {"1", "4"} <= skip:
             # The model server in a process of its own, as a real one is: in this one
             # it would share the interpreter lock with the host client that times runs.
-            server = ModelProcess(work / "model", args.model_wait_ms / 1000)
+            server = ModelProcess(work / "model", args.model_wait_ms / 1000, rest_s)
             try:
                 progress("figures 1 and 4: stack with the board on the MicroPython unix port ...")
                 # What both of figure 1's stacks share (the CPython board has no heap size).
@@ -1793,7 +1820,7 @@ def main() -> None:
         + (f"\nbroker: {version.split(': ', 1)[-1]}" if version else "")
     )
     if first:
-        print_first_delta(first, args.latency_runs, args.nagle, args.model_wait_ms)
+        print_first_delta(first, args.latency_runs, args.nagle, args.model_wait_ms, rest_s)
     if steps:
         print_load(steps, args.step_s, counters, args.factor, args.ring, args.ring_bytes)
     if quiet is not None:

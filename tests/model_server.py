@@ -89,6 +89,9 @@ class Turn:
     args_chunk_chars: int = 8
     # Seconds to wait before each SSE event of the stream.
     delay_s: float = 0.0
+    # Seconds to wait after the first text chunk, before the rest of the stream: a model's
+    # first words leave before it has written the rest, which comes at its token rate.
+    rest_after_s: float = 0.0
     # Default: "tool_calls" when the turn calls tools, else "stop".
     finish_reason: str | None = None
     # (prompt_tokens, completion_tokens); default: about four characters a token.
@@ -146,6 +149,7 @@ class ModelServer:
         self._overrides: deque[Turn] = deque()
         self._requests: list[dict[str, Any]] = []
         self._ends: dict[int, float] = {}
+        self._first_words: dict[int, float] = {}
         self._starts: dict[int, float] = {}
         self._cond = threading.Condition()
         self._closing = threading.Event()
@@ -266,6 +270,13 @@ class ModelServer:
         with self._cond:
             return dict(self._ends)
 
+    @property
+    def first_words(self) -> dict[int, float]:
+        """time.monotonic() just after the first text chunk of each stream was written, by
+        request number: what a client waits for before it can show anything."""
+        with self._cond:
+            return dict(self._first_words)
+
     def wait_requests(self, n: int, timeout: float) -> list[dict[str, Any]]:
         """Wait until at least `n` requests have arrived; TimeoutError past `timeout`."""
         deadline = time.monotonic() + timeout
@@ -316,6 +327,10 @@ class ModelServer:
         with self._cond:
             self._ends[number] = at
             self._cond.notify_all()
+
+    def _said_first_words(self, number: int, at: float) -> None:
+        with self._cond:
+            self._first_words[number] = at
 
     def _sleep(self, seconds: float) -> None:
         if seconds > 0 and self._closing.wait(seconds):
@@ -439,6 +454,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")  # the client asked for it
         self.end_headers()
         sent = 0
+        # The role chunk, then the reasoning's chunks, then the text's (_events).
+        first_text = 1 + len(list(_pieces(turn.reasoning, turn.chunk_chars))) if turn.text else -1
         for event in _events(body, number, turn, self.owner.model):
             if turn.drop_after is not None and sent >= turn.drop_after:
                 # Mid-stream: the chunked body never gets its terminating chunk.
@@ -447,6 +464,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             self.owner._sleep(turn.delay_s)
             self._chunk(event)
+            if sent == first_text:
+                self.owner._said_first_words(number, time.monotonic())
+                self.owner._sleep(turn.rest_after_s)
             sent += 1
         self.wfile.write(b"0\r\n\r\n")  # the end of the chunked body
         self.owner._ended(number, time.monotonic())

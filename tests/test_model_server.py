@@ -188,6 +188,31 @@ def test_the_end_of_each_complete_stream_is_timed_and_a_dropped_one_has_none(
     assert before < ends[2] <= time.monotonic()
 
 
+def test_the_first_words_are_timed_and_the_rest_of_the_stream_comes_later(
+    server: ModelServer,
+) -> None:
+    # Each SSE event waits delay_s first: the role chunk, the reasoning, then "abcd", the
+    # first words; then the stream holds the rest for rest_after_s. Lower bounds only,
+    # each a wait the server itself makes.
+    delay, rest = 0.05, 0.2
+    server.script = [
+        Turn(text="abcdefgh", chunk_chars=4, reasoning="hmm", delay_s=delay, rest_after_s=rest)
+    ]
+    chunks, final = complete(server)
+    assert chunks == [{"reason": "hmm"}, {"text": "abcd"}, {"text": "efgh"}]
+    assert final["finish"] == "stop"
+    deadline = time.monotonic() + JOIN_S
+    while 1 not in server.stream_ends and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start, words, end = server.request_starts[1], server.first_words[1], server.stream_ends[1]
+    assert start + 3 * delay <= words  # after the text's chunk, not the reasoning's
+    assert words + rest + delay <= end  # the rest waited, then "efgh" waited its delay
+    # A turn without text has no first words.
+    server.override_next(Turn(tool_calls=[ToolCall("read_temperature", "{}")]))
+    complete(server)
+    assert list(server.first_words) == [1]
+
+
 def test_a_hung_server_ends_the_call_at_its_deadline(server: ModelServer) -> None:
     server.script = [Turn(text="too late", hang_s=60)]
     outcome: list[Any] = []
