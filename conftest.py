@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.broker import MosquittoProcess, start_mosquitto  # noqa: E402
+
+# A suite started in the background by a non-interactive shell (`sh -c '... &'`, nohup)
+# inherits SIGINT ignored, and so would every process it starts: the tests that stop
+# the demo and the bridge as Ctrl-C does would then find them deaf to it. Python's own
+# handler, as in a terminal; the processes the tests start get the default after exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
