@@ -40,6 +40,8 @@ same Mosquitto in the same run (loopback).
     python benchmarks/bench_bridge.py --latency-runs 50 --step-s 4 --factor 1.41 --requests 20
     python benchmarks/bench_bridge.py --skip 1,4 --start-rate 3000 --factor 1.2   # figures 2, 3, 5
     python benchmarks/bench_bridge.py --nagle   # Mosquitto with Nagle on (set_tcp_nodelay false)
+    python benchmarks/bench_bridge.py --plain --skip 2,3,4,5 --latency-runs 200   # figure 1 alone
+    python benchmarks/bench_bridge.py --plain --skip 2,3,4,5 --answer-ends-at-once  # the old shape
 
 Progress goes to stderr, the tables to stdout. Loss in figure 2 is counted at the host
 against the ids of the boards' runs: an id that never arrived is "reported lost" when a
@@ -468,11 +470,11 @@ def _child_flood(conf: dict[str, Any]) -> Callable[[str], Any]:
 
 
 def _child_model(conf: dict[str, Any]) -> Callable[[str], Any]:
-    """The model server (tests/model_server.py) answering ANSWER in one chunk: in a
-    process of its own, as a model server is, so it shares no interpreter lock with the
-    host client that times the runs. `stamps` answers its request count and the
-    time.monotonic() (one clock for every process of the machine) at which each request
-    began and each stream ended."""
+    """The model server (tests/model_server.py) answering ANSWER in one chunk, and ending
+    its stream `rest_s` later: in a process of its own, as a model server is, so it shares
+    no interpreter lock with the host client that times the runs. `stamps` answers its
+    request count and the time.monotonic() (one clock for every process of the machine)
+    at which each request began and its first words were written."""
     server = ModelServer().start()
     server.script[:] = [
         Turn(
@@ -703,17 +705,17 @@ def _first_deltas(
             if snap.status != "done" or assistant_text(snap) != ANSWER:
                 raise BenchError(f"run {snap.run}: {snap.status} {snap.error}\n{s.describe()}")
             _, starts, words = server.stamps()
-            end = words.get(number)
+            spoke = words.get(number)
             begin = starts.get(number)
-            if req not in first or end is None or begin is None:
-                raise BenchError(f"run {snap.run}: no msg.delta or model stream stamps")
+            if req not in first or spoke is None or begin is None:
+                raise BenchError(f"run {snap.run}: no msg.delta or model first-words stamps")
             if k:
                 out.deltas.append(
                     FirstDelta(
                         (first[req] - t0) * 1000,
                         (begin - t0) * 1000,
-                        (first[req] - end) * 1000,
-                        (end - begin) * 1000,
+                        (first[req] - spoke) * 1000,
+                        (spoke - begin) * 1000,
                     )
                 )
                 time.sleep(0.02)

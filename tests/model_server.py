@@ -454,8 +454,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")  # the client asked for it
         self.end_headers()
         sent = 0
-        # The role chunk, then the reasoning's chunks, then the text's (_events).
-        first_text = 1 + len(list(_pieces(turn.reasoning, turn.chunk_chars))) if turn.text else -1
+        # The role chunk, then the reasoning's chunks, then the text's (_events): the
+        # index of the first text chunk, counted rather than the pieces cut twice.
+        reasoning_chunks = -(-len(turn.reasoning) // turn.chunk_chars)
+        first_text = 1 + reasoning_chunks if turn.text else -1
         for event in _events(body, number, turn, self.owner.model):
             if turn.drop_after is not None and sent >= turn.drop_after:
                 # Mid-stream: the chunked body never gets its terminating chunk.
