@@ -1726,7 +1726,7 @@ def main() -> None:
         "--plain",
         action="store_true",
         help="figures 1 and 4 with the thermostat without its memory field (settings "
-        '"memory": false): no state.load round trip before the model call',
+        '"memory": false): no durable state sent in the req, no memory tools offered',
     )
     parser.add_argument("--skip", default="", help="figures to skip, e.g. 1,4")
     parser.add_argument("--workdir", type=Path, help="keep logs and configs here")

@@ -81,7 +81,10 @@ class Run:
         # and stays on the board with the run. Durable slot fields are seeded here at the
         # start and what the run changed of them is committed at its end (state.py).
         self.state = {}
-        self.loaded = None  # what state.load gave, encoded (state.py)
+        # What state.load gave, encoded (state.py). Until the run starts, the state the
+        # bridge read for it and sent in the req (`state`: {fields, values}; see
+        # state.load), or None.
+        self.loaded = msg.get("state")
         self._writes = 0
         # Node path -> how many times the run has started it (toolloop, nodes.py): an
         # event's `a`. A paused run's are in its checkpoint (pause.py).
@@ -429,6 +432,8 @@ class Runtime:
         if len(self.active) < self.concurrency:
             self._start(msg)
         elif len(self._queue) < self.max_queue:
+            # Its state is read again when it starts: a run ahead of it may write it.
+            msg.pop("state", None)
             self._queue.append(msg)
         else:
             # Not remembered as seen: the same request may be sent again later.

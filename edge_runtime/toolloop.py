@@ -195,28 +195,36 @@ async def model_loop(run, state=None, pause=0):
         messages, first, usage = state
         state = None
     mem = None
+    # The model's tools, encoded: an agent offers the same ones in every run, so they
+    # are built at its first run and kept by the agent (877 bytes for the memory
+    # thermostat), rather than built and encoded again on each request's way to the
+    # model (0.17-0.19 ms of it on the unix port without fields, 0.39 ms with the
+    # memory tools). Not kept for an agent with a core field or a table hosts watch:
+    # those are opened as each run starts, and which memory tools apply hangs on what
+    # opened (memstart).
+    specs = agent.specs
     if agent.fields:
         # Loaded only for an agent that declares fields: the memory tools and core memory,
         # and (only as the run starts) what they need opened first.
         from edge_runtime.memtools import Memory
         mem = Memory(run)
-        from edge_runtime import memstart
-        try:
-            specs = await memstart.start(mem, [t.describe(False) for t in agent.tools.values()])
-        finally:
-            memstart = None
-            platform.unload("memstart")
-        # Encoded once for the whole run: every model call carries them unchanged.
-        specs = codec.Raw(specs)
-    else:
-        # Without fields the model is offered the same tools in every run: encoded at
-        # the first and kept by the agent (a few hundred bytes), rather than built and
-        # encoded again on each request's way to the model (0.17-0.19 ms of it on the
-        # unix port).
-        specs = agent.specs
-        if specs is None:
-            specs = agent.specs = codec.Raw(codec.encode_exact(
-                [t.describe(False) for t in agent.tools.values()]))
+        keep = True
+        for f in agent.fields:
+            if f.core or (f.stream and f.vis != "private" and f.kind == "collection"):
+                keep = False
+        if specs is None or not keep:
+            from edge_runtime import memstart
+            try:
+                specs = codec.Raw(await memstart.start(
+                    mem, [t.describe(False) for t in agent.tools.values()]))
+            finally:
+                memstart = None
+                platform.unload("memstart")
+            if keep:
+                agent.specs = specs
+    elif specs is None:
+        specs = agent.specs = codec.Raw(codec.encode_exact(
+            [t.describe(False) for t in agent.tools.values()]))
     start, end, model, tool_path, completed = _NODES
     for step in range(first, agent.max_steps):
         run.check_cancelled()

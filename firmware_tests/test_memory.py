@@ -187,6 +187,86 @@ def test_state_that_cannot_be_loaded_fails_the_run():
     run(with_board("tm-noload", body, agent=_state_agent(_bump)))
 
 
+_DURABLE = ["visits", "mood", "tags", "log"]
+
+
+def test_state_sent_in_the_req_is_taken_without_a_load_and_committed_the_same():
+    async def body(bridge, runtime):
+        _seed(bridge)
+        seed = {"fields": _DURABLE, "values": {"visits": 3, "tags": ["a"], "log": "one"}}
+        bridge.send("req", {"req": "q1", "usr": "u1", "input": "x", "sc": "t", "state": seed})
+        await bridge.wait_for(lambda: _ended(bridge))
+        assert _ended(bridge)[0]["t"] == "run.done"
+        assert bridge.mem_calls("state.load") == []
+        # The deltas are counted from the state the req brought, as from a load.
+        commit, = bridge.mem_calls("state.commit")
+        got = {}
+        for w in commit["a"]["writes"]:
+            got[w["field"]] = w["value"]
+        assert got == {"visits": 2, "tags": ["b"], "log": " two"}
+        assert bridge.memory.values == {"visits": 5, "tags": ["a", "b"], "log": "one two"}
+
+    run(with_board("tm-seeded", body, agent=_state_agent(_bump)))
+
+
+def test_state_in_the_req_that_misses_a_field_is_not_taken():
+    seen = []
+
+    async def look(run_):
+        seen.append(dict(run_.state))
+        return {}
+
+    async def body(bridge, runtime):
+        _seed(bridge)
+        # No "log": the run loads every field, and the seed's stale visits are not used.
+        seed = {"fields": ["visits", "mood", "tags"], "values": {"visits": 100, "tags": []}}
+        bridge.send("req", {"req": "q2", "usr": "u1", "input": "x", "sc": "t", "state": seed})
+        # Not a map: the same.
+        bridge.send("req", {"req": "q3", "usr": "u1", "input": "x", "sc": "t", "state": [1, 2]})
+        await bridge.wait_for(lambda: len(_ended(bridge)) == 2)
+        assert [e["t"] for e in _ended(bridge)] == ["run.done", "run.done"]
+        assert len(bridge.mem_calls("state.load")) == 2
+        assert seen == [{"visits": 3, "tags": ["a"], "log": "one"}] * 2
+
+    run(with_board("tm-seedpart", body, agent=_state_agent(look)))
+
+
+def test_state_in_a_queued_req_or_behind_a_waiting_commit_is_loaded_again():
+    seen = []
+    gate = platform.asyncio.Event()
+
+    async def slow(run_):
+        seen.append(run_.state.get("visits"))
+        if len(seen) == 1:
+            await gate.wait()
+        return {}
+
+    stale = {"fields": _DURABLE, "values": {"visits": 100}}
+
+    async def body(bridge, runtime):
+        _seed(bridge)
+        bridge.send("req", {"req": "w1", "usr": "u1", "input": "x", "sc": "t", "state": stale})
+        await bridge.wait_for(lambda: len(seen) == 1)
+        # Admitted at once, the first run took the state its req brought.
+        assert seen == [100] and bridge.mem_calls("state.load") == []
+        # The board runs one at a time here: the second waits in the queue, and a run
+        # ahead of it may write its state before it starts.
+        bridge.send("req", {"req": "w2", "usr": "u1", "input": "x", "sc": "t", "state": stale})
+        await bridge.wait_for(lambda: len(runtime._queue) == 1)
+        gate.set()
+        await bridge.wait_for(lambda: len(_ended(bridge)) == 2)
+        assert seen == [100, 3] and len(bridge.mem_calls("state.load")) == 1
+        # A commit of this board waits to be sent again: the bridge read the state before
+        # that write, so it is loaded again.
+        runtime.commits.append(("r", None, []))
+        bridge.send("req", {"req": "w3", "usr": "u1", "input": "x", "sc": "t", "state": stale})
+        await bridge.wait_for(lambda: len(_ended(bridge)) == 3)
+        runtime.commits[:] = []
+        assert seen == [100, 3, 3] and len(bridge.mem_calls("state.load")) == 2
+
+    run(with_board("tm-seedwait", body, agent=_state_agent(slow), settings={"concurrency": 1}))
+
+
 def test_a_scope_ticket_that_is_not_a_string_is_refused():
     async def body(bridge, runtime):
         bridge.send("req", {"req": "bad-sc", "input": "x", "sc": 5})

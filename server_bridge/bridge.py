@@ -93,8 +93,10 @@ from server_bridge.wire import (
     REFUSALS,
     RETAINED,
     DeviceOffline,
+    Limits,
     TooLarge,
     UnknownDevice,
+    WireError,
     check_host_ctl,
     check_host_req,
     decode,
@@ -1157,11 +1159,21 @@ class Bridge:
         out["sc"] = self._tokens.scope(secret, record.tenant, record.device, session.user, req.conv)
         if req.ttl is not None:
             out["ttl"] = req.ttl
+        limits = self.intake.device_limits(record.device)
+        seed = self._state_seed(record, session.user, req.conv, presence)
+        if seed is not None:
+            out["state"] = seed
         payload = encode(out)
+        if seed is not None and not _readable(payload, limits):
+            # Past what the board reads (its payload, a string, an array or the depth
+            # it announced): sent without, the run loads its state itself.
+            del out["state"]
+            payload = encode(out)
+            seed = None
+        self._count("host.req_seeded" if seed is not None else "host.req_unseeded")
         # The board says in hello how much it can receive. A request over that would be
         # read past on the board and refused there without its req id, so no host could
         # tell which request it was: refuse it here, by name, where the id is known.
-        limits = self.intake.device_limits(record.device)
         if limits is not None and (
             len(payload) > limits.max_payload or len(req.input.encode()) > limits.max_str
         ):
@@ -1172,6 +1184,30 @@ class Bridge:
         topic = device_topic(self.config.prefix, record.device, "req")
         self.outbox.host(record.tenant, [(topic, payload)], Kind.REQ)
         self._count("host.req")
+
+    def _state_seed(
+        self,
+        record: DeviceRecord,
+        user: str,
+        conv: str | None,
+        presence: dict[str, Any] | None,
+    ) -> dict[str, Any] | None:
+        """The run's durable state to send in its `req` (PROTOCOL.md "req", `state`), which
+        spares the board a state.load round trip before its model call; None when there
+        is none to send. Read now, as the run would read it at its start: only for a board
+        that is online (a request waiting at the broker for one that is not would carry
+        state read long before its run), and never waiting for another thread's write of
+        the same scope (this is the control connection's network thread)."""
+        if self.memory is None or presence is None or presence["st"] != "online":
+            return None
+        try:
+            return memory_calls.state_seed(
+                self.memory, self.registry, record, user, conv, self.hello(record.device)
+            )
+        except Exception:
+            # The board's own state.load then reads it, and says why if it cannot.
+            log.exception("reading the state of a request for device %s", record.device)
+            return None
 
     def _host_ctl(self, t: Topic, obj: Any) -> None:
         ctl = check_host_ctl(obj)
@@ -1247,6 +1283,18 @@ def _levels(t: Topic) -> tuple[str, str]:
     """The tenant and device levels of a host topic."""
     assert t.tenant is not None  # a host topic always has one
     return t.tenant, t.device
+
+
+def _readable(payload: bytes, limits: Limits | None) -> bool:
+    """Whether a board that announced `limits` can decode `payload` (no hello: unknown,
+    so no)."""
+    if limits is None:
+        return False
+    try:
+        decode(payload, limits)
+    except WireError:
+        return False
+    return True
 
 
 def _req_of(obj: Any) -> str | None:

@@ -581,6 +581,8 @@ class RpcServer:
             self._refuse("busy", topic, msg)
             return
         self._count("rpc.calls", 1)
+        # And by method (the table's names only: an unknown one was refused before).
+        self._count(f"rpc.calls.{call.m}", 1)
         ctx = CallContext(device, call, deadline=state.wait_until)
         try:
             self._pool.submit(self._run, state, method, ctx, args)

@@ -14,6 +14,7 @@ from server_bridge.registry import Registry
 from server_bridge.tokens import sign
 from tests.model_server import ModelServer, ToolCall, Turn
 from tests.stack import TENANT, Stack
+from tests.waiting import wait_for
 from tools.virtual_board import VirtualBoard, lay_out_flash
 
 REMEMBER = "Make it 22 °C, and remember that is my usual."
@@ -32,8 +33,20 @@ def calls(snap: RunSnapshot, name: str) -> list[tuple[str | None, object, bool]]
     return out
 
 
+def counters(path: Path) -> dict[str, int]:
+    """The bridge-wide counters of a --stats-file export (name -> value)."""
+    out = {}
+    for line in path.read_text().splitlines() if path.exists() else ():
+        name, _, value = line.partition(" ")
+        if name.endswith("_total") and "{" not in name:
+            out[name] = int(value)
+    return out
+
+
 def test_a_users_usual_temperature_follows_them_to_another_board(tmp_path: Path) -> None:
-    with Stack(tmp_path, extra_users={SECOND: "device"}, heap="128K") as s:
+    stats = tmp_path / "stats.prom"
+    bridge_args = ["--stats-file", str(stats), "--stats-every", "0.2"]
+    with Stack(tmp_path, extra_users={SECOND: "device"}, heap="128K", bridge_args=bridge_args) as s:
         first = s.ask(REMEMBER)
         assert first.status == "done", s.describe()
         assert calls(first, "memory.remember") == [
@@ -64,6 +77,25 @@ def test_a_users_usual_temperature_follows_them_to_another_board(tmp_path: Path)
         assert "usual_celsius: null" in str(loaded[1])
         ((given, _, failed),) = calls(snap, "set_temperature")
         assert given == '{"celsius": null}' and failed
+        # A run whose req brought its state (the usual as the last commit left it, and
+        # only in the first user's) asks for none; a req the bridge sent before it had
+        # the board's hello and status (a request right behind a board's start) goes
+        # without, and that run loads its state. The third is never the first of a board.
+        wait_for(
+            lambda: (
+                sum(
+                    counters(stats).get(f"wren_host_req_{k}_total", 0)
+                    for k in ("seeded", "unseeded")
+                )
+                == 3
+            ),
+            "three requests counted",
+        )
+        got = counters(stats)
+        assert got.get("wren_rpc_calls_state_load_total", 0) == got.get(
+            "wren_host_req_unseeded_total", 0
+        ), got
+        assert got["wren_host_req_seeded_total"] >= 1, got
 
 
 # A shopping list: a public table of the conversation whose rows hosts see build.
@@ -93,9 +125,10 @@ def test_a_table_builds_on_the_host_and_is_there_again_when_the_conversation_reo
         Turn(tool_calls=[_remember("milk", 2), _remember("eggs", 12)], args_chunk_chars=3),
         Turn(text="Milk and eggs are on the list."),
     ]
-    with ModelServer(script) as server, Stack(
-        tmp_path, model_url=server.url, main_py=SHOPPER, heap="128K"
-    ) as s:
+    with (
+        ModelServer(script) as server,
+        Stack(tmp_path, model_url=server.url, main_py=SHOPPER, heap="128K") as s,
+    ):
         first = s.wait_run(s.request("Put milk and eggs on my list.", conv="list-1"))
         assert first.status == "done", s.describe()
         built = [(r.key, r.status, r.output, r.ver) for r in first.table("shopping")]

@@ -27,11 +27,11 @@ from typing import Any
 from server_bridge import tokens
 from server_bridge.memory.errors import MemoryFault
 from server_bridge.memory.service import Caller, MemoryService
-from server_bridge.registry import Registry
+from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import CallContext, Emit, RpcError, RpcServer
 from server_bridge.wire import BOARD_DEFAULTS, Limits, encode
 
-__all__ = ["caller_of", "register"]
+__all__ = ["caller_of", "register", "state_seed"]
 
 log = logging.getLogger("wren.bridge.memory")
 
@@ -73,6 +73,36 @@ def caller_of(
         # or removed by another process applies within the registry's recheck time.
         grants=registry.grants_of(record.tenant, record.agent),
     )
+
+
+def state_seed(
+    service: MemoryService,
+    registry: Registry,
+    record: DeviceRecord,
+    user: str | None,
+    conv: str | None,
+    hello: Mapping[str, Any] | None,
+) -> dict[str, Any] | None:
+    """The state a run of this user and conversation on `record`'s device would load,
+    read as that run would read it: who is asking from the registry, the user and
+    conversation the bridge is about to sign into the request's scope ticket (from the
+    host's verified session token), the fields from the device's hello. None without a
+    hello or whatever service.state_seed declines."""
+    if hello is None:
+        return None
+    fields = hello.get("fields")
+    if not isinstance(fields, list):
+        return None
+    caller = Caller(
+        tenant=record.tenant,
+        device=record.device,
+        agent=record.agent,
+        user=user,
+        conv=conv,
+        fields=fields,
+        grants=registry.grants_of(record.tenant, record.agent),
+    )
+    return service.state_seed(caller)
 
 
 def _hello(hello_of: HelloOf, device: str) -> Mapping[str, Any] | None:

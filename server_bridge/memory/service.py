@@ -48,7 +48,7 @@ import msgpack
 from server_bridge.memory import errors as E
 from server_bridge.memory.grants import FIELD_NAME, NO_GRANTS, Grants
 from server_bridge.memory.merge import MISSING, merge
-from server_bridge.memory.store import SLOTS, MemoryStore, ScopeRef, ScopeTxn
+from server_bridge.memory.store import SLOTS, MemoryStore, ScopeBusy, ScopeRef, ScopeTxn
 
 __all__ = [
     "DEFAULT_SCOPE_LIMIT",
@@ -586,13 +586,36 @@ class MemoryService:
         names = args.get("fields")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise E.BadEnvelope("fields must be a list of field names")
+        return self._read_slots(caller, names, wait=True)
+
+    def state_seed(self, caller: Caller) -> dict[str, Any] | None:
+        """What a run of `caller` would load (state.load of every durable slot field its
+        hello declares), for the bridge to send in the run's `req` (PROTOCOL.md "req"):
+        `{fields, values}`, None when the agent declares no such field, when a read is
+        refused (the board's own state.load then says why) or when a scope is being
+        written (ScopeBusy: the caller is the bridge's network thread, which must not
+        wait for another's fsync; the board then loads)."""
+        names = [
+            d.name
+            for d in caller.decls.values()
+            if d.kind == "slot" and d.dur != "run" and not d.core
+        ]
+        if not names:
+            return None
+        try:
+            got = self._read_slots(caller, names, wait=False)
+        except (E.MemoryFault, ScopeBusy):
+            return None
+        return {"fields": names, "values": got["values"]}
+
+    def _read_slots(self, caller: Caller, names: list[str], *, wait: bool) -> dict[str, Any]:
         values: dict[str, Any] = {}
         vers: dict[str, int] = {}
         now = self.clock()
         for name in names:
             decl = self._slot_decl(caller, {"field": name})
             ref = self._ref(caller, decl.dur, name, write=False)
-            with self.store.scope(ref) as tx:
+            with self.store.scope(ref, wait) as tx:
                 rec = tx.table(SLOTS, "slots").get(name)
                 if rec is None:
                     continue

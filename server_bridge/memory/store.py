@@ -43,7 +43,9 @@ in place, so a reader holding the old document sees a consistent one.
 Locking: one lock per scope instance, covering all of its shards. A write checks the
 scope's storage limit against the bytes of every shard of the scope, so the check and
 the write must exclude other writes to the same scope; writes to different scopes
-(different users, agents, devices) run in parallel, and their fsyncs overlap.
+(different users, agents, devices) run in parallel, and their fsyncs overlap. A reader
+that must not wait for a write's fsync (the bridge reading a run's state on its network
+thread, service.state_seed) asks with `wait=False` and is refused ScopeBusy instead.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from server_bridge.store import AtomicJSONStorage
 __all__ = [
     "LEDGER_CAP",
     "LEDGER_TTL_S",
+    "ScopeBusy",
     "SLOTS",
     "SIZED_TABLES",
     "MemoryStore",
@@ -148,12 +151,17 @@ class ScopeTxn(Protocol):
         ...
 
 
+class ScopeBusy(Exception):
+    """`scope(ref, wait=False)` found another thread holding the scope's lock."""
+
+
 class MemoryStore(Protocol):
     """The persistence interface. A database-server backend implements `scope` as a
     transaction holding a row lock on the scope instance."""
 
-    def scope(self, ref: ScopeRef) -> Any:
-        """A context manager yielding the ScopeTxn of `ref`, its lock held."""
+    def scope(self, ref: ScopeRef, wait: bool = True) -> Any:
+        """A context manager yielding the ScopeTxn of `ref`, its lock held; with `wait`
+        false it raises ScopeBusy at once instead of waiting for another holder."""
         ...
 
     def scan(self) -> Iterator[tuple[ScopeRef, str, Mapping[str, Any]]]:
@@ -298,7 +306,7 @@ class TinyMemoryStore:
         return self.scope_dir(ref) / _shard_file(shard)
 
     @contextmanager
-    def scope(self, ref: ScopeRef) -> Iterator[ScopeTxn]:
+    def scope(self, ref: ScopeRef, wait: bool = True) -> Iterator[ScopeTxn]:
         with self._lock:
             sc = self._scopes.get(ref)
             if sc is None:
@@ -308,8 +316,12 @@ class TinyMemoryStore:
             sc.users += 1
             self._evict()
         try:
-            with sc.lock:
+            if not sc.lock.acquire(blocking=wait):
+                raise ScopeBusy(f"scope {ref.scope} of tenant {ref.tenant} is being written")
+            try:
                 yield _Txn(self, sc)
+            finally:
+                sc.lock.release()
         finally:
             with self._lock:
                 sc.users -= 1

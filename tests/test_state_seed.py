@@ -1,0 +1,173 @@
+"""A run's durable state sent with its request (PROTOCOL.md "req", `state`): the bridge
+reads what the run would load and puts it in the `req`, so the board starts its model
+call without a state.load round trip. Read for the token's user and the request's
+conversation only, for an online board, within what the board can decode, and never by
+waiting on another thread's write; else the req goes without and the board loads.
+
+A real Mosquitto, the real bridge with its memory service on disk; paho peers play the
+board and the host (tests/test_bridge.py). firmware_tests/test_memory.py has the board's
+side on both runtimes, tests/test_memory_boards.py the demo thermostat end to end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server_bridge.memory import open_memory
+from server_bridge.memory.service import Caller, MemoryService
+from server_bridge.memory.store import ScopeRef
+from server_bridge.models.scripted import ScriptedProvider
+from tests.test_bridge import World, token
+from tests.waiting import wait_for
+from tools.broker import MosquittoProcess
+
+FIELDS = [
+    {"name": "usual", "vis": "public", "dur": "user", "fmt": "number"},
+    {"name": "mood", "dur": "agent"},
+    {"name": "visits", "dur": "user", "merge": "sum"},
+    {"name": "scratch"},  # run-scoped: never leaves the board, never read
+    {"name": "notes", "dur": "agent", "kind": "collection", "key": "k"},
+    {"name": "persona", "dur": "agent", "core": True},
+]
+LIMITS = {"payload": 8192, "str": 2048, "items": 64, "depth": 8, "ring": 8}
+
+
+@pytest.fixture
+def world(broker: MosquittoProcess, tmp_path: Path) -> Iterator[World]:
+    w = World(broker, tmp_path, ScriptedProvider(), open_memory(tmp_path / "memory", None))
+    yield w
+    w.close()
+
+
+def board_up(
+    w: World, fields: list[dict[str, Any]] = FIELDS, limits: dict[str, int] = LIMITS
+) -> None:
+    w.board.send(w.d("hello"), {"agent": "thermostat", "limits": limits, "fields": fields})
+    w.board.send(w.d("status"), {"st": "online", "boot": "0a0b0c0d"})
+    wait_for(lambda: w.bridge.hello("dev1") and w.bridge.presence("dev1"), "hello and status")
+
+
+def ask(
+    w: World, req: str, user: str = "alice", conv: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    msg: dict[str, Any] = {"req": req, "input": "Set it to my usual.", "tok": token(user), **extra}
+    if conv is not None:
+        msg["conv"] = conv
+    w.host.send(w.h("req"), msg)
+    got: dict[str, Any] = w.board.get(w.d("req"))
+    assert got["req"] == req
+    return got
+
+
+def commit(w: World, c: int, sc: str, run: str, **values: Any) -> dict[str, Any]:
+    writes = [
+        {"field": k, "value": v, "w": f"{run}:{n}"} for n, (k, v) in enumerate(values.items(), 1)
+    ]
+    w.call(c, "state.commit", {"writes": writes, "sc": sc}, run=run)
+    _, final = w.answers()
+    assert final["c"] == c and "ok" in final, final
+    return dict(final["ok"])
+
+
+def test_the_req_carries_what_the_run_would_load_for_the_tokens_user(world: World) -> None:
+    board_up(world)
+    first = ask(world, "q1")
+    # Nothing stored yet: every durable slot field named, no value. Not the run-scoped,
+    # the collection or the core field: the board never loads those.
+    assert first["state"] == {"fields": ["usual", "mood", "visits"], "values": {}}
+    commit(world, 1, first["sc"], "b.1", usual=22, mood="sunny", visits=1)
+    # The next request of the same user brings what the last run wrote, as a load would.
+    second = ask(world, "q2")
+    assert second["state"] == {
+        "fields": ["usual", "mood", "visits"],
+        "values": {"usual": 22, "mood": "sunny", "visits": 1},
+    }
+    # Another user of the tenant gets the agent's fields and none of alice's, whatever
+    # the payload says about who is asking.
+    bob = ask(world, "q3", user="bob", usr="alice", user_id="alice")
+    assert bob["usr"] == "bob"
+    assert bob["state"]["values"] == {"mood": "sunny"}
+    assert world.bridge.stats["host.req_seeded"] == 3
+    assert world.bridge.stats["rpc.calls.state.commit"] == 1
+    assert world.bridge.stats["rpc.calls.state.load"] == 0
+
+
+def test_a_board_without_durable_fields_or_not_online_gets_no_state(world: World) -> None:
+    # No status yet: the board may be away, and a req waiting at the broker for it
+    # would bring state read long before its run.
+    world.board.send(world.d("hello"), {"agent": "thermostat", "limits": LIMITS, "fields": FIELDS})
+    wait_for(lambda: world.bridge.hello("dev1"), "hello")
+    assert "state" not in ask(world, "q1")
+    # Online, but only run-scoped and core fields: nothing to load, nothing added.
+    board_up(world, fields=[{"name": "scratch"}, FIELDS[-1]])
+    assert "state" not in ask(world, "q2")
+    assert world.bridge.stats["host.req_seeded"] == 0
+    assert world.bridge.stats["host.req_unseeded"] == 2
+
+
+def test_state_the_board_could_not_decode_is_left_for_it_to_load(world: World) -> None:
+    # The board reads strings of at most 256 bytes: a longer stored value would make
+    # the whole req undecodable there, so the req goes without it.
+    small = {**LIMITS, "str": 256}
+    board_up(world, limits=small)
+    first = ask(world, "q1")
+    assert "state" in first
+    commit(world, 1, first["sc"], "b.1", mood="x" * 300)
+    second = ask(world, "q2")
+    assert "state" not in second
+    assert second["input"] == "Set it to my usual." and second["usr"] == "alice"
+    assert world.bridge.stats["host.req_unseeded"] == 1
+    # The board's own load is then answered as before: the value, within the payload.
+    world.call(2, "state.load", {"fields": ["mood"], "sc": second["sc"]}, run="b.2")
+    _, final = world.answers()
+    assert final["ok"]["values"] == {"mood": "x" * 300}
+
+
+def test_a_refused_read_sends_no_state_and_the_boards_load_says_why(world: World) -> None:
+    # A tenant field the agent has no grant for: the bridge's read is refused, so the
+    # req goes without, and the board's own state.load gets the named refusal.
+    board_up(world, fields=[FIELDS[0], {"name": "budget", "dur": "tenant"}])
+    got = ask(world, "q1")
+    assert "state" not in got
+    world.call(1, "state.load", {"fields": ["usual", "budget"], "sc": got["sc"]}, run="b.1")
+    _, final = world.answers()
+    assert final["err"]["kind"] == "forbidden"
+
+
+def test_a_scope_being_written_is_not_waited_for(tmp_path: Path) -> None:
+    # The bridge reads on its network thread: a write holding the scope (its fsync) must
+    # not stall it, so the read is declined and the board loads; state.load waits.
+    memory: MemoryService = open_memory(tmp_path / "memory", None)
+    caller = Caller(tenant="acme", device="dev1", agent="thermostat", fields=[FIELDS[1]])
+    assert memory.state_seed(caller) == {"fields": ["mood"], "values": {}}
+    ref = ScopeRef("acme", "agent", "thermostat")
+    held, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with memory.store.scope(ref):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert held.wait(10)
+        assert memory.state_seed(caller) is None
+        loaded: list[dict[str, Any]] = []
+        reader = threading.Thread(
+            target=lambda: loaded.append(memory.state_load(caller, {"fields": ["mood"]}))
+        )
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive() and loaded == []  # waiting for the writer
+    finally:
+        release.set()
+        t.join(10)
+    reader.join(10)
+    assert loaded == [{"values": {}, "vers": {}}]
+    assert memory.state_seed(caller) == {"fields": ["mood"], "values": {}}
