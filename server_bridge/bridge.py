@@ -1198,7 +1198,12 @@ class Bridge:
         that is online (a request waiting at the broker for one that is not would carry
         state read long before its run), and never waiting for another thread's write of
         the same scope (this is the control connection's network thread)."""
-        if self.memory is None or presence is None or presence["st"] != "online":
+        if (
+            self.memory is None
+            or presence is None
+            or presence["st"] != "online"
+            or not self.intake.declares_fields(record.device)
+        ):
             return None
         try:
             return memory_calls.state_seed(

@@ -292,6 +292,9 @@ class EventIntake:
         self._hello_bytes = hello_bytes
         self._hello_used = 0
         self._device_limits: dict[str, Limits] = {}
+        # Devices whose last hello declares fields: only their requests may carry state
+        # (Bridge._state_seed), and the others' are not held up decoding a hello to see.
+        self._with_fields: set[str] = set()
         self._presence: dict[str, dict[str, Any]] = {}
         self._boot: dict[str, str] = {}
         # Devices whose status said offline: since when (the clock's time) and the boot
@@ -884,6 +887,10 @@ class EventIntake:
         with self._lock:
             self._keep_hello(device.device, bytes(payload))
             self._device_limits[device.device] = limits
+            if obj.get("fields"):
+                self._with_fields.add(device.device)
+            else:
+                self._with_fields.discard(device.device)
         self._presence_changed(device.device, boot, None)
         return obj
 
@@ -1023,6 +1030,11 @@ class EventIntake:
         """The decode limits a device announced in its last hello (None before any)."""
         with self._lock:
             return self._device_limits.get(device)
+
+    def declares_fields(self, device: str) -> bool:
+        """Whether the device's last hello declared any field (False before any)."""
+        with self._lock:
+            return device in self._with_fields
 
     def capabilities(self, device: str) -> dict[str, Any] | None:
         """The device's last hello, decoded (None before any, or once the hello budget

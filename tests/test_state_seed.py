@@ -47,9 +47,17 @@ def world(broker: MosquittoProcess, tmp_path: Path) -> Iterator[World]:
 def board_up(
     w: World, fields: list[dict[str, Any]] = FIELDS, limits: dict[str, int] = LIMITS
 ) -> None:
-    w.board.send(w.d("hello"), {"agent": "thermostat", "limits": limits, "fields": fields})
+    hello: dict[str, Any] = {"agent": "thermostat", "limits": limits}
+    if fields:
+        hello["fields"] = fields
+    w.board.send(w.d("hello"), hello)
     w.board.send(w.d("status"), {"st": "online", "boot": "0a0b0c0d"})
-    wait_for(lambda: w.bridge.hello("dev1") and w.bridge.presence("dev1"), "hello and status")
+
+    def known() -> bool:
+        got = w.bridge.hello("dev1")
+        return got is not None and got.get("fields") == hello.get("fields")
+
+    wait_for(lambda: known() and w.bridge.presence("dev1"), "hello and status")
 
 
 def ask(
@@ -106,8 +114,13 @@ def test_a_board_without_durable_fields_or_not_online_gets_no_state(world: World
     # Online, but only run-scoped and core fields: nothing to load, nothing added.
     board_up(world, fields=[{"name": "scratch"}, FIELDS[-1]])
     assert "state" not in ask(world, "q2")
-    assert world.bridge.stats["host.req_seeded"] == 0
-    assert world.bridge.stats["host.req_unseeded"] == 2
+    # No fields at all (the plain thermostat); then a new hello that declares some.
+    board_up(world, fields=[])
+    assert "state" not in ask(world, "q3")
+    board_up(world)
+    assert ask(world, "q4")["state"]["fields"] == ["usual", "mood", "visits"]
+    assert world.bridge.stats["host.req_seeded"] == 1
+    assert world.bridge.stats["host.req_unseeded"] == 3
 
 
 def test_state_the_board_could_not_decode_is_left_for_it_to_load(world: World) -> None:
