@@ -4,7 +4,9 @@ call without a state.load round trip. Read for the token's user and the request'
 conversation only, for an online board, within what the board can decode, and never by
 waiting on another thread's write; else the req goes without and the board loads.
 
-A real Mosquitto, the real bridge with its memory service on disk; paho peers play the
+Only what the bridge holds in memory is read (a file to read would hold up its network
+thread): a user's first request after the bridge starts goes without. A real Mosquitto,
+the real bridge with its memory service on disk; paho peers play the
 board and the host (tests/test_bridge.py). firmware_tests/test_memory.py has the board's
 side on both runtimes, tests/test_memory_boards.py the demo thermostat end to end.
 """
@@ -82,45 +84,64 @@ def commit(w: World, c: int, sc: str, run: str, **values: Any) -> dict[str, Any]
     return dict(final["ok"])
 
 
+def load(w: World, c: int, sc: str, fields: list[str]) -> dict[str, Any]:
+    """The board's own state.load, as a run whose req came without state makes it."""
+    w.call(c, "state.load", {"fields": fields, "sc": sc}, run=f"b.{c}")
+    _, final = w.answers()
+    assert final["c"] == c
+    return dict(final)
+
+
+DURABLE = ["usual", "mood", "visits"]
+
+
 def test_the_req_carries_what_the_run_would_load_for_the_tokens_user(world: World) -> None:
     board_up(world)
+    # Nothing of this user or agent in the bridge's memory yet: the network thread reads
+    # no file, so the first req goes without, and its run loads (bringing them in).
     first = ask(world, "q1")
-    # Nothing stored yet: every durable slot field named, no value. Not the run-scoped,
-    # the collection or the core field: the board never loads those.
-    assert first["state"] == {"fields": ["usual", "mood", "visits"], "values": {}}
-    commit(world, 1, first["sc"], "b.1", usual=22, mood="sunny", visits=1)
+    assert "state" not in first
+    assert load(world, 1, first["sc"], DURABLE)["ok"] == {"values": {}, "vers": {}}
+    # Every durable slot field named, no value: not the run-scoped, the collection or
+    # the core field, which the board never loads.
+    assert ask(world, "q2")["state"] == {"fields": DURABLE, "values": {}}
+    commit(world, 2, first["sc"], "b.2", usual=22, mood="sunny", visits=1)
     # The next request of the same user brings what the last run wrote, as a load would.
-    second = ask(world, "q2")
-    assert second["state"] == {
-        "fields": ["usual", "mood", "visits"],
+    assert ask(world, "q3")["state"] == {
+        "fields": DURABLE,
         "values": {"usual": 22, "mood": "sunny", "visits": 1},
     }
-    # Another user of the tenant gets the agent's fields and none of alice's, whatever
-    # the payload says about who is asking.
-    bob = ask(world, "q3", user="bob", usr="alice", user_id="alice")
-    assert bob["usr"] == "bob"
-    assert bob["state"]["values"] == {"mood": "sunny"}
+    # Another user of the tenant: the token's user, whatever the payload says about who
+    # is asking; once their scope is in memory, the agent's fields and none of alice's.
+    bob = ask(world, "q4", user="bob", usr="alice", user_id="alice")
+    assert bob["usr"] == "bob" and "state" not in bob
+    load(world, 3, bob["sc"], DURABLE)
+    again = ask(world, "q5", user="bob", usr="alice")
+    assert again["state"]["values"] == {"mood": "sunny"}
     assert world.bridge.stats["host.req_seeded"] == 3
+    assert world.bridge.stats["host.req_unseeded"] == 2
+    assert world.bridge.stats["rpc.calls.state.load"] == 2
     assert world.bridge.stats["rpc.calls.state.commit"] == 1
-    assert world.bridge.stats["rpc.calls.state.load"] == 0
 
 
 def test_a_board_without_durable_fields_or_not_online_gets_no_state(world: World) -> None:
-    # No status yet: the board may be away, and a req waiting at the broker for it
-    # would bring state read long before its run.
     world.board.send(world.d("hello"), {"agent": "thermostat", "limits": LIMITS, "fields": FIELDS})
     wait_for(lambda: world.bridge.hello("dev1"), "hello")
-    assert "state" not in ask(world, "q1")
+    sc = ask(world, "q1")["sc"]
+    load(world, 1, sc, DURABLE)
+    # No status yet: the board may be away, and a req waiting at the broker for it
+    # would bring state read long before its run.
+    assert "state" not in ask(world, "q2")
     # Online, but only run-scoped and core fields: nothing to load, nothing added.
     board_up(world, fields=[{"name": "scratch"}, FIELDS[-1]])
-    assert "state" not in ask(world, "q2")
+    assert "state" not in ask(world, "q3")
     # No fields at all (the plain thermostat); then a new hello that declares some.
     board_up(world, fields=[])
-    assert "state" not in ask(world, "q3")
+    assert "state" not in ask(world, "q4")
     board_up(world)
-    assert ask(world, "q4")["state"]["fields"] == ["usual", "mood", "visits"]
+    assert ask(world, "q5")["state"]["fields"] == DURABLE
     assert world.bridge.stats["host.req_seeded"] == 1
-    assert world.bridge.stats["host.req_unseeded"] == 3
+    assert world.bridge.stats["host.req_unseeded"] == 4
 
 
 def test_state_the_board_could_not_decode_is_left_for_it_to_load(world: World) -> None:
@@ -128,35 +149,37 @@ def test_state_the_board_could_not_decode_is_left_for_it_to_load(world: World) -
     # the whole req undecodable there, so the req goes without it.
     small = {**LIMITS, "str": 256}
     board_up(world, limits=small)
-    first = ask(world, "q1")
-    assert "state" in first
-    commit(world, 1, first["sc"], "b.1", mood="x" * 300)
+    sc = ask(world, "q1")["sc"]
+    commit(world, 1, sc, "b.1", mood="x" * 300)
     second = ask(world, "q2")
     assert "state" not in second
     assert second["input"] == "Set it to my usual." and second["usr"] == "alice"
-    assert world.bridge.stats["host.req_unseeded"] == 1
     # The board's own load is then answered as before: the value, within the payload.
-    world.call(2, "state.load", {"fields": ["mood"], "sc": second["sc"]}, run="b.2")
-    _, final = world.answers()
-    assert final["ok"]["values"] == {"mood": "x" * 300}
+    assert load(world, 2, second["sc"], DURABLE)["ok"]["values"] == {"mood": "x" * 300}
+    # A value the board can read goes in the req again.
+    commit(world, 3, sc, "b.3", mood="calm")
+    assert ask(world, "q3")["state"]["values"] == {"mood": "calm"}
+    assert world.bridge.stats["host.req_unseeded"] == 2
 
 
 def test_a_refused_read_sends_no_state_and_the_boards_load_says_why(world: World) -> None:
     # A tenant field the agent has no grant for: the bridge's read is refused, so the
     # req goes without, and the board's own state.load gets the named refusal.
     board_up(world, fields=[FIELDS[0], {"name": "budget", "dur": "tenant"}])
-    got = ask(world, "q1")
-    assert "state" not in got
-    world.call(1, "state.load", {"fields": ["usual", "budget"], "sc": got["sc"]}, run="b.1")
-    _, final = world.answers()
-    assert final["err"]["kind"] == "forbidden"
+    sc = ask(world, "q1")["sc"]
+    load(world, 1, sc, ["usual"])  # alice's scope in memory: only the refusal is left
+    assert "state" not in ask(world, "q2")
+    assert load(world, 2, sc, ["usual", "budget"])["err"]["kind"] == "forbidden"
 
 
-def test_a_scope_being_written_is_not_waited_for(tmp_path: Path) -> None:
-    # The bridge reads on its network thread: a write holding the scope (its fsync) must
-    # not stall it, so the read is declined and the board loads; state.load waits.
+def test_a_read_that_would_wait_is_declined(tmp_path: Path) -> None:
+    # The bridge reads on its network thread: neither a file to read nor a write holding
+    # the scope (its fsync) may stall it, so the read is declined and the board loads;
+    # state.load, on a worker, waits.
     memory: MemoryService = open_memory(tmp_path / "memory", None)
     caller = Caller(tenant="acme", device="dev1", agent="thermostat", fields=[FIELDS[1]])
+    assert memory.state_seed(caller) is None  # not in memory yet
+    assert memory.state_load(caller, {"fields": ["mood"]}) == {"values": {}, "vers": {}}
     assert memory.state_seed(caller) == {"fields": ["mood"], "values": {}}
     ref = ScopeRef("acme", "agent", "thermostat")
     held, release = threading.Event(), threading.Event()

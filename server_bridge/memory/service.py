@@ -48,7 +48,7 @@ import msgpack
 from server_bridge.memory import errors as E
 from server_bridge.memory.grants import FIELD_NAME, NO_GRANTS, Grants
 from server_bridge.memory.merge import MISSING, merge
-from server_bridge.memory.store import SLOTS, MemoryStore, ScopeBusy, ScopeRef, ScopeTxn
+from server_bridge.memory.store import SLOTS, MemoryStore, ScopeRef, ScopeTxn, WouldWait
 
 __all__ = [
     "DEFAULT_SCOPE_LIMIT",
@@ -592,9 +592,10 @@ class MemoryService:
         """What a run of `caller` would load (state.load of every durable slot field its
         hello declares), for the bridge to send in the run's `req` (PROTOCOL.md "req"):
         `{fields, values}`, None when the agent declares no such field, when a read is
-        refused (the board's own state.load then says why) or when a scope is being
-        written (ScopeBusy: the caller is the bridge's network thread, which must not
-        wait for another's fsync; the board then loads)."""
+        refused (the board's own state.load then says why) or when a read would wait
+        (WouldWait: a scope being written, or not yet in memory; the caller is the
+        bridge's network thread, which must wait for no fsync and read no file: the
+        board then loads, and its load brings the scope into memory)."""
         names = [
             d.name
             for d in caller.decls.values()
@@ -604,7 +605,7 @@ class MemoryService:
             return None
         try:
             got = self._read_slots(caller, names, wait=False)
-        except (E.MemoryFault, ScopeBusy):
+        except (E.MemoryFault, WouldWait):
             return None
         return {"fields": names, "values": got["values"]}
 

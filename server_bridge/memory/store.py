@@ -45,7 +45,9 @@ scope's storage limit against the bytes of every shard of the scope, so the chec
 the write must exclude other writes to the same scope; writes to different scopes
 (different users, agents, devices) run in parallel, and their fsyncs overlap. A reader
 that must not wait for a write's fsync (the bridge reading a run's state on its network
-thread, service.state_seed) asks with `wait=False` and is refused ScopeBusy instead.
+thread, service.state_seed) asks with `wait=False`: refused WouldWait instead of waiting
+for the lock, and for any shard not yet in memory (the disk, a parse of up to the
+ledger's 4,096 entries), which a reader that may wait then loads.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from server_bridge.store import AtomicJSONStorage
 __all__ = [
     "LEDGER_CAP",
     "LEDGER_TTL_S",
-    "ScopeBusy",
+    "WouldWait",
     "SLOTS",
     "SIZED_TABLES",
     "MemoryStore",
@@ -151,8 +153,9 @@ class ScopeTxn(Protocol):
         ...
 
 
-class ScopeBusy(Exception):
-    """`scope(ref, wait=False)` found another thread holding the scope's lock."""
+class WouldWait(Exception):
+    """`scope(ref, wait=False)` would have waited: for another thread holding the scope's
+    lock, or for a shard to be read from disk."""
 
 
 class MemoryStore(Protocol):
@@ -161,7 +164,8 @@ class MemoryStore(Protocol):
 
     def scope(self, ref: ScopeRef, wait: bool = True) -> Any:
         """A context manager yielding the ScopeTxn of `ref`, its lock held; with `wait`
-        false it raises ScopeBusy at once instead of waiting for another holder."""
+        false it raises WouldWait at once instead of waiting for another holder or for a
+        shard to be read from disk."""
         ...
 
     def scan(self) -> Iterator[tuple[ScopeRef, str, Mapping[str, Any]]]:
@@ -216,14 +220,17 @@ def _shard_file(shard: str) -> str:
 
 
 class _Txn:
-    def __init__(self, store: TinyMemoryStore, sc: _Scope):
+    def __init__(self, store: TinyMemoryStore, sc: _Scope, wait: bool = True):
         self.ref = sc.ref
         self._store = store
         self._sc = sc
+        self._wait = wait
 
     def _shard(self, shard: str) -> _Shard:
         got = self._sc.shards.get(shard)
         if got is None:
+            if not self._wait:
+                raise WouldWait(f"shard {shard} of scope {self.ref.scope} is not in memory")
             got = self._store._load(self._sc, shard)
         return got
 
@@ -317,9 +324,9 @@ class TinyMemoryStore:
             self._evict()
         try:
             if not sc.lock.acquire(blocking=wait):
-                raise ScopeBusy(f"scope {ref.scope} of tenant {ref.tenant} is being written")
+                raise WouldWait(f"scope {ref.scope} of tenant {ref.tenant} is being written")
             try:
-                yield _Txn(self, sc)
+                yield _Txn(self, sc, wait)
             finally:
                 sc.lock.release()
         finally:
