@@ -112,8 +112,10 @@ def test_the_req_carries_what_the_run_would_load_for_the_tokens_user(world: Worl
         "values": {"usual": 22, "mood": "sunny", "visits": 1},
     }
     # Another user of the tenant: the token's user, whatever the payload says about who
-    # is asking; once their scope is in memory, the agent's fields and none of alice's.
-    bob = ask(world, "q4", user="bob", usr="alice", user_id="alice")
+    # is asking (or brings as state); once their scope is in memory, the agent's fields
+    # and none of alice's.
+    forged = {"fields": DURABLE, "values": {"usual": 99}}
+    bob = ask(world, "q4", user="bob", usr="alice", user_id="alice", state=forged)
     assert bob["usr"] == "bob" and "state" not in bob
     load(world, 3, bob["sc"], DURABLE)
     again = ask(world, "q5", user="bob", usr="alice")
