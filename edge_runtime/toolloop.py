@@ -201,7 +201,8 @@ async def model_loop(run, state=None, pause=0):
     # model (0.17-0.19 ms of it on the unix port without fields, 0.39 ms with the
     # memory tools). Not kept for an agent with a core field or a table hosts watch:
     # those are opened as each run starts, and which memory tools apply hangs on what
-    # opened (memstart).
+    # opened (memstart.start; the test below is its own, kept here so that an agent
+    # whose tools are kept never imports memstart).
     specs = agent.specs
     if agent.fields:
         # Loaded only for an agent that declares fields: the memory tools and core memory,

@@ -164,6 +164,31 @@ def test_state_the_board_could_not_decode_is_left_for_it_to_load(world: World) -
     assert world.bridge.stats["host.req_unseeded"] == 2
 
 
+def test_state_at_the_boards_limits_goes_and_past_them_it_does_not(world: World) -> None:
+    # Sizes at the limits a board announces: a string of exactly its `str` goes, one
+    # byte more does not; state that would take the whole req past its `payload` stays
+    # behind while the request itself still goes (it is not refused too_large).
+    notes = [{"name": f"n{k}", "dur": "agent"} for k in range(4)]
+    limits = {**LIMITS, "payload": 1024, "str": 256}
+    board_up(world, fields=notes, limits=limits)
+    sc = ask(world, "q1")["sc"]
+    names = [f["name"] for f in notes]
+    load(world, 1, sc, names)
+    commit(world, 2, sc, "b.2", n0="m" * 256)
+    assert ask(world, "q2")["state"]["values"] == {"n0": "m" * 256}
+    commit(world, 3, sc, "b.3", n0="m" * 257)
+    assert "state" not in ask(world, "q3")
+    commit(world, 4, sc, "b.4", n0="a" * 250, n1="b" * 250, n2="c" * 250, n3="d" * 250)
+    over = ask(world, "q4")
+    assert "state" not in over and over["input"] == "Set it to my usual."
+    commit(world, 5, sc, "b.5", n0="a" * 100, n1="b" * 100, n2="c" * 100, n3="d" * 100)
+    fits = ask(world, "q5")
+    assert fits["state"]["values"] == {f"n{k}": ch * 100 for k, ch in enumerate("abcd")}
+    assert world.bridge.stats["refused.too_large"] == 0
+    assert world.bridge.stats["host.req_seeded"] == 2
+    assert world.bridge.stats["host.req_unseeded"] == 3
+
+
 def test_a_refused_read_sends_no_state_and_the_boards_load_says_why(world: World) -> None:
     # A tenant field the agent has no grant for: the bridge's read is refused, so the
     # req goes without, and the board's own state.load gets the named refusal.
