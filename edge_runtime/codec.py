@@ -308,45 +308,46 @@ def decode(data, max_payload=MAX_PAYLOAD, max_str=MAX_STR, max_items=MAX_ITEMS,
 
 # --------------------------------------------------------------------------- encoding
 
-# Header tables: (exclusive upper bound of the key, header byte, struct format of header
-# and field together, encoded size). The first row whose bound the key is under is the
-# smallest encoding, which is the one msgpack.packb picks. A format of None marks a fix
-# family: the value (or length) is OR-ed into the header byte.
+# Header tables: (exclusive upper bound of the key, header byte, encoded size). The first
+# row whose bound the key is under is the smallest encoding, which is the one
+# msgpack.packb picks. A size of 1 marks a fix family: the value (or length) is OR-ed
+# into the header byte; otherwise the value follows the header byte, big-endian, in the
+# rest of the size.
 _UINT_HEADS = const((
-    (_FIXINT_END, 0, None, 1),
-    (0x100, _UINT8, ">BB", 2),
-    (0x10000, _UINT16, ">BH", 3),
-    (0x100000000, _UINT32, ">BI", 5),
-    (0x10000000000000000, _UINT64, ">BQ", 9),
+    (_FIXINT_END, 0, 1),
+    (0x100, _UINT8, 2),
+    (0x10000, _UINT16, 3),
+    (0x100000000, _UINT32, 5),
+    (0x10000000000000000, _UINT64, 9),
 ))
 # Keyed by -1 - value, so -1 is 0 and the bounds read like the unsigned ones.
 _NINT_HEADS = const((
-    (_NEGFIX_END, _NEGFIX, None, 1),
-    (0x80, _INT8, ">Bb", 2),
-    (0x8000, _INT16, ">Bh", 3),
-    (0x80000000, _INT32, ">Bi", 5),
-    (0x8000000000000000, _INT64, ">Bq", 9),
+    (_NEGFIX_END, _NEGFIX, 1),
+    (0x80, _INT8, 2),
+    (0x8000, _INT16, 3),
+    (0x80000000, _INT32, 5),
+    (0x8000000000000000, _INT64, 9),
 ))
 _STR_HEADS = const((
-    (_FIXSTR_END, _FIXSTR, None, 1),
-    (0x100, _STR8, ">BB", 2),
-    (0x10000, _STR16, ">BH", 3),
-    (0x100000000, _STR32, ">BI", 5),
+    (_FIXSTR_END, _FIXSTR, 1),
+    (0x100, _STR8, 2),
+    (0x10000, _STR16, 3),
+    (0x100000000, _STR32, 5),
 ))
 _BIN_HEADS = const((
-    (0x100, _BIN8, ">BB", 2),
-    (0x10000, _BIN16, ">BH", 3),
-    (0x100000000, _BIN32, ">BI", 5),
+    (0x100, _BIN8, 2),
+    (0x10000, _BIN16, 3),
+    (0x100000000, _BIN32, 5),
 ))
 _ARRAY_HEADS = const((
-    (_FIXCOUNT_END, _FIXARRAY, None, 1),
-    (0x10000, _ARRAY16, ">BH", 3),
-    (0x100000000, _ARRAY32, ">BI", 5),
+    (_FIXCOUNT_END, _FIXARRAY, 1),
+    (0x10000, _ARRAY16, 3),
+    (0x100000000, _ARRAY32, 5),
 ))
 _MAP_HEADS = const((
-    (_FIXCOUNT_END, _FIXMAP, None, 1),
-    (0x10000, _MAP16, ">BH", 3),
-    (0x100000000, _MAP32, ">BI", 5),
+    (_FIXCOUNT_END, _FIXMAP, 1),
+    (0x10000, _MAP16, 3),
+    (0x100000000, _MAP32, 5),
 ))
 
 # The UTF-8 bytes of a str without copying them where the runtime allows: MicroPython
@@ -413,36 +414,95 @@ class Encoder:
     def _full(self):
         return TooLarge("encoding over %d bytes" % self._limit)
 
-    def _head(self, pos, table, key, value):
-        for bound, head, fmt, size in table:
-            if key < bound:
-                if pos + size > self._limit:
-                    raise self._full()
-                if self._buf is None:
-                    pass
-                elif fmt is None:
-                    self._buf[pos] = head | (value & 0xff)
-                else:
-                    struct.pack_into(fmt, self._buf, pos, head, value)
-                return pos + size
-        # Past the widest row there is no msgpack encoding at all (an int beyond 64
-        # bits, which msgpack.packb refuses too): a type the contract cannot carry.
-        raise BadType("%d does not fit a msgpack header" % value)
+    # The methods a value's walk calls for each value keep their frames within 11 words
+    # of locals and stack, which MicroPython keeps on the C stack; past that each call
+    # puts its frame on the heap (over 200 bytes on 64 bits). _put's frame is there (it
+    # is the recursion into containers): called for every value, two walks per message,
+    # it made an event of five fields cost 10 KB of allocation on the unix port, and a
+    # 128 KiB board collected about once per event. With _small and _head taking the
+    # values, 2.2 KB (micropython.mem_total).
 
-    def _copy(self, pos, data):
-        end = pos + len(data)
-        if end > self._limit:
+    def _head(self, pos, table, key, value):
+        # The header of the first row of `table` whose bound key is under, and the value
+        # written into it or after it. Rows by index, not unpacked by a for loop: that
+        # takes five more words of the frame.
+        row = 0
+        while key >= table[row][0]:
+            row += 1
+            if row == len(table):
+                # Past the widest row there is no msgpack encoding at all (an int beyond
+                # 64 bits, which msgpack.packb refuses too): a type the contract cannot carry.
+                raise BadType("%d does not fit a msgpack header" % value)
+        row = table[row]
+        key = row[2]  # from here, the encoded size
+        if pos + key > self._limit:
             raise self._full()
         if self._buf is not None:
-            self._buf[pos:end] = data
-        return end
+            self._buf[pos] = row[1] | (value & 0xff) if key == 1 else row[1]
+            while key > 1:
+                key -= 1
+                self._buf[pos + key] = value & 0xff
+                value >>= 8
+        return pos + row[2]
 
     def _raw(self, pos, table, data):
+        # data after its header from table; with table None, data alone (a Raw's bytes,
+        # an encoding already).
         n = len(data)
-        # Judged before the header so a huge str fails fast and never reaches a row.
-        if pos + n >= self._limit:
+        if table is not None:
+            # Judged before the header so a huge str fails fast and never reaches a row.
+            if pos + n >= self._limit:
+                raise self._full()
+            pos = self._head(pos, table, n, n)
+        if pos + n > self._limit:
             raise self._full()
-        return self._copy(self._head(pos, table, n, n), data)
+        if self._buf is not None:
+            self._buf[pos:pos + n] = data
+        return pos + n
+
+    def _small(self, obj, pos):
+        # Where obj's encoding ends if it is one of the values most of a message is made
+        # of: a str under 256 bytes (not one to lend), an int, nil, true or false. -1
+        # for anything else, and for a str or fixint past the limit: _put writes those
+        # or names the error.
+        t = type(obj)
+        if t is str:
+            obj = _utf8(obj)
+            t = len(obj)
+            if t > 0xff or (self._lent is not None and t >= self._lend):
+                return -1
+            if t < _FIXSTR_END:
+                if pos + 1 + t > self._limit:
+                    return -1
+                if self._buf is not None:
+                    self._buf[pos] = _FIXSTR | t
+                    self._buf[pos + 1:pos + 1 + t] = obj
+                return pos + 1 + t
+            if pos + 2 + t > self._limit:
+                return -1
+            if self._buf is not None:
+                self._buf[pos] = _STR8
+                self._buf[pos + 1] = t
+                self._buf[pos + 2:pos + 2 + t] = obj
+            return pos + 2 + t
+        if t is int:
+            if obj < 0:
+                return self._head(pos, _NINT_HEADS, -1 - obj, obj)
+            if obj >= _FIXINT_END:
+                return self._head(pos, _UINT_HEADS, obj, obj)
+        elif obj is None:
+            obj = _NIL
+        elif obj is True:
+            obj = _TRUE
+        elif obj is False:
+            obj = _FALSE
+        else:
+            return -1
+        if pos >= self._limit:
+            return -1
+        if self._buf is not None:
+            self._buf[pos] = obj
+        return pos + 1
 
     def _put(self, obj, pos, room):
         # Recursion is bounded by `room` (levels of nesting left), which is checked
@@ -454,37 +514,23 @@ class Encoder:
                 if self._lent is not None:
                     self._lent.append((pos, obj.data))
                     return pos
-                return self._copy(pos, obj.data)
+                return self._raw(pos, None, obj.data)
             t = _base_type(obj)
         if t is str:
+            # What _small leaves: a str of 256 bytes or more, one to lend, one past the
+            # limit (which _raw names).
             data = _utf8(obj)
             n = len(data)
             if self._lent is not None and n >= self._lend:
                 pos = self._head(pos, _STR_HEADS, n, n)
                 self._lent.append((pos, data))
                 return pos
-            if n >= _FIXSTR_END:
-                return self._raw(pos, _STR_HEADS, data)
-            # Keys and short texts, most strs on the wire: the first row of _STR_HEADS
-            # written inline, since a method call is a good part of the cost.
-            end = pos + 1 + n
-            if end > self._limit:
-                raise self._full()
-            if buf is not None:
-                buf[pos] = _FIXSTR | n
-                buf[pos + 1:end] = data
-            return end
+            return self._raw(pos, _STR_HEADS, data)
         if t is int:
+            # What _small leaves: a fixint past the limit, an int of a subclass.
             if obj < 0:
                 return self._head(pos, _NINT_HEADS, -1 - obj, obj)
-            if obj >= _FIXINT_END:
-                return self._head(pos, _UINT_HEADS, obj, obj)
-            # Ids, counters and flags: the fixint row of _UINT_HEADS, inline.
-            if pos >= self._limit:
-                raise self._full()
-            if buf is not None:
-                buf[pos] = obj
-            return pos + 1
+            return self._head(pos, _UINT_HEADS, obj, obj)
         if t is dict or t is list or t is tuple:
             if room < 1:
                 raise TooDeep("nesting deeper than %d" % self.max_depth)
@@ -494,11 +540,15 @@ class Encoder:
                 pos = self._head(pos, _MAP_HEADS, n, n)
                 # Keys then lookups, not items(): MicroPython builds a tuple per item.
                 for k in obj:
-                    pos = self._put(obj[k], self._put(k, pos, room), room)
+                    end = self._small(k, pos)
+                    pos = end if end >= 0 else self._put(k, pos, room)
+                    end = self._small(obj[k], pos)
+                    pos = end if end >= 0 else self._put(obj[k], pos, room)
             else:
                 pos = self._head(pos, _ARRAY_HEADS, n, n)
                 for item in obj:
-                    pos = self._put(item, pos, room)
+                    end = self._small(item, pos)
+                    pos = end if end >= 0 else self._put(item, pos, room)
             return pos
         if t is float:
             # Always float64, as msgpack.packb does by default: float32 loses digits.
@@ -534,8 +584,9 @@ def encode_exact(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
     # encodes everything it sends this way: the link keeps the payload until its
     # PUBACK anyway, so encoding straight into that one allocation needs no buffer
     # reserved for the largest payload and no second copy of each message.
-    n = Encoder(None, max_depth)._pack(obj, max_payload)
-    enc = Encoder(n, max_depth)
+    enc = Encoder(None, max_depth)
+    n = enc._pack(obj, max_payload)
+    enc._buf = bytearray(n)
     enc._pack(obj, n)
     return enc._buf
 
