@@ -37,15 +37,20 @@ def time_ms():
     return int(time.time() * 1000)
 
 
-async def sleep_ms(ms):
-    if IS_MICROPYTHON:
-        await asyncio.sleep_ms(ms)
-    else:
+# On MicroPython, asyncio's own sleep_ms rather than a coroutine around it: every call
+# of an async function allocates its generator (240 bytes on the 64-bit unix port), and
+# the link's reader sleeps for each packet that came with others.
+if IS_MICROPYTHON:
+    sleep_ms = asyncio.sleep_ms
+else:
+    async def sleep_ms(ms):
         await asyncio.sleep(ms / 1000)
 
 
 async def wait_for_ms(aw, ms):
-    # Every wait on the board is bounded; this raises asyncio.TimeoutError past ms.
+    # Every wait on the board is bounded; this raises asyncio.TimeoutError past ms. A
+    # coroutine of its own: asyncio.wait_for_ms is loaded (asyncio.funcs) when a wait
+    # first needs it.
     if IS_MICROPYTHON:
         return await asyncio.wait_for_ms(aw, ms)
     return await asyncio.wait_for(aw, ms / 1000)
