@@ -61,34 +61,15 @@ async def load(run):
     from edge_runtime.agent import RunFailed
 
     fields = durable(run.agent)
-    # The state the bridge sent in the req (run.loaded until now) spares the run the
-    # state.load round trip before its model call. Taken only when it names every
-    # durable field (a bridge with an older hello may not), the run was admitted at
-    # once (a queued request has none: runs.py) and no commit of this board waits to
-    # be sent again (the bridge read the state before that write). Anything else: the
-    # run loads it.
-    seed = run.loaded
-    run.loaded = values = None
-    if isinstance(seed, dict) and not run.runtime.commits:
-        names = seed.get("fields")
-        values = seed.get("values")
-        if not isinstance(names, list) or not isinstance(values, dict):
-            values = None
-        else:
-            for f in fields:
-                if f.name not in names:
-                    values = None
-                    break
-        names = None
-    seed = None
-    if values is None:
-        try:
-            ok = await run.rpc.call("state.load", _args(run.sc, {"fields": [f.name for f in fields]}),
-                                    run.id)
-        except RpcError as e:
-            raise RunFailed("link", "the run's state could not be loaded (%s)" % e.kind,
-                            retryable(e.kind))
-        values = ok.get("values") if isinstance(ok, dict) else None
+    # A seed the bridge sent that could be taken was taken (runs._state) before this.
+    run.loaded = None
+    try:
+        ok = await run.rpc.call("state.load", _args(run.sc, {"fields": [f.name for f in fields]}),
+                                run.id)
+    except RpcError as e:
+        raise RunFailed("link", "the run's state could not be loaded (%s)" % e.kind,
+                        retryable(e.kind))
+    values = ok.get("values") if isinstance(ok, dict) else None
     loaded = {}
     if isinstance(values, dict):
         for f in fields:
