@@ -116,8 +116,12 @@ class Run:
     async def event(self, t, d=None, node=None):
         # The way a run reports progress: wait (bounded) until the link can take the
         # event and nothing of this run waits ahead of it, then emit. Back-pressure
-        # instead of loss: a slow link slows the run down.
-        await self.runtime.flow(self.emitter)
+        # instead of loss: a slow link slows the run down. Most events find room at
+        # once, and then no flow() coroutine is made for them (each call of an async
+        # function allocates its generator on MicroPython).
+        link = self.runtime.link
+        if link is not None and (self.emitter.backlog or not link.room(_EVENT_SPARE)):
+            await self.runtime.flow(self.emitter)
         self.begin()
         self.emitter.emit(t, d, node)
 
