@@ -601,19 +601,19 @@ def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH, lend=_LEND):
     # valid for as long as they are kept (a QoS 1 resend); so are a Raw's bytes.
     # `lend`: the shortest str lent. Lower, more parts and a smaller block for the
     # rest: what a fragmented heap may still have (Runtime.publish_msg's second try).
-    count = Encoder(None, max_depth)
-    count._lent = []
-    count._lend = lend
-    n = count._pack(obj, max_payload)  # the buffer's bytes: lent ones are not in it
+    enc = Encoder(None, max_depth)
+    enc._lent = []
+    enc._lend = lend
+    n = enc._pack(obj, max_payload)  # the buffer's bytes: lent ones are not in it
     total = n
-    for _, data in count._lent:
+    for _, data in enc._lent:
         total += len(data)
     if total > max_payload:
         raise TooLarge("encoding of %d bytes over %d" % (total, max_payload))
-    count = None
-    enc = Encoder(n, max_depth)
+    # The same encoder writes what it counted, into a buffer of that size.
+    enc._buf = bytearray(n)
+    enc._mv = memoryview(enc._buf)
     enc._lent = []
-    enc._lend = lend
     enc._pack(obj, n)
     if not enc._lent:
         return [enc._buf]

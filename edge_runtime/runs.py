@@ -81,9 +81,9 @@ class Run:
         # and stays on the board with the run. Durable slot fields are seeded here at the
         # start and what the run changed of them is committed at its end (state.py).
         self.state = {}
-        # What state.load gave, encoded (state.py). Until the run starts, the state the
-        # bridge read for it and sent in the req (`state`: {fields, values}; see
-        # state.load), or None.
+        # What the run's durable fields held as it started, encoded (_state, state.py).
+        # Until the run starts, the state the bridge read for it and sent in the req
+        # (`state`: {fields, values}; see _state), or None.
         self.loaded = msg.get("state")
         self._writes = 0
         # Node path -> how many times the run has started it (toolloop, nodes.py): an
@@ -619,6 +619,19 @@ async def _state(run, commit):
                 run.loaded = codec.encode(seed)
                 return
         seed = None
+    elif run.loaded is not None:
+        # Most runs change none of their durable fields: then there is nothing to
+        # commit (state.commit would send nothing), and state.py is not imported at the
+        # run's end either, the moment its import once found no block (below).
+        seed = codec.decode(run.loaded, len(run.loaded), len(run.loaded))
+        for f in run.agent.fields:
+            if (f.dur != "run" and f.kind == "slot" and not f.core and f.name in run.state
+                    and not (f.name in seed and seed[f.name] == run.state[f.name])):
+                seed = None
+                break
+        if seed is not None:
+            run.loaded = seed = None
+            return
     try:
         from edge_runtime import state
     except MemoryError:

@@ -231,6 +231,40 @@ def test_state_in_the_req_that_misses_a_field_is_not_taken():
     run(with_board("tm-seedpart", body, agent=_state_agent(look)))
 
 
+def test_a_run_that_writes_back_what_it_loaded_sends_no_commit_and_one_that_changes_does():
+    # Decided in runs._state without state.py (not imported at such a run's end): each
+    # durable field the run holds equals what it started with, whether the state came
+    # with the req or by a load; a run-scoped field does not count. Then a change, and
+    # the commit goes as before.
+    async def same(run_):
+        s = run_.state
+        s["visits"] = 3  # written back unchanged
+        s["tags"] = ["a"]  # an equal list, another object
+        s["scratch"] = "mine"  # run-scoped
+        if run_.input == "change":
+            s["mood"] = "calm"
+        return {}
+
+    async def body(bridge, runtime):
+        _seed(bridge)
+        seed = {"fields": _DURABLE, "values": {"visits": 3, "tags": ["a"], "log": "one"}}
+        bridge.send("req", {"req": "w1", "usr": "u1", "input": "x", "sc": "t", "state": seed})
+        await bridge.wait_for(lambda: len(_ended(bridge)) == 1)
+        bridge.send("req", {"req": "w2", "usr": "u1", "input": "x", "sc": "t"})
+        await bridge.wait_for(lambda: len(_ended(bridge)) == 2)
+        assert [e["t"] for e in _ended(bridge)] == ["run.done", "run.done"]
+        assert len(bridge.mem_calls("state.load")) == 1
+        assert bridge.mem_calls("state.commit") == []
+        bridge.send("req", {"req": "w3", "usr": "u1", "input": "change", "sc": "t"})
+        await bridge.wait_for(lambda: len(_ended(bridge)) == 3)
+        assert _ended(bridge)[2]["t"] == "run.done"
+        commit, = bridge.mem_calls("state.commit")
+        assert [w["field"] for w in commit["a"]["writes"]] == ["mood"]
+        assert bridge.memory.values["mood"] == "calm" and bridge.memory.values["visits"] == 3
+
+    run(with_board("tm-same", body, agent=_state_agent(same)))
+
+
 def test_state_in_a_queued_req_or_behind_a_waiting_commit_is_loaded_again():
     seen = []
     gate = platform.asyncio.Event()
