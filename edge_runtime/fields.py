@@ -37,6 +37,9 @@ class Field:
         self.max = max
         self.ttl = ttl
         self.key = key
+        # A durable slot field: what a run holds of it is loaded at its start and what
+        # it changed is committed at its end (runs._state, state.py).
+        self.durable = dur != "run" and kind == "slot" and not core
         _rules("field", self)
 
     def describe(self):

@@ -491,7 +491,7 @@ class Runtime:
             try:
                 durable = False
                 for f in agent.fields:
-                    if f.dur != "run" and f.kind == "slot" and not f.core:
+                    if f.durable:
                         # Only an agent with durable slot fields has state to load and
                         # commit.
                         durable = True
@@ -604,7 +604,7 @@ async def _state(run, commit):
             if isinstance(names, list) and isinstance(values, dict):
                 seed = {}
                 for f in run.agent.fields:
-                    if f.dur != "run" and f.kind == "slot" and not f.core:
+                    if f.durable:
                         if f.name not in names:
                             seed = None
                             break
@@ -625,8 +625,8 @@ async def _state(run, commit):
         # run's end either, the moment its import once found no block (below).
         seed = codec.decode(run.loaded, len(run.loaded), len(run.loaded))
         for f in run.agent.fields:
-            if (f.dur != "run" and f.kind == "slot" and not f.core and f.name in run.state
-                    and not (f.name in seed and seed[f.name] == run.state[f.name])):
+            if f.durable and f.name in run.state and not (
+                    f.name in seed and seed[f.name] == run.state[f.name]):
                 seed = None
                 break
         if seed is not None:

@@ -40,7 +40,7 @@ _RETRY = (" timeout link bridge_offline bridge_restarted bridge_stopping unsenda
 
 
 def durable(agent):
-    return [f for f in agent.fields if f.dur != "run" and f.kind == "slot" and not f.core]
+    return [f for f in agent.fields if f.durable]
 
 
 def retryable(kind):
