@@ -424,8 +424,8 @@ class Encoder:
 
     def _head(self, pos, table, key, value):
         # The header of the first row of `table` whose bound key is under, and the value
-        # written into it or after it. Rows by index, not unpacked by a for loop: that
-        # takes five more words of the frame.
+        # written into it or after it. Rows by index, not unpacked by a for loop, whose
+        # iterator and four names would take the frame past 11 words.
         row = 0
         while key >= table[row][0]:
             row += 1

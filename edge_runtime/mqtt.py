@@ -224,15 +224,16 @@ def publish_header(topic, size, qos=0, retain=False, dup=False, pid=0):
     rest = var + size  # the remaining length
     if rest > _MAX_LEN:
         raise ValueError("remaining length")
+    # Where the topic starts: after the first byte and the remaining length's digits.
     at = 2 if rest < 0x80 else 3 if rest < 0x4000 else 4 if rest < 0x200000 else 5
     out = bytearray(at + var)
     out[0] = _PUBLISH << 4 | qos << 1 | (_DUP if dup else 0) | (_RETAIN if retain else 0)
-    var = 1
+    i = 1
     while rest > 127:
-        out[var] = rest & 127 | 128
+        out[i] = rest & 127 | 128
         rest >>= 7
-        var += 1
-    out[var] = rest
+        i += 1
+    out[i] = rest
     out[at] = len(topic) >> 8
     out[at + 1] = len(topic) & 255
     out[at + 2:at + 2 + len(topic)] = topic

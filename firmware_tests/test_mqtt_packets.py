@@ -81,6 +81,24 @@ def test_remaining_length_boundaries():
     raises(ValueError, mqtt.encode_length, -1)
 
 
+def test_publish_header_at_each_remaining_length_width():
+    # The header is written into one buffer of its size (mqtt.publish_header): at the
+    # first and last size of each width of the remaining length it is the first byte,
+    # that length's digits, the topic and the packet id, and nothing else. A payload of
+    # `size` bytes is not passed, only its size, so the 4-digit widths cost no memory.
+    topic = "wren/v1/d/dev1/evt"
+    for qos, pid, tail in ((0, 0, ""), (1, 0x1234, "12 34")):
+        var = 2 + len(topic) + (2 if qos else 0)
+        for rest in (var, 127, 128, 16383, 16384, 2097151, 2097152, 268435455):
+            head = mqtt.publish_header(topic, rest - var, qos, qos == 1, False, pid)
+            want = (bytes((0x30 | qos << 1 | (1 if qos else 0),)) + mqtt.encode_length(rest)
+                    + H("00 12") + topic.encode() + H(tail))
+            assert bytes(head) == want, (qos, rest)
+        raises(ValueError, mqtt.publish_header, topic, 268435456 - var, qos, False, False, pid)
+    assert bytes(mqtt.publish_header(b"a/b", 0, 1, False, True, 1)) == H("3a 07 00 03 61 2f 62 00 01")
+    raises(ValueError, mqtt.publish_header, "a/b", 0, 1, False, False, 0x10000)
+
+
 # --- decoders --------------------------------------------------------------------------
 
 class Bytes:
