@@ -999,7 +999,9 @@ class SimBoard:
                 self.active = self._emitter(run, self.ring)
                 self.step_runs[run] = self.active
             assert self.active is not None
+            # As Run.emit: into the ring, then handed over with whatever else waits.
             self.active.emit(t, d)
+            self.active.pump()
             if t in TERMINAL:
                 self.recent.append(self.active)
                 self.active = None
@@ -1023,6 +1025,7 @@ class SimBoard:
                     "error",
                     {"kind": "unknown_run", "msg": f"run {run} is no longer held", "r": run},
                 )
+                self.stream.pump()
                 return
             before = emitter.last_id
             emitter.replay(int(after))
@@ -1039,14 +1042,16 @@ class SimBoard:
             return {f"{self.device} {r}": e.last_id for r, e in self.step_runs.items()}
 
 
-def _publisher(client: paho.Client, topic: str) -> Callable[[bytes], bool]:
+def _publisher(client: paho.Client, topic: str) -> Callable[[bytes | list[bytes]], bool]:
     """The rings' way out: False (nothing queued) when the link has no room. A closure
     over the client, not a method of the board: a board -> emitter -> board cycle would
     keep figure 5's closed clients, and their sockets, until the garbage collector ran,
-    and paho's select() fails on a descriptor past 1023."""
+    and paho's select() fails on a descriptor past 1023. Events that waited together
+    come as a list of parts (Emitter.pump), one payload written one after another."""
 
-    def send(data: bytes) -> bool:
-        return bool(client.publish(topic, data, qos=1).rc == paho.MQTT_ERR_SUCCESS)
+    def send(data: bytes | list[bytes]) -> bool:
+        payload = b"".join(data) if isinstance(data, list) else data
+        return bool(client.publish(topic, payload, qos=1).rc == paho.MQTT_ERR_SUCCESS)
 
     return send
 

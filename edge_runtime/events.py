@@ -9,6 +9,18 @@
 # one object instead of thirty, 1.5 KiB less board heap (64-bit unix port).
 from edge_runtime.ring import Ring
 
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+# The most events, and bytes of them, one payload carries when several wait (pump).
+_BATCH_EVENTS = const(15)  # a msgpack fixarray's most
+_BATCH_BYTES = const(1024)
+# A fixarray's header for n items is byte n of this.
+_FIXARRAY_HEADS = const(b"\x90\x91\x92\x93\x94\x95\x96\x97\x98\x99\x9a\x9b\x9c\x9d\x9e\x9f")
+
 # Run id for events that belong to no run (refused input, a request that was never
 # admitted). It has its own id sequence like any run.
 DEVICE_RUN = "_"
@@ -56,8 +68,9 @@ class Emitter:
     #
     # The ring, not the link, is where an event lives: `send(data) -> bool` is the
     # link's publish, which says False when its outbox is full, and then the event
-    # simply waits in the ring; pump() hands the link what it has not had, oldest
-    # first, when there is room again. So the link never drops an event. Only the ring
+    # simply waits in the ring. emit() only puts an event there; pump() hands the link
+    # what it has not had, oldest first, now or when there is room again, so events
+    # made one after another can go together. The link never drops an event. Only the ring
     # overwriting events the link never took loses anything (a run waits for room
     # before it emits, so only a burst of device-stream refusals can), and that loss is
     # reported as a gap, like ids a replay asks for that the ring no longer holds.
@@ -107,7 +120,6 @@ class Emitter:
             self._held -= self._size(self.ring.at(0))
         self.ring.push(data)
         self._held += len(data)
-        self.pump()
 
     def held(self, k):
         # The k-th oldest event the ring holds, encoded: its own bytearray, or a view of
@@ -145,22 +157,48 @@ class Emitter:
 
     def pump(self):
         # True when the link has had every event; False while it has no room.
-        first = self.last_id - len(self.ring) + 1
-        if self.sent < first - 1:
-            self.lost += first - 1 - self.sent
-            self._gap(self.sent + 1, first - 1)
-            self.sent = first - 1
-        while self.sent < self.last_id:
-            if not self._send(self.held(self.sent + 1 - first)):
-                return False
-            self.sent += 1
-        # Reported only with nothing waiting: the report's own place in the ring then
-        # holds an event already sent, so reporting can never cost another event.
-        while self._gaps:
+        while True:
+            first = self.last_id - len(self.ring) + 1
+            if self.sent < first - 1:
+                self.lost += first - 1 - self.sent
+                self._gap(self.sent + 1, first - 1)
+                self.sent = first - 1
+            while self.sent < self.last_id:
+                # Events waiting together go as one payload, a msgpack array of them
+                # (PROTOCOL "Event envelope"): its header, then each event's bytes as the
+                # ring holds them, a list of parts the link writes one after another.
+                # A model step's run.started, node.start and msg.start then cost the
+                # board, the broker and the bridge one message, not three, while the
+                # bridge starts the model call. Within _BATCH_BYTES, far under the
+                # smallest max_send a board can run with (a model call needs more).
+                k = self.sent + 1 - first
+                data = self.held(k)
+                n = 1
+                size = len(data)
+                parts = None
+                while k + n < len(self.ring) and n < _BATCH_EVENTS:
+                    more = self.held(k + n)
+                    size += len(more)
+                    if size > _BATCH_BYTES:
+                        break
+                    if parts is None:
+                        parts = [None, data]
+                    parts.append(more)
+                    n += 1
+                if parts is not None:
+                    parts[0] = _FIXARRAY_HEADS[n:n + 1]
+                    data = parts
+                if not self._send(data):
+                    return False
+                self.sent += n
+            # Reported only with nothing waiting: the report's own place in the ring then
+            # holds an event already sent, so reporting can never cost another event.
+            # One at a time, each sent before the next is made.
+            if not self._gaps:
+                return True
             lo, hi = self._gaps.pop(0)
             self.emit("error", {"kind": "gap", "msg": "events %d..%d are no longer held" % (lo, hi),
                                 "from": lo, "to": hi})
-        return self.sent == self.last_id
 
     def _gap(self, a, b):
         # One report for ids a..b lost one after another, not one per event.

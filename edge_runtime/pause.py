@@ -422,6 +422,7 @@ def replay(runtime, run_id, after):
         if after < lost:
             em.emit("error", {"kind": "gap", "from": after + 1, "to": lost,
                               "msg": "events %d..%d are no longer held" % (after + 1, lost)})
+            em.pump()
             _save(run, "paused", ck["s"], ck["m"], ck["u"], ck["w"], _left(runtime, run_id))
     _release(run)
     _gone(runtime, run)

@@ -99,9 +99,10 @@ class Run:
         self.started_d = None  # run.started's fields until it is emitted (begin)
 
     def begin(self):
-        # Emits run.started, once: the run's first event, whatever comes next. The model
-        # loop calls it just after its model call has gone, so the call does not wait
-        # behind it; every other way to emit calls it first.
+        # Puts run.started in the ring, once: the run's first event, whatever comes
+        # next, and sent with it. The model loop calls it just after its model call has
+        # gone, so the call does not wait behind it; every other way to emit calls it
+        # first.
         d = self.started_d
         if d is not None:
             self.started_d = None
@@ -112,6 +113,7 @@ class Run:
         # in the ring and goes out later.
         self.begin()
         self.emitter.emit(t, d, node)
+        self.emitter.pump()
 
     async def event(self, t, d=None, node=None):
         # The way a run reports progress: wait (bounded) until the link can take the
@@ -124,6 +126,7 @@ class Run:
             await self.runtime.flow(self.emitter)
         self.begin()
         self.emitter.emit(t, d, node)
+        self.emitter.pump()
 
     def w(self):
         # The next write id of the run, "<run id>:<seq>": the bridge applies each once.
@@ -415,6 +418,7 @@ class Runtime:
             d.update(more)
         platform.log("refused", kind, msg)
         self.device_stream.emit("error", d)
+        self.device_stream.pump()
 
     def _on_req(self, msg):
         req = msg.get("req")
@@ -517,6 +521,7 @@ class Runtime:
                         from edge_runtime.toolloop import model_loop as handler
                     else:
                         run.begin()
+                        run.emitter.pump()
                     run.check_cancelled()
                     if durable:
                         await _state(run, False)

@@ -202,11 +202,13 @@ async def resend(runtime):
                     "kind": "commit", "r": run_id, "fields": names,
                     "msg": "the commit of %s was refused (%s) when sent again" % (
                         ", ".join(names), e.kind)})
+                runtime.device_stream.pump()
                 continue
             runtime.commits.pop(0)
             for name, kind in _refused(ok):
                 runtime.device_stream.emit("error", {
                     "kind": "commit", "r": run_id, "fields": [name],
                     "msg": "the write of %s was refused (%s)" % (name, kind)})
+                runtime.device_stream.pump()
     finally:
         runtime.resending = False

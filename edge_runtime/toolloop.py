@@ -251,15 +251,25 @@ async def model_loop(run, state=None, pause=0):
             # whatever is queued ahead of it on the link (msg.start) or read ahead of it
             # at the bridge holds it up. msg.start still comes before the turn's text.
             call = await run.rpc.start("llm.complete", args, run.id)
-            run.begin()  # run.started, on the first step, right behind the call
             try:
-                # A turn for the link to send the call, then the step's collection while
-                # the model works, rather than between the request and the call.
+                # Right behind the call, as one payload (Emitter.pump): run.started on
+                # the first step, node.start and msg.start. Three messages arriving one
+                # after another held up the bridge as it started the model call (figure
+                # 1 of benchmarks/bench_bridge.py, about 0.2 ms). Waiting (flow) as
+                # run.event does: before, for events of the run still waiting; after,
+                # when the link had no room for these.
+                if run.emitter.backlog:
+                    await run.runtime.flow(run.emitter)
+                run.begin()
+                run.emitter.emit(start, {"kind": "model"}, here)
+                run.emitter.emit("msg.start", {"m": m, "role": "assistant"})
+                begun = True
+                if not run.emitter.pump():
+                    await run.runtime.flow(run.emitter)
+                # A turn for the link, then the step's collection while the model
+                # works, rather than between the request and the call.
                 await platform.sleep_ms(0)
                 platform.collect()
-                await run.event(start, {"kind": "model"}, here)
-                await run.event("msg.start", {"m": m, "role": "assistant"})
-                begun = True
                 while True:
                     ch = await call.next(deltas.wait_ms(_IDLE_MS))
                     if ch is None:

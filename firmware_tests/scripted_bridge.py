@@ -259,6 +259,9 @@ class ScriptedBridge:
         self.script = script
         self.answer_rpc = answer_rpc
         self.events = []
+        # The event types of each evt payload, in order: a list of several when the
+        # board sent events together (Emitter.pump).
+        self.evt_payloads = []
         self.calls = []
         self.acks = {}  # call id -> the highest chunk the board acknowledged
         self.stops = []  # call ids the board said stop for
@@ -286,6 +289,7 @@ class ScriptedBridge:
         msg = codec.decode(payload)
         if topic.endswith("/evt"):
             self.events.extend(msg if isinstance(msg, list) else [msg])
+            self.evt_payloads.append([e["t"] for e in msg] if isinstance(msg, list) else [msg["t"]])
         elif topic.endswith("/hello"):
             self.hellos.append(msg)
         elif topic.endswith("/rpc"):

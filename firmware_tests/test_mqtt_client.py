@@ -1,6 +1,7 @@
 # The Link against a real broker (the session's Mosquitto, address from
 # WREN_TEST_BROKER): publish/subscribe, QoS 1 redelivery across a cut connection,
-# the last will, a full outbox, messages over the receive buffer, a persistent
+# the last will, a full outbox, the order of what the sender and a direct publish
+# write, messages over the receive buffer, a persistent
 # session, and a MemoryError in each of the link's tasks. The other MQTT clients here
 # are Links too, so the module runs unchanged on the MicroPython unix port.
 import random
@@ -253,6 +254,41 @@ def test_a_full_outbox_refuses_and_loses_nothing_it_took():
         sub_task = asyncio.create_task(sub.run())
         try:
             assert await sub.wait_connected(WAIT_MS)  # subscribed before dev sends
+            await _with([dev], body)
+        finally:
+            sub.stop()
+            await wait_for_ms(sub_task, WAIT_MS)
+
+    run(main())
+
+
+def test_a_publish_made_while_the_sender_writes_a_message_goes_out_behind_it():
+    # The sender took m0 from the outbox and tells on_room before it writes it; a
+    # publish from on_room (the runtime pumps its rings there) found the outbox empty
+    # and the socket free, went straight onto it and overtook m0. So did a run's next
+    # event while the write lock passed to the sender (on MicroPython a lock handed to
+    # a waiting task is not locked() until it runs): the bridge then read the board's
+    # events out of order.
+    base = _base()
+    topic = base + "/order"
+
+    async def main():
+        got, on_message = _collector()
+        sub = _link("sub", on_message=on_message)
+        sub.subscribe(topic, 1)
+        dev = _link("dev", outbox_size=1)
+        assert dev.publish(topic, b"m0", 1)  # waits: the link is not running yet
+        assert not dev.publish(topic, b"m1", 1)  # refused: on_room will be told
+        late = []
+        dev.on_room = lambda: late.append(dev.publish(topic, b"late", 1))
+
+        async def body():
+            await _until(lambda: len(got) == 2, "both messages")
+            assert late == [True] and [p for _, p in got] == [b"m0", b"late"]
+
+        sub_task = asyncio.create_task(sub.run())
+        try:
+            assert await sub.wait_connected(WAIT_MS)
             await _with([dev], body)
         finally:
             sub.stop()
