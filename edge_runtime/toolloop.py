@@ -255,7 +255,7 @@ async def model_loop(run, state=None, pause=0):
                 # Right behind the call, as one payload (Emitter.pump): run.started on
                 # the first step, node.start and msg.start. Three messages arriving one
                 # after another held up the bridge as it started the model call (figure
-                # 1 of benchmarks/bench_bridge.py, about 0.2 ms). Waiting (flow) as
+                # 1 of benchmarks/bench_bridge.py, 0.2-0.5 ms at p50). Waiting (flow) as
                 # run.event does: before, for events of the run still waiting; after,
                 # when the link had no room for these.
                 if run.emitter.backlog:
@@ -310,7 +310,12 @@ async def model_loop(run, state=None, pause=0):
             raise RunFailed("llm", msg[:200] if isinstance(msg, str) and msg
                             else "the model is unavailable (%s)" % e.kind,
                             d.get("retryable") is not False, d.get("cause"))
-        await run.event("msg.end", {"m": m})
+        # The step's end, msg.end, usage and node.end, goes as one payload too, waiting
+        # (flow) as run.event does: before, for the turn's text still waiting; after,
+        # when the link had no room for these.
+        if run.emitter.backlog:
+            await run.runtime.flow(run.emitter)
+        run.emitter.emit("msg.end", {"m": m})
         if not isinstance(final, dict):
             final = {}
         got = final.get("usage")
@@ -321,14 +326,16 @@ async def model_loop(run, state=None, pause=0):
             value = got.get(key)
             if isinstance(value, int):
                 usage[key] += value
-        await run.event("usage", got, here)
+        run.emitter.emit("usage", got, here)
         if not calls and final.get("finish") == "tool_calls":
             # The model called a tool but no call reached the board: ending "done"
             # would claim an answer that was never given.
             run.emit(end, {"status": "failed"}, here)
             raise RunFailed("llm", "the model's tool call was lost on the way", True)
         # Its way out: to the tools it called, or done with its answer.
-        await run.event(end, {"status": completed, "port": "tools" if calls else "done"}, here)
+        run.emitter.emit(end, {"status": completed, "port": "tools" if calls else "done"}, here)
+        if not run.emitter.pump():
+            await run.runtime.flow(run.emitter)
         if not calls:
             return usage
         # The turn's text goes back to the model with its tool calls. Joined only now:

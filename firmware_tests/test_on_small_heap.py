@@ -4,17 +4,20 @@ collection, one recall and one core append, served on the MicroPython unix port 
 (firmware_tests/memory_turn.py) in this process. The smallest heap it needs is
 benchmarks/bench_heap.py's `memory` figure.
 
-The ceilings are that figure (125-127 KiB 64-bit, 89-90 KiB 32-bit, bisected on several
+The ceilings are that figure (125-127 KiB 64-bit, 89-91 KiB 32-bit, bisected on several
 runs, the model loop's nodes included, and since the session that kept the model's
 tools encoded across runs and woke RPC readers with a Bell) with 1-2 KiB to spare; the
-64-bit one is the demo's 128K, the heap the issue asks this turn to run in. What got it there from
-130/93: modules a run needs only at its edges (state: load and commit; core: a
+64-bit one is the demo's 128K, the heap the issue asks this turn to run in. What got the
+figures there from 130/93: modules a run needs only at its edges (state: load and commit; core: a
 document's open and each edit; memstart: the memory's start) are imported for that and
 let go again (platform.unload), so they are not on the heap while the model loop runs,
 where a run peaks; and from 128/91, code a run never needs is not on the heap at all:
 ctl ops (control.py) come with a ctl, the fields' declaration rules (fieldcheck.py)
 with a declaration, the board's status and hello (presence.py) with a connection, each
-let go after. The runtime's names fill
+let go after. The 32-bit ceiling went from 91 to 92 when a run's events began to leave
+together (Emitter.pump's batches): that code took the 32-bit figure from 90 to 91 KiB
+(64-bit unchanged at 126), and at 91K the turn failed once in four runs of the suite.
+The runtime's names fill
 MicroPython's qstr pool: the next doubling adds 640 entries (7 KiB on 64 bits) at once,
 so a handful of new names on a run's path costs 7 KiB; private tables are const() for
 that reason, and the last test below keeps a margin."""
@@ -32,7 +35,7 @@ from firmware_tests.memory_turn import turn_ok
 from tests.stack import i686_binary
 from tools.virtual_board import lay_out_flash, micropython_binary
 
-CEILING_KIB = {64: 128, 32: 91}
+CEILING_KIB = {64: 128, 32: 92}
 
 
 def test_a_memory_turn_runs_within_its_ceiling_from_mpy(broker, tmp_path: Path) -> None:

@@ -32,12 +32,12 @@ def test_one_request_runs_the_tool_loop_to_done():
             "node.start", "msg.start", "msg.delta", "msg.end", "usage", "node.end",
             "run.done"]
         # Each model step's first events go together, one payload right behind its
-        # call; every other event as it comes.
+        # call, and so do its last; every other event as it comes.
         assert bridge.evt_payloads == [
             ["run.started", "node.start", "msg.start"], ["msg.delta"], ["msg.delta"],
-            ["msg.end"], ["usage"], ["node.end"], ["node.start"], ["tool.call"],
+            ["msg.end", "usage", "node.end"], ["node.start"], ["tool.call"],
             ["tool.result"], ["node.end"], ["node.start", "msg.start"], ["msg.delta"],
-            ["msg.end"], ["usage"], ["node.end"], ["run.done"]]
+            ["msg.end", "usage", "node.end"], ["run.done"]]
         started = events[0]["d"]
         assert started["req"] == "q1" and started["input"] == "How warm is it?"
         assert started["domain"] == "request" and started["agent"] == "thermostat"
