@@ -497,16 +497,18 @@ class Link:
                     new = self._subs[self._nsubs:]
                     self._nsubs = len(self._subs)
                     await self._write(conn, mqtt.encode_subscribe(pid, new))
-                # A message's send time is set once it is written: until then
-                # _send_now writes nothing straight to the socket, which would overtake
-                # it. The write lock alone does not keep them in order: on MicroPython a
-                # lock handed to a waiting task is not locked() until that task runs,
-                # and a run's next event went out ahead of the one the sender held.
+                # A message's send time is set once it is written, on a connection
+                # still current (a new one sends it again): until then _send_now writes
+                # nothing straight to the socket, which would overtake it. The write
+                # lock alone does not keep them in order: on MicroPython a lock handed
+                # to a waiting task is not locked() until that task runs, and a run's
+                # next event went out ahead of the one the sender held.
                 for e in self._inflight:
                     if e[_SENT] is None and conn is self._conn:
                         self.stats["retransmits"] += 1
                         await self._publish(conn, e, 1, True)
-                        e[_SENT] = platform.ticks_ms()
+                        if conn is self._conn:
+                            e[_SENT] = platform.ticks_ms()
                 while (len(self._outbox) and len(self._inflight) < self._inflight_max
                        and conn is self._conn):
                     topic, payload, qos, retain = self._outbox.pop()
@@ -515,7 +517,8 @@ class Link:
                         self._inflight.append(e)
                     self._took()
                     await self._publish(conn, e, qos, False)
-                    e[_SENT] = platform.ticks_ms()
+                    if conn is self._conn:
+                        e[_SENT] = platform.ticks_ms()
                 if _unsent(conn[1]) and conn is self._conn:
                     await self._write(conn)  # what a direct write left: drain it
                 # Look again anyway once the wait runs out: a missed wake-up costs at
