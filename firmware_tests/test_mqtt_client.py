@@ -58,6 +58,18 @@ async def _with(links, body):
                 t.cancel()
 
 
+async def _after_subscribed(sub, dev, body):
+    # sub runs and is subscribed before dev's link starts, so it misses nothing dev
+    # sends; then body() runs with dev's link (_with), and sub is always stopped.
+    sub_task = asyncio.create_task(sub.run())
+    try:
+        assert await sub.wait_connected(WAIT_MS)
+        await _with([dev], body)
+    finally:
+        sub.stop()
+        await wait_for_ms(sub_task, WAIT_MS)
+
+
 def _collector():
     got = []
 
@@ -251,13 +263,7 @@ def test_a_full_outbox_refuses_and_loses_nothing_it_took():
             assert rooms, "on_room was not called after a refusal"
             await _until(lambda: dev.pending == 0, "PUBACKs")
 
-        sub_task = asyncio.create_task(sub.run())
-        try:
-            assert await sub.wait_connected(WAIT_MS)  # subscribed before dev sends
-            await _with([dev], body)
-        finally:
-            sub.stop()
-            await wait_for_ms(sub_task, WAIT_MS)
+        await _after_subscribed(sub, dev, body)
 
     run(main())
 
@@ -286,13 +292,7 @@ def test_a_publish_made_while_the_sender_writes_a_message_goes_out_behind_it():
             await _until(lambda: len(got) == 2, "both messages")
             assert late == [True] and [p for _, p in got] == [b"m0", b"late"]
 
-        sub_task = asyncio.create_task(sub.run())
-        try:
-            assert await sub.wait_connected(WAIT_MS)
-            await _with([dev], body)
-        finally:
-            sub.stop()
-            await wait_for_ms(sub_task, WAIT_MS)
+        await _after_subscribed(sub, dev, body)
 
     run(main())
 
@@ -342,13 +342,7 @@ def test_acks_wake_the_sender_for_what_waits_and_a_message_allocates_little():
             measured = 10 if sys.implementation.name == "micropython" else 0
             await _until(lambda: len(got) == 5 + 3 + measured, "every message")
 
-        sub_task = asyncio.create_task(sub.run())
-        try:
-            assert await sub.wait_connected(WAIT_MS)
-            await _with([dev], body)
-        finally:
-            sub.stop()
-            await wait_for_ms(sub_task, WAIT_MS)
+        await _after_subscribed(sub, dev, body)
 
     run(main())
 
