@@ -58,6 +58,14 @@ async def _with(links, body):
                 t.cancel()
 
 
+def _subscriber(topic):
+    # A link that collects what arrives on `topic` (QoS 1) into `got`.
+    got, on_message = _collector()
+    sub = _link("sub", on_message=on_message)
+    sub.subscribe(topic, 1)
+    return got, sub
+
+
 async def _after_subscribed(sub, dev, body):
     # sub runs and is subscribed before dev's link starts, so it misses nothing dev
     # sends; then body() runs with dev's link (_with), and sub is always stopped.
@@ -83,9 +91,7 @@ def test_publish_subscribe_round_trip_qos0_qos1_and_retained():
     base = _base()
 
     async def main():
-        got, on_message = _collector()
-        sub = _link("sub", on_message=on_message)
-        sub.subscribe(base + "/+", 1)
+        got, sub = _subscriber(base + "/+")
         pub = _link("pub")
 
         async def body():
@@ -193,9 +199,7 @@ def test_qos1_message_is_redelivered_after_the_connection_is_cut():
 
     async def main():
         proxy = await CutProxy(topic).start()
-        got, on_message = _collector()
-        sub = _link("sub", on_message=on_message)
-        sub.subscribe(topic, 1)
+        got, sub = _subscriber(topic)
         dev = _link("dev", proxy.port)
 
         async def body():
@@ -243,9 +247,7 @@ def test_a_full_outbox_refuses_and_loses_nothing_it_took():
     topic = base + "/evt"
 
     async def main():
-        got, on_message = _collector()
-        sub = _link("sub", on_message=on_message)
-        sub.subscribe(topic, 1)
+        got, sub = _subscriber(topic)
         dev = _link("dev", outbox_size=4)
         # While the link is not running, four wait; the rest are refused, not dropped
         # in place of older ones. `spare` keeps slots for others.
@@ -279,9 +281,7 @@ def test_a_publish_made_while_the_sender_writes_a_message_goes_out_behind_it():
     topic = base + "/order"
 
     async def main():
-        got, on_message = _collector()
-        sub = _link("sub", on_message=on_message)
-        sub.subscribe(topic, 1)
+        got, sub = _subscriber(topic)
         dev = _link("dev", outbox_size=1)
         assert dev.publish(topic, b"m0", 1)  # waits: the link is not running yet
         assert not dev.publish(topic, b"m1", 1)  # refused: on_room will be told
@@ -308,9 +308,7 @@ def test_acks_wake_the_sender_for_what_waits_and_a_message_allocates_little():
     topic = base + "/acks"
 
     async def main():
-        got, on_message = _collector()
-        sub = _link("sub", on_message=on_message)
-        sub.subscribe(topic, 1)
+        got, sub = _subscriber(topic)
         dev = _link("dev", inflight=1, outbox_size=8)
 
         async def one(payload):
