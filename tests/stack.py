@@ -129,6 +129,16 @@ def persistence_conf(directory: Path) -> str:
     return f"persistence true\npersistence_location {directory.resolve()}/\n"
 
 
+def counters(path: Path) -> dict[str, int]:
+    """The bridge-wide counters of a --stats-file export (name -> value)."""
+    out = {}
+    for line in path.read_text().splitlines() if path.exists() else ():
+        name, _, value = line.partition(" ")
+        if name.endswith("_total") and "{" not in name:
+            out[name] = int(value)
+    return out
+
+
 def assistant_text(snap: RunSnapshot) -> str:
     """All assistant text of a run, in order."""
     return "".join(row.text for row in snap.rows if row.kind == "assistant")

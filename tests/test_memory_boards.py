@@ -13,7 +13,7 @@ from server_bridge.host.reducer import RunSnapshot
 from server_bridge.registry import Registry
 from server_bridge.tokens import sign
 from tests.model_server import ModelServer, ToolCall, Turn
-from tests.stack import TENANT, Stack
+from tests.stack import TENANT, Stack, counters
 from tests.waiting import wait_for
 from tools.virtual_board import VirtualBoard, lay_out_flash
 
@@ -30,16 +30,6 @@ def calls(snap: RunSnapshot, name: str) -> list[tuple[str | None, object, bool]]
         if row.kind == "tool_call" and row.name == name:
             res = results.get(row.call)
             out.append((row.input, res.output if res else None, res.failed if res else True))
-    return out
-
-
-def counters(path: Path) -> dict[str, int]:
-    """The bridge-wide counters of a --stats-file export (name -> value)."""
-    out = {}
-    for line in path.read_text().splitlines() if path.exists() else ():
-        name, _, value = line.partition(" ")
-        if name.endswith("_total") and "{" not in name:
-            out[name] = int(value)
     return out
 
 

@@ -406,6 +406,72 @@ def test_the_retry_is_one_and_only_for_a_reused_connection(server: ModelServer) 
     assert server.connections == 4
 
 
+# --- a request sent early (on the thread that received the call), answered by the call
+
+
+def test_a_request_sent_early_is_at_the_server_before_the_call_and_answered_once(
+    server: ModelServer,
+) -> None:
+    server.script = [Turn(text="Hello there")]
+    provider = provider_for(server)
+    # No idle connection yet: nothing goes early, and the call sends its own request.
+    assert provider.send_early(USER, TOOLS) is None and server.requests == []
+    call(provider)
+    early = provider.send_early(USER, TOOLS)
+    assert early is not None and early.rest == b"" and provider.idle == 0
+    # Nothing but the early send can have made the second request.
+    server.wait_requests(2, JOIN_S)
+    chunks, final = call(provider, early=early)
+    assert "".join(c["text"] for c in chunks) == "Hello there" and final["finish"] == "stop"
+    # Sent once, on the kept connection, which is kept again for the next call.
+    assert server.connections == 1 and len(server.requests) == 2 and provider.idle == 1
+
+
+def test_what_the_socket_had_no_room_for_is_sent_by_the_call(server: ModelServer) -> None:
+    server.script = [Turn(text="Read it all")]
+    provider = provider_for(server)
+    call(provider)
+    long_question = [{"role": "user", "content": "x" * (7 << 20)}]  # under MAX_BODY
+    early = provider.send_early(long_question, TOOLS)
+    assert early is not None and early.rest  # a non-blocking send takes only a part
+    assert call(provider, early=early)[0] == [{"text": "Read"}, {"text": " it "}, {"text": "all"}]
+    assert server.requests[1]["messages"] == long_question
+    assert server.connections == 1 and provider.idle == 1
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["fin", "rst"])
+def test_an_early_request_the_server_closed_unanswered_is_sent_again_once(
+    server: ModelServer, reset: bool
+) -> None:
+    server.script = [Turn(text="Hello")]
+    provider = provider_for(server)
+    call(provider)
+    server.drop_next(1, reset=reset)
+    early = provider.send_early(USER, TOOLS)
+    assert early is not None
+    chunks, final = call(provider, early=early)
+    assert "".join(c["text"] for c in chunks) == "Hello" and final["finish"] == "stop"
+    assert server.connections == 2 and len(server.requests) == 2 and provider.idle == 1
+
+
+def test_an_early_request_whose_call_never_runs_costs_its_connection(
+    server: ModelServer,
+) -> None:
+    server.script = [Turn(text="abcdefgh")]
+    provider = provider_for(server)
+    call(provider)
+    early = provider.send_early(USER, TOOLS)
+    assert early is not None
+    server.wait_requests(2, JOIN_S)
+    early.close()
+    early.close()  # and again, as the RPC layer may: nothing more happens
+    wait_until(lambda: server.open_connections == 0, "the unread answer's socket stayed open")
+    assert provider.idle == 0
+    # The next call reads its own answer, on a new connection: no byte of the other's.
+    assert call(provider)[0] == [{"text": "abcd"}, {"text": "efgh"}]
+    assert server.connections == 2 and len(server.requests) == 3
+
+
 @pytest.mark.parametrize("drop_after", [0, 2], ids=["after-headers", "mid-stream"])
 def test_a_failure_after_the_first_byte_is_not_retried(
     server: ModelServer, drop_after: int
@@ -503,6 +569,8 @@ def test_https_connections_are_reused_too(
         for _ in range(3):
             assert call(provider)[0] == [{"text": "secr"}, {"text": "et"}]
         assert server.connections == 1
+        # Nothing goes early over TLS (send_early says why): the idle connection stays.
+        assert provider.send_early(USER, TOOLS) is None and provider.idle == 1
         server.drop_next(1)
         assert call(provider)[0] == [{"text": "secr"}, {"text": "et"}]
         assert server.connections == 2 and len(server.requests) == 4

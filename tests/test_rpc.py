@@ -1,20 +1,24 @@
 """RpcServer without a broker: chunk sizing for the board, calls that expire before they
-run, the deadline a provider is given, and per-device caps."""
+run, the deadline a provider is given, per-device caps, and model requests sent early."""
 
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
 
 from server_bridge.models.base import Chunk, Final
+from server_bridge.models.openai import OpenAIProvider
 from server_bridge.registry import DeviceRecord
 from server_bridge.rpc import RpcServer, chunk_budget, fit_chunk, split_utf8
 from server_bridge.wire import MAX_ID, Limits, encode
+from tests.model_server import ModelServer, Turn
 
 WAIT = 5.0
 DEV1 = DeviceRecord("dev1", "acme", "thermostat")
@@ -231,6 +235,110 @@ def test_per_device_cap(rec: Recorder, gate: GateProvider) -> None:
         assert all("ok" in rec.finals()[c] for c in (1, 2, 4))
     finally:
         rpc.close()
+
+
+# ---------------------------------------------------------------- sent early
+
+
+def kept_alive(model: ModelServer) -> OpenAIProvider:
+    """A provider with one idle connection to `model`, for a request to go early on."""
+    provider = OpenAIProvider(model.url, "gpt-test", api_key="sk-test")
+    provider.complete([{"role": "user", "content": "warm up"}], [], lambda chunk: None)
+    assert provider.idle == 1
+    return provider
+
+
+def test_only_a_call_of_at_most_4_kib_is_sent_early(rec: Recorder) -> None:
+    with ModelServer([Turn(text="fine")]) as model:
+        provider = kept_alive(model)
+        rpc = server(rec, provider)
+        try:
+            rpc.handle(DEV1, "t", call(1, "x" * 5000))  # left to its worker
+            wait_for(lambda: 1 in rec.finals(), "the long call's answer")
+            assert rec.counts["rpc.sent_early"] == 0
+            rpc.handle(DEV1, "t", call(2, "short"))
+            wait_for(lambda: 2 in rec.finals(), "the short call's answer")
+            assert rec.counts["rpc.sent_early"] == 1
+            assert all("ok" in rec.finals()[c] for c in (1, 2))
+            assert [m["messages"][0]["content"] for m in model.requests[1:]] == [
+                "x" * 5000,
+                "short",
+            ]
+            assert model.connections == 1 and provider.idle == 1
+        finally:
+            rpc.close()
+
+
+def test_a_call_sent_early_that_expired_in_the_queue_lets_its_connection_go(
+    rec: Recorder,
+) -> None:
+    now = [0.0]
+    held, hold = threading.Event(), threading.Event()
+
+    def holding(ctx: Any, args: dict[str, Any], emit: Any) -> Any:
+        held.set()
+        hold.wait(WAIT)
+        return {}
+
+    with ModelServer([Turn(text="never read")]) as model, warnings.catch_warnings(
+        record=True
+    ) as unclosed:
+        warnings.simplefilter("always", ResourceWarning)
+        provider = kept_alive(model)
+        rpc = server(rec, provider, workers=1, llm_timeout_s=10.0, clock=lambda: now[0])
+        rpc.register("test.hold", holding)
+        try:
+            rpc.handle(DEV1, "t", encode({"c": 1, "m": "test.hold", "a": {}}))
+            assert held.wait(WAIT)  # the one worker is busy
+            rpc.handle(DEV1, "t", call(2, "queued"))
+            assert rec.counts["rpc.sent_early"] == 1 and provider.idle == 0
+            model.wait_requests(2, WAIT)  # at the model while the call waits
+            now[0] = 11.0
+            hold.set()
+            wait_for(lambda: rpc.inflight == 0, "both calls to be done")
+            assert rec.counts["rpc.expired_queued"] == 1
+            assert rec.finals()[2]["err"]["msg"] == "llm.complete did not finish in time"
+            # Its answer is never read: the connection is closed, not kept; by the RPC
+            # layer, not by the garbage collector, which says so with a ResourceWarning.
+            wait_for(lambda: model.open_connections == 0, "the early request's socket to close")
+            assert provider.idle == 0
+            gc.collect()
+            assert not [w for w in unclosed if issubclass(w.category, ResourceWarning)]
+        finally:
+            hold.set()
+            rpc.close()
+
+
+def test_a_call_sent_early_still_queued_when_the_server_closes_lets_its_connection_go(
+    rec: Recorder,
+) -> None:
+    held, hold = threading.Event(), threading.Event()
+
+    def holding(ctx: Any, args: dict[str, Any], emit: Any) -> Any:
+        held.set()
+        hold.wait(WAIT)
+        return {}
+
+    with ModelServer([Turn(text="never read")]) as model, warnings.catch_warnings(
+        record=True
+    ) as unclosed:
+        warnings.simplefilter("always", ResourceWarning)
+        provider = kept_alive(model)
+        rpc = server(rec, provider, workers=1)
+        rpc.register("test.hold", holding)
+        try:
+            rpc.handle(DEV1, "t", encode({"c": 1, "m": "test.hold", "a": {}}))
+            assert held.wait(WAIT)
+            rpc.handle(DEV1, "t", call(2, "queued"))
+            assert rec.counts["rpc.sent_early"] == 1
+            model.wait_requests(2, WAIT)
+            rpc.close(wait=False)  # the queued call never runs
+            wait_for(lambda: model.open_connections == 0, "the early request's socket to close")
+            gc.collect()
+            assert not [w for w in unclosed if issubclass(w.category, ResourceWarning)]
+        finally:
+            hold.set()
+            rpc.close()
 
 
 def test_chunks_are_sized_by_the_devices_limits(rec: Recorder) -> None:

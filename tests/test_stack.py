@@ -18,7 +18,8 @@ import pytest
 from edge_runtime.events import PREFIX
 from server_bridge.host.reducer import Presence, RunSnapshot
 from tests.model_server import ModelServer, ToolCall, Turn
-from tests.stack import Stack, StackError, assistant_text, i686_binary
+from tests.stack import Stack, StackError, assistant_text, counters, i686_binary
+from tests.waiting import wait_for
 from tools.demo import BRIDGE_USER
 
 QUESTION = "How warm is it in here?"
@@ -128,10 +129,23 @@ def test_a_tool_call_from_the_model_server_runs_on_the_board(tmp_path: Path) -> 
         Turn(text="Let me check.", tool_calls=[ToolCall("read_temperature")]),
         Turn(text="It is {last_tool_output} °C in here."),
     ]
-    with ModelServer(script) as server, Stack(tmp_path, model_url=server.url) as s:
+    stats = tmp_path / "stats.prom"
+    bridge_args = ["--stats-file", str(stats), "--stats-every", "0.2"]
+    with ModelServer(script) as server, Stack(
+        tmp_path, model_url=server.url, bridge_args=bridge_args
+    ) as s:
         snap = s.ask(QUESTION)
         assert snap.status == "done", s.describe()
         assert assistant_rows(snap) == ["Let me check.", "It is 21.5 °C in here."]
+        # The second model call went out on the bridge's network thread as it arrived,
+        # on the connection the first had kept alive (rpc.py, Method.early): once.
+        def answered(got: dict[str, int]) -> bool:
+            calls = got.get("wren_rpc_calls_llm_complete_total")
+            return calls == 2 and got.get("wren_rpc_ok_total") == got.get("wren_rpc_calls_total")
+
+        wait_for(lambda: answered(counters(stats)), "both model calls answered, in the stats")
+        assert counters(stats).get("wren_rpc_sent_early_total") == 1
+        assert server.connections == 1
         calls = [(r.kind, r.name, r.output) for r in snap.rows if r.kind.startswith("tool")]
         assert calls == [
             ("tool_call", "read_temperature", None),

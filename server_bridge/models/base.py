@@ -18,6 +18,12 @@ Messages are the board's conversation, in the contract's shape:
     {"role": "assistant", "content": str, "tools": [{"call", "name", "input"}]}
     {"role": "tool", "call": id, "content": str}
 Tools are `{"name", "description", "args": <JSON schema>}`.
+
+A provider may also offer `send_early(messages, tools, model, max_tokens)`: send the
+request at once, on the thread that received the call, never blocking, and return what
+it sent (with a `close()` for a call that then never runs) or None; the call's
+`complete(..., early=that)` then reads its answer. The RPC layer uses it when present
+(server_bridge/rpc.py, `Method.early`); the OpenAI provider has one.
 """
 
 from __future__ import annotations

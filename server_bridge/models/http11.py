@@ -83,13 +83,17 @@ class Connection:
         """Send `POST path` with `headers` and `body`, in one write."""
         if self.sock is None:
             raise http.client.NotConnected()
+        self.sock.sendall(self.message(path, headers, body))
+
+    def message(self, path: str, headers: Mapping[str, str], body: bytes) -> bytes:
+        """The bytes of `POST path` with `headers` and `body`."""
         lines = [f"POST {path} HTTP/1.1", f"Host: {self._host_header}"]
         # Not compressed: an SSE stream is read as it comes, line by line.
         lines.append("Accept-Encoding: identity")
         lines += [f"{k}: {v}" for k, v in headers.items()]
         lines.append(f"Content-Length: {len(body)}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        self.sock.sendall(head + body)
+        return head + body
 
     def response(self) -> Response:
         """Read the answer's status and headers (interim 1xx answers skipped)."""

@@ -422,6 +422,34 @@ def _json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+class Early:
+    """A call's request sent ahead (`OpenAIProvider.send_early`), until the call takes
+    it: the kept-alive connection it went on, the bytes of it the socket had no room
+    for, the body (to send again on a new connection if the server closed that one),
+    and the tool-name map to read the answer with."""
+
+    __slots__ = ("conn", "data", "names", "rest")
+
+    def __init__(
+        self, conn: http11.Connection, data: bytes, names: _ToolNames, rest: bytes
+    ) -> None:
+        self.conn: http11.Connection | None = conn
+        self.data = data
+        self.names = names
+        self.rest = rest
+
+    def take(self) -> http11.Connection | None:
+        conn, self.conn = self.conn, None
+        return conn
+
+    def close(self) -> None:
+        """End a request whose call never ran: its answer is never read, so its
+        connection is closed, never pooled. Nothing once the call took it."""
+        conn = self.take()
+        if conn is not None:
+            conn.close()
+
+
 class OpenAIProvider:
     """Provider for any server that speaks OpenAI's streaming chat completions."""
 
@@ -598,6 +626,46 @@ class OpenAIProvider:
 
     # --- the call -----------------------------------------------------------------
 
+    def send_early(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        model: str | None = None,
+        max_tokens: int | None = None,
+    ) -> Early | None:
+        """Send the call's request now, on the calling thread, when a kept-alive
+        connection is idle, and without ever blocking: what the socket has no room
+        for is sent by complete(). Passed to complete(early=), which then reads the
+        answer. None (nothing sent) with no idle connection, and over TLS: a TLS write
+        the socket has no room for must be repeated as it was, which this does not do.
+
+        Why: the bridge's RPC worker, woken for the call, took 0.4 ms at the median to
+        run on a busy machine (more in the tail); sent from the thread that received the
+        call, the request reaches the model while the worker wakes (bench_bridge,
+        figure 1)."""
+        if self._pool is None or self._opener is not None or self._tls is not None:
+            return None
+        conn = self._pool.take()
+        if conn is None or conn.sock is None:
+            return None
+        try:
+            body, names = self.build_request(messages, tools, model, max_tokens)
+            data = json.dumps(body).encode()
+        except BaseException:
+            self._pool.put(conn)  # complete() meets the same failure and reports it
+            raise
+        message = conn.message(self._path, self._headers(), data)
+        try:
+            conn.sock.settimeout(0)  # never blocks; complete() sets the call's timeout
+            sent = conn.sock.send(message)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            # Gone while idle: complete() sends the request on a new connection.
+            conn.close()
+            return None
+        return Early(conn, data, names, message[sent:])
+
     def complete(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -607,16 +675,20 @@ class OpenAIProvider:
         max_tokens: int | None = None,
         *,
         deadline: float | None = None,
+        early: Early | None = None,
     ) -> Final:
-        body, names = self.build_request(messages, tools, model, max_tokens)
-        data = json.dumps(body).encode()
+        if early is not None:
+            data, names = early.data, early.names
+        else:
+            body, names = self.build_request(messages, tools, model, max_tokens)
+            data = json.dumps(body).encode()
         live = _Live()
         with self._live_lock:
             self._live.add(live)
         try:
             if self._opener is not None or self._pool is None:
                 return self._complete_by_proxy(data, emit, names, deadline, live)
-            conn, response = self._open(self._pool, data, deadline, live)
+            conn, response = self._open(self._pool, data, deadline, live, early)
             reusable = False
             try:
                 final, reusable = self._stream(
@@ -655,15 +727,28 @@ class OpenAIProvider:
         return conn
 
     def _open(
-        self, pool: _Pool, data: bytes, deadline: float | None, live: _Live
+        self,
+        pool: _Pool,
+        data: bytes,
+        deadline: float | None,
+        live: _Live,
+        early: Early | None = None,
     ) -> tuple[http11.Connection, http11.Response]:
         """Send the request on an idle connection, or a new one; the connection and its
         response, status 2xx, headers read. A reused connection that fails before a byte
         of the answer (the server closed it meanwhile) is closed and the request sent
         once more on a new connection; a new connection is not retried."""
-        conn = pool.take()
+        # A request sent early needs only what its socket had no room for; should its
+        # connection fail unanswered, the request goes out whole on a new one.
+        conn = early.take() if early is not None else pool.take()
+        rest = early.rest if early is not None and conn is not None else None
         while True:
-            timeout = self._wait_bound(deadline)
+            try:
+                timeout = self._wait_bound(deadline)
+            except ModelError:
+                if conn is not None:
+                    conn.close()  # an early request's answer is never read
+                raise
             reused = conn is not None
             try:
                 if conn is None:
@@ -672,7 +757,11 @@ class OpenAIProvider:
                     conn.sock.settimeout(timeout)
                 self._track(live, conn.sock)
                 try:
-                    conn.request(self._path, self._headers(), data)
+                    if rest is None:
+                        conn.request(self._path, self._headers(), data)
+                    elif rest and conn.sock is not None:
+                        conn.sock.sendall(rest)
+                    rest = None
                 except _SEND_STALE as e:
                     raise _Unanswered(f"send failed: {e}") from e
                 response = conn.response()
