@@ -94,7 +94,7 @@ from server_bridge.host.reducer import RunSnapshot  # noqa: E402
 from server_bridge.registry import provision  # noqa: E402
 from server_bridge.tcp import no_delay  # noqa: E402
 from tests.model_server import ModelServer, Turn  # noqa: E402
-from tests.stack import Stack, StackError, assistant_text  # noqa: E402
+from tests.stack import Stack, StackError, assistant_text, counters  # noqa: E402
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto  # noqa: E402
 from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT  # noqa: E402
 from tools.steps import Steps  # noqa: E402
@@ -125,6 +125,9 @@ RUN_LEN = 50  # events of one simulated run: run.started, 48 msg.delta, run.done
 SMALL_RUN = 5  # figure 5: run.started, 3 msg.delta, run.done
 CHAIN_LEGS = 6
 CHAIN_WARMUP = 5
+# Figure 1's bridges write their counters here (in each stack's directory), this often.
+STATS_FILE = "stats.prom"
+STATS_EVERY_S = 0.2
 START_TIMEOUT_S = 30.0
 CHILD_TIMEOUT_S = 15.0
 RUN_TIMEOUT_S = 30.0
@@ -674,14 +677,30 @@ class Figure1:
     deltas: list[FirstDelta] = field(default_factory=list)
     raw: list[float] = field(default_factory=list)
     raw_procs: list[float] = field(default_factory=list)
+    # The bridge's model calls over the figure (warm-up included), and those whose HTTP
+    # request its network thread sent as the call arrived (rpc.py, Method.early).
+    calls: int = 0
+    sent_early: int = 0
 
 
 def measure_first_delta(s: Stack, server: ModelProcess, runs: int, workdir: Path) -> Figure1:
     """Figure 1 on one stack: each request through Wren, then one message through each raw
     chain on the same broker, in turn, so all see the same moment of a noisy machine."""
+    before = _model_calls(s)
     with RawChain(s.host, s.port, s.users) as chain:
         with RawChain(s.host, s.port, s.users, workdir, "procs", PROCS_CHAIN_USERS) as chain_procs:
-            return _first_deltas(s, server, runs, chain, chain_procs)
+            fig = _first_deltas(s, server, runs, chain, chain_procs)
+    # The bridge writes its counters every STATS_EVERY_S; the last call's are in the next.
+    time.sleep(3 * STATS_EVERY_S)
+    after = _model_calls(s)
+    fig.calls, fig.sent_early = after[0] - before[0], after[1] - before[1]
+    return fig
+
+
+def _model_calls(s: Stack) -> tuple[int, int]:
+    """The stack's bridge's llm.complete calls so far, and those sent early."""
+    got = counters(s.workdir / STATS_FILE)
+    return got.get("wren_rpc_calls_llm_complete_total", 0), got.get("wren_rpc_sent_early_total", 0)
 
 
 def _first_deltas(
@@ -1459,6 +1478,10 @@ def print_first_delta(
         )
         for label, xs in rows:
             print(ms_row(label, xs))
+        print(
+            f"  model calls whose request the bridge sent as the call arrived: "
+            f"{fig.sent_early} of {fig.calls}"
+        )
         for chain, raw in (("raw", fig.raw), ("raw in processes", fig.raw_procs)):
             for what, w in (
                 ("", [x.total_ms for x in fd]),
@@ -1782,6 +1805,11 @@ def main() -> None:
                     "broker_conf": extra,
                     "extra_users": chain,
                     "board_settings": board,
+                    # Relative: each stack's bridge runs in that stack's directory.
+                    "bridge_args": [
+                        *("--stats-file", STATS_FILE),
+                        *("--stats-every", str(STATS_EVERY_S)),
+                    ],
                 }
                 s = Stack(work / "stack-mpy", heap=heap, **common)
                 # Figure 4's flooder: a device of another tenant (provisioned below, once the
