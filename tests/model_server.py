@@ -36,6 +36,8 @@ can tell a reused connection from a new one. `idle_timeout_s` closes a connectio
 that long between requests, as servers do; `drop_next` makes the next requests find
 their connection closed, unanswered and unrecorded (FIN, or RST with `reset`): on a
 reused connection, a server whose idle timer fired just as the request came.
+`pause_reading` leaves request bodies unread until `resume_reading`, so a large request
+fills the socket buffers between client and server.
 
 Every request body (parsed JSON) is recorded in `requests`, in arrival order, and the
 time.monotonic() at which each complete stream's last byte was written in `stream_ends`
@@ -156,6 +158,8 @@ class ModelServer:
         self._accepted = 0
         self._open: set[socket.socket] = set()
         self._drops: deque[bool] = deque()  # one entry (reset?) per request to drop
+        self._reading = threading.Event()  # cleared by pause_reading
+        self._reading.set()
         server = self
 
         class Handler(_Handler):
@@ -230,6 +234,15 @@ class ModelServer:
         `reset`, an RST)."""
         with self._cond:
             self._drops.extend([reset] * n)
+
+    def pause_reading(self) -> None:
+        """Until resume_reading(), a request's body is left unread once its head is: a
+        server busy elsewhere, whose socket buffers fill, so a client's send of a large
+        request takes only part of it."""
+        self._reading.clear()
+
+    def resume_reading(self) -> None:
+        self._reading.set()
 
     @property
     def connections(self) -> int:
@@ -392,6 +405,10 @@ class _Handler(BaseHTTPRequestHandler):
             # The body is not read, so the connection cannot carry another request.
             self._answer(400, _error_body(400, "a JSON body is required"), close=True)
             return
+        while not self.owner._reading.wait(0.05):
+            if self.owner._closing.is_set():
+                self.close_connection = True
+                return
         raw = self.rfile.read(length)
         if self._dropped():
             return
