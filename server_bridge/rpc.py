@@ -36,7 +36,9 @@ idle connection to the model server (`OpenAIProvider.send_early`), and the worke
 reads the answer. A worker woken for a call took 0.4 ms at the median to run on a busy
 machine, more in the tail (bench_bridge figure 1, with time stamps); the model now has
 the request while the worker wakes. Only calls up to _EARLY_MAX_PAYLOAD bytes, so the
-network thread's share stays under 0.1 ms a call.
+network thread's share stays under 0.1 ms a call, and only when a worker is free: a call
+that must queue gains nothing from it, and one that expires in the queue must never have
+reached the model (above).
 
 A QoS 1 call may arrive twice (resent with DUP after a reconnect). A call id of a device
 that is in flight or finished recently is ignored, not run twice — a second model call
@@ -495,6 +497,7 @@ class RpcServer:
         self._clock = clock
         self._merge_s = merge_s
         self.rpc_timeout_s = rpc_timeout_s
+        self._workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wren-rpc")
         self._lock = threading.Lock()
         self._inflight: set[_Call] = set()
@@ -619,6 +622,7 @@ class RpcServer:
         )
         msg: str | None = None
         repeat = False
+        worker_free = False
         with self._lock:
             if state.key in self._calls or call.c in self._recent.get(device.device, ()):
                 # A repeat (QoS 1 resends after a reconnect): the first one is answered
@@ -636,6 +640,8 @@ class RpcServer:
                 self._inflight.add(state)
                 self._calls[state.key] = state
                 self._per_device[device.device] += 1
+                # No call waits for a worker ahead of this one: it runs at once.
+                worker_free = len(self._inflight) <= self._workers
         if repeat:
             self._count("rpc.duplicate", 1)
             return
@@ -646,7 +652,7 @@ class RpcServer:
         self._count("rpc.calls", 1)
         # And by method (the table's names only: an unknown one was refused before).
         self._count(f"rpc.calls.{call.m}", 1)
-        early = state.early = self._start_early(method, call, args, size)
+        early = state.early = self._start_early(method, call, args, size) if worker_free else None
         ctx = CallContext(device, call, deadline=state.wait_until, early=early)
         try:
             state.job = self._pool.submit(self._run, state, method, ctx, args)
@@ -663,9 +669,10 @@ class RpcServer:
     def _start_early(
         self, method: Method, call: Call, args: dict[str, Any], size: int
     ) -> Started | None:
-        """The method's early start, on this thread (paho's network thread): only for a
-        call of at most _EARLY_MAX_PAYLOAD bytes, so what it costs every other message
-        waiting here stays small. A failure is the worker's to meet and answer."""
+        """The method's early start, on this thread (paho's network thread), for a call a
+        worker takes at once (the caller checks): only up to _EARLY_MAX_PAYLOAD bytes, so
+        what it costs every other message waiting here stays small. A failure is the
+        worker's to meet and answer."""
         if method.early is None or size > _EARLY_MAX_PAYLOAD:
             return None
         try:

@@ -248,6 +248,22 @@ def kept_alive(model: ModelServer) -> OpenAIProvider:
     return provider
 
 
+class Holder:
+    """A method handler that keeps its worker until `hold` is set (`held` once it has it)."""
+
+    def __init__(self) -> None:
+        self.held = threading.Event()
+        self.hold = threading.Event()
+
+    def __call__(self, ctx: Any, args: dict[str, Any], emit: Any) -> Any:
+        self.held.set()
+        self.hold.wait(WAIT)
+        return {}
+
+
+HOLD = encode({"c": 1, "m": "test.hold", "a": {}})
+
+
 def test_only_a_call_of_at_most_4_kib_is_sent_early(rec: Recorder) -> None:
     with ModelServer([Turn(text="fine")]) as model:
         provider = kept_alive(model)
@@ -269,33 +285,55 @@ def test_only_a_call_of_at_most_4_kib_is_sent_early(rec: Recorder) -> None:
             rpc.close()
 
 
+def test_a_call_that_waits_for_a_worker_is_not_sent_early_and_never_reaches_the_model(
+    rec: Recorder,
+) -> None:
+    now = [0.0]
+    holder = Holder()
+    with ModelServer([Turn(text="fine")]) as model:
+        provider = kept_alive(model)
+        rpc = server(rec, provider, workers=1, llm_timeout_s=10.0, clock=lambda: now[0])
+        rpc.register("test.hold", holder)
+        try:
+            rpc.handle(DEV1, "t", HOLD)
+            assert holder.held.wait(WAIT)  # the one worker is busy
+            rpc.handle(DEV1, "t", call(2, "queued"))
+            assert rec.counts["rpc.sent_early"] == 0 and provider.idle == 1
+            now[0] = 11.0  # it expires in the queue
+            holder.hold.set()
+            wait_for(lambda: rpc.inflight == 0, "both calls to be done")
+            assert rec.counts["rpc.expired_queued"] == 1
+            assert rec.finals()[2]["err"]["msg"] == "llm.complete did not finish in time"
+            assert len(model.requests) == 1  # the warm-up's: the model never had the call
+        finally:
+            holder.hold.set()
+            rpc.close()
+
+
 def test_a_call_sent_early_that_expired_in_the_queue_lets_its_connection_go(
     rec: Recorder,
 ) -> None:
     now = [0.0]
-    held, hold = threading.Event(), threading.Event()
-
-    def holding(ctx: Any, args: dict[str, Any], emit: Any) -> Any:
-        held.set()
-        hold.wait(WAIT)
-        return {}
-
+    holder = Holder()
     with ModelServer([Turn(text="never read")]) as model, warnings.catch_warnings(
         record=True
     ) as unclosed:
         warnings.simplefilter("always", ResourceWarning)
         provider = kept_alive(model)
         rpc = server(rec, provider, workers=1, llm_timeout_s=10.0, clock=lambda: now[0])
-        rpc.register("test.hold", holding)
+        rpc.register("test.hold", holder)
         try:
-            rpc.handle(DEV1, "t", encode({"c": 1, "m": "test.hold", "a": {}}))
-            assert held.wait(WAIT)  # the one worker is busy
+            rpc.handle(DEV2, "t", HOLD)
+            assert holder.held.wait(WAIT)
+            # Its board restarted: the call's slot is free at once, its worker still busy,
+            # so the next call counts a worker free, goes early, and then waits for it.
+            assert rpc.device_gone("dev2", "restarted", new_boot=True) == 1
             rpc.handle(DEV1, "t", call(2, "queued"))
             assert rec.counts["rpc.sent_early"] == 1 and provider.idle == 0
             model.wait_requests(2, WAIT)  # at the model while the call waits
             now[0] = 11.0
-            hold.set()
-            wait_for(lambda: rpc.inflight == 0, "both calls to be done")
+            holder.hold.set()
+            wait_for(lambda: rpc.inflight == 0 and 2 in rec.finals(), "the call to be done")
             assert rec.counts["rpc.expired_queued"] == 1
             assert rec.finals()[2]["err"]["msg"] == "llm.complete did not finish in time"
             # Its answer is never read: the connection is closed, not kept; by the RPC
@@ -305,30 +343,25 @@ def test_a_call_sent_early_that_expired_in_the_queue_lets_its_connection_go(
             gc.collect()
             assert not [w for w in unclosed if issubclass(w.category, ResourceWarning)]
         finally:
-            hold.set()
+            holder.hold.set()
             rpc.close()
 
 
 def test_a_call_sent_early_still_queued_when_the_server_closes_lets_its_connection_go(
     rec: Recorder,
 ) -> None:
-    held, hold = threading.Event(), threading.Event()
-
-    def holding(ctx: Any, args: dict[str, Any], emit: Any) -> Any:
-        held.set()
-        hold.wait(WAIT)
-        return {}
-
+    holder = Holder()
     with ModelServer([Turn(text="never read")]) as model, warnings.catch_warnings(
         record=True
     ) as unclosed:
         warnings.simplefilter("always", ResourceWarning)
         provider = kept_alive(model)
         rpc = server(rec, provider, workers=1)
-        rpc.register("test.hold", holding)
+        rpc.register("test.hold", holder)
         try:
-            rpc.handle(DEV1, "t", encode({"c": 1, "m": "test.hold", "a": {}}))
-            assert held.wait(WAIT)
+            rpc.handle(DEV2, "t", HOLD)
+            assert holder.held.wait(WAIT)
+            assert rpc.device_gone("dev2", "restarted", new_boot=True) == 1
             rpc.handle(DEV1, "t", call(2, "queued"))
             assert rec.counts["rpc.sent_early"] == 1
             model.wait_requests(2, WAIT)
@@ -337,7 +370,7 @@ def test_a_call_sent_early_still_queued_when_the_server_closes_lets_its_connecti
             gc.collect()
             assert not [w for w in unclosed if issubclass(w.category, ResourceWarning)]
         finally:
-            hold.set()
+            holder.hold.set()
             rpc.close()
 
 
