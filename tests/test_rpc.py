@@ -4,6 +4,7 @@ run, the deadline a provider is given, per-device caps, and model requests sent 
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import threading
 import time
@@ -285,93 +286,86 @@ def test_only_a_call_of_at_most_4_kib_is_sent_early(rec: Recorder) -> None:
             rpc.close()
 
 
+@contextlib.contextmanager
+def one_worker_busy(
+    rec: Recorder, free_slot: bool, **kw: Any
+) -> Iterator[tuple[ModelServer, OpenAIProvider, RpcServer, threading.Event]]:
+    """An RPC server with one worker, busy with a held call until the Event yielded is
+    set, and a provider with one idle connection to a model server. With `free_slot` the
+    held call's board has restarted: its slot is free at once while its worker still runs
+    it, so the next call counts a worker free, goes early, and then waits for that one."""
+    holder = Holder()
+    with ModelServer([Turn(text="an answer")]) as model:
+        provider = kept_alive(model)
+        rpc = server(rec, provider, workers=1, **kw)
+        rpc.register("test.hold", holder)
+        try:
+            rpc.handle(DEV2, "t", HOLD)
+            assert holder.held.wait(WAIT)
+            if free_slot:
+                assert rpc.device_gone("dev2", "restarted", new_boot=True) == 1
+            yield model, provider, rpc, holder.hold
+        finally:
+            holder.hold.set()
+            rpc.close()
+
+
+@contextlib.contextmanager
+def closed_not_collected() -> Iterator[None]:
+    """Fails if a socket was left for the garbage collector to close (it says so with a
+    ResourceWarning): CPython's reference counting would otherwise hide a missing close."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        yield
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
 def test_a_call_that_waits_for_a_worker_is_not_sent_early_and_never_reaches_the_model(
     rec: Recorder,
 ) -> None:
     now = [0.0]
-    holder = Holder()
-    with ModelServer([Turn(text="fine")]) as model:
-        provider = kept_alive(model)
-        rpc = server(rec, provider, workers=1, llm_timeout_s=10.0, clock=lambda: now[0])
-        rpc.register("test.hold", holder)
-        try:
-            rpc.handle(DEV1, "t", HOLD)
-            assert holder.held.wait(WAIT)  # the one worker is busy
-            rpc.handle(DEV1, "t", call(2, "queued"))
-            assert rec.counts["rpc.sent_early"] == 0 and provider.idle == 1
-            now[0] = 11.0  # it expires in the queue
-            holder.hold.set()
-            wait_for(lambda: rpc.inflight == 0, "both calls to be done")
-            assert rec.counts["rpc.expired_queued"] == 1
-            assert rec.finals()[2]["err"]["msg"] == "llm.complete did not finish in time"
-            assert len(model.requests) == 1  # the warm-up's: the model never had the call
-        finally:
-            holder.hold.set()
-            rpc.close()
+    with one_worker_busy(rec, False, llm_timeout_s=10.0, clock=lambda: now[0]) as busy:
+        model, provider, rpc, release = busy
+        rpc.handle(DEV1, "t", call(2, "queued"))
+        assert rec.counts["rpc.sent_early"] == 0 and provider.idle == 1
+        now[0] = 11.0  # it expires in the queue
+        release.set()
+        wait_for(lambda: 2 in rec.finals(), "the queued call's answer")
+        assert rec.counts["rpc.expired_queued"] == 1
+        assert rec.finals()[2]["err"]["msg"] == "llm.complete did not finish in time"
+        assert len(model.requests) == 1  # the warm-up's: the model never had the call
 
 
 def test_a_call_sent_early_that_expired_in_the_queue_lets_its_connection_go(
     rec: Recorder,
 ) -> None:
     now = [0.0]
-    holder = Holder()
-    with ModelServer([Turn(text="never read")]) as model, warnings.catch_warnings(
-        record=True
-    ) as unclosed:
-        warnings.simplefilter("always", ResourceWarning)
-        provider = kept_alive(model)
-        rpc = server(rec, provider, workers=1, llm_timeout_s=10.0, clock=lambda: now[0])
-        rpc.register("test.hold", holder)
-        try:
-            rpc.handle(DEV2, "t", HOLD)
-            assert holder.held.wait(WAIT)
-            # Its board restarted: the call's slot is free at once, its worker still busy,
-            # so the next call counts a worker free, goes early, and then waits for it.
-            assert rpc.device_gone("dev2", "restarted", new_boot=True) == 1
+    with closed_not_collected():
+        with one_worker_busy(rec, True, llm_timeout_s=10.0, clock=lambda: now[0]) as busy:
+            model, provider, rpc, release = busy
             rpc.handle(DEV1, "t", call(2, "queued"))
             assert rec.counts["rpc.sent_early"] == 1 and provider.idle == 0
             model.wait_requests(2, WAIT)  # at the model while the call waits
             now[0] = 11.0
-            holder.hold.set()
-            wait_for(lambda: rpc.inflight == 0 and 2 in rec.finals(), "the call to be done")
+            release.set()
+            wait_for(lambda: 2 in rec.finals(), "the queued call's answer")
             assert rec.counts["rpc.expired_queued"] == 1
             assert rec.finals()[2]["err"]["msg"] == "llm.complete did not finish in time"
-            # Its answer is never read: the connection is closed, not kept; by the RPC
-            # layer, not by the garbage collector, which says so with a ResourceWarning.
+            # Its answer is never read: the connection is closed, not kept.
             wait_for(lambda: model.open_connections == 0, "the early request's socket to close")
             assert provider.idle == 0
-            gc.collect()
-            assert not [w for w in unclosed if issubclass(w.category, ResourceWarning)]
-        finally:
-            holder.hold.set()
-            rpc.close()
 
 
 def test_a_call_sent_early_still_queued_when_the_server_closes_lets_its_connection_go(
     rec: Recorder,
 ) -> None:
-    holder = Holder()
-    with ModelServer([Turn(text="never read")]) as model, warnings.catch_warnings(
-        record=True
-    ) as unclosed:
-        warnings.simplefilter("always", ResourceWarning)
-        provider = kept_alive(model)
-        rpc = server(rec, provider, workers=1)
-        rpc.register("test.hold", holder)
-        try:
-            rpc.handle(DEV2, "t", HOLD)
-            assert holder.held.wait(WAIT)
-            assert rpc.device_gone("dev2", "restarted", new_boot=True) == 1
-            rpc.handle(DEV1, "t", call(2, "queued"))
-            assert rec.counts["rpc.sent_early"] == 1
-            model.wait_requests(2, WAIT)
-            rpc.close(wait=False)  # the queued call never runs
-            wait_for(lambda: model.open_connections == 0, "the early request's socket to close")
-            gc.collect()
-            assert not [w for w in unclosed if issubclass(w.category, ResourceWarning)]
-        finally:
-            holder.hold.set()
-            rpc.close()
+    with closed_not_collected(), one_worker_busy(rec, True) as (model, provider, rpc, _):
+        rpc.handle(DEV1, "t", call(2, "queued"))
+        assert rec.counts["rpc.sent_early"] == 1
+        model.wait_requests(2, WAIT)
+        rpc.close(wait=False)  # the queued call never runs
+        wait_for(lambda: model.open_connections == 0, "the early request's socket to close")
 
 
 def test_chunks_are_sized_by_the_devices_limits(rec: Recorder) -> None:
