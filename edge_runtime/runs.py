@@ -115,16 +115,19 @@ class Run:
         self.emitter.emit(t, d, node)
         self.emitter.pump()
 
-    async def event(self, t, d=None, node=None):
+    async def event(self, t, d=None, node=None, held=None):
         # The way a run reports progress: wait (bounded) until the link can take the
         # event and nothing of this run waits ahead of it, then emit. Back-pressure
         # instead of loss: a slow link slows the run down. Most events find room at
         # once, and then no flow() coroutine is made for them (each call of an async
-        # function allocates its generator on MicroPython).
+        # function allocates its generator on MicroPython). `held`, a (t, d, node)
+        # event made just before this one, goes first, in the same payload.
         link = self.runtime.link
         if link is not None and (self.emitter.backlog or not link.room(_EVENT_SPARE)):
             await self.runtime.flow(self.emitter)
         self.begin()
+        if held:
+            self.emitter.emit(*held)
         self.emitter.emit(t, d, node)
         self.emitter.pump()
 

@@ -361,18 +361,22 @@ async def model_loop(run, state=None, pause=0):
                 continue
             path = tool_path + str(name)
             here = (path, await node(run, path, None), m)
-            await run.event(start, {"kind": "tool"}, here)
+            starting = (start, {"kind": "tool"}, here)
+            result = None
             if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
+                await run.event(*starting)
                 output, failed = await mem.tool(cid, name, input_text, _tool_output)
             else:
+                # The tool's node.start goes with its tool.call, and its tool.result with
+                # its node.end: one payload each (Run.event's `held`).
                 await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
-                                              "client": False})
+                                              "client": False}, None, starting)
                 if tool is None:
                     output, failed = "no tool named %s" % name, True
                 else:
                     output, failed = await _run_tool(tool, input_text)
-                await run.event("tool.result", {"call": cid, "output": output, "failed": failed})
-            await run.event(end, {"status": "failed" if failed else completed}, here)
+                result = ("tool.result", {"call": cid, "output": output, "failed": failed}, None)
+            await run.event(end, {"status": "failed" if failed else completed}, here, result)
             messages.append({"role": "tool", "call": cid, "content": output})
         if waiting:
             if mem is not None and mem.viewing:

@@ -32,11 +32,12 @@ def test_one_request_runs_the_tool_loop_to_done():
             "node.start", "msg.start", "msg.delta", "msg.end", "usage", "node.end",
             "run.done"]
         # Each model step's first events go together, one payload right behind its
-        # call, and so do its last; every other event as it comes.
+        # call, and so do its last; a tool's node.start with its tool.call, its
+        # tool.result with its node.end; every other event as it comes.
         assert bridge.evt_payloads == [
             ["run.started", "node.start", "msg.start"], ["msg.delta"], ["msg.delta"],
-            ["msg.end", "usage", "node.end"], ["node.start"], ["tool.call"],
-            ["tool.result"], ["node.end"], ["node.start", "msg.start"], ["msg.delta"],
+            ["msg.end", "usage", "node.end"], ["node.start", "tool.call"],
+            ["tool.result", "node.end"], ["node.start", "msg.start"], ["msg.delta"],
             ["msg.end", "usage", "node.end"], ["run.done"]]
         started = events[0]["d"]
         assert started["req"] == "q1" and started["input"] == "How warm is it?"
