@@ -640,7 +640,10 @@ class RpcServer:
                 self._inflight.add(state)
                 self._calls[state.key] = state
                 self._per_device[device.device] += 1
-                # No call waits for a worker ahead of this one: it runs at once.
+                # No call waits for a worker ahead of this one: it runs at once. (A call
+                # device_gone ended no longer counts while its worker may still run it;
+                # then this one waits for that worker, and what it began is closed if it
+                # expires meanwhile.)
                 worker_free = len(self._inflight) <= self._workers
         if repeat:
             self._count("rpc.duplicate", 1)
