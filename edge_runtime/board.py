@@ -1,6 +1,22 @@
 # Boot a board: read settings from flash, join the network, wire the runtime to the
 # link and hand control to the link's supervisor for the life of the board.
 from edge_runtime import platform
+
+try:
+    from micropython import const
+except ImportError:
+    def const(x):
+        return x
+
+# How a virtual board (the unix port, or CPython) that reset itself ends: `wren board
+# --virtual`, the demo and the test harness start it again, as a board boots again
+# after its reset. 75 is EX_TEMPFAIL of sysexits.h: a temporary failure, to be tried
+# again. Private (no name in the board's qstr pool); the host reads it from this
+# module on CPython, where const() is the value itself.
+_EXIT_RESET = const(75)
+# The file a reset leaves its reason in, read and removed by the next boot, whose status
+# says it (PROTOCOL "Topics": status `reset`).
+_RESET_NOTE = const("wren_reset.txt")
 # The link, a collection, then the runtime: from source, the compiler's peak is the
 # parse of a large module on top of everything loaded before it, and link.py is now the
 # largest source; parsed first and collected after, `import edge_runtime.board` needs
@@ -12,9 +28,12 @@ platform.collect()
 from edge_runtime.runs import Runtime  # noqa: E402
 
 
-async def run_board(agent, settings):
+async def run_board(agent, settings, reset=None):
+    # Returns True when the board must reset: its link found no heap to connect, one
+    # connection after another (Link.run).
     device = settings["device"]
     runtime = Runtime(agent, device, settings)
+    runtime.reset = reset
     # A stable client id and a persistent session: what the bridge sends while the
     # board is away waits for it at the broker.
     link = Link(
@@ -32,7 +51,14 @@ async def run_board(agent, settings):
     platform.collect_often()
     platform.log("board", device, "agent", agent.name, agent.version, "broker",
                  settings.get("host", "127.0.0.1"), settings.get("port", 1883))
-    await link.run()
+    try:
+        await link.run()
+    except MemoryError:
+        # A board that never connected is too small for its app: that is said as it
+        # is, not hidden in a loop of resets.
+        if not link.stats["connects"]:
+            raise
+        return True
 
 
 def start(agent, settings=None):
@@ -43,4 +69,25 @@ def start(agent, settings=None):
     if settings.get("wifi"):
         from edge_runtime import wifi
         wifi.connect(settings)
-    platform.asyncio.run(run_board(agent, settings))
+    # Made before the heap can run out: raising it then must not need the heap.
+    reset_exit = SystemExit(_EXIT_RESET)
+    why = platform.read_file(_RESET_NOTE)
+    if why is not None:
+        import os
+        os.remove(_RESET_NOTE)
+        why = why.decode()
+    if not platform.asyncio.run(run_board(agent, settings, why)):
+        return
+    # The last resort: rather than stay up and deaf, start over with a whole heap.
+    # Paused runs are on flash and come back; a run in flight ends as any run cut by a
+    # restart does (the bridge fails it, retryable). A board resets; the unix port,
+    # which cannot, exits _EXIT_RESET. Why is left for the next boot's status.
+    why = None
+    try:
+        platform.log("reset: no heap for the link")
+        platform.write_file(_RESET_NOTE, b"no heap for the link")
+        import machine
+        machine.reset()
+    except Exception:  # out of heap or flash, or no machine.reset (the unix port)
+        pass
+    raise reset_exit

@@ -17,17 +17,13 @@ agent = Agent(
 _sim = {"celsius": 21.5, "setpoint": None}
 
 
-def _read_rp2040_sensor():
-    # RP2040's internal sensor on ADC 4 (datasheet formula); other boards fall back.
-    import machine
-    raw = machine.ADC(4).read_u16() * 3.3 / 65535
-    return round(27 - (raw - 0.706) / 0.001721, 1)
-
-
 @agent.tool("read_temperature", "Read the room temperature in degrees Celsius")
 def read_temperature(args):
     try:
-        return _read_rp2040_sensor()
+        # RP2040's internal sensor on ADC 4 (datasheet formula); other boards fall back.
+        import machine
+        raw = machine.ADC(4).read_u16() * 3.3 / 65535
+        return round(27 - (raw - 0.706) / 0.001721, 1)
     except (ImportError, AttributeError, ValueError, OSError) as e:
         if not _sim.get("logged"):
             _sim["logged"] = True

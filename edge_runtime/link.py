@@ -42,6 +42,9 @@ _WRITE_MS = const(10000)  # one packet onto the socket
 _BYE_MS = const(1000)  # DISCONNECT and close on stop()
 _TICK_MS = const(500)  # watchdog period (shorter for tiny keepalives)
 _FAIL = const(0x80)  # SUBACK failure code
+# Connections in a row that found no heap to connect before the link gives up (and the
+# board resets itself, board.py): a collection between them did not help.
+_STARVED_MAX = const(4)
 # Receive buffer over the largest payload wanted: fixed header fields, the topic and
 # the packet id of a PUBLISH.
 _RX_HEAD = const(128)
@@ -67,15 +70,6 @@ def _size(payload):
             n += len(part)
         return n
     return len(payload)
-
-
-def _jitter(n):
-    # Spreads a fleet that lost the same broker so it does not return in lockstep.
-    try:
-        from random import getrandbits
-        return getrandbits(16) % (n + 1)
-    except ImportError:
-        return platform.ticks_ms() % (n + 1)
 
 
 def _no_delay(w):
@@ -274,36 +268,64 @@ class Link:
     # --- supervisor -----------------------------------------------------------------
 
     async def run(self):
-        fails = 0
+        # Returns on stop(). Raises MemoryError when _STARVED_MAX connections in a row
+        # found no heap to connect: the board's last resort (board.py resets it) rather
+        # than stay up and deaf.
+        fails = starved = 0
         try:
             while not self._stopping:
                 try:
-                    await self._open()
-                    fails = 0
-                    await self._down.wait()  # the connection's life: to reconnect()/stop()
-                except Exception as e:  # the supervisor itself must never die
                     try:
-                        log("link: connect %s:%s failed: %r" % (self.host, self.port, e))
-                    except MemoryError:
+                        await self._open()
+                        fails = starved = 0
+                        await self._down.wait()  # the connection's life: to reconnect()/stop()
+                    except Exception as e:  # the supervisor itself must never die
+                        if isinstance(e, MemoryError):
+                            starved += 1
+                        try:
+                            log("link: connect %s:%s failed: %r" % (self.host, self.port, e))
+                        except MemoryError:
+                            pass
+                        self.stats["failures"] += 1
+                        fails += 1
+                        e = None
+                    await self._close()
+                    if self._stopping:
+                        break
+                    # Doubling from the minimum up to the maximum; half of it random, so
+                    # a fleet that lost the same broker does not return in lockstep.
+                    # (Inline, not a function: each name counts against the board's
+                    # qstr pool, test_on_small_heap.)
+                    lo, hi = self.backoff_ms
+                    d = min(lo << min(fails, 16), hi) // 2
+                    try:
+                        from random import getrandbits
+                        d += getrandbits(16) % (d + 1)
+                    except ImportError:
+                        d += platform.ticks_ms() % (d + 1)
+                    self._down.clear()
+                    try:
+                        await platform.wait_for_ms(self._down.wait(), d)  # only stop() sets it
+                    except asyncio.TimeoutError:
                         pass
-                    self.stats["failures"] += 1
-                    fails += 1
-                await self._close()
-                if self._stopping:
-                    break
-                # Doubling from the minimum up to the maximum; half of it random.
-                lo, hi = self.backoff_ms
-                d = min(lo << min(fails, 16), hi)
-                d = d // 2 + _jitter(d // 2)
-                self._down.clear()
-                try:
-                    await platform.wait_for_ms(self._down.wait(), d)  # only stop() sets it now
-                except asyncio.TimeoutError:
-                    pass
+                except MemoryError:
+                    # The supervisor's own steps (closing, the backoff) found no heap:
+                    # counted as a connection that found none, and the loop goes on.
+                    starved += 1
+                if starved:
+                    # A MemoryError leaves the garbage of what failed: collected before
+                    # the next attempt. If that has not helped after _STARVED_MAX in a
+                    # row, nothing will.
+                    platform.collect()
+                    if starved >= _STARVED_MAX:
+                        raise MemoryError("no heap for the link")
         finally:
             # Also when run() itself is cancelled: that counts as stop().
             self._stopping = True
-            await self._close()
+            try:
+                await self._close()
+            except Exception:  # whatever closing hit, run() ends as it was going to
+                pass
 
     async def _dial(self):
         # Not wait_for(open_connection(...)): on MicroPython a cancelled open_connection

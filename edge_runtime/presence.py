@@ -29,9 +29,11 @@ def connected(runtime):
     # Presence first (retained, so a dashboard that connects later sees it), then the
     # capabilities the bridge needs to serve this board.
     agent = runtime.agent
-    runtime.publish_msg(runtime._base + "status", {
-        "st": "online", "fw": firmware(), "agent": agent.name, "ver": agent.version,
-        "heap": free_heap(), "boot": runtime.boot}, _QOS1, True)
+    status = {"st": "online", "fw": firmware(), "agent": agent.name, "ver": agent.version,
+              "heap": free_heap(), "boot": runtime.boot}
+    if runtime.reset:
+        status["reset"] = runtime.reset
+    runtime.publish_msg(runtime._base + "status", status, _QOS1, True)
     # The hello is retained, so it is said once a boot (no paused runs read yet: the
     # first connection) and again only on a connection without our session, where the
     # broker may have lost it with its store. Said at every reconnection or bridge

@@ -50,6 +50,12 @@ _SEEN_REQS = const(16)
 # dicts of bound methods: those cost a dict and an object per entry on the board heap
 # for the board's life.
 _LEAVES = const(("req", "ctl", "rpc/res"))
+# A req's first key as the bridge writes it (a fixstr of 3 bytes, "req"), and the str
+# headers its id may have: fixstr (under 32 bytes) and str 8 (on_message).
+_REQ_KEY = const(b"\xa3req")
+_FIXSTR = const(0xa0)
+_FIXSTR_END = const(0xc0)
+_STR8 = const(0xd9)
 
 
 def free_heap():
@@ -148,6 +154,9 @@ class Runtime:
         self.device = device
         prefix = settings.get("prefix", PREFIX)
         self._base = "%s/d/%s/" % (prefix, device)
+        # Made once: every event of every run goes to it, and a topic made per event
+        # was one more allocation each among the run's, for as long as it waited.
+        self.evt = self._base + "evt"
         self._bridge_status = prefix + "/b/status"
         rx = settings.get("max_payload", RX_PAYLOAD)
         # What the board can receive (hello `limits`): the payload its receive buffer
@@ -189,11 +198,17 @@ class Runtime:
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
         self.boot = "%08x" % random_bits(32)
+        # Why the last boot reset itself (board.py), said in this boot's status.
+        self.reset = None
         self._bridge_up = None  # the bridge's presence as last heard: None, True, False
         self._bridge_boot = None  # the boot id of the bridge process last heard online
         self._runs_started = 0
         # Counters; control.py adds its own (stale_ctl) when it first counts.
         self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0}
+        # Refusals folded into the next one while the device stream waits for the link
+        # (refuse): [how many, the kind of the last]. One name: each name a module
+        # interns counts against the qstr pool's next doubling (test_on_small_heap).
+        self._folded = [0, None]
 
     # --- wiring to the link -------------------------------------------------------
 
@@ -280,13 +295,24 @@ class Runtime:
 
     def send_event(self, data):
         # The emitters' way out; False leaves the event waiting in its ring.
-        return self._publish(self._base + "evt", data, _QOS1, False, _EVENT_SPARE)
+        return self._publish(self.evt, data, _QOS1, False, _EVENT_SPARE)
 
     def pump_all(self):
         # The link has room again (or a new connection): every ring with events the
         # link has not taken sends them, oldest run first.
-        if not self.device_stream.pump():
+        stream = self.device_stream
+        if not stream.pump():
             return
+        folded = self._folded
+        if folded[0]:
+            # What was folded while the device stream waited, said once it has gone.
+            stream.emit("error", {
+                "kind": folded[1], "more": folded[0] - 1,
+                "msg": "%d input messages refused while the board's events waited for its"
+                       " link (the last %s)" % (folded[0], folded[1])})
+            folded[0] = 0
+            if not stream.pump():
+                return
         for run in self.active.values():
             if not run.emitter.pump():
                 return
@@ -352,11 +378,29 @@ class Runtime:
                 platform.collect()
                 msg = codec.decode(payload, lim["payload"], lim["str"], lim["items"],
                                    lim["depth"])
-        except codec.CodecError as e:
-            self.refuse(e.kind, "%s on %s" % (e, leaf))
-            return
-        except MemoryError:
-            self.refuse("no_memory", "no free heap to decode %d bytes on %s" % (len(payload), leaf))
+        except (codec.CodecError, MemoryError) as e:
+            # A req that cannot be decoded is still refused by its id: the bridge writes
+            # it first (PROTOCOL "Requests and control"), so it is the str after a map
+            # header and "req", decoded alone (a fixstr or a str 8 header, then its
+            # bytes). The host waiting on it then ends at once, rather than at its
+            # timeout. No heap even for that leaves the refusal without it.
+            req = None
+            if leaf == "req" and len(payload) > 6 and payload[1:5] == _REQ_KEY:
+                head = payload[5]
+                end = (6 + head - _FIXSTR if _FIXSTR <= head < _FIXSTR_END
+                       else 7 + payload[6] if head == _STR8 else 0)
+                try:
+                    req = codec.decode(payload[5:end], end, MAX_ID) if end else None
+                except (codec.CodecError, MemoryError):
+                    pass
+                if not is_id(req):
+                    req = None
+            if isinstance(e, codec.CodecError):
+                self.refuse(e.kind, "%s on %s" % (e, leaf), {"req": req} if req else None)
+                return
+            e = None
+            self.refuse("no_memory", "no free heap to decode %d bytes on %s" % (len(payload), leaf),
+                        {"req": req} if req else None)
             if leaf == "rpc/res":
                 # An answer lost: whichever call it was for cannot finish whole. Fail the
                 # calls now (their runs end retryable and give their memory back) rather
@@ -415,13 +459,27 @@ class Runtime:
 
     def refuse(self, kind, msg, more=None):
         # Refused input becomes an error event on the device stream; the board goes on.
+        # While that stream waits for the link (a flood of junk comes faster than the
+        # broker takes our events), a refusal that names nothing a host waits on (no
+        # req) is counted instead, and the next error event says how many were folded
+        # into it (`more`): one event per junk message, each held by the link with
+        # its topic and entry, took a 128K board's heap (10,000 junk ctl at QoS 1).
         self.stats["refused"] += 1
+        platform.log("refused", kind, msg)
+        stream = self.device_stream
+        folded = self._folded
+        if stream.backlog and not (more and "req" in more):
+            folded[0] += 1
+            folded[1] = kind
+            return
         d = {"kind": kind, "msg": msg}
         if more:
             d.update(more)
-        platform.log("refused", kind, msg)
-        self.device_stream.emit("error", d)
-        self.device_stream.pump()
+        if folded[0]:
+            d["more"] = folded[0]
+            folded[0] = 0
+        stream.emit("error", d)
+        stream.pump()
 
     def _on_req(self, msg):
         req = msg.get("req")
@@ -455,9 +513,12 @@ class Runtime:
         self._seen.push(req)
 
     def _on_ctl(self, msg):
-        # ctl ops (control.py) come seldom: imported for each and let go again
-        # (platform.unload), so their code is not on the heap while a run runs. A heap
-        # too fragmented for the import gets one collection first, as a decode does.
+        # ctl ops (control.py) come seldom: their code is not on the heap while a run
+        # runs. Let go after a ctl that came during a run, and otherwise when the next
+        # run starts (_start): a flood of ctl between runs then costs one import, where
+        # an import and a release for each message, 10,000 junk ctl at QoS 1, split a
+        # 128K board's heap until its link found no block to send with. A heap too
+        # fragmented for the import gets one collection first, as a decode does.
         try:
             try:
                 from edge_runtime import control
@@ -471,7 +532,8 @@ class Runtime:
             control.ctl(self, msg)
         finally:
             control = None
-            platform.unload("control")
+            if self.active:
+                platform.unload("control")
 
     # --- runs ---------------------------------------------------------------------
 
@@ -483,6 +545,7 @@ class Runtime:
         else:
             self._runs_started += 1
             run = Run(self, "%s.%d" % (self.boot, self._runs_started), msg)
+        platform.unload("control")  # kept between runs (_on_ctl)
         self.active[run.id] = run
         run.task = platform.asyncio.create_task(self._drive(run, state))
 

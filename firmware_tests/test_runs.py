@@ -141,6 +141,29 @@ def test_bad_input_is_refused_by_name_and_the_board_keeps_serving():
     run(with_board("tb-bad", body))
 
 
+def test_a_req_that_cannot_be_decoded_is_refused_by_its_id():
+    # The id is read from the payload's first bytes (the bridge writes `req` first):
+    # a fixstr id and a str 8 one, each followed by something the decoder refuses; an
+    # id past MAX_ID, or `req` not first, leaves the refusal without one.
+    def broken(msg):
+        good = codec.encode(msg)
+        return bytes([good[0] + 1]) + good[1:] + b"\xa1z\xc1"
+
+    long_id = "r" * 40
+    bad = [broken({"req": "short-id", "input": "x"}), broken({"req": long_id, "input": "x"}),
+           broken({"req": "r" * 65, "input": "x"}), broken({"input": "x", "req": "late"})]
+
+    async def body(bridge, runtime):
+        for payload in bad:
+            bridge.send("req", payload)
+        await bridge.wait_for(lambda: len(device_errors(bridge)) == len(bad))
+        errors = device_errors(bridge)
+        assert [d["kind"] for d in errors] == ["bad_type"] * 4
+        assert [d.get("req") for d in errors] == ["short-id", long_id, None, None]
+
+    run(with_board("tb-named", body))
+
+
 async def _fill_until_busy(bridge, prefix):
     # The model never answers, so the first run holds the only slot, two requests fill
     # the queue and the fourth is refused busy; returns that refusal.

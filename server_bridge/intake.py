@@ -135,7 +135,7 @@ _MAX_BUILDING = 32
 # Streams that are not runs: nothing is synthesized for them, they never "end".
 _STREAMS = (DEVICE_RUN, BRIDGE_RUN)
 # What of a board's status the bridge keeps (PROTOCOL.md "Topics": presence).
-_STATUS_KEYS = ("fw", "agent", "ver", "heap", "boot")
+_STATUS_KEYS = ("fw", "agent", "ver", "heap", "boot", "reset")
 # The `run.failed` messages of runs the bridge ends (customer-safe, PROTOCOL.md).
 DEVICE_RESTARTED = "the device restarted"
 DEVICE_OFFLINE = "the device went offline"

@@ -218,6 +218,8 @@ class Stack:
         self._console_cond = threading.Condition()
         self._pumps: list[threading.Thread] = []
         self._closed = False
+        # How many times the board reset itself and the harness started it again.
+        self.board_resets = 0
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -312,7 +314,8 @@ class Stack:
         `quiet`, when a part would not stop or a process is left running."""
         if self._closed:
             return
-        self._closed = True
+        with self._console_cond:  # a board's console pump restarts it only while not closed
+            self._closed = True
         problems: list[str] = []
 
         def attempt(what: str, fn: Callable[[], None]) -> None:
@@ -563,27 +566,44 @@ class Stack:
 
     def stop_board(self) -> None:
         """SIGTERM the board and wait for it."""
-        self._board_wanted = False
+        with self._console_cond:  # not started again by its console pump (_pump)
+            self._board_wanted = False
         if self.board is not None and self.board.proc is not None:
             _terminate(self.board.proc, "board")
 
     def kill_board(self) -> None:
         """SIGKILL the board: the broker publishes its last will."""
-        self._board_wanted = False
+        with self._console_cond:  # not started again by its console pump (_pump)
+            self._board_wanted = False
         proc = self.board.proc if self.board is not None else None
         if proc is not None and proc.poll() is None:
             proc.kill()
             _wait(proc, "board")
 
     def _pump(self, proc: subprocess.Popen[str]) -> None:
-        out = proc.stdout
-        if out is None:
-            return
-        for line in out:
+        # Reads the board's console; a board that reset itself (exit EXIT_RESET) while
+        # it was wanted is started again, as a board boots again after its reset, and
+        # its console goes on in the same list.
+        while True:
+            out = proc.stdout
+            if out is None:
+                return
+            for line in out:
+                with self._console_cond:
+                    self._console.append(line.rstrip("\n"))
+                    self._console_cond.notify_all()
+            out.close()
+            board = self.board
+            if board is None or board.proc is not proc or not board.reset_itself():
+                return
             with self._console_cond:
-                self._console.append(line.rstrip("\n"))
+                if not self._board_wanted or self._closed:
+                    return
+                proc = board.start()
+                self.processes.append(proc)
+                self.board_resets += 1
+                self._console.append(f"[stack] the board reset itself; started again ({proc.pid})")
                 self._console_cond.notify_all()
-        out.close()
 
     @property
     def console(self) -> list[str]:

@@ -222,6 +222,9 @@ def test_calls_and_requests_are_served_while_a_neighbour_floods_events(
         host.send(f"{P}/h/acme/dev1/req", {"req": "q1", "input": "hi", "tok": tok})
         req = board.next(f"{P}/d/dev1/req")
         assert (req["req"], req["usr"]) == ("q1", "alice")
+        # `req` first (PROTOCOL "Requests and control"): a board names a req it cannot
+        # decode by the id in its first bytes.
+        assert next(iter(req)) == "req"
         host.send(f"{P}/h/acme/dev1/ctl", {"op": "cancel", "r": "0a0b0c0d.1", "tok": tok})
         assert board.next(f"{P}/d/dev1/ctl") == {"op": "cancel", "r": "0a0b0c0d.1"}
         # The bridge's answer to a host on `_b` goes out on the control connection too.

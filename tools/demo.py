@@ -131,15 +131,21 @@ class BoardConsole:
         self.lock = threading.Lock()
 
     def pump(self) -> None:
-        proc = self.board.proc
-        if proc is None or proc.stdout is None:
-            return
-        for line in proc.stdout:
-            with self.lock:
-                if self.live:
-                    self._write(line)
-                else:
-                    self.held.append(line)
+        while True:
+            proc = self.board.proc
+            if proc is None or proc.stdout is None:
+                return
+            for line in proc.stdout:
+                with self.lock:
+                    if self.live:
+                        self._write(line)
+                    else:
+                        self.held.append(line)
+            # A board that reset itself (its heap could not recover) boots again, while
+            # the demo still wants it (stop() ends it with another code).
+            if not self.board.reset_itself():
+                return
+            self.board.start()
 
     def hold(self) -> None:
         with self.lock:
@@ -392,10 +398,16 @@ def run_board(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+        while True:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            # A board that reset itself (its heap could not recover) boots again.
+            if not board.reset_itself():
+                break
+            proc = board.start()
+            print(f"board: {args.device} reset itself; started again", flush=True)
     finally:
         board.stop()
     return proc.returncode or 0

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import edge_runtime
+from edge_runtime.board import _EXIT_RESET as EXIT_RESET
 
 EDGE_DIR = Path(edge_runtime.__file__).resolve().parent
 MAIN_PY = "from edge_runtime.demo import main\nmain()\n"
@@ -134,6 +135,12 @@ class VirtualBoard:
             start_new_session=True,
         )
         return self.proc
+
+    def reset_itself(self) -> bool:
+        """Whether the board's process ended by resetting itself (exit `EXIT_RESET`,
+        edge_runtime.platform.reset: its heap could not recover). A board would boot
+        again, so whoever runs the virtual one starts it again (`start`)."""
+        return self.proc is not None and self.proc.wait() == EXIT_RESET
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
