@@ -20,7 +20,12 @@ together (Emitter.pump's batches): that code took the 32-bit figure from 90 to 9
 The runtime's names fill
 MicroPython's qstr pool: the next doubling adds 640 entries (7 KiB on 64 bits) at once,
 so a handful of new names on a run's path costs 7 KiB; private tables are const() for
-that reason, and the last test below keeps a margin."""
+that reason, and the last test below keeps a margin.
+
+Issue 24's recovery code (the refusals folded while the link is busy, a req named from
+its first bytes, the link giving up and the board resetting) took the 64-bit figure to
+127-129 KiB (bench_heap, this session: 129 in one bisection; at 128K the turn failed 1-2
+times in 4), so the ceilings are 130/93 until that heap is won back."""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from firmware_tests.memory_turn import turn_ok
 from tests.stack import i686_binary
 from tools.virtual_board import lay_out_flash, micropython_binary
 
-CEILING_KIB = {64: 128, 32: 92}
+CEILING_KIB = {64: 130, 32: 93}
 
 
 def test_a_memory_turn_runs_within_its_ceiling_from_mpy(broker, tmp_path: Path) -> None:
