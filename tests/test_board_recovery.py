@@ -7,10 +7,10 @@ the demo thermostat (with its memory field) on the MicroPython unix port at the 
   event that counts them (`more`), not held one apiece by the link.
 - A `req` the board cannot decode is refused by its id, read from its bytes, so the host
   that sent it ends at once instead of waiting out its timeout.
-- A board whose heap is gone (a leak of the app's, here a task that takes every free
-  block) cannot connect; after four connections in a row without heap it resets itself
-  (exit 75 on the unix port), the harness boots it again as a board would, its status
-  says why, and the next request runs.
+(The reset of a board whose link finds no heap to connect, four connections in a row,
+has no test here yet: a hog task that takes every free block, tried this session, left
+the board connected but without heap for presence under a loaded machine, a deaf state
+the link's rule does not catch; see the issue 24 note.)
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import pytest
 from server_bridge.host.client import RequestRefused
 from tests.stack import DEVICE, PREFIX, Stack
 from tests.waiting import wait_for
-from tools.virtual_board import MAIN_PY
 
 JUNK = "junk"
 CTL = f"{PREFIX}/d/{DEVICE}/ctl"
@@ -145,70 +144,6 @@ def test_a_long_request_the_board_has_no_heap_for_ends_at_once_by_its_id(
         else:
             assert snap.status == "done", s.describe()
         assert time.monotonic() - started < 60
-
-
-HOG_MAIN_PY = (
-    MAIN_PY.replace("main()\n", "")
-    + '''
-# A leak of the app's own: once the test leaves a file named "hog" on the flash, a
-# task takes every free block and holds it.
-import gc, os
-from edge_runtime import platform
-held = []
-
-async def hog():
-    while True:
-        await platform.asyncio.sleep_ms(50)
-        try:
-            os.stat("hog")
-        except OSError:
-            continue
-        os.remove("hog")
-        gc.collect()
-        size = 4096
-        while size >= 16:
-            try:
-                held.append(bytearray(size))
-            except MemoryError:
-                size //= 2
-        print("hog: holding", len(held), "blocks")
-
-platform.asyncio.create_task(hog())
-main()
-'''
-)
-
-
-def test_a_board_without_heap_resets_itself_and_serves_the_next_request(
-    tmp_path: Path,
-) -> None:
-    # The demo's main.py creates the hog task before asyncio runs: board.start runs
-    # the loop, which then runs both.
-    main_py = HOG_MAIN_PY.replace(
-        "platform.asyncio.create_task(hog())\nmain()\n",
-        "_run = platform.asyncio.run\n"
-        "async def _both(coro):\n"
-        "    platform.asyncio.create_task(hog())\n"
-        "    return await coro\n"
-        "platform.asyncio.run = lambda coro: _run(_both(coro))\n"
-        "main()\n",
-    )
-    with Stack(tmp_path, main_py=main_py, extra_users={JUNK: "bridge"}) as s:
-        assert s.ask("How warm is it in here?").status == "done", s.describe()
-        mark = s.console_mark()
-        (s.flash / "hog").write_text("")
-        s.wait_console("hog: holding", after=mark)
-        # The connection it has goes; every new one finds no heap.
-        s.restart_broker(wait_clients=False)
-        s.wait_console("reset: no heap for the link", after=mark, timeout=60)
-        s.wait_console("[stack] the board reset itself", after=mark, timeout=30)
-        s.wait_console("link: up", after=mark, timeout=60)
-        assert s.board_resets == 1
-        # The new boot's status says why; the next request runs on it.
-        status = _retained_status(s)
-        assert status["st"] == "online" and "no heap for the link" in str(status["reset"])
-        snap = s.ask("How warm is it in here?", timeout=60)
-        assert snap.status == "done", s.describe()
 
 
 @pytest.fixture(autouse=True)
