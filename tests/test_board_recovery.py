@@ -48,25 +48,6 @@ def _device_errors(s: Stack) -> list[dict[str, object]]:
     return [e["d"] for e in s.client.events if e["r"] == "_" and e["t"] == "error"]
 
 
-def _retained_status(s: Stack) -> dict[str, object]:
-    """The board's retained `status`, read from the broker as the bridge reads it."""
-    got: list[bytes] = []
-    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=JUNK)
-    c.username_pw_set(JUNK, s.users[JUNK])
-    c.on_message = lambda _c, _u, m: got.append(m.payload)
-    c.connect(s.host, s.port)
-    c.subscribe(f"{PREFIX}/d/{DEVICE}/status", qos=1)
-    c.loop_start()
-    try:
-        wait_for(lambda: got, timeout=10, what="the board's retained status")
-    finally:
-        c.loop_stop()
-        c.disconnect()
-    status = msgpack.unpackb(got[-1], raw=False)
-    assert isinstance(status, dict)
-    return status
-
-
 def test_ten_thousand_junk_ctl_at_qos1_then_a_request_runs(tmp_path: Path) -> None:
     with Stack(tmp_path, extra_users={JUNK: "bridge"}) as s:
         assert s.ask("How warm is it in here?").status == "done", s.describe()
