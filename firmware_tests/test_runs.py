@@ -145,13 +145,16 @@ def test_a_req_that_cannot_be_decoded_is_refused_by_its_id():
     # The id is read from the payload's first bytes (the bridge writes `req` first):
     # a fixstr id and a str 8 one, each followed by something the decoder refuses; an
     # id past MAX_ID, or `req` not first, leaves the refusal without one.
-    def broken(msg):
-        good = codec.encode(msg)
-        return bytes([good[0] + 1]) + good[1:] + b"\xa1z\xc1"
+    # Built key by key: MicroPython's dicts do not keep insertion order, so an encoded
+    # dict could not say which key comes first. A map of three entries whose third
+    # value is a reserved byte.
+    def broken(*keys_values):
+        parts = [b"\x83"] + [codec.encode(x) for x in keys_values]
+        return b"".join(parts) + b"\xa1z\xc1"
 
     long_id = "r" * 40
-    bad = [broken({"req": "short-id", "input": "x"}), broken({"req": long_id, "input": "x"}),
-           broken({"req": "r" * 65, "input": "x"}), broken({"input": "x", "req": "late"})]
+    bad = [broken("req", "short-id", "input", "x"), broken("req", long_id, "input", "x"),
+           broken("req", "r" * 65, "input", "x"), broken("input", "x", "req", "late")]
 
     async def body(bridge, runtime):
         for payload in bad:
