@@ -7,12 +7,15 @@ import json
 from edge_runtime import codec
 from edge_runtime import platform
 from edge_runtime.agent import Agent
+from edge_runtime.events import PREFIX
 from edge_runtime.link import Link
 from edge_runtime.platform import ticks_diff, ticks_ms, wait_for_ms
 from edge_runtime.runs import Runtime
-from firmware_tests.support import broker_address
+from firmware_tests.support import broker_address, session_id, topic_root
 
-P = "wren/v1/d/"
+# The device topics of a runtime given no prefix (a board without a link); the scripted
+# bridge and with_board's board use support.topic_root().
+P = PREFIX + "/d/"
 
 
 def make_agent():
@@ -255,7 +258,7 @@ class ScriptedBridge:
     # the test heap the board shares).
     def __init__(self, device, script, answer_rpc=True):
         host, port = broker_address()
-        self.base = P + device + "/"
+        self.base = "%s/d/%s/" % (topic_root(), device)
         self.script = script
         self.answer_rpc = answer_rpc
         self.events = []
@@ -372,7 +375,7 @@ class ScriptedBridge:
 
     async def put_status(self, st, boot="b1"):
         msg = {"st": st, "id": "test", "boot": boot}
-        assert self.link.publish("wren/v1/b/status", codec.encode(msg), 1, True)
+        assert self.link.publish(topic_root() + "/b/status", codec.encode(msg), 1, True)
         await self.wait_for(lambda: self.link.pending == 0)
 
     async def put(self, leaf, msg_or_bytes):
@@ -413,8 +416,12 @@ class ScriptedBridge:
 
 async def with_board(device, body, script=SCRIPT, settings=None, agent=None):
     host, port = broker_address()
+    # The board's id is its client id, and its session persistent.
+    device = session_id(device)
     bridge = ScriptedBridge(device, script)
-    runtime = Runtime(agent or make_agent(), device, settings or {})
+    s = {"prefix": topic_root()}
+    s.update(settings or {})
+    runtime = Runtime(agent or make_agent(), device, s)
     # Wired as board.py wires a board: the runtime's receive buffer, callbacks, last will
     # and persistent session.
     link = Link(device, host, port, backoff_ms=(50, 200), **runtime.link_settings())

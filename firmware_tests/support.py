@@ -2,6 +2,7 @@
 # firmware_tests/runner.py on the MicroPython unix port (or a board), so only the
 # subset of Python both share is used here.
 import os
+import sys
 
 try:
     import asyncio
@@ -12,7 +13,17 @@ except ImportError:  # pragma: no cover
 def run(coro):
     # Board tests are plain functions; an async body goes through here so pytest needs
     # no plugin and MicroPython needs no special runner.
-    return asyncio.run(coro)
+    try:
+        return asyncio.run(coro)
+    finally:
+        if sys.implementation.name == "micropython":
+            # MicroPython's asyncio.run returns with the tasks the body left still queued
+            # (CPython's cancels them): a runtime's own background work, such as
+            # Runtime._call_room polling a stopped link whose last messages the broker
+            # had not acknowledged, ran on in the next test's loop and held this test's
+            # runtime and link, two 4 KB receive buffers among them. A fresh loop drops
+            # them, as a board's reset would.
+            asyncio.new_event_loop()
 
 
 def raises(exc_type, fn, *args):
@@ -25,8 +36,40 @@ def raises(exc_type, fn, *args):
     raise AssertionError("expected %s" % exc_type.__name__)
 
 
-# Set over the raw REPL by `wren hil --broker` on a real board, which has no environment.
+# Set by `wren hil --broker` through the runner (tools/hil.py; a real board has no
+# environment): the broker, and a topic root of the run's own ("wren-hil/<tag>"). With
+# PREFIX set, the tests' topics live under it and their client ids end in "-<tag>", so
+# on a broker of the user's they touch no topic, session or presence of theirs, and
+# whatever they leave can be found and cleared. Unset, the runtime's default prefix.
 BROKER = None
+PREFIX = None
+# The client ids that connected with a persistent session (session_id), which the
+# harness clears however the test ended.
+SESSIONS = []
+
+
+def topic_root():
+    # Read at each use, not bound at import: the runner sets PREFIX after the module's
+    # import, whose compile is the heap's peak.
+    if PREFIX is not None:
+        return PREFIX
+    from edge_runtime.events import PREFIX as default
+    return default
+
+
+def client_id(name):
+    # Client ids are global on a broker, whatever the topics: tagged with the run's.
+    if PREFIX is None:
+        return name
+    return "%s-%s" % (name, PREFIX[PREFIX.rfind("/") + 1:])
+
+
+def session_id(name):
+    # client_id for a link with a persistent session, noted for the harness to clear.
+    cid = client_id(name)
+    if cid not in SESSIONS:
+        SESSIONS.append(cid)
+    return cid
 
 
 def broker_address():
@@ -56,6 +99,19 @@ def scratch(name):
     except OSError:
         pass  # there already
     return "/tmp/wren-fw/%s-" % name
+
+
+def checkpoints(prefix):
+    # The paused-run checkpoints (pause.py, ck_<run id>) a board with this scratch prefix
+    # left: a test of pausing starts without any, or one from a run killed mid-test
+    # comes back as a paused run of its own.
+    cut = prefix.rfind("/") + 1
+    found = []
+    for e in getattr(os, "ilistdir", os.listdir)(prefix[:cut] or "."):
+        n = e if isinstance(e, str) else e[0]
+        if n.startswith(prefix[cut:] + "ck_"):
+            found.append(prefix[:cut] + n)
+    return found
 
 
 def remove(*paths):

@@ -10,7 +10,7 @@ import sys
 from edge_runtime import mqtt
 from edge_runtime.link import Link
 from edge_runtime.platform import asyncio, sleep_ms, wait_for_ms
-from firmware_tests.support import broker_address, read_packet, run
+from firmware_tests.support import broker_address, client_id, read_packet, run, session_id, topic_root
 
 WAIT_MS = 10000  # every wait here is bounded by this
 
@@ -23,13 +23,14 @@ def _broker():
 
 def _base():
     # A topic subtree of this test's own: the broker outlives a single test.
-    return "wren-test/%06x" % random.getrandbits(24)
+    return "%s/test/%06x" % (topic_root(), random.getrandbits(24))
 
 
 def _link(name, port=None, **kw):
     host, bport = _broker()
     kw.setdefault("backoff_ms", (20, 200))
-    return Link("%s-%06x" % (name, random.getrandbits(24)), host, port or bport, **kw)
+    cid = client_id("%s-%06x" % (name, random.getrandbits(24)))
+    return Link(cid, host, port or bport, **kw)
 
 
 async def _until(pred, what, ms=WAIT_MS):
@@ -376,7 +377,7 @@ def test_a_message_over_the_receive_buffer_is_read_past_and_the_link_stays_up():
 def test_a_persistent_session_keeps_what_was_sent_while_away():
     base = _base()
     topic = base + "/req"
-    cid = "persist-%06x" % random.getrandbits(24)
+    cid = session_id("persist-%06x" % random.getrandbits(24))
 
     async def main():
         host, port = _broker()

@@ -15,33 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tools.hil import MODULES, NEEDS_BROKER
+from tools.hil import HEAP, MODULES, NEEDS_BROKER, module_heap
 from tools.virtual_board import install_package, micropython_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
-HEAP = {"mpy": "128K", "py": "256K"}
-# test_runs, test_flow and test_memory host a second Link (the scripted bridge, which keeps every event
-# and call it sees) and a large test module in the same heap as the runtime under test,
-# so on the unix port they get more than a board needs; the board's own heap is measured
-# alone (tests/test_streams.py, benchmarks/bench_heap.py).
-# test_memory's table runs make the most events (a row event per row shown), all kept by
-# that bridge: at 256K one of them ran out now and then (1 suite run in 3 or so), and at
-# 320K once in a fresh-clone CI (the next test's 4 KB receive buffer found no free block
-# after the table test), so 384K. test_flow the same: at 256K a fresh-clone CI found no
-# block for the next test's 4 KB buffer once (20 runs of the module through the runner:
-# 1 failed at 288K, none at 320K); and test_pause and test_nodes, which failed that way
-# in 6 and 3 of 10 runs at 224K (none of 20 at 256K): 32K was all their margin.
-HEAP_OVERRIDE = {
-    "test_runs": {"mpy": "256K", "py": "384K"},
-    "test_flow": {"mpy": "384K", "py": "384K"},
-    "test_memory": {"mpy": "384K", "py": "384K"},
-    "test_pause": {"mpy": "384K", "py": "384K"},
-    "test_nodes": {"mpy": "384K", "py": "384K"},
-    "test_budget": {"mpy": "256K", "py": "384K"},
-}
-# MODULES and NEEDS_BROKER (modules whose tests get the session broker's address, see
-# conftest.py) come from tools/hil.py, which runs the same modules on real boards.
+# MODULES, NEEDS_BROKER (modules whose tests get the session broker's address, see
+# conftest.py) and each module's heap (HEAP, module_heap) come from tools/hil.py, which
+# runs the same modules on a pty and on real boards.
 
 # The .py pass, over one module: what the source form adds over .mpy is that the unix
 # port compiles edge_runtime itself, inside the heap (`wren board --virtual --py` runs
@@ -79,7 +60,7 @@ def test_module_on_unix_port(
         [
             exe,
             "-X",
-            f"heapsize={HEAP_OVERRIDE.get(module, HEAP)[form]}",
+            f"heapsize={module_heap(module, HEAP[form], form)}",
             str(HERE / "runner.py"),
             f"firmware_tests.{module}",
         ],

@@ -8,7 +8,7 @@ from edge_runtime.agent import Agent
 from edge_runtime.link import Link
 from edge_runtime.runs import Runtime
 from firmware_tests.scripted_bridge import device_errors, with_board
-from firmware_tests.support import broker_address, remove, run, scratch
+from firmware_tests.support import broker_address, checkpoints, remove, run, scratch, topic_root
 
 
 def _agent():
@@ -47,20 +47,9 @@ def _node(e):
 _CROWD = 1500
 
 
-def _ck_files(prefix):
-    import os
-    cut = prefix.rfind("/") + 1
-    found = []
-    for e in getattr(os, "ilistdir", os.listdir)(prefix[:cut] or "."):
-        n = e if isinstance(e, str) else e[0]
-        if n.startswith(prefix[cut:] + "ck_"):
-            found.append(prefix[:cut] + n)
-    return found
-
-
 def _board(device, body, script):
     prefix = scratch(device)
-    remove(*_ck_files(prefix))
+    remove(*checkpoints(prefix))
     agent = _agent()
 
     async def wrapped(bridge, runtime):
@@ -108,7 +97,7 @@ def test_a_client_tool_pauses_the_run_and_its_answer_resumes_it():
         # The waiting call's node starts with its announcement and stays open.
         assert _node(bridge.of_run(rid)[10]) == ("node.start", "/tool/ask_user", 1, 1)
         assert runtime.active == {} and rid in runtime.paused
-        assert len(_ck_files(prefix)) == 1
+        assert len(checkpoints(prefix)) == 1
         bridge.send("ctl", {"op": "tool", "r": rid, "call": "c2", "output": "yes, open it"})
         await bridge.wait_for(lambda: _ended(bridge))
         assert _ended(bridge)[0]["t"] == "run.done"
@@ -125,7 +114,7 @@ def test_a_client_tool_pauses_the_run_and_its_answer_resumes_it():
         assert _node(events[16]) == ("node.start", "/model", 2, 2)
         assert _answers(bridge) == {"c1": "2.5", "c2": "yes, open it"}
         assert len(bridge.llm_calls()) == 2
-        assert _ck_files(prefix) == [] and runtime.paused == {}
+        assert checkpoints(prefix) == [] and runtime.paused == {}
 
     _board("tp-client", body, script)
 
@@ -220,7 +209,7 @@ def test_cancel_while_paused_ends_the_run_cancelled_and_its_calls_too():
         ends = [_node(e) + (e["d"]["status"],) for e in bridge.of_run(rid) if e["t"] == "node.end"]
         assert ends[-2:] == [("node.end", "/tool/open_valve", 1, 1, "cancelled"),
                              ("node.end", "/tool/ask_user", 1, 1, "cancelled")]
-        assert agent.opened == [] and runtime.paused == {} and _ck_files(prefix) == []
+        assert agent.opened == [] and runtime.paused == {} and checkpoints(prefix) == []
         assert len(bridge.llm_calls()) == 1
 
     _board("tp-cancel", body, script)
@@ -247,7 +236,7 @@ def test_a_board_that_reboots_while_paused_comes_back_waiting_and_finishes():
         for k in range(_CROWD):
             with open("%sother-%d" % (prefix, k), "w"):
                 pass
-        again = Runtime(agent, runtime.device, {"flash_dir": prefix})
+        again = Runtime(agent, runtime.device, {"flash_dir": prefix, "prefix": topic_root()})
         link = Link(runtime.device, host, port, backoff_ms=(50, 200), **again.link_settings())
         again.attach(link)
         task = platform.asyncio.create_task(link.run())
@@ -262,7 +251,7 @@ def test_a_board_that_reboots_while_paused_comes_back_waiting_and_finishes():
             await bridge.wait_for(lambda: _ended(bridge))
             assert _ended(bridge)[0]["t"] == "run.done"
             assert _answers(bridge) == {"q1": "yes"}
-            assert _ck_files(prefix) == []
+            assert checkpoints(prefix) == []
         finally:
             for k in range(_CROWD):
                 remove("%sother-%d" % (prefix, k))
@@ -286,7 +275,7 @@ def test_a_run_that_waits_past_its_limit_fails_retryable():
         assert end["t"] == "run.failed" and end["d"]["retryable"] is True
         assert end["d"]["err"]["kind"] == "timeout"
         from edge_runtime import pause
-        assert runtime.paused == {} and pause._watcher is None and _ck_files(prefix) == []
+        assert runtime.paused == {} and pause._watcher is None and checkpoints(prefix) == []
         # An answer after the end is not waited for.
         bridge.send("ctl", {"op": "tool", "r": end["r"], "call": "q1", "output": "late"})
         await bridge.wait_for(lambda: device_errors(bridge))
@@ -302,7 +291,7 @@ def test_a_gap_reported_while_paused_takes_an_id_no_later_event_takes():
     script = [[_tool("c1", "read_pressure", {}), _tool("c2", "ask_user", {"q": "Go?"})],
               [{"text": "Gone."}]]
     prefix = scratch("tp-gap")
-    remove(*_ck_files(prefix))
+    remove(*checkpoints(prefix))
     agent = _agent()
 
     async def body(bridge, runtime):

@@ -191,7 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--port", help="a real board's serial port, e.g. /dev/ttyACM0")
     h.add_argument("--deploy", action="store_true", help="copy the files first (mpremote)")
     h.add_argument("--heap", type=heap_size, default="128K", help="unix port heap (with --pty)")
-    h.add_argument("--broker", type=broker_address, metavar="HOST:PORT", help="for broker tests")
+    h.add_argument(
+        "--broker",
+        type=broker_address,
+        metavar="HOST:PORT",
+        help="the broker for the broker tests; the run keeps to wren-hil/<tag> there and clears it",
+    )
     h.add_argument("module", nargs="*", help="test modules (default: all)")
     return parser
 

@@ -61,7 +61,10 @@ class RawRepl:
             if left <= 0:
                 tail = self._buf[-200:]
                 raise ReplError(f"no {marker!r} from the target within {timeout_s}s; got {tail!r}")
-            self._buf += self.transport.read(min(left, 0.2))
+            try:
+                self._buf += self.transport.read(min(left, 0.2))
+            except ReplError as e:
+                raise ReplError(f"{e}; got {self._buf[-200:]!r}") from None
         head, _, self._buf = self._buf.partition(marker)
         return head
 
@@ -87,6 +90,8 @@ class RawRepl:
     def close(self) -> None:
         try:
             self.transport.write(b"\r" + CTRL_B)
+        except OSError:
+            pass  # a target that has exited has no console to leave raw mode on
         finally:
             self.transport.close()
 
@@ -111,7 +116,10 @@ class PtyTransport:
             return b""
         try:
             return os.read(self.fd, 4096)
-        except OSError:  # the target exited: the pty reads as EIO
+        except OSError:  # the pty reads as EIO once the target has closed it
+            if self.proc.poll() is not None:
+                # Said at once: no answer can come, so no deadline needs waiting out.
+                raise ReplError(f"the target exited (status {self.proc.returncode})") from None
             time.sleep(timeout_s)
             return b""
 
@@ -156,10 +164,17 @@ class SerialTransport:
 def unix_port_console(
     exe: str, heap: str, path: list[Path], env: dict[str, str] | None = None
 ) -> RawRepl:
-    """Start the unix port's interactive REPL on a pty and enter raw mode."""
+    """Start the unix port's interactive REPL on a pty and enter raw mode.
+
+    path[0] is the board's flash root, and the process runs there: the REPL's sys.path
+    starts with "" (the working directory), as a board's does, so run from a Wren
+    checkout it would import edge_runtime/*.py, compiled in the target's own heap, ahead
+    of the .mpy package in path[0], and run out of memory where a board does not.
+    """
     full_env = dict(os.environ if env is None else env)
     full_env["MICROPYPATH"] = ":".join(str(p) for p in path) + ":.frozen"
-    repl = RawRepl(PtyTransport([exe, "-X", f"heapsize={heap}", "-i"], env=full_env))
+    argv = [exe, "-X", f"heapsize={heap}", "-i"]
+    repl = RawRepl(PtyTransport(argv, cwd=path[0], env=full_env))
     try:
         repl.enter()
     except ReplError:
@@ -168,11 +183,17 @@ def unix_port_console(
     return repl
 
 
-def run_test_module(repl: RawRepl, module: str, timeout_s: float = 300.0) -> ExecResult:
-    """Run one firmware test module on the target with firmware_tests/runner.py."""
-    return repl.exec(
-        f"from firmware_tests.runner import report\nreport({module!r})\n", timeout_s=timeout_s
-    )
+def run_test_module(
+    repl: RawRepl,
+    module: str,
+    setup: dict[str, object] | None = None,
+    timeout_s: float = 300.0,
+) -> ExecResult:
+    """Run one firmware test module on the target with firmware_tests/runner.py;
+    `setup` (names for firmware_tests.support, as Python literals) is set once the module
+    is imported."""
+    call = f"report({module!r}, None, {setup!r})" if setup else f"report({module!r})"
+    return repl.exec(f"from firmware_tests.runner import report\n{call}\n", timeout_s=timeout_s)
 
 
 def summary(result: ExecResult) -> tuple[int, int] | None:
