@@ -14,9 +14,6 @@ except ImportError:
 # again. Private (no name in the board's qstr pool); the host reads it from this
 # module on CPython, where const() is the value itself.
 _EXIT_RESET = const(75)
-# The file a reset leaves its reason in, read and removed by the next boot, whose status
-# says it (PROTOCOL "Topics": status `reset`).
-_RESET_NOTE = const("wren_reset.txt")
 # The link, a collection, then the runtime: from source, the compiler's peak is the
 # parse of a large module on top of everything loaded before it, and link.py is now the
 # largest source; parsed first and collected after, `import edge_runtime.board` needs
@@ -28,12 +25,12 @@ platform.collect()
 from edge_runtime.runs import Runtime  # noqa: E402
 
 
-async def run_board(agent, settings, reset=None):
-    # Returns True when the board must reset: its link found no heap to connect, one
-    # connection after another (Link.run).
+async def run_board(agent, settings):
+    # Returns why the board must reset (None when it stopped): its link found no heap to
+    # connect, one connection after another (Link.run), or the runtime found an idle
+    # board's heap too low to take a request (Runtime._call_room).
     device = settings["device"]
     runtime = Runtime(agent, device, settings)
-    runtime.reset = reset
     # A stable client id and a persistent session: what the bridge sends while the
     # board is away waits for it at the broker.
     link = Link(
@@ -58,7 +55,8 @@ async def run_board(agent, settings, reset=None):
         # is, not hidden in a loop of resets.
         if not link.stats["connects"]:
             raise
-        return True
+        return "no heap for the link"
+    return runtime.reset
 
 
 def start(agent, settings=None):
@@ -71,23 +69,15 @@ def start(agent, settings=None):
         wifi.connect(settings)
     # Made before the heap can run out: raising it then must not need the heap.
     reset_exit = SystemExit(_EXIT_RESET)
-    why = platform.read_file(_RESET_NOTE)
-    if why is not None:
-        import os
-        os.remove(_RESET_NOTE)
-        why = why.decode()
-    if not platform.asyncio.run(run_board(agent, settings, why)):
+    why = platform.asyncio.run(run_board(agent, settings))
+    if not why:
         return
-    # The last resort: rather than stay up and deaf, start over with a whole heap.
-    # Paused runs are on flash and come back; a run in flight ends as any run cut by a
-    # restart does (the bridge fails it, retryable). A board resets; the unix port,
-    # which cannot, exits _EXIT_RESET. Why is left for the next boot's status.
-    why = None
+    # The last resort, rather than stay up and deaf: start over with a whole heap
+    # (presence.reset; on the unix port, which cannot reset, the process exits
+    # _EXIT_RESET). The link and the runtime are garbage now, so the import finds heap.
     try:
-        platform.log("reset: no heap for the link")
-        platform.write_file(_RESET_NOTE, b"no heap for the link")
-        import machine
-        machine.reset()
-    except Exception:  # out of heap or flash, or no machine.reset (the unix port)
+        from edge_runtime import presence
+        presence.reset(why)
+    except Exception:  # out of heap or flash, or no machine.reset: exit all the same
         pass
     raise reset_exit

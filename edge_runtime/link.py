@@ -255,8 +255,11 @@ class Link:
             self.fault = None
             raise MemoryError("injected into " + task)
 
-    def stop(self):
-        self._stopping = True
+    def stop(self, clean=True):
+        # clean: a DISCONNECT tells the broker to withhold our will. Without one (a board
+        # about to reset) the connection is dropped and the broker publishes the will, as
+        # it would for a board that lost power.
+        self._stopping = True if clean else 2
         self.connected = False
         self._down.set()
 
@@ -321,7 +324,8 @@ class Link:
                         raise MemoryError("no heap for the link")
         finally:
             # Also when run() itself is cancelled: that counts as stop().
-            self._stopping = True
+            if not self._stopping:
+                self._stopping = True
             try:
                 await self._close()
             except Exception:  # whatever closing hit, run() ends as it was going to
@@ -397,7 +401,7 @@ class Link:
         if conn is None:
             return
         try:
-            if self._stopping:
+            if self._stopping is True:
                 # A clean DISCONNECT tells the broker not to publish our will.
                 await platform.wait_for_ms(self._write(conn, mqtt.DISCONNECT_PACKET), _BYE_MS)
         except Exception:

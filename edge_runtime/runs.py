@@ -198,7 +198,7 @@ class Runtime:
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
         self.boot = "%08x" % random_bits(32)
-        # Why the last boot reset itself (board.py), said in this boot's status.
+        # Why this board must reset (_call_room), for board.py once the link has stopped.
         self.reset = None
         self._bridge_up = None  # the bridge's presence as last heard: None, True, False
         self._bridge_boot = None  # the boot id of the bridge process last heard online
@@ -351,6 +351,15 @@ class Runtime:
                 await platform.sleep_ms(_DRAIN_POLL_MS)
                 waited += _DRAIN_POLL_MS
             platform.collect()
+            # An idle board whose heap, collected, could not hold the request it
+            # announced cannot serve: connected, it would refuse or lose every request
+            # (a leak of an app's, a heap that fragments). It resets instead (board.py),
+            # the link dropped so the broker says offline (its will).
+            free = free_heap()
+            if (link is not None and not self.active and not self._queue and free is not None
+                    and free < self.limits["payload"]):
+                self.reset = "no heap for a request (%d bytes free)" % free
+                link.stop(False)
         elif link is not None and not link.room():
             await link.wait_room(self.stall_ms)
 
@@ -437,6 +446,8 @@ class Runtime:
                 from edge_runtime import presence
         except MemoryError:
             platform.log("no free heap for presence")
+            # Whether the heap can still serve at all is looked at once the link is quiet.
+            platform.asyncio.create_task(self._call_room(True))
             return
         try:
             if payload is None:

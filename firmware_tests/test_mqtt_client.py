@@ -243,6 +243,35 @@ def test_last_will_is_published_when_the_connection_drops():
     run(main())
 
 
+def test_a_stop_without_a_clean_end_lets_the_broker_publish_the_will():
+    # stop() says DISCONNECT: no will. stop(False), a board about to reset (board.py),
+    # drops the connection, and the broker says offline for it.
+    base = _base()
+
+    async def main():
+        got, on_message = _collector()
+        watcher = _link("watch", on_message=on_message)
+        watcher.subscribe(base + "/+", 1)
+        clean = _link("clean", will=(base + "/clean", b"offline", 1, False))
+        dropped = _link("dropped", will=(base + "/dropped", b"offline", 1, False))
+
+        async def body():
+            # The clean stop ends first, whole (its run() returns once it has said
+            # DISCONNECT and closed): had the broker a will to send for it, it would
+            # come before the dropped link's.
+            task = asyncio.create_task(clean.run())
+            assert await clean.wait_connected(WAIT_MS)
+            clean.stop()
+            await wait_for_ms(task, WAIT_MS)
+            dropped.stop(False)
+            await _until(lambda: got, "the dropped link's will")
+            assert got == [(base + "/dropped", b"offline")]
+
+        await _with([watcher, dropped], body)
+
+    run(main())
+
+
 def test_a_full_outbox_refuses_and_loses_nothing_it_took():
     base = _base()
     topic = base + "/evt"

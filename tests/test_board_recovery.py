@@ -7,10 +7,11 @@ the demo thermostat (with its memory field) on the MicroPython unix port at the 
   event that counts them (`more`), not held one apiece by the link.
 - A `req` the board cannot decode is refused by its id, read from its bytes, so the host
   that sent it ends at once instead of waiting out its timeout.
-(The reset of a board whose link finds no heap to connect, four connections in a row,
-has no test here yet: a hog task that takes every free block, tried this session, left
-the board connected but without heap for presence under a loaded machine, a deaf state
-the link's rule does not catch; see the issue 24 note.)
+- A board whose heap is gone (a leak of the app's, here a task that takes every free
+  block) resets itself, whichever notices first: the link (four connections in a row
+  without heap to connect) or the runtime (idle, collected, less free heap than the
+  request it announced). The harness boots it again as a board would (exit 75), its
+  status says why, and the next request runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 from server_bridge.host.client import RequestRefused
 from tests.stack import DEVICE, PREFIX, Stack
 from tests.waiting import wait_for
+from tools.virtual_board import MAIN_PY
 
 JUNK = "junk"
 CTL = f"{PREFIX}/d/{DEVICE}/ctl"
@@ -46,6 +48,25 @@ def _device_errors(s: Stack) -> list[dict[str, object]]:
     """The error events of the board's device stream `_` that reached the host."""
     assert s.client is not None
     return [e["d"] for e in s.client.events if e["r"] == "_" and e["t"] == "error"]
+
+
+def _retained_status(s: Stack) -> dict[str, object]:
+    """The board's retained `status`, read from the broker as the bridge reads it."""
+    got: list[bytes] = []
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=JUNK)
+    c.username_pw_set(JUNK, s.users[JUNK])
+    c.on_message = lambda _c, _u, m: got.append(m.payload)
+    c.connect(s.host, s.port)
+    c.subscribe(f"{PREFIX}/d/{DEVICE}/status", qos=1)
+    c.loop_start()
+    try:
+        wait_for(lambda: got, timeout=10, what="the board's retained status")
+    finally:
+        c.loop_stop()
+        c.disconnect()
+    status = msgpack.unpackb(got[-1], raw=False)
+    assert isinstance(status, dict)
+    return status
 
 
 def test_ten_thousand_junk_ctl_at_qos1_then_a_request_runs(tmp_path: Path) -> None:
@@ -125,6 +146,72 @@ def test_a_long_request_the_board_has_no_heap_for_ends_at_once_by_its_id(
         else:
             assert snap.status == "done", s.describe()
         assert time.monotonic() - started < 60
+
+
+HOG_MAIN_PY = (
+    MAIN_PY.replace("main()\n", "")
+    + '''
+# A leak of the app's own: once the test leaves a file named "hog" on the flash, a
+# task takes every free block and holds it.
+import gc, os
+from edge_runtime import platform
+held = []
+
+async def hog():
+    while True:
+        await platform.asyncio.sleep_ms(50)
+        try:
+            os.stat("hog")
+        except OSError:
+            continue
+        os.remove("hog")
+        gc.collect()
+        size = 4096
+        while size >= 16:
+            try:
+                held.append(bytearray(size))
+            except MemoryError:
+                size //= 2
+        print("hog: holding", len(held), "blocks")
+
+platform.asyncio.create_task(hog())
+main()
+'''
+)
+
+
+def test_a_board_without_heap_resets_itself_and_serves_the_next_request(
+    tmp_path: Path,
+) -> None:
+    # The demo's main.py creates the hog task before asyncio runs: board.start runs
+    # the loop, which then runs both.
+    main_py = HOG_MAIN_PY.replace(
+        "platform.asyncio.create_task(hog())\nmain()\n",
+        "_run = platform.asyncio.run\n"
+        "async def _both(coro):\n"
+        "    platform.asyncio.create_task(hog())\n"
+        "    return await coro\n"
+        "platform.asyncio.run = lambda coro: _run(_both(coro))\n"
+        "main()\n",
+    )
+    with Stack(tmp_path, main_py=main_py, extra_users={JUNK: "bridge"}) as s:
+        assert s.ask("How warm is it in here?").status == "done", s.describe()
+        mark = s.console_mark()
+        (s.flash / "hog").write_text("")
+        s.wait_console("hog: holding", after=mark)
+        # The connection it has goes; every new one finds no heap.
+        s.restart_broker(wait_clients=False)
+        s.wait_console("the board resets: no heap for ", after=mark, timeout=60)
+        s.wait_console("[stack] the board reset itself", after=mark, timeout=30)
+        s.wait_console("link: up", after=mark, timeout=60)
+        assert s.board_resets == 1
+        # The new boot's status says why; the next request runs on it.
+        status = _retained_status(s)
+        assert status["st"] == "online" and "no heap for " in str(status["reset"])
+        # The host's own connection went with the broker's restart too.
+        wait_for(lambda: s.client is not None and s.client.connected, "the host back")
+        snap = s.ask("How warm is it in here?", timeout=60)
+        assert snap.status == "done", s.describe()
 
 
 @pytest.fixture(autouse=True)
