@@ -420,7 +420,16 @@ class Runtime:
             self.refuse("bad_envelope", "payload on %s is not a map" % leaf)
             return
         if leaf == "req":
-            self._on_req(msg)
+            try:
+                self._on_req(msg)
+            except MemoryError:
+                # No heap to start its run (the allocator collected before it gave up):
+                # refused by its id, so the host ends and may ask again. Lost to the
+                # link's on_message guard, it was acknowledged and never answered.
+                req = msg.get("req")
+                msg = None
+                self.refuse("no_memory", "no free heap to start a run",
+                            {"req": req} if is_id(req) else None)
         elif leaf == "ctl":
             self._on_ctl(msg)
         else:
@@ -558,7 +567,12 @@ class Runtime:
             run = Run(self, "%s.%d" % (self.boot, self._runs_started), msg)
         platform.unload("control")  # kept between runs (_on_ctl)
         self.active[run.id] = run
-        run.task = platform.asyncio.create_task(self._drive(run, state))
+        try:
+            run.task = platform.asyncio.create_task(self._drive(run, state))
+        except MemoryError:
+            # A slot held by a run that never started would make the board busy for good.
+            self.active.pop(run.id, None)
+            raise
 
     async def _drive(self, run, state=None):
         # A run from its start to its end (one function rather than two: each name
