@@ -72,12 +72,17 @@ def start(agent, settings=None):
     why = platform.asyncio.run(run_board(agent, settings))
     if not why:
         return
-    # The last resort, rather than stay up and deaf: start over with a whole heap
-    # (presence.reset; on the unix port, which cannot reset, the process exits
-    # _EXIT_RESET). The link and the runtime are garbage now, so the import finds heap.
+    # The last resort, rather than stay up and deaf: start over with a whole heap.
+    # Paused runs are on flash and come back; a run in flight ends as any run cut by a
+    # restart does (the bridge fails it, retryable). Why is left on flash for the next
+    # boot's status (presence.connected reads the same file). A board resets here; on
+    # the unix port, which cannot, the process exits _EXIT_RESET. Nothing is imported
+    # on the way: a heap an app's leak still holds may not have room for it.
     try:
-        from edge_runtime import presence
-        presence.reset(why)
+        platform.log("the board resets:", why)
+        platform.write_file("wren_reset.txt", why.encode())
+        import machine
+        machine.reset()
     except Exception:  # out of heap or flash, or no machine.reset: exit all the same
         pass
     raise reset_exit

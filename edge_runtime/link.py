@@ -72,22 +72,6 @@ def _size(payload):
     return len(payload)
 
 
-def _no_delay(w):
-    # Nagle off: each of the link's messages is small and waits on the one before (an
-    # ack, a chunk, an event), and with Nagle on each small write waits up to 40 ms for
-    # the broker's delayed ACK. MicroPython's stream keeps its socket in `s`; CPython's
-    # asyncio's socket is behind get_extra_info. A port without the option keeps
-    # working, slower.
-    # Says whether it is set (Link.stats["nodelay"], for tests and a board's status).
-    try:
-        sock = w.s if hasattr(w, "s") else w.get_extra_info("socket")
-        sock.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
-        return 1
-    except (OSError, AttributeError, TypeError, KeyError) as e:
-        log("link", "TCP_NODELAY not set:", e)
-        return 0
-
-
 def _unsent(w):
     # Bytes a stream writer holds that its socket has not taken yet. MicroPython's
     # stream keeps them in out_buf (and writes to the socket at once when it is empty);
@@ -349,7 +333,21 @@ class Link:
     async def _open(self):
         self._down.clear()
         r, w = await self._dial()
-        self.stats["nodelay"] = _no_delay(w)
+        # Nagle off: each of the link's messages is small and waits on the one before (an
+        # ack, a chunk, an event), and with Nagle on each small write waits up to 40 ms
+        # for the broker's delayed ACK. MicroPython's stream keeps its socket in `s`;
+        # CPython's asyncio's socket is behind get_extra_info. A port without the option
+        # keeps working, slower; stats["nodelay"] says whether it is set (for tests and
+        # a board's status). Inline, not a function: each name counts against the
+        # board's qstr pool (test_on_small_heap).
+        try:
+            sock = w.s if hasattr(w, "s") else w.get_extra_info("socket")
+            sock.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
+            self.stats["nodelay"] = 1
+        except (OSError, AttributeError, TypeError, KeyError) as e:
+            log("link", "TCP_NODELAY not set:", e)
+            self.stats["nodelay"] = 0
+        sock = None
         # Everything that belongs to this connection, handed to its tasks: a task whose
         # connection is no longer self._conn stops, whatever it was doing.
         conn = self._conn = (r, w, asyncio.Lock())

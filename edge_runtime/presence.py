@@ -32,8 +32,8 @@ def connected(runtime):
     status = {"st": "online", "fw": firmware(), "agent": agent.name, "ver": agent.version,
               "heap": free_heap(), "boot": runtime.boot}
     if runtime.paused is None:
-        # A boot's first connection says why the last boot reset itself (reset, below),
-        # once: the note is removed as it is read.
+        # A boot's first connection says why the last boot reset itself (board.py
+        # writes the note), once: it is removed as it is read.
         why = platform.read_file("wren_reset.txt")
         if why is not None:
             import os
@@ -51,18 +51,6 @@ def connected(runtime):
         "agent": agent.name, "ver": agent.version, "fw": firmware(), "boot": runtime.boot,
         "fields": agent.describe_fields(), "tools": agent.describe(),
         "limits": runtime.limits}, _QOS1, True)
-
-
-def reset(msg):
-    # A board whose heap cannot recover starts over (board.py): paused runs are on flash
-    # and come back, a run in flight ends as any run cut by a restart does (the bridge
-    # fails it, retryable). Why is left on flash for the next boot's status (the file
-    # named by a literal here and in connected: a module-level name would cost the
-    # board's qstr pool). The unix port has no machine.reset: board.py then exits.
-    platform.log("the board resets:", msg)
-    platform.write_file("wren_reset.txt", msg.encode())
-    import machine
-    machine.reset()
 
 
 def bridge(runtime, payload):

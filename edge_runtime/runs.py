@@ -204,7 +204,8 @@ class Runtime:
         self._bridge_boot = None  # the boot id of the bridge process last heard online
         self._runs_started = 0
         # Counters; control.py adds its own (stale_ctl) when it first counts.
-        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0}
+        self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0,
+                      "no_presence": 0}
         # Refusals folded into the next one while the device stream waits for the link
         # (refuse): [how many, the kind of the last]. One name: each name a module
         # interns counts against the qstr pool's next doubling (test_on_small_heap).
@@ -252,6 +253,21 @@ class Runtime:
         if self.commits:
             from edge_runtime import state
             platform.asyncio.create_task(state.resend(self))
+        self._check_heap()
+
+    def _check_heap(self):
+        # Collected, can an idle board still take the request it announced? Looked at
+        # when its runs are done and its link quiet (_call_room), after a connection and
+        # after input it had no heap for. One that cannot would stay connected and
+        # refuse or lose every request (a leak of an app's, a heap that fragments): it
+        # resets instead (board.py), its link dropped so the broker says its will.
+        platform.collect()
+        free = free_heap()
+        link = self.link
+        if (link is not None and not self.active and not self._queue and free is not None
+                and free < self.limits["payload"]):
+            self.reset = "no heap for a request (%d bytes free)" % free
+            link.stop(False)
 
     def encode(self, msg):
         # Exactly the payload's size, kept as it is by the link (and a run's ring). A
@@ -350,16 +366,7 @@ class Runtime:
             while link is not None and link.pending and waited < _DRAIN_MS:
                 await platform.sleep_ms(_DRAIN_POLL_MS)
                 waited += _DRAIN_POLL_MS
-            platform.collect()
-            # An idle board whose heap, collected, could not hold the request it
-            # announced cannot serve: connected, it would refuse or lose every request
-            # (a leak of an app's, a heap that fragments). It resets instead (board.py),
-            # the link dropped so the broker says offline (its will).
-            free = free_heap()
-            if (link is not None and not self.active and not self._queue and free is not None
-                    and free < self.limits["payload"]):
-                self.reset = "no heap for a request (%d bytes free)" % free
-                link.stop(False)
+            self._check_heap()
         elif link is not None and not link.room():
             await link.wait_room(self.stall_ms)
 
@@ -445,24 +452,36 @@ class Runtime:
         # presence.py, for a new connection (payload None) or the bridge's status: both
         # seldom, so it is imported for each and let go again (platform.unload), as
         # control.py is for a ctl. A heap too fragmented for the import gets one
-        # collection first; without it the board stays silent this once (its hello is
-        # retained at the broker, and the next connection says it all again).
+        # collection first.
         try:
             try:
                 from edge_runtime import presence
             except MemoryError:
                 platform.collect()
                 from edge_runtime import presence
-        except MemoryError:
-            platform.log("no free heap for presence")
-            # Whether the heap can still serve at all is looked at once the link is quiet.
-            platform.asyncio.create_task(self._call_room(True))
-            return
-        try:
             if payload is None:
                 presence.connected(self)
+                self.stats["no_presence"] = 0
             else:
                 presence.bridge(self, payload)
+        except MemoryError:
+            presence = None
+            platform.unload("presence")
+            platform.collect()
+            platform.log("no free heap for presence")
+            if payload is None and self.link is not None:
+                # A connection that could not say the board is online would leave it
+                # up but shown offline (its last will stands at the broker): dropped
+                # instead, and tried again by the link; four in a row, and the board
+                # resets (board.py). (Counted in stats: a key over ten characters is no
+                # name in the board's qstr pool.)
+                n = self.stats["no_presence"] + 1
+                self.stats["no_presence"] = n
+                if n < 4:
+                    self.link.reconnect("no heap for presence")
+                else:
+                    self.reset = "no heap for presence"
+                    self.link.stop(False)
         finally:
             presence = None
             platform.unload("presence")
@@ -500,6 +519,8 @@ class Runtime:
             folded[0] = 0
         stream.emit("error", d)
         stream.pump()
+        if kind == "no_memory":
+            self._check_heap()
 
     def _on_req(self, msg):
         req = msg.get("req")

@@ -16,7 +16,6 @@ the demo thermostat (with its memory field) on the MicroPython unix port at the 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import msgpack
@@ -128,24 +127,24 @@ def test_a_req_the_board_cannot_decode_is_refused_by_its_id(tmp_path: Path) -> N
         assert s.ask("How warm is it in here?").status == "done", s.describe()
 
 
-def test_a_long_request_the_board_has_no_heap_for_ends_at_once_by_its_id(
-    tmp_path: Path,
-) -> None:
+def test_a_long_request_the_board_has_no_heap_for_ends_by_its_id(tmp_path: Path) -> None:
     # 3,900 characters within the announced 4,096: on a heap fragmented by the runs
-    # before it the decode may find no block of its size. Whether it runs or is refused
-    # no_memory, the host learns it at once (by the req id), never by a timeout.
+    # before it, the decode may find no block of its size, or the run no heap to go on.
+    # Either way the host learns it (refused no_memory by its id, or the run failed,
+    # retryable), instead of waiting out its timeout as it did when the refusal named
+    # no req: a wait_run that times out fails this test.
     with Stack(tmp_path) as s:
         for text in ("How warm is it?", "How warm is it? " * 125):
             assert s.ask(text).status == "done", s.describe()
         long_text = ("How warm is it? " * 300)[:3900]
-        started = time.monotonic()
         try:
             snap = s.ask(long_text, timeout=60)
         except RequestRefused as e:
             assert e.kind == "no_memory", e
         else:
-            assert snap.status == "done", s.describe()
-        assert time.monotonic() - started < 60
+            assert snap.status == "done" or (
+                snap.status == "failed" and snap.error and snap.retryable
+            ), s.describe()
 
 
 HOG_MAIN_PY = (
