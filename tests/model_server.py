@@ -53,6 +53,7 @@ import json
 import socket
 import ssl
 import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -131,6 +132,15 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that reset its kept-alive connection while the handler waited for its
+        # next request (a bridge cancelling a model call does) is no error of the
+        # server's: socketserver would print its traceback to stderr, once per call.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class _Stopped(Exception):
     """The server is closing, or the client went away: stop writing this response."""
 
@@ -168,7 +178,7 @@ class ModelServer:
             # longer than this ends the connection (http.server closes it quietly).
             timeout = idle_timeout_s
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = _Server(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self._tls = tls
         if tls is not None:

@@ -66,6 +66,8 @@ __all__ = [
     "StackError",
     "assistant_text",
     "forget_bridge_status",
+    "build_kit",
+    "frozen_binary",
     "i686_binary",
     "persistence_conf",
 ]
@@ -104,6 +106,36 @@ def i686_binary() -> str | None:
         if candidate and Path(candidate).is_file():
             return candidate
     return None
+
+
+def build_kit() -> Path | None:
+    """The team's MicroPython build kit (../shared/micropython/build.sh), where there is
+    one: beside the checkout or at /work/shared."""
+    for candidate in (ROOT.parent / "shared" / "micropython", Path("/work/shared/micropython")):
+        if (candidate / "build.sh").is_file():
+            return candidate
+    return None
+
+
+def frozen_binary() -> str | None:
+    """A 64-bit MicroPython unix port with this checkout's edge_runtime frozen into it,
+    as a board's firmware holds it (its code in flash, not on the heap), built by the
+    kit (cached by the hash of the frozen files: a build with nothing changed takes a
+    tenth of a second, a first one one or two minutes). None without the kit; a failed
+    build is a StackError naming its log."""
+    kit = build_kit()
+    if kit is None:
+        return None
+    proc = subprocess.run(
+        ["bash", str(kit / "build.sh"), "--arch", "x64", "--freeze", f"{ROOT}:edge_runtime"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or len(lines) < 2 or not Path(lines[-2]).is_file():
+        raise StackError(f"frozen board: the kit's build failed:\n{proc.stderr[-2000:]}")
+    return lines[-2]
 
 
 def forget_bridge_status(broker: MosquittoProcess, prefix: str = PREFIX) -> None:

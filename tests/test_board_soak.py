@@ -1,0 +1,185 @@
+"""Issue 24's acceptance, "The board never wedges": 1,000 requests in a row to the
+four-field memory agent (a user slot, a user `sum` slot, a user collection and a granted
+tenant collection), one model stream in ten cut mid-answer and one link in twenty cut
+mid-run, through the real bridge process and Mosquitto (tests/soak.py has the agent, the
+model's answers and the relay), on the MicroPython unix port (64-bit) at 128K with the
+runtime frozen into the binary, as a board's firmware holds it (tests/stack.py
+frozen_binary, built by ../shared/micropython's kit).
+
+The soak runs once for the module, and each test reads one property from its records:
+every request ends; every failure is named and retryable; no MemoryError in a run that
+was not forced; every answer that arrived is the model's, exactly; the free heap stays
+level. The 1,000 requests took about 2 minutes on a 2-core machine (2 min 33 s with the
+frozen build, cached). With the runtime loaded from .mpy instead, its code is on the
+heap: a median 9.8 KiB free after a run against 25.4 KiB frozen, the largest free block
+1.1 against 13.2 KiB, and this agent fails most requests at 128K (bench_soak, 200 runs
+each). WREN_SOAK_RUNS sets another count.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.soak import (
+    AGENT_PY,
+    BALLAST_PY,
+    PROBE_PY,
+    Fault,
+    RunRecord,
+    Soak,
+)
+from tests.stack import frozen_binary
+from tools.virtual_board import lay_out_flash, micropython_binary
+
+RUNS = int(os.environ.get("WREN_SOAK_RUNS", "1000"))
+# The runs a board's heap takes to settle, exempt from the level: the first loads the
+# model loop's code for good, and the board keeps the ids of the last 16 requests
+# (runs._SEEN_REQS, for refusing duplicates), a string each, and the event rings of its
+# last two runs. A 256K board that never ran out of memory came down 3 KiB over its
+# first 16 runs and stayed there.
+WARMUP_RUNS = 20
+LEVEL_BYTES = 1024
+SHOWN = 5  # records shown in a failure message
+
+
+@pytest.fixture(scope="module")
+def soak() -> Iterator[list[RunRecord]]:
+    # The agent alone on the board: what these tests read is the runtime's own console
+    # (its heap line after each run, its MemoryError reports), and the soak's probe
+    # (the largest free block, for bench_soak) costs the board about 1 KiB of heap.
+    # The runtime frozen into the board's firmware, as a board ships it: loaded from
+    # .mpy files instead, its code is on the 128K heap, and this agent then fails most
+    # requests (benchmarks/bench_soak.py, whose figures say so).
+    exe = frozen_binary()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI has ../shared/micropython's kit: the frozen board must build")
+        pytest.skip("needs ../shared/micropython's build kit to freeze the runtime")
+    with Soak(probe=False, micropython=exe) as s:
+        yield s.run(RUNS)
+
+
+def shown(records: list[RunRecord], lines: int = 12) -> str:
+    """The first records of a failure, each with its last console lines."""
+    out = []
+    for r in records[:SHOWN]:
+        out.append(
+            f"request {r.number} ({r.fault or 'no fault'}): {r.status} {r.kind} "
+            f"retryable={r.retryable} run={r.run} msg={r.msg!r}"
+        )
+        out += [f"    | {line}" for line in r.console[-lines:]]
+    more = len(records) - SHOWN
+    return "\n".join(out + ([f"... and {more} more"] if more > 0 else []))
+
+
+def test_every_request_ends(soak: list[RunRecord]) -> None:
+    # Done, failed or cancelled at the host, or refused by its own req id: never lost.
+    assert len(soak) == RUNS
+    lost = [r for r in soak if r.status == "lost"]
+    assert len(lost) == 0, f"{len(lost)} of {RUNS} requests never ended:\n{shown(lost)}"
+    unnamed = [r for r in soak if r.status == "refused" and r.refused_req != r.req]
+    assert len(unnamed) == 0, shown(unnamed)
+
+
+def test_every_failure_is_named_and_retryable(soak: list[RunRecord]) -> None:
+    bad = [r for r in soak if not r.named_and_retryable]
+    kinds = Counter((r.status, r.kind, r.retryable) for r in bad)
+    assert len(bad) == 0, (
+        f"{len(bad)} of {RUNS} failures not named and retryable {kinds}:\n{shown(bad)}"
+    )
+    # A cut stream fails its run (the bridge's `llm`, cause `unavailable`): a partial
+    # answer is never shown as a whole one.
+    cut = [r for r in soak if r.fault == Fault.STREAM_CUT and r.status == "done"]
+    assert len(cut) == 0, shown(cut)
+
+
+def test_no_memory_error_in_a_run_that_was_not_forced(soak: list[RunRecord]) -> None:
+    hit = [r for r in soak if r.fault != Fault.FORCED and (r.memory_errors or r.resets)]
+    places = Counter(m.place for r in hit for m in r.memory_errors)
+    resets = sum(len(r.resets) > 0 for r in hit)
+    assert len(hit) == 0, (
+        f"{len(hit)} of {RUNS} requests met a MemoryError (board resets: {resets}); "
+        f"by place: {places.most_common()}\n{shown(hit, 20)}"
+    )
+
+
+def test_every_answer_served_is_the_models_exactly(soak: list[RunRecord]) -> None:
+    # Text (1,000-2,000 characters naming its request) and tool results as the model
+    # and the board made them: nothing lost, doubled or taken from another request.
+    done = [r for r in soak if r.status == "done"]
+    assert done, "no request was served"
+    wrong = [r for r in done if not (r.text_ok and r.tools_ok)]
+    assert len(wrong) == 0, shown(wrong)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 24: the runtime's heap line is logged as a run ends, while its last "
+    "events are still in flight, so it moves by kilobytes with how the run ended (free "
+    "24-30 KiB on the frozen board at 128K, bench_soak; a link cut ends higher): the "
+    "level needs a measure taken once the link is quiet",
+)
+def test_the_free_heap_stays_level(soak: list[RunRecord]) -> None:
+    # Per boot (a board that reset itself starts over): past its first WARMUP_RUNS, each
+    # run's free heap within 1 KiB of the level after the first of them.
+    boots: dict[str, list[RunRecord]] = {}
+    for r in soak:
+        if r.boot is not None and r.heap_free is not None:
+            boots.setdefault(r.boot, []).append(r)
+    checked = 0
+    for boot, runs in boots.items():
+        if len(runs) <= WARMUP_RUNS:
+            continue
+        level = runs[WARMUP_RUNS].heap_free
+        assert level is not None
+        off = [r for r in runs[WARMUP_RUNS + 1 :] if abs((r.heap_free or 0) - level) > LEVEL_BYTES]
+        free = [r.heap_free or 0 for r in runs]
+        assert len(off) == 0, (
+            f"boot {boot}: level {level} B after request {runs[WARMUP_RUNS].number}; "
+            f"{len(off)} of {len(runs) - WARMUP_RUNS - 1} later runs off by more than "
+            f"{LEVEL_BYTES} B (min {min(free)}, median {statistics.median(free)}, "
+            f"max {max(free)}): " + ", ".join(f"#{r.number} {r.heap_free}" for r in off[:20])
+        )
+        checked += len(runs) - WARMUP_RUNS - 1
+    # A board that reset itself every few runs never settles: that fails here too.
+    assert checked >= (RUNS - WARMUP_RUNS) // 2, f"only {checked} runs had a level to keep to"
+
+
+def test_the_probes_intern_no_name_of_their_own() -> None:
+    # The board's qstr pool is a few names short of its next doubling (7 KiB at once):
+    # probes that interned names of their own would change what they measure. The
+    # board's names after it has loaded the agent, with and without them, are the same.
+    exe = micropython_binary()
+    assert exe is not None, "the MicroPython unix port is not installed"
+    names = {}
+    for probes in (False, True):
+        main = AGENT_PY + (PROBE_PY + BALLAST_PY if probes else "")
+        main += "import micropython\nmicropython.qstr_info(1)\n"
+        with tempfile.TemporaryDirectory(prefix="wren-soak-") as tmp:
+            flash = lay_out_flash(Path(tmp) / "flash", {"device": "x"}, mpy=True, main_py=main)
+            env = dict(os.environ, MICROPYPATH=".frozen:")
+            out = subprocess.run(
+                [exe, "-X", "heapsize=128K", "main.py"],
+                cwd=flash,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+            # Module paths differ with the directory: compared without it.
+            names[probes] = {
+                line.strip().replace(tmp, "")
+                for line in out.stdout.splitlines()
+                if line.strip().startswith("Q(")
+            }
+    assert len(names[False]) > 400, len(names[False])
+    assert names[True] == names[False], (names[True] - names[False], names[False] - names[True])
