@@ -39,7 +39,10 @@ _DEFAULT_BRIDGE_GRACE_MS = const(5000)
 # Outbox slots an event leaves free: room for RPC acks and calls, hello and status,
 # which keep the run and the link going while events wait.
 _EVENT_SPARE = const(4)
-_RECENT_RUNS = const(2)
+# Finished runs whose event ring the board keeps for the bridge's replays: the last
+# one. A second ring (up to ring_bytes, 1.5 KiB) held through every run was heap the
+# valves agent's resumed run and the memory demo's third request lacked at 128K.
+_RECENT_RUNS = const(1)
 # How long a model call short of memory (or a board done with its runs) waits for the
 # link's messages in flight to be acknowledged (Runtime._call_room), and how often it
 # looks: often, as a sleep allocates nothing, and a request may come soon after a run.
@@ -555,8 +558,9 @@ class Runtime:
 
     def _on_ctl(self, msg):
         # ctl ops (control.py) come seldom: their code is not on the heap while a run
-        # runs. Let go after a ctl that came during a run, and otherwise when the next
-        # run starts (_start): a flood of ctl between runs then costs one import, where
+        # runs. Let go after a ctl that came during a run or with a run paused (whose
+        # answer it may have started applying), and otherwise when the next run starts
+        # (_start): a flood of ctl between runs then costs one import, where
         # an import and a release for each message, 10,000 junk ctl at QoS 1, split a
         # 128K board's heap until its link found no block to send with. A heap too
         # fragmented for the import gets one collection first, as a decode does.
@@ -573,7 +577,7 @@ class Runtime:
             control.ctl(self, msg)
         finally:
             control = None
-            if self.active:
+            if self.active or self.paused:
                 platform.unload("control")
 
     # --- runs ---------------------------------------------------------------------

@@ -185,12 +185,11 @@ def test_a_bridges_replay_of_a_finished_run_leaves_the_board_its_heap(tmp_path: 
     # ctl). The board's first ctl loads control.py, whose names stay interned: once they
     # pushed MicroPython's qstr pool over its next doubling (7 KiB at once), and the
     # memory thermostat's next runs at 128K ran out of memory. Sent here by a user with
-    # the bridge's rights, after two runs, so the ring of the first is still held.
+    # the bridge's rights, after two runs, of the last, whose ring the board still holds.
     with Stack(tmp_path, extra_users={"asker": "bridge"}) as s:
         for _ in range(2):
             assert s.ask(QUESTION).status == "done", s.describe()
-        first_run, _ = _run_end(s, ".1 ")
-        _, steady = _run_end(s, ".2 ")
+        last_run, steady = _run_end(s, ".2 ")
 
         replayed = threading.Event()
         peer = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="asker")
@@ -199,7 +198,7 @@ def test_a_bridges_replay_of_a_finished_run_leaves_the_board_its_heap(tmp_path: 
         def on_message(client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
             # One envelope, or several sent together (a replay batches what it resends).
             got = msgpack.unpackb(msg.payload)
-            if any(e.get("r") == first_run for e in (got if isinstance(got, list) else [got])):
+            if any(e.get("r") == last_run for e in (got if isinstance(got, list) else [got])):
                 replayed.set()
 
         peer.on_message = on_message
@@ -208,7 +207,7 @@ def test_a_bridges_replay_of_a_finished_run_leaves_the_board_its_heap(tmp_path: 
         try:
             topic = f"{PREFIX}/d/{s.device}"
             peer.subscribe(f"{topic}/evt", qos=1)[1]
-            ctl = msgpack.packb({"op": "replay", "r": first_run, "after": 0})
+            ctl = msgpack.packb({"op": "replay", "r": last_run, "after": 0})
             peer.publish(f"{topic}/ctl", ctl, qos=1).wait_for_publish(10)
             assert replayed.wait(30), s.describe()
         finally:
