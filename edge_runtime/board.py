@@ -2,23 +2,12 @@
 # link and hand control to the link's supervisor for the life of the board.
 from edge_runtime import platform
 
-try:
-    from micropython import const
-except ImportError:
-    def const(x):
-        return x
-
-# How a virtual board (the unix port, or CPython) that reset itself ends: `wren board
-# --virtual`, the demo and the test harness start it again, as a board boots again
-# after its reset. 75 is EX_TEMPFAIL of sysexits.h: a temporary failure, to be tried
-# again. Private (no name in the board's qstr pool); the host reads it from this
-# module on CPython, where const() is the value itself.
-_EXIT_RESET = const(75)
 # The link, a collection, then the runtime: from source, the compiler's peak is the
 # parse of a large module on top of everything loaded before it, and link.py is now the
-# largest source; parsed first and collected after, `import edge_runtime.board` needs
-# 120 KiB (64-bit unix port), where runtime-first needed 130 and failed at some sizes
-# above that (a fragmented heap).
+# largest source; parsed first and collected after, `import edge_runtime.board` needed
+# 120-122 KiB (64-bit unix port), where runtime-first needed 130 and failed at some
+# sizes above that (a fragmented heap). Issue 24's recovery code took it to 134 KiB
+# (from .mpy, what a board runs, it needs 92): runs.py's compile is the peak.
 from edge_runtime.link import Link
 
 platform.collect()
@@ -68,7 +57,12 @@ def start(agent, settings=None):
         from edge_runtime import wifi
         wifi.connect(settings)
     # Made before the heap can run out: raising it then must not need the heap.
-    reset_exit = SystemExit(_EXIT_RESET)
+    # Its status, 75, is how a virtual board (the unix port, or CPython) that reset
+    # itself ends: tools/virtual_board.py's EXIT_RESET, which `wren board --virtual`,
+    # the demo and the test harness start again, as a board boots again after a reset
+    # (EX_TEMPFAIL of sysexits.h: a temporary failure, to be tried again). A literal:
+    # a name here would be one more in the pool of a board that compiles this file.
+    stop = SystemExit(75)
     why = platform.asyncio.run(run_board(agent, settings))
     if not why:
         return
@@ -76,7 +70,7 @@ def start(agent, settings=None):
     # Paused runs are on flash and come back; a run in flight ends as any run cut by a
     # restart does (the bridge fails it, retryable). Why is left on flash for the next
     # boot's status (presence.connected reads the same file). A board resets here; on
-    # the unix port, which cannot, the process exits _EXIT_RESET. Nothing is imported
+    # the unix port, which cannot, the process exits 75. Nothing is imported
     # on the way: a heap an app's leak still holds may not have room for it.
     try:
         platform.log("the board resets:", why)
@@ -85,4 +79,4 @@ def start(agent, settings=None):
         machine.reset()
     except Exception:  # out of heap or flash, or no machine.reset: exit all the same
         pass
-    raise reset_exit
+    raise stop

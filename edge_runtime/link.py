@@ -42,9 +42,6 @@ _WRITE_MS = const(10000)  # one packet onto the socket
 _BYE_MS = const(1000)  # DISCONNECT and close on stop()
 _TICK_MS = const(500)  # watchdog period (shorter for tiny keepalives)
 _FAIL = const(0x80)  # SUBACK failure code
-# Connections in a row that found no heap to connect before the link gives up (and the
-# board resets itself, board.py): a collection between them did not help.
-_STARVED_MAX = const(4)
 # Receive buffer over the largest payload wanted: fixed header fields, the topic and
 # the packet id of a PUBLISH.
 _RX_HEAD = const(128)
@@ -255,20 +252,21 @@ class Link:
     # --- supervisor -----------------------------------------------------------------
 
     async def run(self):
-        # Returns on stop(). Raises MemoryError when _STARVED_MAX connections in a row
-        # found no heap to connect: the board's last resort (board.py resets it) rather
-        # than stay up and deaf.
-        fails = starved = 0
+        # Returns on stop(). Raises MemoryError when four connections in a row found no
+        # heap to connect (`short`), a collection before each: the board's last resort
+        # (board.py resets it) rather than stay up and deaf. (Its locals are names a
+        # board compiling this from source interns: existing ones where they fit.)
+        fails = short = 0
         try:
             while not self._stopping:
                 try:
                     try:
                         await self._open()
-                        fails = starved = 0
+                        fails = short = 0
                         await self._down.wait()  # the connection's life: to reconnect()/stop()
                     except Exception as e:  # the supervisor itself must never die
                         if isinstance(e, MemoryError):
-                            starved += 1
+                            short += 1
                         try:
                             log("link: connect %s:%s failed: %r" % (self.host, self.port, e))
                         except MemoryError:
@@ -298,13 +296,13 @@ class Link:
                 except MemoryError:
                     # The supervisor's own steps (closing, the backoff) found no heap:
                     # counted as a connection that found none, and the loop goes on.
-                    starved += 1
-                if starved:
+                    short += 1
+                if short:
                     # A MemoryError leaves the garbage of what failed: collected before
-                    # the next attempt. If that has not helped after _STARVED_MAX in a
-                    # row, nothing will.
+                    # the next attempt. If that has not helped after four in a row,
+                    # nothing will.
                     platform.collect()
-                    if starved >= _STARVED_MAX:
+                    if short >= 4:
                         raise MemoryError("no heap for the link")
         finally:
             # Also when run() itself is cancelled: that counts as stop().

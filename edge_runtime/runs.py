@@ -53,9 +53,7 @@ _SEEN_REQS = const(16)
 # dicts of bound methods: those cost a dict and an object per entry on the board heap
 # for the board's life.
 _LEAVES = const(("req", "ctl", "rpc/res"))
-# A req's first key as the bridge writes it (a fixstr of 3 bytes, "req"), and the str
-# headers its id may have: fixstr (under 32 bytes) and str 8 (on_message).
-_REQ_KEY = const(b"\xa3req")
+# The str headers a req's id may have (on_message): fixstr (under 32 bytes), str 8.
 _FIXSTR = const(0xa0)
 _FIXSTR_END = const(0xc0)
 _STR8 = const(0xd9)
@@ -209,10 +207,10 @@ class Runtime:
         # Counters; control.py adds its own (stale_ctl) when it first counts.
         self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0,
                       "no_presence": 0}
-        # Refusals folded into the next one while the device stream waits for the link
-        # (refuse): [how many, the kind of the last]. One name: each name a module
-        # interns counts against the qstr pool's next doubling (test_on_small_heap).
-        self._folded = [0, None]
+        # Refusals held into the next one while the device stream waits for the link
+        # (refuse): [how many, the kind of the last]. A name the board has anyway (each
+        # new name a module interns counts against the qstr pool's next doubling).
+        self.more = [0, None]
 
     # --- wiring to the link -------------------------------------------------------
 
@@ -265,11 +263,11 @@ class Runtime:
         # refuse or lose every request (a leak of an app's, a heap that fragments): it
         # resets instead (board.py), its link dropped so the broker says its will.
         platform.collect()
-        free = free_heap()
+        n = free_heap()
         link = self.link
-        if (link is not None and not self.active and not self._queue and free is not None
-                and free < self.limits["payload"]):
-            self.reset = "no heap for a request (%d bytes free)" % free
+        if (link is not None and not self.active and not self._queue and n is not None
+                and n < self.limits["payload"]):
+            self.reset = "no heap for a request (%d bytes n)" % n
             link.stop(False)
 
     def encode(self, msg):
@@ -322,14 +320,14 @@ class Runtime:
         stream = self.device_stream
         if not stream.pump():
             return
-        folded = self._folded
-        if folded[0]:
-            # What was folded while the device stream waited, said once it has gone.
+        held = self.more
+        if held[0]:
+            # What was held while the device stream waited, said once it has gone.
             stream.emit("error", {
-                "kind": folded[1], "more": folded[0] - 1,
+                "kind": held[1], "more": held[0] - 1,
                 "msg": "%d input messages refused while the board's events waited for its"
-                       " link (the last %s)" % (folded[0], folded[1])})
-            folded[0] = 0
+                       " link (the last %s)" % (held[0], held[1])})
+            held[0] = 0
             if not stream.pump():
                 return
         for run in self.active.values():
@@ -400,11 +398,11 @@ class Runtime:
         except (codec.CodecError, MemoryError) as e:
             # A req that cannot be decoded is still refused by its id: the bridge writes
             # it first (PROTOCOL "Requests and control"), so it is the str after a map
-            # header and "req", decoded alone (a fixstr or a str 8 header, then its
+            # header and "req" (a fixstr of 3 bytes), decoded alone (a fixstr or a str 8 header, then its
             # bytes). The host waiting on it then ends at once, rather than at its
             # timeout. No heap even for that leaves the refusal without it.
             req = None
-            if leaf == "req" and len(payload) > 6 and payload[1:5] == _REQ_KEY:
+            if leaf == "req" and len(payload) > 6 and payload[1:5] == b"\xa3req":
                 head = payload[5]
                 end = (6 + head - _FIXSTR if _FIXSTR <= head < _FIXSTR_END
                        else 7 + payload[6] if head == _STR8 else 0)
@@ -503,23 +501,23 @@ class Runtime:
         # Refused input becomes an error event on the device stream; the board goes on.
         # While that stream waits for the link (a flood of junk comes faster than the
         # broker takes our events), a refusal that names nothing a host waits on (no
-        # req) is counted instead, and the next error event says how many were folded
+        # req) is counted instead, and the next error event says how many were held
         # into it (`more`): one event per junk message, each held by the link with
         # its topic and entry, took a 128K board's heap (10,000 junk ctl at QoS 1).
         self.stats["refused"] += 1
         platform.log("refused", kind, msg)
         stream = self.device_stream
-        folded = self._folded
+        held = self.more
         if stream.backlog and not (more and "req" in more):
-            folded[0] += 1
-            folded[1] = kind
+            held[0] += 1
+            held[1] = kind
             return
         d = {"kind": kind, "msg": msg}
         if more:
             d.update(more)
-        if folded[0]:
-            d["more"] = folded[0]
-            folded[0] = 0
+        if held[0]:
+            d["more"] = held[0]
+            held[0] = 0
         stream.emit("error", d)
         stream.pump()
         if kind == "no_memory":
