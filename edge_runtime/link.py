@@ -117,7 +117,7 @@ class Link:
         self.fault = None
         self.stats = {"refused": 0, "sent": 0, "received": 0, "retransmits": 0,
                       "reconnects": 0, "connects": 0, "failures": 0, "oversized": 0,
-                      "nodelay": 0}
+                      "nodelay": 0, "ended_short": 0}
         self._rx = bytearray(rx_size)
         self._rxv = memoryview(self._rx)
         self._outbox = Ring(outbox_size)
@@ -229,6 +229,10 @@ class Link:
         # Every connection task ends here, whatever ended it; one left over from an
         # older connection must not take the current one down.
         if conn is self._conn:
+            if isinstance(reason, MemoryError):
+                # For run(): this connection ended for want of heap. (A stats key over
+                # ten characters: no name in the board's qstr pool.)
+                self.stats["ended_short"] = 1
             self.reconnect(task if reason is None else "%s: %r" % (task, reason))
 
     def _fault_point(self, task):
@@ -253,17 +257,26 @@ class Link:
 
     async def run(self):
         # Returns on stop(). Raises MemoryError when four connections in a row found no
-        # heap to connect (`short`), a collection before each: the board's last resort
-        # (board.py resets it) rather than stay up and deaf. (Its locals are names a
-        # board compiling this from source interns: existing ones where they fit.)
+        # heap (`short`): to connect, or in one of their tasks, a collection before each:
+        # the board's last resort (board.py resets it) rather than stay up and deaf.
+        # (Its locals are names a board compiling this from source interns: existing
+        # ones where they fit.)
         fails = short = 0
         try:
             while not self._stopping:
                 try:
                     try:
+                        self.stats["ended_short"] = 0
                         await self._open()
-                        fails = short = 0
+                        fails = 0
                         await self._down.wait()  # the connection's life: to reconnect()/stop()
+                        # A connection that came up and then found no heap in a task
+                        # counts as one that found none to connect: alternating, the two
+                        # kept the board reconnecting for good (a leak of an app's).
+                        if self.stats["ended_short"]:
+                            short += 1
+                        else:
+                            short = 0
                     except Exception as e:  # the supervisor itself must never die
                         if isinstance(e, MemoryError):
                             short += 1
