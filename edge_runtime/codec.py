@@ -564,9 +564,15 @@ class Encoder:
                 buf[pos] = _NIL if obj is None else (_TRUE if obj else _FALSE)
             return pos + 1
         # bytes, bytearray, memoryview. A CPython view of wider items is written as its
-        # raw bytes, as msgpack does.
+        # raw bytes, as msgpack does. A long one is lent like a str (a checkpoint's ring
+        # of encoded events): its writer uses the parts before it changes them.
         if getattr(obj, "itemsize", 1) != 1:
             obj = bytes(obj)
+        n = len(obj)
+        if self._lent is not None and n >= self._lend:
+            pos = self._head(pos, _BIN_HEADS, n, n)
+            self._lent.append((pos, obj))
+            return pos
         return self._raw(pos, _BIN_HEADS, obj)
 
 

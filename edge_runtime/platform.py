@@ -213,7 +213,9 @@ def write_file(path, data):
 
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(data)
+        # data: bytes, or a list of parts written one after another (codec.encode_parts).
+        for part in data if type(data) is list else (data,):
+            f.write(part)
     try:
         os.rename(tmp, path)
     except OSError:

@@ -331,6 +331,20 @@ def test_a_raw_value_is_written_as_its_bytes_and_lent_by_encode_parts():
     raises(TooLarge, codec.encode_exact, msg, len(whole) - 1)
 
 
+def test_encode_parts_lends_long_bins_too_and_the_parts_are_the_same_bytes():
+    # A checkpoint (pause._save) holds the run's ring of encoded events: each is lent,
+    # a view of a settled block included, so saving needs no block of the file's size.
+    block = bytearray(b"\x01" * 40 + b"\x02" * 300)
+    ring = [bytearray(b"\x03" * 20), memoryview(block)[:40], memoryview(block)[40:]]
+    msg = {"v": 3, "ring": ring, "m": ["x" * 300]}
+    whole = encode({"v": 3, "ring": [bytes(x) for x in ring], "m": ["x" * 300]})
+    parts = codec.encode_parts(msg, len(whole), codec.MAX_DEPTH, 16)
+    assert b"".join(bytes(p) for p in parts) == whole
+    assert any(p is ring[0] for p in parts) and any(p is ring[2] for p in parts)
+    assert max(len(p) for p in parts) == 300  # the structure's block holds only heads
+    raises(TooLarge, codec.encode_parts, msg, len(whole) - 1, codec.MAX_DEPTH, 16)
+
+
 def test_encode_parts_lending_shorter_strs_needs_a_smaller_block_for_the_same_bytes():
     # Runtime.publish_msg's second try on a fragmented heap: strs of 16 bytes or more
     # lent too, so the one block left to allocate (the structure) is smaller.
