@@ -633,6 +633,11 @@ class Link:
                 self._rx_at = platform.ticks_ms()
                 self._ping = None  # any packet shows the broker is there
                 if t == mqtt.PUBLISH:
+                    if self._stopping:
+                        # Read after stop(): neither taken nor acknowledged, so the
+                        # broker keeps it for the session's next connection (a board
+                        # about to reset took a request here, and lost it).
+                        continue
                     if body is None:
                         topic, pid, qos, size = self._skipped
                         self.stats["oversized"] += 1

@@ -109,11 +109,13 @@ class Run:
         # Puts run.started in the ring, once: the run's first event, whatever comes
         # next, and sent with it. The model loop calls it just after its model call has
         # gone, so the call does not wait behind it; every other way to emit calls it
-        # first.
+        # first. Kept until it is in the ring: a run.started that found no heap goes
+        # ahead of the run.failed that follows, which the host could not match to its
+        # request without it (it names the req).
         d = self.started_d
         if d is not None:
-            self.started_d = None
             self.emitter.emit("run.started", d)
+            self.started_d = None
 
     def emit(self, t, d=None, node=None):
         # Without waiting: a terminal event, say. What the link cannot take now waits
@@ -206,7 +208,7 @@ class Runtime:
         self._runs_started = 0
         # Counters; control.py adds its own (stale_ctl) when it first counts.
         self.stats = {"refused": 0, "duplicate": 0, "unsendable": 0, "busy": 0, "stalled": 0,
-                      "no_presence": 0}
+                      "no_memory": 0, "no_presence": 0}
         # Refusals held into the next one while the device stream waits for the link
         # (refuse): [how many, the kind of the last]. A name the board has anyway (each
         # new name a module interns counts against the qstr pool's next doubling).
@@ -262,13 +264,21 @@ class Runtime:
         # after input it had no heap for. One that cannot would stay connected and
         # refuse or lose every request (a leak of an app's, a heap that fragments): it
         # resets instead (board.py), its link dropped so the broker says its will.
+        # Free heap in pieces too small to use looks like enough: four requests in a
+        # row that ended out of memory (refused no_memory, or failed), with none done
+        # between them, say the same.
         platform.collect()
         n = free_heap()
         link = self.link
-        if (link is not None and not self.active and not self._queue and n is not None
-                and n < self.limits["payload"]):
-            self.reset = "no heap for a request (%d bytes n)" % n
-            link.stop(False)
+        if link is None or self.active or self._queue:
+            return
+        if n is not None and n < self.limits["payload"]:
+            self.reset = "no heap for a request (%d bytes free)" % n
+        elif self.stats["no_memory"] >= 4:
+            self.reset = "4 requests in a row ran out of memory"
+        else:
+            return
+        link.stop(False)
 
     def encode(self, msg):
         # Exactly the payload's size, kept as it is by the link (and a run's ring). A
@@ -521,6 +531,7 @@ class Runtime:
         stream.emit("error", d)
         stream.pump()
         if kind == "no_memory":
+            self.stats["no_memory"] += 1
             self._check_heap()
 
     def _on_req(self, msg):
@@ -539,6 +550,13 @@ class Runtime:
         if req in self._seen:
             # The idempotency key: a repeated request starts nothing new.
             self.stats["duplicate"] += 1
+            return
+        if self.stats["no_memory"] >= 4:
+            # Four in a row ran out of memory: this one would too. Refused by name, and
+            # the refusal resets the board once it is idle (_check_heap); a request
+            # that came while it waited to be idle would otherwise have kept it up.
+            self.refuse("no_memory", "the board resets to get its heap back; send it again",
+                        {"req": req})
             return
         if len(self.active) < self.concurrency:
             self._start(msg)
@@ -649,6 +667,7 @@ class Runtime:
                 if durable:
                     await _state(run, True)
                 run.emit("run.done", {"usage": usage or {}})
+                self.stats["no_memory"] = 0
             except platform.asyncio.CancelledError:
                 run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
             except RunFailed as e:
@@ -660,6 +679,7 @@ class Runtime:
                 # The run's state goes with the run; collected, the heap serves the next
                 # one, so asking again is worth it.
                 platform.collect()
+                self.stats["no_memory"] += 1
                 platform.log("run", run.id, "ran out of memory")
                 platform.print_exception(e)
                 e = None

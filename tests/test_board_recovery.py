@@ -12,8 +12,10 @@ the demo thermostat (with its memory field) on the MicroPython unix port at the 
   time, or when idle it has less free heap than the request it announces (the harness
   boots it again as a board would, exit 75, and its status says why), or it comes back
   on a connection that found enough; either way each request after ends by name.
-  (Whether it then serves depends on what the leak left it: a board online with a
-  heap too fragmented to run is the next thing to close, issue 24's note.)
+- A board whose heap an app cut into holes (free bytes in plenty, no block a run
+  needs) ends each request by name and resets itself after four in a row ran out of
+  memory (or when its link finds no heap), then serves again; a request it read as it
+  stopped its link is left to the broker for the next boot, not lost.
 """
 
 from __future__ import annotations
@@ -222,6 +224,80 @@ def test_a_board_whose_heap_an_app_took_loses_no_request(
             assert any("the board resets: no heap for " in line for line in s.console)
             status = _retained_status(s)
             assert status["st"] == "online" and "no heap for " in str(status["reset"])
+
+
+# A heap the app cut into holes: once the test leaves a file named "frag" on the flash,
+# a task fills the free heap with pairs of blocks, a small one it keeps and one of
+# HOLE bytes it lets go, so most of the heap stays free, none of it in a piece longer
+# than HOLE bytes.
+HOLE = 256
+FRAG_MAIN_PY = (
+    MAIN_PY.replace("main()\n", "")
+    + f"""
+import gc, os
+from edge_runtime import platform
+held = [None] * 64
+
+async def frag():
+    while True:
+        await platform.asyncio.sleep_ms(50)
+        try:
+            os.stat("frag")
+        except OSError:
+            continue
+        os.remove("frag")
+        gc.collect()
+        n = 0
+        try:
+            while n < len(held):
+                bytearray({HOLE})
+                held[n] = bytearray(1)
+                n += 1
+        except MemoryError:
+            pass
+        gc.collect()
+        print("frag: holding", n, "blocks; heap free", gc.mem_free())
+
+_run = platform.asyncio.run
+async def _both(coro):
+    platform.asyncio.create_task(frag())
+    return await coro
+platform.asyncio.run = lambda coro: _run(_both(coro))
+main()
+"""
+)
+
+
+def test_a_board_whose_heap_is_all_holes_resets_and_serves_again(tmp_path: Path) -> None:
+    # Free heap in plenty but in pieces too small for a run: each request ends by name
+    # (failed retryable, or refused), and the board resets, whichever finds it first:
+    # four requests in a row out of memory, once idle (firmware_tests/test_runs.py
+    # has that rule alone), or its link finding no heap time after time. It is booted
+    # again by the harness (exit 75), as a board would be, and serves on a whole heap.
+    with Stack(tmp_path, main_py=FRAG_MAIN_PY, extra_users={JUNK: "bridge"}) as s:
+        assert s.ask("How warm is it in here?").status == "done", s.describe()
+        mark = s.console_mark()
+        (s.flash / "frag").write_text("")
+        s.wait_console("frag: holding", after=mark)
+        ends: list[str] = []
+        for _ in range(8):
+            try:
+                snap = s.ask("How warm is it in here?", timeout=60)
+            except RequestRefused as e:
+                assert e.kind in ("no_memory", "device_offline"), e
+                ends.append(e.kind)
+            else:
+                ends.append(snap.status)
+                assert snap.status == "done" or (
+                    snap.status == "failed" and snap.retryable
+                ), s.describe()
+            if ends[-1] == "done" and s.board_resets:
+                break
+        assert s.board_resets == 1 and ends[-1] == "done", (ends, s.describe())
+        why = ("4 requests in a row ran out of memory", "no heap for the link")
+        assert any(f"the board resets: {w}" in line for line in s.console for w in why)
+        status = _retained_status(s)
+        assert status["st"] == "online" and status["reset"] in why, status
 
 
 @pytest.fixture(autouse=True)

@@ -64,7 +64,10 @@ HEAP = {"mpy": "128K", "py": "256K"}
 # block for the next test's 4 KB buffer once (20 runs of the module through the runner:
 # 1 failed at 288K, none at 320K); and test_pause and test_nodes, which failed that way
 # in 6 and 3 of 10 runs at 224K (none of 20 at 256K): 32K was all their margin.
+# test_mqtt_packets' bytes and scripted peers outgrew 128K with its 21st test (its
+# import found no 4.6 KB block).
 HEAP_OVERRIDE = {
+    "test_mqtt_packets": {"mpy": "192K", "py": "256K"},
     "test_runs": {"mpy": "256K", "py": "384K"},
     "test_flow": {"mpy": "384K", "py": "384K"},
     "test_memory": {"mpy": "384K", "py": "384K"},
