@@ -40,9 +40,16 @@ def ctl(runtime, msg):
     elif op == "replay":
         _replay(runtime, msg)
     else:
-        # A tool answer or approval for a run that is not paused.
-        runtime.refuse("not_waiting", "run %s is not waiting on call %s"
-                       % (clip(msg.get("r")), clip(msg.get("call"))))
+        # A tool answer or approval for a run that is not paused (it ended, or never
+        # was): named by run and call, as a paused run's refusal is (pause.py), so the
+        # host that answered can tell which of its answers came too late.
+        r = msg.get("r")
+        call = msg.get("call")
+        more = {"r": r} if is_id(r) else {}
+        if is_id(call):
+            more["call"] = call
+        runtime.refuse("not_waiting", "run %s is not waiting on call %s" % (clip(r), clip(call)),
+                       more)
 
 
 def _cancel(runtime, msg):

@@ -169,7 +169,8 @@ def test_an_answer_no_run_waits_for_is_refused_and_changes_nothing():
     async def body(bridge, runtime, prefix, agent):
         bridge.send("ctl", {"op": "tool", "r": "nope.1", "call": "q1", "output": "x"})
         await bridge.wait_for(lambda: device_errors(bridge))
-        assert device_errors(bridge)[0]["kind"] == "not_waiting"
+        refused = device_errors(bridge)[0]
+        assert (refused["kind"], refused["r"], refused["call"]) == ("not_waiting", "nope.1", "q1")
         bridge.send("req", {"req": "p3", "input": "ask me"})
         await bridge.wait_for(lambda: _paused(bridge))
         rid = _paused(bridge)[0]["r"]
@@ -185,6 +186,8 @@ def test_an_answer_no_run_waits_for_is_refused_and_changes_nothing():
         # A second answer for the call that was answered: not waiting any more.
         bridge.send("ctl", {"op": "tool", "r": rid, "call": "q1", "output": "again"})
         await bridge.wait_for(lambda: len(device_errors(bridge)) == 4)
+        late = device_errors(bridge)[3]
+        assert (late["kind"], late["r"], late["call"]) == ("not_waiting", rid, "q1")
         assert _ended(bridge)[0]["t"] == "run.done"
         assert len([e for e in bridge.of_run(rid) if e["t"] == "tool.result"]) == 1
 
@@ -279,7 +282,8 @@ def test_a_run_that_waits_past_its_limit_fails_retryable():
         # An answer after the end is not waited for.
         bridge.send("ctl", {"op": "tool", "r": end["r"], "call": "q1", "output": "late"})
         await bridge.wait_for(lambda: device_errors(bridge))
-        assert device_errors(bridge)[0]["kind"] == "not_waiting"
+        refused = device_errors(bridge)[0]
+        assert (refused["kind"], refused["r"], refused["call"]) == ("not_waiting", end["r"], "q1")
 
     _board("tp-limit", body, script)
 
