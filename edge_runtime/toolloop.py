@@ -321,9 +321,12 @@ async def model_loop(run, state=None, pause=0):
         # when the link had no room for these.
         if run.emitter.backlog:
             await run.runtime.flow(run.emitter)
-        run.emitter.emit("msg.end", {"m": m})
         if not isinstance(final, dict):
             final = {}
+        # How the model ended the turn, as the bridge says (`length`: its token limit cut
+        # the answer short), so a host can say so.
+        got = final.get("finish")
+        run.emitter.emit("msg.end", {"m": m, "finish": got} if isinstance(got, str) else {"m": m})
         got = final.get("usage")
         if not isinstance(got, dict):
             got = {}

@@ -56,11 +56,18 @@ class BridgeConfig:
     limits: Limits = field(default_factory=Limits)
     # Bounded waits: connecting (start() raises past it), an llm.complete call, and any
     # other RPC method (answered with an error past it; the board has its own timeout).
+    # llm_timeout_s is a model call's overall limit (`--model-timeout`; PROTOCOL.md
+    # "Model calls"): generous, since a slow model is held to the idle timeout between
+    # the pieces of its stream instead (models/openai.py IDLE_TIMEOUT_S,
+    # `--model-idle-timeout`). A local model at 3 tokens a second writes 1,024 tokens in
+    # under 6 minutes; 120 s cut it off and called that retryable (issue 25).
     connect_timeout_s: float = 10.0
-    llm_timeout_s: float = 120.0
+    llm_timeout_s: float = 600.0
     rpc_timeout_s: float = 30.0
-    # The answer's length when the board's agent names none (Agent max_tokens): every
-    # model call is bounded by Wren, not only by a server's own cap (PROTOCOL.md "RPC").
+    # The most tokens one model call may answer with (`--max-tokens`), and what a call
+    # gets when the board's agent names none (Agent max_tokens): a board's larger ask is
+    # cut to it, so every model call is bounded by the bridge, not by the board or only
+    # by a server's own cap (PROTOCOL.md "Model calls").
     llm_max_tokens: int = 1024
     # RPC work runs on a pool so paho's network thread never waits on a model; calls
     # beyond max in flight — in total, or of one device — are answered `busy` instead of

@@ -40,6 +40,15 @@ network thread's share stays under 0.1 ms a call, and only when a worker is free
 that must queue gains nothing from it, and one that expires in the queue must never have
 reached the model (above).
 
+A method may also decide, as a call arrives, whether it runs and with what arguments
+(`Method.admit`, on the network thread, before `early`): llm.complete is admitted by
+models/policy.py, which holds a board to the models the bridge allows and caps its
+max_tokens and its run's calls, tokens and model time; a refused call is answered
+`{c, err:{kind:"llm", cause, retryable:false, msg}}` without `s` and never reaches the
+model. The call's own limit (BridgeConfig.llm_timeout_s, `--model-timeout`) is its RPC
+deadline; a model that outlives it is answered cause `timeout`, not retryable, since the
+same call would take as long again.
+
 A QoS 1 call may arrive twice (resent with DUP after a reconnect). A call id of a device
 that is in flight or finished recently is ignored, not run twice — a second model call
 would cost money and answer a call nobody waits for. `device_gone` ends a device's calls
@@ -71,7 +80,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from server_bridge.config import BridgeConfig
-from server_bridge.models.base import Cancelled, Chunk, ModelError, Provider
+from server_bridge.models.base import TOO_SLOW, Cancelled, Chunk, ModelError, Provider
+from server_bridge.models.policy import ModelGate, ModelPolicy
 from server_bridge.redact import describe, scrubbed_traceback
 from server_bridge.registry import DeviceRecord
 from server_bridge.wire import (
@@ -110,6 +120,9 @@ log = logging.getLogger("wren.bridge.rpc")
 Emit = Callable[[Chunk], None]
 Handler = Callable[["CallContext", dict[str, Any], Emit], Any]
 ArgCheck = Callable[[dict[str, Any]], dict[str, Any]]
+# (device, call, checked args) -> the args the call runs with; raises RpcError to refuse
+# the call (answered without `s`: it never started). Paho's network thread: never waits.
+Admit = Callable[[DeviceRecord, "Call", dict[str, Any]], dict[str, Any]]
 # (device, answer map, wait_until) -> publish on rpc/res. `wait_until` (time.monotonic())
 # is set by the worker threads only: they may wait for room in a full outgoing queue
 # until then, where paho's network thread and the housekeeping thread must never wait.
@@ -317,6 +330,9 @@ class Method:
     # call (see the module's docstring): it reaches the handler as ctx.early, and its
     # close() is called once the handler is done, or instead of it.
     early: StartEarly | None = None
+    # Decides, as the call arrives, whether it runs and with what (llm.complete: the
+    # model and max_tokens the bridge allows, models/policy.py); before `early`.
+    admit: Admit | None = None
 
 
 @dataclass(eq=False)  # identity hashing: kept in a set while in flight
@@ -359,6 +375,9 @@ class _Call:
     # runs, so close() lets go of what it began.
     early: Started | None = None
     job: Future[None] | None = None
+    # Set by the worker as it runs the handler: a call that times out after this was the
+    # method's own work being too slow; before it, the call waited for a worker.
+    started: bool = False
 
     @property
     def key(self) -> tuple[str, int | str]:
@@ -393,38 +412,75 @@ def _check_llm_args(args: dict[str, Any]) -> dict[str, Any]:
     return {"messages": messages, "tools": tools, "model": model, "max_tokens": max_tokens}
 
 
-def _llm_early(provider: Provider, default_max_tokens: int) -> StartEarly | None:
-    """The provider's `send_early`, for a provider that has one (models/openai.py)."""
+def _llm_admit(gate: ModelGate) -> Admit:
+    """The bridge's say over a call's cost (models/policy.py): the model it allows, the
+    max_tokens within its caps, and what the call's run has left; a refusal is an `llm`
+    error with its cause, not retryable."""
+
+    def admit(device: DeviceRecord, call: Call, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            ok = gate.admit(
+                device.tenant,
+                device.agent,
+                device.device,
+                call.r,
+                args["model"],
+                args["max_tokens"],
+            )
+        except ModelError as e:
+            raise RpcError("llm", str(e), {"cause": e.cause, "retryable": e.retryable}) from None
+        return {**args, "model": ok.model, "max_tokens": ok.max_tokens, "run_left_s": ok.run_left_s}
+
+    return admit
+
+
+def _llm_early(provider: Provider) -> StartEarly | None:
+    """The provider's `send_early`, for a provider that has one (models/openai.py); the
+    call's args as admitted (_llm_admit)."""
     send_early = getattr(provider, "send_early", None)
     if send_early is None:
         return None
 
     def early(args: dict[str, Any]) -> Started | None:
         started: Started | None = send_early(
-            args["messages"],
-            args["tools"],
-            model=args["model"],
-            max_tokens=args["max_tokens"] or default_max_tokens,
+            args["messages"], args["tools"], model=args["model"], max_tokens=args["max_tokens"]
         )
         return started
 
     return early
 
 
-def _llm_complete(provider: Provider, default_max_tokens: int) -> Handler:
+def _tokens(final: Any) -> int:
+    """The tokens in and out a call's final answer reports (0 when it has none)."""
+    usage = final.get("usage") if isinstance(final, Mapping) else None
+    if not isinstance(usage, Mapping):
+        return 0
+    values = (usage.get("in"), usage.get("out"))
+    return sum(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0)
+
+
+def _llm_complete(provider: Provider, gate: ModelGate) -> Handler:
     def handler(ctx: CallContext, args: dict[str, Any], emit: Emit) -> Any:
         # Only a provider with send_early made ctx.early, and only its complete takes it.
         more: dict[str, Any] = {} if ctx.early is None else {"early": ctx.early}
+        begun = time.monotonic()
+        deadline, by_run = ctx.deadline, False
+        left = args.get("run_left_s")
+        if left is not None and (deadline is None or begun + left < deadline):
+            # No more model time than the call's run has left (models/policy.py).
+            deadline, by_run = begun + left, True
+        final: Any = None
         try:
-            return provider.complete(
+            final = provider.complete(
                 args["messages"],
                 args["tools"],
                 emit,
                 model=args["model"],
-                max_tokens=args["max_tokens"] or default_max_tokens,
-                deadline=ctx.deadline,
+                max_tokens=args["max_tokens"],
+                deadline=deadline,
                 **more,
             )
+            return final
         except _CallOver:
             raise
         except Cancelled as e:
@@ -432,6 +488,14 @@ def _llm_complete(provider: Provider, default_max_tokens: int) -> Handler:
             # answer only goes out if it has not (and nothing is logged: it is no fault).
             raise RpcError("llm", str(e), {"cause": e.cause, "retryable": e.retryable}) from e
         except ModelError as e:
+            if by_run and e.cause == "timeout":
+                # The run's model time ran out before the call's own limit.
+                raise RpcError(
+                    "llm",
+                    "this run has spent the model time the bridge allows one run "
+                    "(--run-model-time): start a new request, or ask for less",
+                    {"cause": "run_limit", "retryable": False},
+                ) from e
             # The provider's own failure report: its text is meant for the board (sent
             # capped); the log gets it scrubbed all the same, as a provider written
             # elsewhere may not be as careful.
@@ -458,6 +522,8 @@ def _llm_complete(provider: Provider, default_max_tokens: int) -> Handler:
                 e,
             )
             raise RpcError("llm", _LLM_FAILED) from e
+        finally:
+            gate.spend(ctx.device.device, ctx.call.r, time.monotonic() - begun, _tokens(final))
 
     return handler
 
@@ -484,6 +550,7 @@ class RpcServer:
         device_limits: LimitsOf | None = None,
         merge_s: float = BridgeConfig.rpc_merge_s,
         llm_max_tokens: int = BridgeConfig.llm_max_tokens,
+        model_policy: ModelPolicy | None = None,
     ) -> None:
         self._send = send
         self._refuse = refuse
@@ -506,15 +573,25 @@ class RpcServer:
         # Recently finished call ids per device, least recently calling device first.
         self._recent: OrderedDict[str, OrderedDict[int | str, None]] = OrderedDict()
         self._closed = False
+        # What a model call may cost (models/policy.py): the provider's own model is the
+        # default, llm_max_tokens the cap, and the policy (set_model_policy) the rest.
+        own = getattr(provider, "model", None)
+        self.models = ModelGate(own if isinstance(own, str) else None, llm_max_tokens, model_policy)
         self.methods: dict[str, Method] = {
             "llm.complete": Method(
-                _llm_complete(provider, llm_max_tokens),
+                _llm_complete(provider, self.models),
                 _check_llm_args,
                 llm_timeout_s,
                 fail_kind="llm",
-                early=_llm_early(provider, llm_max_tokens),
+                early=_llm_early(provider),
+                admit=_llm_admit(self.models),
             ),
         }
+
+    def set_model_policy(self, policy: ModelPolicy) -> None:
+        """The operator's model rules (allow-list, per-run caps) from now on: calls that
+        arrive after this are admitted by them; what runs have spent is kept."""
+        self.models.policy = policy
 
     def register(
         self,
@@ -655,6 +732,20 @@ class RpcServer:
         self._count("rpc.calls", 1)
         # And by method (the table's names only: an unknown one was refused before).
         self._count(f"rpc.calls.{call.m}", 1)
+        if method.admit is not None:
+            try:
+                args = method.admit(device, call, args)
+            except RpcError as e:
+                # Refused as it arrived: answered without `s` (it never started), its id
+                # remembered so a resend of it is not answered twice.
+                with state.flow:
+                    state.done = True
+                self._release(state)
+                cause = e.extra.get("cause")
+                self._count(f"rpc.refused.{cause if isinstance(cause, str) else e.kind}", 1)
+                log.info("rpc %s for %s (call %r): %s", call.m, device.device, call.c, e.msg)
+                self.answer(device.device, err(call.c, e.kind, e.msg, e.extra))
+                return
         early = state.early = self._start_early(method, call, args, size) if worker_free else None
         ctx = CallContext(device, call, deadline=state.wait_until, early=early)
         try:
@@ -699,6 +790,7 @@ class RpcServer:
                 self._count("rpc.expired_queued", 1)
                 self._time_out(state)
                 return
+            state.started = True
             try:
                 result = method.handler(ctx, args, lambda ch: self._emit(state, ch))
             except _CallOver:
@@ -882,6 +974,11 @@ class RpcServer:
             log.warning("rpc %s for %s (call %r) timed out", state.method, state.device, state.c)
 
     def _timeout_answer(self, state: _Call) -> dict[str, Any]:
+        if state.fail_kind == "llm" and state.started:
+            # The model call itself outlived its limit: asking again takes as long (a call
+            # that timed out waiting for a worker keeps the generic, retryable answer).
+            extra = {"cause": "timeout", "retryable": False}
+            return err(state.c, "llm", TOO_SLOW, extra)
         return err(state.c, state.fail_kind, f"{state.method} did not finish in time")
 
     def _finish(

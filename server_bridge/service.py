@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 from server_bridge.config import DEFAULT_CLIENT_ID, BridgeConfig
 from server_bridge.metrics import write_text_file
 from server_bridge.models.base import Provider, check_base_url
+from server_bridge.models.policy import ModelPolicy, merge_allowed, parse_allow
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
 
@@ -55,6 +56,7 @@ __all__ = [
     "main",
     "metrics_address",
     "milliseconds",
+    "model_policy",
     "model_provider",
     "run",
     "setup_logging",
@@ -71,6 +73,10 @@ STOP_EXIT_CODE = 130  # what a shell reports for a process ended by Ctrl-C
 # or more). --metrics serves the same text over HTTP.
 DEFAULT_STATS_FILE = Path(".wren/bridge.prom")
 STATS_EVERY_S = 5.0
+# A model's silence past which a call fails `stalled` (--model-idle-timeout): the OpenAI
+# provider's own default (models/openai.py IDLE_TIMEOUT_S), written here so that reading
+# --help does not import the provider.
+MODEL_IDLE_TIMEOUT_S = 60.0
 # Where --metrics binds when its HOST is left out: loopback, as the counters name the
 # tenants; every interface only when asked for (0.0.0.0).
 METRICS_HOST = "127.0.0.1"
@@ -140,6 +146,36 @@ def seconds(text: str) -> float:
     return value
 
 
+def count(text: str) -> int:
+    """A whole number >= 1; an argparse type."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
+def temperature(text: str) -> float:
+    """A sampling temperature, 0 to 2 as the OpenAI API takes it; an argparse type."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 2:  # `not` also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a temperature from 0 to 2, got {text!r}")
+    return value
+
+
+def allow_model(text: str) -> tuple[str, frozenset[str]]:
+    """`[*|TENANT|TENANT/AGENT=]MODEL[,MODEL...]`; an argparse type."""
+    try:
+        return parse_allow(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_broker_arguments(p: argparse.ArgumentParser, user_env: str, password_env: str) -> None:
     """--broker, --user and --password, the credentials defaulting from the environment
     so they stay out of command lines (and so out of `ps`)."""
@@ -182,9 +218,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="use an OpenAI-compatible server, e.g. http://127.0.0.1:11434/v1",
     )
-    p.add_argument("--model", default=os.environ.get("WREN_MODEL", "gpt-4o-mini"))
+    p.add_argument(
+        "--model",
+        default=os.environ.get("WREN_MODEL", "gpt-4o-mini"),
+        help="the model server's model: what a call naming none gets, always allowed "
+        "(default %(default)s, env WREN_MODEL)",
+    )
     p.add_argument(
         "--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key"
+    )
+    # What a model call may cost is the bridge's to decide, not the board's (PROTOCOL.md
+    # "Model calls", models/policy.py).
+    p.add_argument(
+        "--allow-model",
+        type=allow_model,
+        action="append",
+        default=[],
+        metavar="[SCOPE=]MODEL[,MODEL...]",
+        help="a model boards may name besides --model (which is always allowed and the "
+        "default); SCOPE is * (every tenant, the default), TENANT or TENANT/AGENT, and the "
+        "lists add up; MODEL * allows any. A board naming another model is refused "
+        "(model_not_allowed). Repeatable",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=count,
+        metavar="N",
+        help="the most tokens one model call may answer with, and what a call naming none "
+        f"gets (default {BridgeConfig.llm_max_tokens}); a board's larger ask is cut to it",
+    )
+    p.add_argument(
+        "--temperature",
+        type=temperature,
+        metavar="T",
+        help="the sampling temperature of every model call (default: the model server's)",
+    )
+    p.add_argument(
+        "--model-timeout",
+        type=seconds,
+        metavar="S",
+        help="the most one model call may take from request to last token (default "
+        f"{BridgeConfig.llm_timeout_s:g}); past it the call fails, cause timeout, not retryable",
+    )
+    p.add_argument(
+        "--model-idle-timeout",
+        type=seconds,
+        default=MODEL_IDLE_TIMEOUT_S,
+        metavar="S",
+        help="the longest a model may be silent, before its first token or between two "
+        "(default %(default)g); past it the call fails, cause stalled. Keep it under the "
+        "board's 120 s wait for a call",
+    )
+    p.add_argument(
+        "--run-model-calls",
+        type=count,
+        default=ModelPolicy.run_calls,
+        metavar="N",
+        help="the most model calls one run may make (default %(default)s)",
+    )
+    p.add_argument(
+        "--run-model-tokens",
+        type=count,
+        default=ModelPolicy.run_tokens,
+        metavar="N",
+        help="the most model tokens, in and out, one run may use (default %(default)s)",
+    )
+    p.add_argument(
+        "--run-model-time",
+        type=seconds,
+        default=ModelPolicy.run_s,
+        metavar="S",
+        help="the most seconds of model calls one run may spend (default %(default)g)",
     )
     p.add_argument(
         "--merge-ms",
@@ -247,7 +351,21 @@ def bridge_config(args: argparse.Namespace) -> BridgeConfig:
     # written once (BridgeConfig; the --merge-ms help reads it from there too).
     if args.merge_ms is not None:
         config = dataclasses.replace(config, rpc_merge_s=args.merge_ms / 1000)
+    if args.max_tokens is not None:
+        config = dataclasses.replace(config, llm_max_tokens=args.max_tokens)
+    if args.model_timeout is not None:
+        config = dataclasses.replace(config, llm_timeout_s=args.model_timeout)
     return config
+
+
+def model_policy(args: argparse.Namespace) -> ModelPolicy:
+    """The model rules these options describe: the allow-list and the per-run caps."""
+    return ModelPolicy(
+        allowed=merge_allowed(args.allow_model),
+        run_calls=args.run_model_calls,
+        run_tokens=args.run_model_tokens,
+        run_s=args.run_model_time,
+    )
 
 
 def model_provider(args: argparse.Namespace) -> tuple[Provider, str]:
@@ -257,7 +375,11 @@ def model_provider(args: argparse.Namespace) -> tuple[Provider, str]:
         from server_bridge.models.openai import OpenAIProvider
 
         provider: Provider = OpenAIProvider(
-            args.openai_base_url, args.model, api_key_env=args.api_key_env
+            args.openai_base_url,
+            args.model,
+            api_key_env=args.api_key_env,
+            timeout=args.model_idle_timeout,
+            temperature=args.temperature,
         )
         return provider, f"OpenAI-compatible model {args.model} at {args.openai_base_url}"
     if args.script:
@@ -305,6 +427,9 @@ def run(
     try:
         provider, what = model_provider(args)
         bridge = Bridge(config, registry, provider, memory_service(args))
+        # The allow-list and the per-run caps; the model timeout and the token cap came
+        # with the config, the idle timeout and temperature with the provider.
+        bridge.rpc.set_model_policy(model_policy(args))
         metrics: MetricsServer | None = None
         # stop() also after a start that failed or was interrupted: it shuts down the
         # RPC pool the bridge made, and is a no-op for the connection it never had.

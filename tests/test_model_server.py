@@ -24,7 +24,7 @@ import pytest
 
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
-from server_bridge.models.base import ModelError
+from server_bridge.models.base import TOO_SLOW, ModelError
 from server_bridge.models.openai import OpenAIProvider
 from server_bridge.registry import Registry
 from tests.model_server import ModelServer, ToolCall, Turn
@@ -228,10 +228,9 @@ def test_a_hung_server_ends_the_call_at_its_deadline(server: ModelServer) -> Non
     t.join(JOIN_S)
     assert not t.is_alive(), "the call waited for the hung server past its deadline"
     assert isinstance(outcome[0], ModelError)
-    assert str(outcome[0]) in (
-        "the model server timed out",
-        "the model server did not finish in time",
-    )
+    # Its deadline, not the idle timeout, ended it: not retryable (issue 25).
+    assert str(outcome[0]) == TOO_SLOW
+    assert (outcome[0].cause, outcome[0].retryable) == ("timeout", False)
 
 
 def test_the_wire_is_shaped_like_openai_chunks(server: ModelServer) -> None:

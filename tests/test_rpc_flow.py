@@ -29,7 +29,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge import rpc as rpc_module
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
-from server_bridge.models.base import Chunk, Final, ModelError
+from server_bridge.models.base import TOO_SLOW, Chunk, Final, ModelError
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
 from server_bridge.wire import Limits, encode
@@ -672,10 +672,12 @@ def test_a_board_that_never_acks_times_the_call_out() -> None:
     try:
         rpc.handle(DEV1, "t", call(1))  # no housekeeping here: the worker times it out
         wait_for(lambda: sent.final(1) is not None, "the timeout")
+        # Past the call's overall limit: not retryable (issue 25), the same call would
+        # take as long again.
         assert sent.final(1) == {
             "c": 1,
             "s": 2,
-            "err": {"kind": "llm", "msg": "llm.complete did not finish in time"},
+            "err": {"kind": "llm", "msg": TOO_SLOW, "cause": "timeout", "retryable": False},
         }
         assert stopped.wait(WAIT) and len(sent.chunks(1)) == 2
         wait_for(lambda: rpc.inflight == 0, "the slot to be free")

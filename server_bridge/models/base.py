@@ -10,8 +10,14 @@ shapes of the wire contract, so the RPC layer forwards them without translation:
 and then returns the final answer `{"usage": {"in", "out", "reason"}, "finish": str}`.
 
 `deadline`, when given, is a time.monotonic() value past which nobody waits for the
-answer any more (the RPC call has been answered with a timeout): a provider stops by
-then — raising ModelError — so a stream that never finishes does not hold a worker.
+answer any more (the call's overall limit, `--model-timeout`, or what its run has left):
+a provider stops by then — raising ModelError, cause `timeout`, not retryable — so a
+stream that never finishes does not hold a worker. A provider that streams also gives up
+on a server that goes silent (cause `stalled`; models/openai.py, `timeout`).
+
+Which `model` a call names and how many `max_tokens` it may ask for is decided before the
+provider is called (models/policy.py): a provider gets a model the bridge allows (None:
+its own) and a `max_tokens` within the bridge's cap.
 
 Messages are the board's conversation, in the contract's shape:
     {"role": "system" | "user", "content": str}
@@ -44,8 +50,19 @@ CAUSES = (
     "rate_limited",
     "overloaded",
     "timeout",
+    "stalled",
     "bad_response",
     "unavailable",
+    "model_not_allowed",
+    "run_limit",
+)
+
+
+# What a model call past its overall limit says (cause `timeout`, not retryable): the
+# provider's words and the RPC layer's (server_bridge/rpc.py), whichever answers first.
+TOO_SLOW = (
+    "the model call did not finish in time (the bridge's --model-timeout): "
+    "ask for a shorter answer, or raise the limit"
 )
 
 

@@ -25,11 +25,20 @@ Stopping: `cancel()` ends every call in flight at once (the bridge is stopping):
 shuts their sockets down, so a read blocked on a slow or silent server returns now, and
 each call raises `Cancelled` (retryable) instead of streaming on until the model ends.
 
-Time: `timeout` bounds each wait on the socket; the call's `deadline` bounds the whole
-call. A server that keeps a stream open without finishing it (keep-alive comments, a
-slow trickle of tokens) would pass every per-read timeout, so at the deadline a watchdog
-shuts the socket down and the call ends with a ModelError, releasing its worker. A
-connection the watchdog shut is closed, never pooled.
+Time: `timeout` is the idle timeout (`--model-idle-timeout`, IDLE_TIMEOUT_S): it bounds
+each wait on the socket — connecting, the answer's headers, and every gap in the stream —
+so a model that streams slowly but steadily goes on for as long as it streams, and one
+that goes silent ends the call (cause `stalled`). The call's `deadline` (its overall
+limit, `--model-timeout`) bounds the whole call. A server that keeps a stream open without
+finishing it (keep-alive comments, a slow trickle of tokens) would pass every per-read
+timeout, so at the deadline a watchdog shuts the socket down and the call ends with a
+ModelError (cause `timeout`), releasing its worker. A connection the watchdog shut is
+closed, never pooled.
+
+Retryable or not, as honestly as the provider can tell: past the overall limit, no (the
+same call takes as long again); silent before the model began to answer, no (a model that
+slow to start, a long prompt on a small machine, is as slow the next time); silent once it
+had begun, yes (a stream that stops mid-answer is a server's trouble, which passes).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import http.client
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -56,11 +66,24 @@ from typing import Any
 
 from server_bridge.config import BridgeConfig
 from server_bridge.models import http11
-from server_bridge.models.base import Cancelled, Chunk, Final, ModelError, check_base_url
+from server_bridge.models.base import (
+    TOO_SLOW,
+    Cancelled,
+    Chunk,
+    Final,
+    ModelError,
+    check_base_url,
+)
 from server_bridge.redact import scrub
 
 log = logging.getLogger(__name__)
 
+# How long a model may be silent (connecting, before its answer's headers, between two
+# pieces of its stream) before the call fails `stalled`: a local model's first token after
+# a long prompt can take tens of seconds; past a minute of silence the server is stuck or
+# far too slow. Under the board's own wait for its call (edge_runtime/rpc.py, 120 s
+# without a chunk), so the board gets the bridge's named error rather than its own.
+IDLE_TIMEOUT_S = 60.0
 # One SSE line longer than this is not a chat-completions chunk; refuse it instead of
 # buffering without bound.
 MAX_LINE = 1 << 20
@@ -129,9 +152,11 @@ def _safe_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=host))
 
 
-_TIMED_OUT = "the model server timed out"
-_TOO_SLOW = "the model server did not finish in time"
 _MALFORMED = "the model server sent a malformed stream"
+
+
+def _too_slow() -> ModelError:
+    return ModelError(TOO_SLOW, "timeout", False)
 
 
 def _past(deadline: float | None) -> bool:
@@ -462,9 +487,10 @@ class OpenAIProvider:
         api_key: str | None = None,
         *,
         api_key_env: str = "OPENAI_API_KEY",
-        timeout: float = 60,
+        timeout: float = IDLE_TIMEOUT_S,
         max_idle: int = BridgeConfig.rpc_workers,
         idle_s: float = IDLE_S,
+        temperature: float | None = None,
     ) -> None:
         parts = check_base_url(base_url)
         self._basic: str | None = None
@@ -478,7 +504,11 @@ class OpenAIProvider:
         self.model = model
         # Local servers (Ollama, llama.cpp) need no key; None then means no header.
         self._api_key = api_key if api_key is not None else os.environ.get(api_key_env) or None
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"the idle timeout must be a number of seconds > 0, got {timeout!r}")
         self.timeout = timeout
+        # Sent with every call when set (the bridge's --temperature); else the server's own.
+        self.temperature = temperature
         host = parts.hostname or ""
         self._host = host
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -578,6 +608,8 @@ class OpenAIProvider:
             # `max_tokens` rather than `max_completion_tokens`: it is the one every
             # OpenAI-compatible server (Ollama, llama.cpp, vLLM) understands.
             body["max_tokens"] = max_tokens
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         return body, names
 
     @staticmethod
@@ -718,7 +750,7 @@ class OpenAIProvider:
             return self.timeout
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ModelError(_TOO_SLOW, "timeout")
+            raise _too_slow()
         return min(self.timeout, left)
 
     def _connect(self, timeout: float) -> http11.Connection:
@@ -775,7 +807,7 @@ class OpenAIProvider:
                 if live.cancelled:
                     raise Cancelled() from None
                 if not reused:
-                    raise self._unreachable(e) from None
+                    raise self._unreachable(e, deadline) from None
                 log.info(
                     "model server %s closed a kept-alive connection before answering (%s); "
                     "sending again on a new one",
@@ -789,7 +821,7 @@ class OpenAIProvider:
                     conn.close()
                 if live.cancelled:
                     raise Cancelled() from None
-                raise self._unreachable(e) from None
+                raise self._unreachable(e, deadline) from None
             if not 200 <= response.status < 300:
                 try:
                     detail = response.read(MAX_ERROR_BODY).decode("utf-8", "replace")
@@ -799,10 +831,29 @@ class OpenAIProvider:
                 raise self._status_error(response.status, detail)
             return conn, response
 
-    def _unreachable(self, e: BaseException) -> ModelError:
+    def _stalled(self, answering: bool) -> ModelError:
+        """The model said nothing for the idle timeout: before it began to answer (not
+        retryable: a model that slow to start is as slow the next time) or after."""
+        if answering:
+            return ModelError(
+                f"the model stopped sending mid-answer for {self.timeout:g} s (the bridge's "
+                "--model-idle-timeout): ask again",
+                "stalled",
+                True,
+            )
+        return ModelError(
+            f"the model sent nothing for {self.timeout:g} s (the bridge's "
+            "--model-idle-timeout): a model this slow to start needs a longer one",
+            "stalled",
+            False,
+        )
+
+    def _unreachable(self, e: BaseException, deadline: float | None) -> ModelError:
         if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+            # Connecting, or waiting for the answer's headers: nothing came yet. The wait
+            # was the idle timeout, or what the call had left of its overall limit.
             log.warning("model server %s timed out: %s", self.base_url, e)
-            return ModelError(_TIMED_OUT, "timeout")
+            return _too_slow() if _past(deadline) else self._stalled(False)
         log.warning("model server %s unreachable: %s", self.base_url, self._scrub(str(e)))
         return ModelError(
             "could not reach the model server: is it running at the bridge's "
@@ -829,7 +880,7 @@ class OpenAIProvider:
         except urllib.error.HTTPError as e:
             raise self._http_error(e) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            raise self._unreachable(e) from None
+            raise self._unreachable(e, deadline) from None
         with response:
             sock = _socket_of(response)
             self._track(live, sock)
@@ -849,8 +900,16 @@ class OpenAIProvider:
         whether the connection may carry another request (with `drain`: the body was
         read to its end and the watchdog never touched the socket)."""
         watchdog = _Watchdog(sock, deadline)
+        answering = False
+
+        def said(chunk: Chunk) -> None:
+            # Whether the model began to answer, for a stall's retryable (_stalled).
+            nonlocal answering
+            answering = True
+            emit(chunk)
+
         try:
-            final, done = self._read_stream(response, emit, names, deadline)
+            final, done = self._read_stream(response, said, names, deadline)
             ended = drain and done and _drained(response, sock)
         except ModelError:
             if live.cancelled:
@@ -863,10 +922,10 @@ class OpenAIProvider:
                 # The watchdog shut the socket: whatever the read raised, the reason
                 # is the deadline.
                 log.warning("model stream from %s stopped at the call's deadline", self.base_url)
-                raise ModelError(_TOO_SLOW, "timeout") from None
+                raise _too_slow() from None
             if isinstance(e, TimeoutError):
-                log.warning("model server %s timed out mid-stream: %s", self.base_url, e)
-                raise ModelError(_TIMED_OUT, "timeout") from None
+                log.warning("model server %s went silent mid-stream: %s", self.base_url, e)
+                raise self._stalled(answering) from None
             if isinstance(e, ValueError):
                 raise  # not a connection failure: a bug, reported as one
             log.warning("model stream from %s broke: %s", self.base_url, self._scrub(str(e)))
@@ -949,7 +1008,7 @@ class OpenAIProvider:
             if _past(deadline):
                 # Between lines, so a server that keeps sending is stopped even where
                 # the watchdog cannot reach the socket.
-                raise ModelError(_TOO_SLOW, "timeout")
+                raise _too_slow()
             raw = response.readline(MAX_LINE + 1)
             if not raw:
                 break
@@ -974,7 +1033,7 @@ class OpenAIProvider:
         if not done and _past(deadline):
             # The end was (most likely) the watchdog's, not the server's; either way the
             # call is over and whatever is left unread is cut mid-way.
-            raise ModelError(_TOO_SLOW, "timeout")
+            raise _too_slow()
         if data:
             dispatch()
         if not done and finish is None:

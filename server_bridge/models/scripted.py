@@ -227,7 +227,8 @@ class ScriptedProvider:
             # Checked per chunk like a real stream would be: a script is fast, but the
             # emit it is given may block (a full outgoing queue) past the call's end.
             if deadline is not None and time.monotonic() >= deadline:
-                raise ModelError("the scripted model did not finish in time")
+                # Past the call's limit, as a real model's would be: not retryable.
+                raise ModelError("the scripted model did not finish in time", "timeout", False)
             emit(chunk)
 
         for step in script[turn]:
