@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import threading
@@ -25,7 +26,13 @@ from typing import Any, TextIO
 from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
-from server_bridge.host.client import HostClient, HostConnectError, RequestRefused
+from server_bridge.host.client import (
+    HostClient,
+    HostConnectError,
+    NotStarted,
+    RequestRefused,
+    Unacknowledged,
+)
 from server_bridge.host.reducer import Presence, RunSnapshot
 from server_bridge.host.terminal import (
     LiveView,
@@ -37,7 +44,7 @@ from server_bridge.host.terminal import (
 from server_bridge.memory import open_memory
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry, provision
-from server_bridge.service import DEFAULT_AGENT
+from server_bridge.service import DEFAULT_AGENT, STOP_EXIT_CODE
 from server_bridge.tokens import sign
 from server_bridge.topics import DEFAULT_PREFIX
 from tools.broker import BrokerError, MosquittoMissing, start_mosquitto
@@ -433,17 +440,36 @@ def run_ask(args: argparse.Namespace) -> int:
         client.close()
         raise DemoError(render_presence("the bridge", bridge))
     view = LiveView(sys.stdout)
+    # Drawn from paho's thread as events come, and from here on Ctrl-C: one at a time.
+    drawing = threading.Lock()
+    # The request's id, known before it is sent: the client sees every run of the
+    # tenant's devices (another host's, or one an earlier `wren ask` left running,
+    # replayed to it by the bridge when it sees it mid-way), and only this request's
+    # run is shown.
+    req = secrets.token_hex(16)
 
     def show(_event: dict[str, Any], snap: Any) -> None:
-        view.show(snap)  # the client's snapshot (see run_demo's ask)
+        if snap.req == req:
+            with drawing:
+                view.show(snap)  # the client's snapshot (see run_demo's ask)
 
     client.on_event = show
+    interrupts = _Interrupts()
+    previous = interrupts.install()
     try:
         token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
-        req = client.request(args.device, token, args.text)
-        snap = _follow(client, req, args.timeout, args.device)
+        try:
+            client.request(args.device, token, args.text, req=req)
+            snap = _follow(client, req, args.timeout, args.device, interrupts.first)
+        except KeyboardInterrupt:
+            with drawing:
+                view.close()  # an answer's open line
+            return _cancel_on_interrupt(client, args.device, args.tenant, token, req, view, drawing)
     except RequestRefused as e:
         raise DemoError(render_refusal(args.device, args.tenant, e.kind, e.msg, e.detail)) from e
+    except (HostConnectError, Unacknowledged) as e:
+        # Not sent (it never will be), or not acknowledged (it may still run): said as such.
+        raise DemoError(str(e)) from None
     except TimeoutError:
         raise DemoError(
             f"nothing from device {args.device} for {args.timeout:g} s "
@@ -451,17 +477,106 @@ def run_ask(args: argparse.Namespace) -> int:
         ) from None
     finally:
         client.close()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     print()
     if not snap.complete:
         print(f"wren ask: {render_status(snap)}", file=sys.stderr)
     return 0 if snap.status == "done" and snap.complete else 1
 
 
-# How often `wren ask` looks at the bridge's presence while it waits.
-_PRESENCE_CHECK_S = 0.5
+# How often `wren ask` looks at the bridge's presence, and for a Ctrl-C, while it waits.
+_CHECK_S = 0.1
+# How long `wren ask` waits, after Ctrl-C, for its run to start (to have a run to cancel)
+# and to end cancelled.
+CANCEL_WAIT_S = 5.0
 
 
-def _follow(client: HostClient, req: str, timeout: float, device: str) -> RunSnapshot:
+class _Interrupts:
+    """`wren ask`'s SIGINT handler while it waits on its run.
+
+    A KeyboardInterrupt raised wherever the main thread happens to be can land between
+    a lock's acquisition and the `with` block that would release it (Condition's
+    __enter__ is Python code): the host client's lock stayed taken, its network thread
+    waited for it, and close() waited for that thread for ever (2 Ctrl-C in 137 of
+    tests/test_ask_cancel.py's, under load). So the first Ctrl-C is only noted, and the wait raises
+    KeyboardInterrupt where nothing is held (_follow); the second leaves at once, with
+    the command line's `stopped` and exit 130, without the clean-up the first waits on.
+    """
+
+    def __init__(self) -> None:
+        self.first = threading.Event()
+
+    def install(self) -> Any:
+        """Handle SIGINT; returns the handler to put back, None when SIGINT is not ours
+        to handle (not the main thread: KeyboardInterrupt as before)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGINT, self)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.first.is_set():
+            self.first.set()
+            return
+        # Raw: the handler may run in the middle of one of the main thread's prints.
+        os.write(2, b"\nstopped\n")
+        os._exit(STOP_EXIT_CODE)
+
+
+def _cancel_on_interrupt(
+    client: HostClient,
+    device: str,
+    tenant: str,
+    token: str,
+    req: str,
+    view: LiveView,
+    drawing: threading.Lock,
+) -> int:
+    """Ctrl-C: cancel the request's run, wait up to CANCEL_WAIT_S for it to end, say what
+    happened, exit 130. A second Ctrl-C leaves at once (the command line's `stopped`).
+
+    A board cancels a run, not a request: a request whose run has not started within
+    the wait (queued behind another run on the board, or waiting for the board) is not
+    cancelled, and may still run; that is said too."""
+    print(
+        f"\nwren ask: cancelling the run (waiting up to {CANCEL_WAIT_S:g} s; Ctrl-C again "
+        "to leave now)",
+        file=sys.stderr,
+        flush=True,
+    )
+    reason = "stopped from wren ask"
+    try:
+        snap = client.cancel_request(device, token, req, reason, timeout=CANCEL_WAIT_S)
+    except RequestRefused as e:
+        line = render_refusal(device, tenant, e.kind, e.msg, e.detail) + "; nothing runs"
+    except NotStarted:
+        line = (
+            f"no run had started for the request after {CANCEL_WAIT_S:g} s, so none was "
+            "cancelled: it may still start and run (a board cancels runs, not requests)"
+        )
+    except (HostConnectError, Unacknowledged) as e:
+        line = f"{e}; the run may go on"
+    except TimeoutError:
+        line = f"the run had not ended {CANCEL_WAIT_S:g} s after the cancel; it may go on"
+    else:
+        with drawing:
+            view.show(snap)  # what the callbacks have not drawn yet: its status line
+            view.close()
+        if snap.status == "cancelled":
+            line = "the run was cancelled"
+        else:
+            line = f"the run had ended before the cancel: {snap.status}"
+    print(f"wren ask: {line}", file=sys.stderr, flush=True)
+    return STOP_EXIT_CODE
+
+
+def _follow(
+    client: HostClient,
+    req: str,
+    timeout: float,
+    device: str,
+    interrupted: threading.Event | None = None,
+) -> RunSnapshot:
     """Wait for the run of `req` to end; TimeoutError after `timeout` s without any event
     of it. The wait is for progress, not for the whole answer: a long answer that keeps
     streaming is never cut off (the timeout is longer than the bridge's own model
@@ -479,11 +594,13 @@ def _follow(client: HostClient, req: str, timeout: float, device: str) -> RunSna
         return x.terminal or x.last_id != last
 
     while True:
+        if interrupted is not None and interrupted.is_set():
+            raise KeyboardInterrupt  # a Ctrl-C noted by _Interrupts, raised where it is safe
         left = progress + timeout - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"no event of request {req} for {timeout} s")
         try:
-            snap = client.wait_for(req, moved, timeout=min(_PRESENCE_CHECK_S, left))
+            snap = client.wait_for(req, moved, timeout=min(_CHECK_S, left))
         except TimeoutError:
             bridge = client.bridge_presence()
             if bridge is not None and bridge.offline and told is None:

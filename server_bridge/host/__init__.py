@@ -1,6 +1,13 @@
 """The host side: the snapshot reducer, a terminal view and a Python host client."""
 
-from server_bridge.host.client import HostClient, HostConnectError, RequestRefused
+from server_bridge.host.client import (
+    HostClient,
+    HostConnectError,
+    NotConnected,
+    NotStarted,
+    RequestRefused,
+    Unacknowledged,
+)
 from server_bridge.host.reducer import BadEnvelope, Reducer, Row, RunSnapshot, Usage
 from server_bridge.host.terminal import LiveView, print_transcript, render
 
@@ -9,10 +16,13 @@ __all__ = [
     "HostClient",
     "HostConnectError",
     "LiveView",
+    "NotConnected",
+    "NotStarted",
     "Reducer",
     "RequestRefused",
     "Row",
     "RunSnapshot",
+    "Unacknowledged",
     "Usage",
     "print_transcript",
     "render",

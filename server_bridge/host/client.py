@@ -19,6 +19,14 @@ its events (bridge_presence()); a device's from the bridge, on its stream `_b`: 
 and a request refused `device_offline` (device_presence()). See PROTOCOL.md "Presence
 at the host".
 
+What it publishes (a request, a ctl) it publishes only while connected and subscribed,
+and then waits for the broker's acknowledgement, so a failure says what happened:
+NotConnected, nothing was sent (paho would have kept a QoS 1 message and sent it after
+reconnecting, so a request "not sent" ran all the same); Unacknowledged, it was handed
+over and may arrive (a request sent again under the same req id still runs once). A
+board cancels a run, not a request: cancel_request() waits for the request's run to
+start and then cancels it (NotStarted when none started in time).
+
 It repairs holes itself, because the reducer applies a run's events only in id order
 and a run is finished only when every id below its terminal event is there or declared
 lost (so a partial answer is never shown as a whole one). When a run holds events above
@@ -99,6 +107,36 @@ EventCallback = Callable[[dict[str, Any], RunSnapshot], None]
 class HostConnectError(ConnectionError):
     """The broker could not be reached, refused the connection, or refused the
     subscription (an ACL that does not give this user the tenant's topics)."""
+
+
+class NotConnected(HostConnectError):
+    """Nothing was sent: the client was not connected and subscribed when called (the
+    broker away, a reconnect under way). Sending it again, under any id, is safe."""
+
+
+class Unacknowledged(TimeoutError):
+    """A message was handed to the connection but the broker has not acknowledged it:
+    it may have reached the broker, or it is sent when the connection is back (QoS 1,
+    kept by this client until close()). `what` says which message; `req` names the
+    request, for a request: sent again only under this same id it still starts one run
+    (the board starts nothing for a req id it has), under a new id it may run twice."""
+
+    def __init__(self, what: str, why: str, req: str | None = None) -> None:
+        super().__init__(f"{what} is not acknowledged: {why}")
+        self.what = what
+        self.req = req
+
+
+class NotStarted(TimeoutError):
+    """cancel_request() found no run started for the request within its timeout. A
+    board cancels runs, not requests: the request may still start a run later (queued
+    behind another run on the board, or waiting for the board in its session)."""
+
+    def __init__(self, req: str, timeout: float) -> None:
+        super().__init__(
+            f"no run started for request {req} within {timeout:g}s; it may still start one"
+        )
+        self.req = req
 
 
 class RequestRefused(RuntimeError):
@@ -328,8 +366,15 @@ class HostClient:
 
     @property
     def connected(self) -> bool:
+        """Connected and subscribed (on this connection: after a reconnect, once its
+        subscription is acknowledged): what request() needs to send anything."""
+        return self._ready()
+
+    def _ready(self) -> bool:
+        """Connected and subscribed on this connection: what is published now is sent
+        now, and the events it brings are read."""
         with self._cond:
-            return self._connected
+            return self._connected and self._subscribed
 
     def _on_connect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
@@ -388,6 +433,9 @@ class HostClient:
     ) -> None:
         with self._cond:
             self._connected = False
+            # Subscribed again only by the next connection's SUBACK: until then nothing
+            # is published (_publish), and connect() waits for it as at the start.
+            self._subscribed = False
             self._cond.notify_all()
         if reason_code is not None and getattr(reason_code, "is_failure", False):
             log.warning(
@@ -408,7 +456,15 @@ class HostClient:
         timeout: float = 10,
     ) -> str:
         """Ask `device` to start a run with the user text `text`; returns the req id
-        (the idempotency key: publishing the same req twice starts one run)."""
+        (the idempotency key: publishing the same req twice starts one run) once the
+        broker has acknowledged it.
+
+        What a failure means, so that a caller never retries into a second run:
+        NotConnected (raised before anything is handed to the connection): nothing
+        was sent, and nothing will be; sending it again is safe. Unacknowledged (a
+        TimeoutError; `e.req` is the id): it was handed over and may run, now or when
+        the connection is back; send it again only with `req=e.req` (a repeat starts
+        nothing), and wait_run(e.req) sees its run if it comes."""
         topic = host_topic(self.prefix, self.tenant, device, "req")
         req_id = req or uuid.uuid4().hex
         body: dict[str, Any] = {"req": req_id, "input": text, "tok": token}
@@ -423,13 +479,7 @@ class HostClient:
             self._refused.pop(req_id, None)
             self._tokens[device] = token  # for replays of this device's runs
         # Written by this thread's flush, without waking paho's network thread for it.
-        info = self._client.publish_quiet(topic, encode(body), qos=1)
-        self._client.flush()
-        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-            raise HostConnectError(f"could not publish the request: {mqtt.error_string(info.rc)}")
-        info.wait_for_publish(timeout)
-        if not info.is_published():
-            raise TimeoutError(f"the broker did not acknowledge request {req_id} within {timeout}s")
+        self._publish(topic, body, f"request {req_id}", timeout, req_id, quiet=True)
         return req_id
 
     def answer(
@@ -463,15 +513,85 @@ class HostClient:
             body["reason"] = reason
         self._ctl(device, token, body, timeout)
 
+    def cancel_request(
+        self, device: str, token: str, req: str, reason: str | None = None, *, timeout: float = 5
+    ) -> RunSnapshot:
+        """Cancel the run that request `req` started and wait, `timeout` in all, for it
+        to end; returns a copy of its snapshot: `cancelled`, or how it ended before the
+        cancel reached it.
+
+        A cancel names a run (PROTOCOL.md "Requests and control"), and a run's id is
+        known once its `run.started` is: so this first waits for that. A request whose
+        run has not started (queued behind another run on the board, or waiting for the
+        board in its session) cannot be cancelled yet: NotStarted (a TimeoutError) past
+        `timeout`, and the request may still run. RequestRefused: it was refused, and no
+        run starts for it. NotConnected / Unacknowledged: the cancel was not sent / not
+        acknowledged. TimeoutError: the run had not ended by `timeout`."""
+        deadline = time.monotonic() + timeout
+        try:
+            snap = self.wait_for(req, lambda _snap: True, timeout)
+        except TimeoutError:
+            raise NotStarted(req, timeout) from None
+        if snap.terminal:
+            return snap
+        # The broker's acknowledgement gets a second even past the deadline: a cancel
+        # that was sent is not to read as one that may not have been.
+        left = deadline - time.monotonic()
+        self.cancel(device, token, snap.run, reason, timeout=max(left, 1.0))
+        return self.wait_run(req, max(deadline - time.monotonic(), 0))
+
     def _ctl(self, device: str, token: str, body: dict[str, Any], timeout: float) -> None:
         topic = host_topic(self.prefix, self.tenant, device, "ctl")
-        info = self._client.publish(topic, encode({**body, "tok": token}), qos=1)
+        self._publish(topic, {**body, "tok": token}, f"ctl {body['op']}", timeout)
+
+    def _publish(
+        self,
+        topic: str,
+        body: dict[str, Any],
+        what: str,
+        timeout: float,
+        req: str | None = None,
+        *,
+        quiet: bool = False,
+    ) -> None:
+        """Publish `body` at QoS 1 and wait for the broker's acknowledgement. Raises
+        NotConnected, having handed nothing to paho, unless connected and subscribed;
+        Unacknowledged when it was handed over but not acknowledged within `timeout`.
+
+        Refused rather than queued while disconnected: paho keeps a QoS 1 message it
+        cannot send and sends it after reconnecting, whenever that is, so a request
+        "not sent" used to run later all the same, and a caller that retried got two
+        runs. A request that runs minutes after its caller gave up is what the bridge
+        will not do either (a device offline past its grace, PROTOCOL.md "Presence at
+        the host"): a caller that wants it sent later sends it again then. What paho
+        took stays at least once: the connection may drop with it unacknowledged, and
+        paho sends it again (DUP) on the next connection; Unacknowledged says so."""
+        if not self._ready():
+            raise NotConnected(
+                f"{what} not sent: not connected to the MQTT broker at {self.host}:{self.port}"
+            )
+        payload = encode(body)
+        if quiet:
+            info = self._client.publish_quiet(topic, payload, qos=1)
+            self._client.flush()
+        else:
+            info = self._client.publish(topic, payload, qos=1)
+        if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN:
+            # The connection went between the check above and the publish: paho keeps
+            # the message and sends it when it is back (paho's info then never reads
+            # as published, so it is not waited on).
+            why = "the connection dropped as it was sent; it goes when the connection is back"
+            raise Unacknowledged(what, why, req)
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-            why = mqtt.error_string(info.rc)
-            raise HostConnectError(f"could not publish ctl {body['op']}: {why}")
+            # Not kept by paho (its queue is full): not sent at all.
+            raise HostConnectError(f"{what} not sent: {mqtt.error_string(info.rc)}")
         info.wait_for_publish(timeout)
         if not info.is_published():
-            raise TimeoutError(f"the broker did not acknowledge ctl {body['op']} within {timeout}s")
+            why = (
+                f"no acknowledgement from the broker within {timeout}s (it may have "
+                "arrived, or it goes again when the connection is back)"
+            )
+            raise Unacknowledged(what, why, req)
 
     # --- events -------------------------------------------------------------------
 
@@ -635,15 +755,14 @@ class HostClient:
             return
         body = {"op": "replay", "r": run, "after": after, "tok": token}
         topic = host_topic(self.prefix, self.tenant, device, "ctl")
-        info = self._client.publish(topic, encode(body), qos=1)
-        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-            # Not connected: the (re)connect asks for every open run anyway.
-            log.info(
-                "host client: replay request for %s/%s not sent: %s",
-                device,
-                run,
-                mqtt.error_string(info.rc),
-            )
+        if not self._ready():
+            # Not handed to paho, which would send it after the reconnect, next to the
+            # reconnect's own asks: the (re)connect asks for every open run anyway.
+            log.info("host client: replay request for %s/%s not sent: not connected", device, run)
+            return
+        # Not waited for: an ask the connection loses is asked again (the repair loop's
+        # next turn, the next connection's).
+        self._client.publish(topic, encode(body), qos=1)
 
     def _count_malformed(self, topic_name: str, err: Exception) -> None:
         with self._cond:
