@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.owned_process import die_with_owner
+
 # The Mosquitto binary to run, when it is not `mosquitto` on PATH or in /usr/sbin.
 MOSQUITTO_ENV = "WREN_MOSQUITTO"
 
@@ -102,7 +104,11 @@ class MosquittoProcess:
         if down is not None:
             down()
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            self.argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_owner(),
         )
         try:
             wait_for_port(self.host, self.port, timeout_s)
@@ -192,9 +198,14 @@ def start_mosquitto(
     argv = [exe, "-c", str(conf)]
     # A session of its own: Ctrl-C in a terminal reaches the process that started the
     # broker, which stops its parts in order (the broker last), not the broker first
-    # under the clients still using it.
+    # under the clients still using it. And it dies with that process (owned_process):
+    # a SIGKILLed `wren demo` left its broker running.
     proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_owner(),
     )
     broker = MosquittoProcess(host, port, workdir, proc, log_path, owned, argv)
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import edge_runtime
+from tools.owned_process import die_with_owner
 
 EDGE_DIR = Path(edge_runtime.__file__).resolve().parent
 # How a virtual board that reset itself ends (edge_runtime/board.py, start(): its
@@ -121,6 +122,9 @@ class VirtualBoard:
         return [exe, "-X", f"heapsize={self.heap}", "main.py"]
 
     def start(self) -> subprocess.Popen[str]:
+        """Start the board's process. It is SIGKILLed when the thread calling this ends
+        (Linux): call it from a thread that lives as long as the board, as the console
+        pumps that start it again after a reset do."""
         cmd = self.command()
         env = dict(os.environ)
         # The flash directory is the whole import path, as on a board.
@@ -136,6 +140,7 @@ class VirtualBoard:
             bufsize=1,
             # Ctrl-C reaches whoever started the board, which stops it (see tools/broker.py).
             start_new_session=True,
+            preexec_fn=die_with_owner(),
         )
         return self.proc
 
