@@ -272,6 +272,11 @@ class Runtime:
         link = self.link
         if link is None or self.active or self._queue:
             return
+        if not link.pending:
+            # The heap's level, on a console: idle, collected and with nothing in flight
+            # (the line at a run's end is taken while its last events still are), so a
+            # leak or a heap that fragments shows as a trend (tests/test_board_soak.py).
+            platform.log("idle; heap free", n)
         if n is not None and n < self.limits["payload"]:
             self.reset = "no heap for a request (%d bytes free)" % n
         elif self.stats["no_memory"] >= 4:

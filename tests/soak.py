@@ -198,6 +198,12 @@ LOCAL_TOOL = "read_temperature"
 
 # The console lines read (edge_runtime/runs.py and platform.py, PROBE_PY, tests/stack.py).
 _ENDED = re.compile(r"^wren: run (\S+) ended; heap free (\d+)$")
+# The runtime's heap line once idle, collected and with nothing in flight (runs.py
+# _check_heap): the level a leak or fragmentation would move.
+_IDLE = re.compile(r"^wren: idle; heap free (\d+)$")
+# How long after a run's end the idle line may take: the runtime waits up to 2 s for
+# the link to let go of the run's last events (runs.py _DRAIN_MS).
+IDLE_TIMEOUT_S = 3.0
 _MAX_FREE = re.compile(r"max free sz: (\d+)")
 _QSTRS = re.compile(r"^qstr pool: n_pool=(\d+), n_qstr=(\d+)")
 # A board that reset itself: its own last line (edge_runtime/presence.py; older
@@ -479,6 +485,7 @@ class RunRecord:
     text_ok: bool | None = None  # done: the answer arrived exactly
     tools_ok: bool | None = None  # done: each tool the model called ran, none failed
     heap_free: int | None = None  # bytes, the run's "ended; heap free" line
+    idle_free: int | None = None  # bytes, the "idle; heap free" line after it
     largest_free: int | None = None  # bytes, mem_info's max free sz right after it
     qstrs: int | None = None  # interned names after the run (qstr_info's n_qstr)
     qstr_pools: int | None = None
@@ -740,6 +747,9 @@ class Soak:
             for i, line in enumerate(lines):
                 if line.startswith(ended):
                     if not self.probe or any(_QSTRS.match(x) for x in lines[i + 1 :]):
+                        # And its idle line, which a request sent at once would forestall
+                        # (a board with a run never says it).
+                        _console_index(s, _IDLE, mark + i, time.monotonic() + IDLE_TIMEOUT_S)
                         return
                 elif _RESET.search(line):
                     # Started again by the Stack, and connected.
@@ -755,6 +765,11 @@ class Soak:
             m = _ENDED.match(line)
             if m and m.group(1) == rec.run:
                 rec.heap_free = int(m.group(2))
+                for after in lines[i + 1 :]:
+                    idle = _IDLE.match(after)
+                    if idle:
+                        rec.idle_free = int(idle.group(1))
+                        break
                 for after in lines[i + 1 : i + 8]:
                     f = _MAX_FREE.search(after)
                     if f:

@@ -120,35 +120,35 @@ def test_every_answer_served_is_the_models_exactly(soak: list[RunRecord]) -> Non
     assert len(wrong) == 0, shown(wrong)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 24: the runtime's heap line is logged as a run ends, while its last "
-    "events are still in flight, so it moves by kilobytes with how the run ended (free "
-    "24-30 KiB on the frozen board at 128K, bench_soak; a link cut ends higher): the "
-    "level needs a measure taken once the link is quiet",
-)
 def test_the_free_heap_stays_level(soak: list[RunRecord]) -> None:
-    # Per boot (a board that reset itself starts over): past its first WARMUP_RUNS, each
-    # run's free heap within 1 KiB of the level after the first of them.
-    boots: dict[str, list[RunRecord]] = {}
+    # Per boot (a board that reset itself starts over), past its first WARMUP_RUNS: the
+    # free heap once idle after each run (collected, nothing in flight: the runtime's
+    # "idle; heap free" line). A leak, or a heap that fragments, takes heap away run
+    # after run: no run may fall more than LEVEL_BYTES below the level (the median of
+    # the first quarter), and the last quarter's median may not have drifted below it by
+    # more than that. Above it is no harm: what a run leaves idle varies by 1-3 KiB with
+    # how it ended (29.5-32.4 KiB at 128K frozen, 300 runs). The line at a run's end is
+    # no level: it is taken while the run's last events are in flight. A run followed so
+    # closely by the next request that the board was never idle has no figure.
+    boots: dict[str, list[int]] = {}
     for r in soak:
-        if r.boot is not None and r.heap_free is not None:
-            boots.setdefault(r.boot, []).append(r)
+        if r.boot is not None and r.idle_free is not None:
+            boots.setdefault(r.boot, []).append(r.idle_free)
     checked = 0
-    for boot, runs in boots.items():
-        if len(runs) <= WARMUP_RUNS:
+    for boot, all_free in boots.items():
+        free = all_free[WARMUP_RUNS:]
+        if len(free) < 8:
             continue
-        level = runs[WARMUP_RUNS].heap_free
-        assert level is not None
-        off = [r for r in runs[WARMUP_RUNS + 1 :] if abs((r.heap_free or 0) - level) > LEVEL_BYTES]
-        free = [r.heap_free or 0 for r in runs]
-        assert len(off) == 0, (
-            f"boot {boot}: level {level} B after request {runs[WARMUP_RUNS].number}; "
-            f"{len(off)} of {len(runs) - WARMUP_RUNS - 1} later runs off by more than "
-            f"{LEVEL_BYTES} B (min {min(free)}, median {statistics.median(free)}, "
-            f"max {max(free)}): " + ", ".join(f"#{r.number} {r.heap_free}" for r in off[:20])
+        quarter = len(free) // 4
+        level = statistics.median(free[:quarter])
+        low = [f for f in free if f < level - LEVEL_BYTES]
+        last = statistics.median(free[-quarter:])
+        assert not low and last >= level - LEVEL_BYTES, (
+            f"boot {boot}: level {level} B (median of runs {WARMUP_RUNS + 1}-"
+            f"{WARMUP_RUNS + quarter}), last quarter's median {last} B, {len(low)} of "
+            f"{len(free)} runs more than {LEVEL_BYTES} B below it: {low[:20]}"
         )
-        checked += len(runs) - WARMUP_RUNS - 1
+        checked += len(free)
     # A board that reset itself every few runs never settles: that fails here too.
     assert checked >= (RUNS - WARMUP_RUNS) // 2, f"only {checked} runs had a level to keep to"
 
