@@ -47,6 +47,9 @@ RUNS = int(os.environ.get("WREN_SOAK_RUNS", "1000"))
 # first 16 runs and stayed there.
 WARMUP_RUNS = 20
 LEVEL_BYTES = 1024
+# How far below the level one run's idle heap may be: what a run leaves idle varies with
+# how it ended (1,000 runs frozen at 128K: level 30,336 B, 4 runs at 29.2 KiB).
+FLOOR_BYTES = 2048
 SHOWN = 5  # records shown in a failure message
 
 
@@ -124,10 +127,10 @@ def test_the_free_heap_stays_level(soak: list[RunRecord]) -> None:
     # Per boot (a board that reset itself starts over), past its first WARMUP_RUNS: the
     # free heap once idle after each run (collected, nothing in flight: the runtime's
     # "idle; heap free" line). A leak, or a heap that fragments, takes heap away run
-    # after run: no run may fall more than LEVEL_BYTES below the level (the median of
-    # the first quarter), and the last quarter's median may not have drifted below it by
-    # more than that. Above it is no harm: what a run leaves idle varies by 1-3 KiB with
-    # how it ended (29.5-32.4 KiB at 128K frozen, 300 runs). The line at a run's end is
+    # after run: the last quarter's median may not have drifted more than LEVEL_BYTES
+    # below the level (the median of the first quarter), and no run may fall more than
+    # FLOOR_BYTES below it. Above it is no harm: what a run leaves idle varies by 1-3 KiB
+    # with how it ended (29.2-32.4 KiB at 128K frozen). The line at a run's end is
     # no level: it is taken while the run's last events are in flight. A run followed so
     # closely by the next request that the board was never idle has no figure.
     boots: dict[str, list[int]] = {}
@@ -141,12 +144,12 @@ def test_the_free_heap_stays_level(soak: list[RunRecord]) -> None:
             continue
         quarter = len(free) // 4
         level = statistics.median(free[:quarter])
-        low = [f for f in free if f < level - LEVEL_BYTES]
+        low = [f for f in free if f < level - FLOOR_BYTES]
         last = statistics.median(free[-quarter:])
         assert not low and last >= level - LEVEL_BYTES, (
             f"boot {boot}: level {level} B (median of runs {WARMUP_RUNS + 1}-"
             f"{WARMUP_RUNS + quarter}), last quarter's median {last} B, {len(low)} of "
-            f"{len(free)} runs more than {LEVEL_BYTES} B below it: {low[:20]}"
+            f"{len(free)} runs more than {FLOOR_BYTES} B below it: {low[:20]}"
         )
         checked += len(free)
     # A board that reset itself every few runs never settles: that fails here too.
