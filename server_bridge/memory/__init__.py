@@ -4,6 +4,8 @@ backups, the write-id ledger and recall (docs/PROTOCOL.md, "Memory and durable s
 - `errors`: the refusals, one exception per contract error kind.
 - `merge`: the merge policies as one table of pure functions.
 - `store`: the persistence interface and its TinyDB default, sharded per scope.
+- `ledger`: each device's write-id ledger, which write ids were applied, bounded, so a
+  replay however late applies nothing.
 - `grants`: which agents of a tenant may read or write which `tenant` fields (the
   registry keeps them, the service checks them).
 - `service`: the `state.*`, `mem.*` and `core.*` methods over a store.

@@ -21,6 +21,7 @@ __all__ = [
     "UnknownField",
     "UnknownMethod",
     "WReused",
+    "WStale",
 ]
 
 # The bridge's error messages are short (server_bridge.wire.MAX_ERROR_MSG); repeated here
@@ -65,6 +66,14 @@ class Conflict(MemoryFault):
 
 class WReused(MemoryFault):
     kind = "w_reused"
+
+
+class WStale(MemoryFault):
+    """A write id of a run or boot the device's ledger has closed (ledger.py): it may
+    have been applied long ago, and applying it now could bring back what was since
+    forgotten, so it is never applied."""
+
+    kind = "w_stale"
 
 
 class OverLimit(MemoryFault):

@@ -29,7 +29,11 @@ write, whatever their grants), and never a recall hit.
 Write ids: a write's content hash covers the method, its scope instance, the field and
 the arguments but `sc` and `w`; a write id answered before is answered the same and
 applies nothing, the same id with another hash is `w_reused`. A refused write is not
-recorded: its retry is judged again.
+recorded: its retry is judged again. Past its file's ledger, the device's own ledger
+(ledger.py) still knows a board's write id: one it applied is answered `{dup: true}` and
+applies nothing (the first answer is gone), one of a run or boot it has closed is
+`w_stale` and applies nothing. So a replayed write, however late, never brings back a
+forgotten row or value; a write with a new id (a later run, the next seq) does.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from urllib.parse import quote, unquote
 import msgpack
 
 from server_bridge.memory import errors as E
+from server_bridge.memory import ledger as L
 from server_bridge.memory.grants import FIELD_NAME, NO_GRANTS, Grants
 from server_bridge.memory.merge import MISSING, merge
 from server_bridge.memory.store import SLOTS, MemoryStore, ScopeRef, ScopeTxn, WouldWait
@@ -473,6 +478,15 @@ class MemoryService:
                 if hit.h == h and hit.answer is not None:
                     return dict(hit.answer)
                 raise E.WReused(f"write id {w[:64]!r} was used for another write")
+            seen = tx.device_write(caller.device, w)
+            if seen == L.APPLIED:
+                # Applied before, its first answer let go with its file's ledger entry.
+                return {"dup": True}
+            if seen == L.STALE:
+                raise E.WStale(
+                    f"write id {w[:64]!r} belongs to a run the bridge has closed: nothing was"
+                    " applied now (it may have been before); write again with a new id"
+                )
             now = self.clock()
             p = plan(tx, now)
             self._check_limits(tx, shard, p, decl)

@@ -35,6 +35,15 @@ Each write keeps its ledger entry in the same file as the data it changed: a cra
 leaves both or neither, so a retried write is never applied twice and never answered
 "done" for data that was lost.
 
+Beside the shards, one file per device holds its per-device ledger (ledger.py):
+
+    <dir>/<tenant>/@ledger/<d[:2]>/<d>.json      which write ids of the device were applied
+
+with `d` the hash of the device id. It is written after the shard a write changed (so
+a crash between the two leaves the id in the shard's ledger only), and an id the
+shard's ledger lets go is recorded in it first if it is missing there: an applied write
+id is always in one of the two.
+
 Every parsed shard stays in memory (up to `max_scopes` scope instances, least recently
 used let go): a read never parses JSON again, and a write serializes the new document,
 renames it into place, and only then swaps it into the cache; records are never changed
@@ -66,6 +75,7 @@ from typing import Any, Protocol
 from tinydb import TinyDB
 from tinydb.table import Table
 
+from server_bridge.memory import ledger as L
 from server_bridge.store import AtomicJSONStorage
 
 __all__ = [
@@ -141,6 +151,10 @@ class ScopeTxn(Protocol):
 
     def find_write(self, shard: str, device: str, w: str) -> LedgerHit | None: ...
 
+    def device_write(self, device: str, w: str) -> str:
+        """What the device's own ledger knows of `w`: ledger.NEW, APPLIED or STALE."""
+        ...
+
     def commit(
         self,
         shard: str,
@@ -215,6 +229,20 @@ class _Scope:
         self.users = 0
 
 
+class _Device:
+    """One device's ledger file, parsed; its lock guards `doc` and the file."""
+
+    __slots__ = ("doc", "lock", "storage", "users")
+
+    def __init__(self, storage: AtomicJSONStorage):
+        self.storage = storage
+        self.lock = threading.Lock()
+        self.doc: dict[str, Any] | None = None  # read on first use, under `lock`
+        # Threads using it: one in use is never let go (a second copy would have a
+        # lock of its own, and two writers of the one file).
+        self.users = 0
+
+
 def _shard_file(shard: str) -> str:
     return "slots.json" if shard == SLOTS else f"c-{shard}.json"
 
@@ -269,6 +297,11 @@ class _Txn:
         seen = self._store._w_index.get((self.ref.tenant, device, w))
         return None if seen is None else LedgerHit(seen[0], None)
 
+    def device_write(self, device: str, w: str) -> str:
+        if L.parse(w) is None:
+            return L.NEW
+        return self._store._device_status(self.ref.tenant, device, w)
+
     def commit(
         self,
         shard: str,
@@ -304,6 +337,62 @@ class TinyMemoryStore:
         # back with other content aimed at another shard.
         self._w_index: dict[tuple[str, str, str], tuple[str, float]] = {}
         self._commits = 0
+        # (tenant, device) -> its ledger file, parsed; at most `max_scopes`, least
+        # recently used let go (the file is the truth). Guarded by `_lock`.
+        self._devices: OrderedDict[tuple[str, str], _Device] = OrderedDict()
+
+    def ledger_path(self, tenant: str, device: str) -> Path:
+        d = _scope_hash(device)
+        return self.dir / tenant / "@ledger" / d[:2] / f"{d}.json"
+
+    @contextmanager
+    def _device(self, tenant: str, device: str) -> Iterator[_Device]:
+        """The device's ledger, its lock held and its file read."""
+        with self._lock:
+            dv = self._devices.get((tenant, device))
+            if dv is None:
+                path = self.ledger_path(tenant, device)
+                # Compact JSON: this file is rewritten with every write of the device.
+                dv = self._devices[(tenant, device)] = _Device(
+                    AtomicJSONStorage(path, create_dirs=False, separators=(",", ":"))
+                )
+                if len(self._devices) > self.max_scopes:
+                    for key in [k for k, v in self._devices.items() if v.users == 0]:
+                        if len(self._devices) <= self.max_scopes:
+                            break
+                        del self._devices[key]
+            else:
+                self._devices.move_to_end((tenant, device))
+            dv.users += 1
+        try:
+            with dv.lock:
+                if dv.doc is None:
+                    dv.doc = dv.storage.read() or {}
+                yield dv
+        finally:
+            with self._lock:
+                dv.users -= 1
+
+    def _device_status(self, tenant: str, device: str, w: str) -> str:
+        with self._device(tenant, device) as dv:
+            assert dv.doc is not None
+            return L.status(dv.doc, w)
+
+    def _device_record(self, tenant: str, device: str, w: str, at: float, *, missing: bool) -> None:
+        """Record `w` as applied at `at` in the device's ledger file; with `missing`,
+        only if the ledger does not know it yet (an id its shard's ledger lets go)."""
+        with self._device(tenant, device) as dv:
+            doc = dv.doc
+            assert doc is not None
+            if missing and L.status(doc, w) != L.NEW:
+                return
+            new = L.record(doc, w, at)
+            if new is None:
+                return
+            new["meta"]["m"].update(tenant=tenant, device=device)
+            dv.storage.path.parent.mkdir(parents=True, exist_ok=True)
+            dv.storage.write(new)
+            dv.doc = new
 
     def scope_dir(self, ref: ScopeRef) -> Path:
         h = _scope_hash(ref.scope_id)
@@ -388,6 +477,7 @@ class TinyMemoryStore:
         m.update(meta or {})
         doc["meta"] = {"m": m}
         dropped: list[str] = []
+        dropped_at: dict[str, float] = {}  # when each dropped ledger entry was written
         if ledger is not None or "w" in doc:
             wt = doc["w"] = dict(doc.get("w", {}))
             if ledger is not None:
@@ -403,11 +493,21 @@ class TinyMemoryStore:
                 dropped += [k for k in wt if k not in gone][:over]
                 self.ledger_evicted += over
             for k in dropped:
-                del wt[k]
+                dropped_at[k] = wt.pop(k)["at"]
+        # An id this file's ledger lets go goes into its device's ledger first, if that
+        # lacks it (a crash between the two writes of its own commit, below).
+        for k in dropped:
+            device, _, w = k.partition("/")
+            if L.parse(w) is not None:
+                self._device_record(sc.ref.tenant, device, w, dropped_at[k], missing=True)
         sh.storage.path.parent.mkdir(parents=True, exist_ok=True)
         sh.storage.write(doc)
         sh.doc = doc
         sh.usage += delta
+        # The device's ledger after the data: a crash between leaves the id in this
+        # file's ledger only (see the module docstring).
+        if ledger is not None:
+            self._device_record(sc.ref.tenant, ledger[0], ledger[1], now, missing=False)
         with self._lock:
             for k in dropped:
                 device, _, w = k.partition("/")
