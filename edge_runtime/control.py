@@ -54,6 +54,16 @@ def ctl(runtime, msg):
 
 def _cancel(runtime, msg):
     run_id = msg.get("r")
+    req = msg.get("req")
+    if run_id is None and is_id(req):
+        # A cancel by request: its host does not know the run yet (none had started when
+        # it gave up, PROTOCOL "Requests and control").
+        for run in runtime.active.values():
+            if run.req == req:
+                run_id = run.id
+        if run_id is None:
+            _cancel_waiting(runtime, req)
+            return
     run = runtime.active.get(run_id) if isinstance(run_id, str) else None
     if run is None:
         runtime.refuse("unknown_run", "no active run %s to cancel" % clip(run_id))
@@ -64,6 +74,24 @@ def _cancel(runtime, msg):
     # clean-up in it) would not run at all. It sees cancel_reason when it begins.
     if run.started and run.task is not None:
         run.task.cancel()
+
+
+def _cancel_waiting(runtime, req):
+    # A request with no run: taken out of the queue, or, not come yet, remembered as
+    # seen, so that it starts nothing when it comes. Either way it ends now, by its id,
+    # and its host stops waiting. One seen and not queued or running has run already.
+    queue = runtime._queue
+    for i in range(len(queue)):
+        if isinstance(queue[i], dict) and queue[i].get("req") == req:
+            queue.pop(i)
+            break
+    else:
+        if req in runtime._seen:
+            runtime.refuse("unknown_run", "request %s has no run to cancel" % req, {"req": req})
+            return
+        runtime._seen.push(req)
+    runtime.refuse("cancelled", "request %s was cancelled before its run started" % req,
+                   {"req": req})
 
 
 def _emitter(runtime, run_id):

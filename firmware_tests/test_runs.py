@@ -472,3 +472,33 @@ def test_a_run_started_that_found_no_heap_still_goes_ahead_of_the_failure():
         assert events[1]["d"]["err"]["kind"] == "internal" and events[1]["d"]["retryable"]
 
     run(with_board("tb-nostart", body))
+
+
+def test_a_request_cancelled_before_its_run_started_never_runs():
+    # A host that gives up before its request's run started knows no run id: it cancels
+    # by request. Queued: taken out of the queue. Not come yet: remembered, so that it
+    # starts nothing when it comes. Running: cancelled as by its run. Each ends by its
+    # id at once (the host stops waiting); one that ran already is no run to cancel.
+    async def body(bridge, runtime):
+        await _fill_until_busy(bridge, "c")  # c0 runs (its model never answers), c1 c2 wait
+        bridge.send("ctl", {"op": "cancel", "req": "c2", "reason": "gave up"})
+        bridge.send("ctl", {"op": "cancel", "req": "c9"})  # not come yet
+        await bridge.wait_for(lambda: len(device_errors(bridge)) == 3)
+        assert [(e["kind"], e["req"]) for e in device_errors(bridge)[1:]] == [
+            ("cancelled", "c2"), ("cancelled", "c9")]
+        assert [m["req"] for m in runtime._queue] == ["c1"]
+        bridge.send("req", {"req": "c9", "input": "x"})  # comes after all: starts nothing
+        bridge.send("ctl", {"op": "cancel", "req": "c0"})  # running: cancelled as a run
+        await bridge.wait_for(lambda: any(e["t"] == "run.cancelled" for e in bridge.events))
+        c0 = [e for e in bridge.events if e["t"] == "run.started" and e["d"]["req"] == "c0"]
+        assert [e["r"] for e in bridge.events if e["t"] == "run.cancelled"] == [c0[0]["r"]]
+        # c1 goes next, and only c1: neither c2 nor c9 ever starts.
+        await bridge.wait_for(lambda: len(runtime.active) == 1 and not runtime._queue)
+        bridge.send("ctl", {"op": "cancel", "req": "c0"})  # its run is over
+        await bridge.wait_for(lambda: len(device_errors(bridge)) == 4)
+        assert (device_errors(bridge)[3]["kind"], device_errors(bridge)[3]["req"]) == (
+            "unknown_run", "c0")
+        started = [e["d"]["req"] for e in bridge.events if e["t"] == "run.started"]
+        assert "c2" not in started and "c9" not in started and runtime.stats["duplicate"] == 1
+
+    run(with_board("tb-cancelreq", body))

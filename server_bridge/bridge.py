@@ -79,7 +79,7 @@ from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
 from server_bridge.metrics import prometheus_text
 from server_bridge.models.base import Provider
-from server_bridge.mqttclient import Client
+from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
@@ -92,8 +92,10 @@ from server_bridge.wire import (
     MAX_ID,
     REFUSALS,
     RETAINED,
+    BadEnvelope,
     DeviceOffline,
     Limits,
+    NoScope,
     TooLarge,
     UnknownDevice,
     WireError,
@@ -103,7 +105,7 @@ from server_bridge.wire import (
     encode,
 )
 
-__all__ = ["BRIDGE_RUN", "Bridge", "BridgeError", "Refusal", "RivalBridge"]
+__all__ = ["BRIDGE_RUN", "Bridge", "BridgeError", "LoginRefused", "Refusal", "RivalBridge"]
 
 log = logging.getLogger("wren.bridge")
 
@@ -130,6 +132,13 @@ _RIVAL_GRACE_S = 2.5
 # held and acted on once the check passes (a session keeps 1,000 at most in Mosquitto's
 # default config; past this they are dropped, counted, and their senders time out).
 _HELD_AT_START = 10_000
+# An empty payload on an input topic within this long of the bridge clearing a retained
+# message there is that clear coming back (MQTT 3.1.1 has no "no local"), or another
+# bridge process's clear of the same message: ignored. Any other empty payload is input,
+# refused like any malformed one. Topics remembered at most: one per retained message
+# cleared, and they are few (nothing is published retained on these topics by contract).
+_CLEAR_ECHO_S = 10.0
+_CLEARS_KEPT = 1024
 
 
 class _PahoLog(logging.LoggerAdapter):
@@ -175,6 +184,11 @@ class _BridgeStreams:
 
 class BridgeError(RuntimeError):
     """The bridge could not start (broker unreachable, refused, or no subscription)."""
+
+
+class LoginRefused(BridgeError):
+    """The broker was reached and refused a connection's CONNECT (CONNACK): its message
+    names the user whose credentials were refused (`mqttclient.connack_refusal`)."""
 
 
 class RivalBridge(BridgeError):
@@ -226,6 +240,9 @@ class Bridge:
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._refusals: deque[Refusal] = deque(maxlen=config.refusals_kept)
+        # The input topics whose retained message the bridge cleared, and when (monotonic):
+        # the empty publishes that come back are those clears (_CLEAR_ECHO_S).
+        self._cleared: OrderedDict[str, float] = OrderedDict()
         # The control connection (presence, will, RPC calls, host input) and the event
         # connection (module docstring), each up or not on its own.
         self._client: mqtt.Client | None = None
@@ -241,6 +258,8 @@ class Bridge:
         # on the word "online" would find no subscription of the event connection yet.
         self._serving = False
         self._start_error: str | None = None
+        # Whether a connection's CONNACK refused it (LoginRefused), either connection.
+        self._login_refused = False
         self._sub_mid: int | None = None
         # The start's check for another bridge (_check_rivals): the other bridges' last
         # presence seen on P/b/status, by boot; the round trip that says the retained one
@@ -553,6 +572,7 @@ class Bridge:
         self._ready.clear()
         self._events_ready.clear()
         self._start_error = self._events_error = None
+        self._login_refused = False
         self._client = client
         try:
             client.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
@@ -570,7 +590,7 @@ class Bridge:
         if not self._ready.wait(cfg.connect_timeout_s) or self._start_error is not None:
             why = self._start_error or f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
             self._abort()
-            raise BridgeError(
+            raise (LoginRefused if self._login_refused else BridgeError)(
                 f"bridge could not start on {cfg.host}:{cfg.port} (control connection, user "
                 f"{cfg.control_username or '(none)'}): {why}"
             )
@@ -586,7 +606,7 @@ class Bridge:
         if not self._events_ready.wait(cfg.connect_timeout_s) or self._events_error is not None:
             why = self._events_error or f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
             self._abort()
-            raise BridgeError(
+            raise (LoginRefused if self._login_refused else BridgeError)(
                 f"bridge could not start on {cfg.host}:{cfg.port} (event connection, user "
                 f"{cfg.username or '(none)'}): {why}"
             )
@@ -813,7 +833,10 @@ class Bridge:
         self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
         if reason_code.is_failure:
-            self._start_error = f"broker refused the connection: {reason_code}"
+            self._start_error = connack_refusal(
+                f"{self.config.host}:{self.config.port}", self.config.control_username, reason_code
+            )
+            self._login_refused = True
             log.error("broker refused the bridge connection: %s", reason_code)
             self._ready.set()
             self._probed.set()
@@ -915,7 +938,10 @@ class Bridge:
         self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
         if reason_code.is_failure:
-            self._events_error = f"broker refused the connection: {reason_code}"
+            self._events_error = connack_refusal(
+                f"{self.config.host}:{self.config.port}", self.config.username, reason_code
+            )
+            self._login_refused = True
             log.error("broker refused the bridge's event connection: %s", reason_code)
             self._events_ready.set()
             return
@@ -992,9 +1018,10 @@ class Bridge:
             if msg.retain:
                 self._clear_retained(client, topic)
                 return
-            if not payload:
+            if not payload and self._clear_echo(topic):
                 # A retained message being cleared (our own clear comes back to us too:
                 # MQTT 3.1.1 has no "no local"). Nothing to act on and no one to answer.
+                # Any other empty payload is refused as malformed input, and answered.
                 self._count("rx.empty")
                 return
         try:
@@ -1024,11 +1051,28 @@ class Bridge:
         its stored copy is refused and cleared at the next subscribe that delivers it.
         """
         self._refuse(RETAINED, topic, "a retained message on an input topic is never acted on")
+        with self._lock:
+            self._cleared[topic] = time.monotonic()
+            self._cleared.move_to_end(topic)
+            while len(self._cleared) > _CLEARS_KEPT:
+                self._cleared.popitem(last=False)
         info = client.publish(topic, b"", qos=1, retain=True)
         if info.rc == mqtt.MQTT_ERR_SUCCESS:
             self._count("retained.cleared")
         else:
             log.warning("could not clear the retained message on %s: %s", topic, info.rc)
+
+    def _clear_echo(self, topic: str) -> bool:
+        """Whether an empty payload on `topic` is a clear of the retained message the
+        bridge saw there a moment ago (its own clear, or another bridge process's)."""
+        with self._lock:
+            at = self._cleared.get(topic)
+            if at is None:
+                return False
+            if time.monotonic() - at > _CLEAR_ECHO_S:
+                del self._cleared[topic]
+                return False
+            return True
 
     # ------------------------------------------------------------------ routing
 
@@ -1079,6 +1123,8 @@ class Bridge:
         """A host's req or ctl; a refusal is also told to the host (see _tell_host)."""
         obj: Any = None
         try:
+            if not payload:
+                raise BadEnvelope(f"an empty payload: a host {t.leaf} is a msgpack map")
             obj = decode(payload, self.config.limits)
             assert t.tenant is not None  # a host topic always has one
             # Slowed, then refused by name: a tenant over its request rate, or whose
@@ -1148,6 +1194,16 @@ class Bridge:
                 "once it is back)",
                 int(presence["since"] * 1000),
             )
+        if req.conv is None:
+            # A scope ticket without a conversation reaches no `session` field: the run's
+            # state.load would be refused no_scope and the run fail (kind link). Said
+            # here, by name, before anything reaches the board.
+            kept = self._session_fields(record.device)
+            if kept:
+                raise NoScope(
+                    f"device {record.device}'s agent keeps state per conversation "
+                    f"({', '.join(kept[:4])}): the request needs a conv"
+                )
         # Built from named fields only: the user is the token's, and no other key of the
         # host payload (usr, ten, device, tok ...) reaches the board.
         out: dict[str, Any] = {"req": req.req, "usr": session.user, "input": req.input}
@@ -1184,6 +1240,33 @@ class Bridge:
         topic = device_topic(self.config.prefix, record.device, "req")
         self.outbox.host(record.tenant, [(topic, payload)], Kind.REQ)
         self._count("host.req")
+        if presence is None:
+            # No status of the device has ever reached the bridge (none retained at the
+            # broker either): it has never connected, or not since its status was
+            # cleared. Sent on all the same (a bridge just started may not have read the
+            # retained statuses yet), and the hosts told, so one waiting for the run can
+            # say what it waits for and stop (PROTOCOL "Presence at the host").
+            notice = self._bridge_event(t, {"st": "unseen", "req": req.req}, "presence")
+            self.outbox.notice(record.tenant, *notice)
+            self._count("host.req_unseen")
+
+    def _session_fields(self, device: str) -> list[str]:
+        """The durable slot fields of `session` scope the device's last hello declares:
+        what its runs load (state.load) with the request's conversation; [] without a
+        hello (the run's own load then says what is wrong)."""
+        if not self.intake.declares_fields(device):
+            return []
+        hello = self.hello(device)
+        fields = hello.get("fields") if hello is not None else None
+        return [
+            f["name"]
+            for f in (fields if isinstance(fields, list) else [])
+            if isinstance(f, dict)
+            and isinstance(f.get("name"), str)
+            and f.get("dur") == "session"
+            and f.get("kind") in (None, "slot")
+            and not f.get("core")
+        ]
 
     def _state_seed(
         self,

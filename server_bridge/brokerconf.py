@@ -543,7 +543,35 @@ def dynsec_mosquitto_conf(
     return _whole_conf(Path(directory), listener, lines, "then restart Mosquitto")
 
 
+# The user Mosquitto switches to when started as root (its default `user`).
+BROKER_USER = "mosquitto"
+
+
+def _broker_owner(directory: Path) -> tuple[int, int] | None:
+    """Run as root: the uid and gid of Mosquitto's own user when it exists and can reach
+    `directory` (every directory above it searchable by others), else None."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(BROKER_USER)
+    except KeyError:
+        return None
+    for parent in directory.resolve().parents:
+        if not parent.stat().st_mode & 0o001:
+            return None
+    return entry.pw_uid, entry.pw_gid
+
+
 def _whole_conf(directory: Path, listener: str, lines: str, reload: str) -> Path:
+    # Started as root, Mosquitto warns when told to stay root (`user root`, which
+    # `_bound` writes so that it can read these private files): where its own user can
+    # reach the directory, that user owns the directory and the files instead (still
+    # 0600), and Mosquitto switches to it as it does by default. Otherwise root it stays.
+    owner = _broker_owner(directory) if "\nuser root\n" in f"\n{lines}" else None
+    if owner is not None:
+        lines = f"\n{lines}".replace("\nuser root\n", f"\nuser {BROKER_USER}\n", 1)[1:]
     text = (
         "# Wren's broker (written by server_bridge/brokerconf.py from the registry; written\n"
         f"# again after every change of its users: {reload}).\n"
@@ -559,4 +587,8 @@ def _whole_conf(directory: Path, listener: str, lines: str, reload: str) -> Path
     )
     conf = directory / "mosquitto.conf"
     _write_private(conf, text)
+    if owner is not None:
+        # The persistence database is written into the directory, by that user.
+        for path in (directory, *directory.iterdir()):
+            os.chown(path, *owner)
     return conf

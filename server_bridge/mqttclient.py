@@ -88,6 +88,24 @@ _ACKED = ReasonCode(PacketTypes.PUBACK)
 _NO_PROPERTIES = Properties(PacketTypes.PUBACK)
 
 
+# CONNACK refusals that are about the login, not about reaching the broker: "Bad user
+# name or password" and "Not authorized" (paho gives a 3.1.1 broker's 4 and 5 as these
+# MQTT 5 codes; Mosquitto says "Not authorized" for a wrong password).
+_LOGIN_REFUSED = frozenset({134, 135})
+
+
+def connack_refusal(where: str, user: str | None, reason_code: Any) -> str:
+    """What a CONNACK refusal from the broker at `where` means, in words: a refused
+    login names the user whose credentials were refused, since the broker was reached."""
+    if getattr(reason_code, "value", None) in _LOGIN_REFUSED:
+        who = f"for user {user!r}" if user else "for an anonymous client (no user given)"
+        return (
+            f"the MQTT broker at {where} refused the credentials {who} ({reason_code}): "
+            "check the user name and password"
+        )
+    return f"the MQTT broker at {where} refused the connection: {reason_code}"
+
+
 class Client(mqtt.Client):
     """A paho client whose queued packets any thread may write (see the module
     docstring). Used like paho's: `loop_start()`, then publish from any thread and call

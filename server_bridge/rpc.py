@@ -625,6 +625,9 @@ class RpcServer:
         c: int | str | None = None
         obj: Any = None
         try:
+            if not payload:
+                # Not an ack, so a call: one with nothing in it, answered by name.
+                raise BadEnvelope("an empty payload: an rpc call is a msgpack map {c, m, a, r}")
             obj = decode(payload, self._limits)
             if is_ack(obj):
                 self._ack(device.device, obj)

@@ -421,7 +421,7 @@ def run(
     config = bridge_config(args)
     # Imported here, not with this module: every `wren` command builds its parser from
     # this module, and the bridge (paho and all) is most of a command's start-up time.
-    from server_bridge.bridge import Bridge, RivalBridge
+    from server_bridge.bridge import Bridge, LoginRefused, RivalBridge
 
     registry = provision(args.registry, args.tenant, _devices(args.device))
     try:
@@ -439,7 +439,8 @@ def run(
                 metrics = _serve_metrics(bridge, *args.metrics)
             try:
                 bridge.start()
-            except RivalBridge as e:
+            except (RivalBridge, LoginRefused) as e:
+                # Reached, and answered: not a broker it "could not connect to".
                 raise ServiceError(str(e)) from e
             except Exception as e:
                 raise ServiceError(

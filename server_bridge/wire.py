@@ -47,6 +47,7 @@ __all__ = [
     "HostCtl",
     "HostReq",
     "Limits",
+    "NoScope",
     "TokenError",
     "TooDeep",
     "TooLarge",
@@ -125,6 +126,14 @@ class DeviceOffline(WireError):
     def __init__(self, msg: str, since_ms: int) -> None:
         super().__init__(msg)
         self.detail = {"since": since_ms}
+
+
+class NoScope(WireError):
+    """A host request its scope ticket could not serve: the device's agent keeps state
+    per conversation and the request names none (`conv`). Refused before it is sent on,
+    where its run would fail loading that state."""
+
+    kind = "no_scope"
 
 
 # Everything the bridge refuses carries `.kind`; BadTopic and TokenError live next to
@@ -526,7 +535,7 @@ def check_host_req(obj: object) -> HostReq:
 # board except these fields. `replay` never reaches the board: the bridge answers it
 # from its own window of the run's events (PROTOCOL.md "Replay").
 HOST_CTL_KEYS: dict[str, tuple[str, ...]] = {
-    "cancel": ("r", "reason"),
+    "cancel": ("r", "req", "reason"),
     "tool": ("r", "call", "output", "failed"),
     "approve": ("r", "call", "ok"),
     "replay": ("r", "after"),
@@ -548,7 +557,12 @@ def check_host_ctl(obj: object) -> HostCtl:
     keys = HOST_CTL_KEYS.get(op)
     if keys is None:
         raise UnknownOp(f"unknown ctl op {op[:64]!r}")
-    _host_id(m, "r", f"ctl {op}")
+    if op == "cancel" and m.get("r") is None:
+        # By request, for a host that gave up before its run started (it knows no run
+        # id yet): the board takes it out of its queue, or starts nothing when it comes.
+        _host_id(m, "req", "ctl cancel (without r)")
+    else:
+        _host_id(m, "r", f"ctl {op}")
     if op in ("tool", "approve"):
         _host_id(m, "call", f"ctl {op}")
     if op == "approve" and not isinstance(m.get("ok"), bool):
@@ -559,6 +573,8 @@ def check_host_ctl(obj: object) -> HostCtl:
             raise BadEnvelope("ctl replay needs after: an int >= 0")
     fields = {"op": op}
     fields.update({k: m[k] for k in keys if k in m})
+    if fields.get("r") is not None:
+        fields.pop("req", None)  # a cancel names its run or its request, never both
     if op == "cancel" and "reason" in fields:
         reason = fields["reason"]
         if reason is None:

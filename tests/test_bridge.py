@@ -371,6 +371,8 @@ def test_unknown_method(world: World) -> None:
         (b"\xa0" * 20000, "too_large"),
         (msgpack.packb([1, "llm.complete"]), "bad_envelope"),
         (msgpack.packb({"m": "llm.complete", "a": {}}), "bad_envelope"),
+        # Issue 25: an empty payload got no answer (taken for a retained message's clear).
+        (b"", "bad_envelope"),
     ],
 )
 def test_undecodable_rpc_is_answered_with_c_nil(world: World, payload: bytes, kind: str) -> None:
@@ -744,6 +746,33 @@ def test_host_req_refusals(world: World) -> None:
     assert got == {"req": "q", "usr": "alice", "input": "x"}
 
 
+def test_req_without_conv_to_an_agent_with_session_state_is_refused_up_front(
+    world: World,
+) -> None:
+    # Issue 25: such a request went on to the board, whose run then failed `link` (its
+    # state.load refused no_scope: a ticket without a conversation reaches no session
+    # field). Refused at the bridge by name, with the req, and never sent on.
+    fields = [
+        {"name": "mood", "dur": "user"},
+        {"name": "topic", "dur": "session"},
+        {"name": "notes", "dur": "session", "kind": "collection"},  # not loaded at start
+    ]
+    world.board.send(world.d("hello"), {"agent": "thermostat", "fields": fields})
+    wait_for(lambda: world.bridge.hello("dev1"), "hello")
+    world.host.send(world.h("req"), {"req": "q1", "input": "x", "tok": token("alice")})
+    told = world.host.get(world.h("evt"))
+    assert (told["r"], told["d"]["kind"], told["d"]["req"]) == ("_b", "no_scope", "q1")
+    assert "topic" in told["d"]["msg"] and "needs a conv" in told["d"]["msg"], told
+    assert "notes" not in told["d"]["msg"]
+    world.refused("no_scope")
+    assert world.board.empty(world.d("req"))
+    # With a conversation it goes on, ticket and all.
+    ok = {"req": "q2", "conv": "c1", "input": "x", "tok": token("alice")}
+    world.host.send(world.h("req"), ok)
+    got = world.board.get(world.d("req"))
+    assert got["req"] == "q2" and got["conv"] == "c1" and "sc" in got
+
+
 def test_host_ctl(world: World) -> None:
     tok = token("alice")
     world.host.send(world.h("ctl"), {"op": "cancel", "r": "r1", "tok": tok, "usr": "admin"})
@@ -821,6 +850,19 @@ def test_refused_host_input_is_told_on_the_bridge_stream(
         assert e["t"] == "error" and isinstance(e["ts"], int) and e["d"]["msg"]
         assert forged not in e["d"]["msg"] and forged.split(".")[1] not in e["d"]["msg"]
     assert world.bridge.stats["host.refusals_told"] == 4
+
+
+def test_empty_host_req_and_ctl_are_refused_on_the_bridge_stream(world: World) -> None:
+    # Issue 25: an empty host req got no answer at all (taken for a retained message's
+    # clear): it is malformed input, refused and told like any other.
+    world.host.send(world.h("req"), raw=b"")
+    world.host.send(world.h("ctl"), raw=b"")
+    told = [world.host.get(world.h("evt")) for _ in range(2)]
+    assert [(e["r"], e["t"], e["d"]["kind"]) for e in told] == [("_b", "error", "bad_envelope")] * 2
+    assert "empty payload" in told[0]["d"]["msg"] and "req" not in told[0]["d"]
+    world.refused("bad_envelope", 2)
+    assert world.bridge.stats.get("rx.empty", 0) == 0
+    assert world.board.empty(world.d("req")) and world.board.empty(world.d("ctl"))
 
 
 def test_refusals_go_to_the_senders_tenant_only(world: World, broker: MosquittoProcess) -> None:

@@ -222,6 +222,12 @@ def test_calls_and_requests_are_served_while_a_neighbour_floods_events(
         host.send(f"{P}/h/acme/dev1/req", {"req": "q1", "input": "hi", "tok": tok})
         req = board.next(f"{P}/d/dev1/req")
         assert (req["req"], req["usr"]) == ("q1", "alice")
+        # No status of dev1 read (the event connection is held): hosts are told the
+        # bridge has never seen it online (PROTOCOL "Presence at the host").
+        unseen = host.next(f"{P}/h/acme/dev1/evt")
+        assert (unseen["r"], unseen["t"], unseen["d"]) == (
+            "_b", "presence", {"st": "unseen", "req": "q1"}
+        )  # fmt: skip
         # `req` first (PROTOCOL "Requests and control"): a board names a req it cannot
         # decode by the id in its first bytes.
         assert next(iter(req)) == "req"

@@ -155,7 +155,13 @@ def test_a_flooding_tenant_loses_no_request_of_another(
 
         def accounted() -> bool:
             arrived = {r["req"] for r in quiet.reqs}
-            refused = {e["d"].get("req") for e in _drain(host, f"{f.p}/h/demo/quiet/evt")}
+            # Refusals only: each request is also told `presence` unseen (a fake board
+            # says no status, PROTOCOL "Presence at the host").
+            refused = {
+                e["d"].get("req")
+                for e in _drain(host, f"{f.p}/h/demo/quiet/evt")
+                if e["t"] == "error"
+            }
             told.update(refused)
             return set(reqs) <= arrived | told
 
@@ -272,7 +278,9 @@ def test_a_full_host_lane_refuses_busy_by_name(sized: MosquittoProcess, tmp_path
 
         def accounted() -> bool:
             for e in _drain(host, evt):
-                if e["r"] == "_b":
+                # (A fake board says no status: each request sent on is told `presence`
+                # unseen too, PROTOCOL "Presence at the host".)
+                if e["r"] == "_b" and e["t"] == "error":
                     busy[e["d"].get("req")] = e["d"]
             return set(reqs) <= {r["req"] for r in quiet.reqs} | set(busy)
 
@@ -297,10 +305,13 @@ def test_a_tenant_over_its_rate_is_refused_rate_limited(
         tok = token("alice", tenant="demo")
         for req in ("a", "b", "c", "d"):
             host.send(f"{f.p}/h/demo/quiet/req", {"req": req, "input": "hi", "tok": tok})
-        told = [host.get(f"{f.p}/h/demo/quiet/evt") for _ in range(2)]
-        assert [(e["r"], e["d"]["kind"], e["d"]["req"]) for e in told] == [
-            ("_b", "rate_limited", "c"),
-            ("_b", "rate_limited", "d"),
+        # The two sent on are told `presence` unseen (a fake board says no status).
+        told = [host.get(f"{f.p}/h/demo/quiet/evt") for _ in range(4)]
+        assert sorted((e["r"], e["t"], e["d"].get("kind"), e["d"]["req"]) for e in told) == [
+            ("_b", "error", "rate_limited", "c"),
+            ("_b", "error", "rate_limited", "d"),
+            ("_b", "presence", None, "a"),
+            ("_b", "presence", None, "b"),
         ]
         wait_for(lambda: len(quiet.reqs) == 2, "the two within the burst")
         assert [r["req"] for r in quiet.reqs] == ["a", "b"]

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import queue
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +23,13 @@ import paho.mqtt.client as paho
 import pytest
 
 from server_bridge import brokerconf
-from tools.broker import MosquittoProcess, start_mosquitto
+from tools.broker import (
+    MosquittoProcess,
+    free_port,
+    mosquitto_binary,
+    start_mosquitto,
+    wait_for_port,
+)
 
 TIMEOUT_S = 10.0
 P = "wren/v1"
@@ -861,3 +869,39 @@ def test_dynsec_takes_new_users_at_a_restart_not_at_sighup(
     assert not secured.connect("dev1").rc.is_failure
     secured.broker.restart()
     assert not secured.connect("dev3", "dev3-pw").rc.is_failure
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="what root's broker files do"
+)
+def test_broker_files_written_as_root_start_mosquitto_as_its_own_user(tmp_path: Path) -> None:
+    import pwd
+
+    try:
+        owner = pwd.getpwnam(brokerconf.BROKER_USER)
+    except KeyError:
+        pytest.skip("no mosquitto user on this machine")
+    exe = mosquitto_binary()
+    assert exe is not None
+    # pytest's tmp_path is private (0700): a directory Mosquitto's user can reach.
+    shared = Path(tempfile.mkdtemp(prefix="wren-brokerconf-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o755)
+        entries = {"bridge": brokerconf.hash_password("b")}
+        acl = brokerconf.acl_text(P, "bridge", {})
+        port = free_port()
+        conf = brokerconf.mosquitto_conf(shared / "broker", entries, acl, port, "127.0.0.1")
+        assert "user mosquitto" in conf.read_text().splitlines()
+        assert {p.stat().st_uid for p in (conf.parent, *conf.parent.iterdir())} == {owner.pw_uid}
+        proc = subprocess.Popen([exe, "-c", str(conf)], stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_port("127.0.0.1", port)
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=15)
+        assert "should not be run as root" not in err, err
+        # In a directory it cannot reach, root it stays (and Mosquitto says so).
+        private = brokerconf.mosquitto_conf(tmp_path / "broker", entries, acl, port, "127.0.0.1")
+        assert "user root" in private.read_text().splitlines()
+    finally:
+        shutil.rmtree(shared)

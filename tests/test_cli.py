@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from server_bridge import service
-from server_bridge.brokerconf import check_password
+from server_bridge.brokerconf import check_password, secure_mosquitto_conf
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, RequestRefused
 from server_bridge.registry import DeviceRecord, Registry
@@ -35,6 +35,13 @@ from tools.broker import (
     wait_for_port,
 )
 from tools.cli import build_parser
+from tools.virtual_board import (
+    PY_HEAP,
+    TRACEBACK,
+    Console,
+    micropython_binary,
+    out_of_heap,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 60.0
@@ -256,6 +263,49 @@ def test_demo_says_the_board_died_when_its_heap_is_too_small() -> None:
     assert proc.returncode == 1
     assert "the virtual board exited" in proc.stderr
     assert "MemoryError" in proc.stdout
+    assert "it needs about 128K: pass --heap 128K" in proc.stderr
+
+
+@pytest.mark.skipif(micropython_binary() is None, reason="needs the MicroPython unix port")
+def test_board_from_sources_at_the_default_heap_says_which_heap_in_one_line(
+    tmp_path: Path,
+) -> None:
+    # It dies importing the runtime (the compiler's working memory), before any broker.
+    proc = subprocess.run(
+        wren("board", "--virtual", "--py", "--broker", "127.0.0.1:1"),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr == (
+        "wren board: the board ran out of heap (128K) running from .py sources (--py): "
+        f"it needs about {PY_HEAP}: pass --heap {PY_HEAP}\n"
+    )
+
+
+def test_the_console_holds_a_traceback_until_it_knows_whether_it_ended_the_board() -> None:
+    console = Console()
+    assert console.feed("boot\n") == ["boot\n"]
+    assert console.feed(TRACEBACK + "\n") == []
+    assert console.feed('  File "main.py", line 2, in <module>\n') == []
+    assert console.feed("ValueError: x\n") == []
+    # A line after it: the board went on, the traceback is printed as it was.
+    assert console.feed("still here\n") == [
+        TRACEBACK + "\n", '  File "main.py", line 2, in <module>\n', "ValueError: x\n",
+        "still here\n",
+    ]  # fmt: skip
+    for line in (TRACEBACK, '  File "main.py", line 2, in <module>', "MemoryError: alloc"):
+        assert console.feed(line + "\n") == []
+    assert console.fatal_memory_error()
+    assert out_of_heap("150K", py=True) == (
+        "the board ran out of heap (150K) running from .py sources (--py): "
+        f"it needs about {PY_HEAP}: pass --heap {PY_HEAP}"
+    )
+    assert out_of_heap("1M", py=False).endswith("pass a --heap above 1M")
 
 
 def test_hil_on_the_pty_runs_board_tests_through_the_raw_repl() -> None:
@@ -284,6 +334,24 @@ def test_hil_fails_when_a_module_does_not_run_on_the_target() -> None:
     assert proc.returncode == 1
     assert "hil: test_no_such_module: no summary" in proc.stdout
     assert "ImportError" in proc.stdout
+
+
+@pytest.mark.parametrize("deploy", [[], ["--deploy"]])
+def test_hil_on_a_missing_serial_port_is_one_line_naming_it(
+    tmp_path: Path, deploy: list[str]
+) -> None:
+    # Issue 25: a missing --port printed pyserial's 40-line traceback.
+    port = str(tmp_path / "ttyACM9")
+    proc = subprocess.run(
+        wren("hil", *deploy, "--port", port, "test_ring"),
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"wren hil: cannot open serial port {port}: no such port (is the board plugged in? "
+        "ls /dev/ttyACM* /dev/ttyUSB*)"
+    ]
 
 
 def test_bridge_merge_ms_sets_the_rpc_merge_time_and_refuses_a_negative_one(
@@ -372,6 +440,28 @@ def test_python_m_server_bridge_says_when_the_broker_is_unreachable(tmp_path: Pa
     assert proc.stderr.startswith(
         f"python -m server_bridge: could not connect to the broker at {address}: "
     ), proc.stderr
+
+
+def test_python_m_server_bridge_with_a_wrong_password_says_whose_login_was_refused(
+    tmp_path: Path,
+) -> None:
+    # Issue 25: refused credentials read as a broker it "could not connect to".
+    users = {"bridge1": "right-password", "bridge1.ctl": "right-password"}
+    conf = secure_mosquitto_conf(tmp_path / "mosquitto", users, "")
+    locked = start_mosquitto(tmp_path / "mosquitto", extra_conf=conf, allow_anonymous=False)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "server_bridge", "--broker", locked.address, "--user",
+             "bridge1", "--password=wrong-password"],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    finally:
+        locked.stop()
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m server_bridge: bridge could not start on "), last
+    assert "refused the credentials for user 'bridge1.ctl' (Not authorized)" in last, last
+    assert "could not connect" not in last and "wrong-password" not in proc.stderr
 
 
 def test_the_bridge_service_exports_its_counters_and_wren_bridge_stats_prints_them(
@@ -746,6 +836,31 @@ def test_a_heap_the_unix_port_cannot_take_is_one_line_and_exit_2(heap: str) -> N
         assert "Traceback" not in proc.stderr
 
 
+def test_version_is_the_package_metadata_or_else_pyproject(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from importlib import metadata
+
+    import tools.cli
+
+    proc = subprocess.run(
+        wren("--version"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"wren {metadata.version('wren')}\n"
+    # A checkout run without installing it: pyproject.toml's version.
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    declared = next(
+        line.split('"')[1] for line in pyproject.splitlines() if line.startswith("version = ")
+    )
+
+    def missing(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    assert tools.cli.version() == declared
+
+
 def test_help_names_the_defaults() -> None:
     proc = subprocess.run(
         wren("demo", "--help"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
@@ -865,6 +980,62 @@ def test_ask_says_in_one_line_when_it_cannot_reach_the_broker(tmp_path: Path) ->
         "wren ask: cannot reach the broker at 127.0.0.1:"
     )
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_ask_with_a_wrong_password_says_the_broker_refused_the_user(tmp_path: Path) -> None:
+    # Issue 25: bad credentials read "cannot reach the broker ... Not authorized". The
+    # broker was reached; it refused the login, and the line says whose.
+    conf = secure_mosquitto_conf(tmp_path / "mosquitto", {"host-demo": "right-password"}, "")
+    locked = start_mosquitto(tmp_path / "mosquitto", extra_conf=conf, allow_anonymous=False)
+    try:
+        env = _env()
+        env["WREN_HOST_USER"], env["WREN_HOST_PASSWORD"] = "host-demo", "wrong-password"
+        _ok(tmp_path, "tenant", "add", "demo")
+        proc = subprocess.run(
+            wren("ask", "--broker", locked.address, "--registry", ".wren/registry.json", "Hi?"),
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    finally:
+        locked.stop()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(
+        f"wren ask: the MQTT broker at {locked.address} refused the credentials for user "
+        "'host-demo' (Not authorized)"
+    ), lines[0]
+    assert "cannot reach" not in lines[0] and "wrong-password" not in lines[0]
+
+
+def test_ask_for_a_device_that_never_connected_says_so_and_stops_soon(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    # Issue 25: `wren ask` waited its whole --timeout in silence for a device that never
+    # connected. The bridge says it never saw the device online; the ask says what it
+    # waits for, and stops after a short grace, exit 1.
+    bridge = Proc(wren("bridge", "--broker", broker.address, "--device", "ghost1"), tmp_path)
+    try:
+        bridge.wait_for("bridge: ")
+        began = time.monotonic()
+        proc = subprocess.run(
+            wren("ask", "--broker", broker.address, "--device", "ghost1", "--timeout", "120",
+                 "Anyone there?"),
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        took = time.monotonic() - began
+    finally:
+        bridge.stop()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line]
+    assert lines == [
+        "wren ask: waiting for device ghost1 to connect (it has never been seen online; at "
+        "most 10 s)",
+        "wren ask: device ghost1 did not connect within 10 s and has never been seen online: "
+        "nothing ran (start the board, then ask again)",
+    ], proc.stderr
+    assert took < 25, took
 
 
 def test_ask_gives_up_on_silence_with_what_may_be_down(

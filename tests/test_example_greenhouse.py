@@ -28,9 +28,13 @@ def _host() -> ModuleType:
 def test_the_greenhouse_waters_a_dry_bed_after_a_yes_and_an_answer(tmp_path: Path) -> None:
     host = _host()
     asked: list[tuple[str, str]] = []
+    out = io.StringIO()
+    # What the host had printed when it asked: a prompt comes once the run has paused.
+    printed: list[str] = []
 
     def decide(kind: str, name: str, args: str) -> tuple[bool, str]:
         asked.append((kind, name))
+        printed.append(out.getvalue())
         return True, "no feeding today"
 
     with Stack(
@@ -40,10 +44,11 @@ def test_the_greenhouse_waters_a_dry_bed_after_a_yes_and_an_answer(tmp_path: Pat
         heap="144K",
     ) as s:
         assert s.client is not None
-        out = io.StringIO()
         snap = host.run_once(s.client, s.device, s.token, host.REQUEST, decide, out)
         assert snap.status == "done" and snap.complete, (snap.error, s.describe())
         assert sorted(asked) == [("approval", "open_valve"), ("tool", "ask_gardener")]
+        # Both asked at the pause, before either answer went out (nothing printed between).
+        assert printed[0] == printed[1] and printed[0].splitlines()[-1].startswith("run.paused")
         # The handler's node, the way it went, and the model loop's nodes after it.
         assert {p: (n.activations, n.status) for p, n in snap.nodes.items()} == {
             "/sense": (1, "completed"),
@@ -61,6 +66,12 @@ def test_the_greenhouse_waters_a_dry_bed_after_a_yes_and_an_answer(tmp_path: Pat
         text = "".join(r.text for r in snap.rows if r.kind == "assistant")
         # The host approved first, then answered: the answer is the last tool output.
         assert text.endswith("Bed 2 is being watered. The gardener says: no feeding today")
+        # What the host prints as the answer: the run's three messages, apart.
+        assert host.answer_text(snap) == (
+            "Bed 2 looks dry; let me read every bed.\n\n"
+            "Bed 2 is at 18 %. I will water it for 10 minutes, and ask about feeding.\n\n"
+            "Bed 2 is being watered. The gardener says: no feeding today"
+        )
         # The host's log of the run: what a dashboard draws.
         lines = out.getvalue().splitlines()
         assert lines[:3] == [

@@ -18,6 +18,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge import tokens, wire
 from server_bridge.host.client import (
     HOST_LIMITS,
+    BrokerRefused,
     HostClient,
     HostConnectError,
     RequestRefused,
@@ -375,7 +376,8 @@ def test_refused_credentials_raise_a_clear_error(tmp_path: Any) -> None:
     locked = start_mosquitto(tmp_path, allow_anonymous=False)
     try:
         client = HostClient(locked.host, locked.port, "acme", username="eve", password="x")
-        with pytest.raises(HostConnectError, match="refused the connection"):
+        # Reached, and refused: the error says whose credentials, not "cannot reach".
+        with pytest.raises(BrokerRefused, match="refused the credentials for user 'eve'"):
             client.connect(timeout=WAIT)
         assert not client.connected
         client.close()

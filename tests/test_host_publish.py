@@ -24,7 +24,6 @@ from server_bridge.host.client import (
     HostClient,
     HostConnectError,
     NotConnected,
-    NotStarted,
     RequestRefused,
     Unacknowledged,
 )
@@ -113,6 +112,7 @@ def test_cancel_request_cancels_the_run_once_it_has_started(
     bridge.requests.get(timeout=WAIT)
     for e in run_events("b.1", req)[:3]:  # running
         bridge.publish("dev", e)
+    host.wait_for(req, lambda snap: snap.status == "running", WAIT)  # the host knows its run
 
     cancels: list[tuple[str, dict[str, Any]]] = []
 
@@ -133,15 +133,41 @@ def test_cancel_request_cancels_the_run_once_it_has_started(
     ]
 
 
-def test_cancel_request_of_a_run_that_never_starts_says_so(
+def test_cancel_request_before_its_run_started_cancels_the_request(
+    bridge: FakeBridge, host: HostClient, tenant: str
+) -> None:
+    # No run started yet (queued on the board, say): cancelled by its id, and the
+    # board's answer, `cancelled` naming the request, ends it: no run starts for it.
+    token = tokens.sign(b"secret", tenant, "alice")
+    req = host.request("dev", token, "How warm is it?")
+    cancels: list[tuple[str, dict[str, Any]]] = []
+
+    def board() -> None:
+        cancels.append(bridge.ctls.get(timeout=WAIT))
+        bridge.publish("dev", ev("_", 1, "error", kind="cancelled", msg="cancelled", req=req))
+
+    t = threading.Thread(target=board, daemon=True)
+    t.start()
+    with pytest.raises(RequestRefused) as e:
+        host.cancel_request("dev", token, req, "gave up", timeout=WAIT)
+    t.join(WAIT)
+    assert e.value.kind == "cancelled"
+    assert cancels == [
+        (
+            f"wren/v1/h/{tenant}/dev/ctl",
+            {"op": "cancel", "req": req, "reason": "gave up", "tok": token},
+        )
+    ]
+
+
+def test_cancel_request_no_board_answers_times_out(
     bridge: FakeBridge, host: HostClient, tenant: str
 ) -> None:
     token = tokens.sign(b"secret", tenant, "alice")
     req = host.request("dev", token, "How warm is it?")
-    with pytest.raises(NotStarted) as e:
+    with pytest.raises(TimeoutError):
         host.cancel_request("dev", token, req, timeout=0.5)
-    assert e.value.req == req and isinstance(e.value, TimeoutError)
-    assert bridge.ctls.empty()  # nothing to name in a cancel: none sent
+    assert bridge.ctls.get(timeout=WAIT)[1]["req"] == req  # sent, never answered
 
 
 def test_cancel_request_of_a_refused_request_is_the_refusal(

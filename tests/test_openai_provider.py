@@ -407,6 +407,22 @@ def test_stream_that_ends_early_is_a_model_error(peer: Peer) -> None:
         run(OpenAIProvider(peer.url, "m", api_key=KEY))
 
 
+HTML = b"<!DOCTYPE html>\n<html><head><title>Welcome</title></head><body>It works</body></html>\n"
+
+
+@pytest.mark.parametrize("content_type", ["text/html; charset=utf-8", "text/plain"])
+def test_web_page_with_200_is_a_wrong_endpoint_not_retryable(peer: Peer, content_type: str) -> None:
+    # A base URL without /v1 (or a proxy's page) answers 200 with HTML: the same page
+    # comes the next time, so it is not "ended the stream early (retryable)". Told by its
+    # Content-Type, or, without one that says so, by its first byte.
+    peer.replies.append(Reply(parts=[HTML], content_type=content_type))
+    with pytest.raises(ModelError) as info:
+        run(OpenAIProvider(peer.url, "m", api_key=KEY))
+    assert (info.value.cause, info.value.retryable) == ("bad_endpoint", False)
+    assert "does not look like an OpenAI-compatible endpoint" in str(info.value)
+    assert "--openai-base-url" in str(info.value)
+
+
 def test_connection_refused_is_a_model_error() -> None:
     port = free_port()
     provider = OpenAIProvider(f"http://bob:hunter2@127.0.0.1:{port}/v1", "m", api_key=KEY)

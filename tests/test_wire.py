@@ -334,6 +334,23 @@ def test_host_ctl_ops() -> None:
     assert ctl.fields == {"op": "approve", "r": "r", "call": "c1", "ok": True}
 
 
+def test_a_cancel_names_its_run_or_else_its_request() -> None:
+    # By request: a host that gave up before its run started knows no run id.
+    ctl = wire.check_host_ctl({"op": "cancel", "req": "q1", "reason": "gone"})
+    assert ctl.fields == {"op": "cancel", "req": "q1", "reason": "gone"}
+    # Both: the run, and the request is not passed on (unchecked) beside it.
+    assert wire.check_host_ctl({"op": "cancel", "r": "r1", "req": 5}).fields == {
+        "op": "cancel",
+        "r": "r1",
+    }
+    for bad in ({"op": "cancel"}, {"op": "cancel", "req": 5}, {"op": "cancel", "req": "q" * 65}):
+        with pytest.raises(wire.BadEnvelope):
+            wire.check_host_ctl(bad)
+    # Only a cancel may name a request instead of a run.
+    with pytest.raises(wire.BadEnvelope):
+        wire.check_host_ctl({"op": "tool", "req": "q1", "call": "c", "output": "o"})
+
+
 def test_host_ids_up_to_64_chars_and_input_up_to_the_str_limit() -> None:
     req = wire.check_host_req({"req": "q" * 64, "conv": "c" * 64, "input": "x" * 8000})
     assert (len(req.req), req.conv) == (64, "c" * 64)

@@ -39,6 +39,7 @@ from server_bridge.registry import (
 )
 from server_bridge.service import DEFAULT_AGENT, add_broker_arguments, broker_address
 from server_bridge.topics import DEFAULT_PREFIX
+from tools.virtual_board import PY_HEAP
 
 DEFAULT_REGISTRY = Path(".wren/registry.json")
 DEFAULT_BROKER_DIR = Path(".wren/broker")
@@ -104,9 +105,27 @@ def heap_size(text: str) -> str:
     return text.strip()
 
 
+def version() -> str:
+    """Wren's version: the installed package's metadata, else pyproject.toml's (a checkout
+    run without installing it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("wren")
+    except metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        m = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+    except OSError:
+        m = None
+    return m.group(1) if m else "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="wren", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run broker, bridge, a virtual board and the terminal view")
@@ -132,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--py",
         action="store_true",
-        help="run the board from .py sources instead of .mpy (needs about 164K of heap)",
+        help=f"run the board from .py sources instead of .mpy (needs --heap {PY_HEAP})",
     )
     d.add_argument("--cpython", action="store_true", help="run the virtual board on CPython")
     d.add_argument(
@@ -154,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--py",
         action="store_true",
-        help="run from .py sources instead of .mpy built with mpy-cross",
+        help=f"run from .py sources instead of .mpy built with mpy-cross (needs --heap {PY_HEAP})",
     )
     v.add_argument("--cpython", action="store_true", help="run the board code on CPython")
     v.add_argument(
@@ -309,7 +328,11 @@ def _add_registry_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     )
     f.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix (default %(default)s)")
     f.add_argument("--port", type=int, default=1883, help="listener port (default %(default)s)")
-    f.add_argument("--bind", help="listener address (default: every interface)")
+    f.add_argument(
+        "--bind",
+        default="127.0.0.1",
+        help="listener address: 0.0.0.0 for boards on the network (default %(default)s)",
+    )
     f.add_argument(
         "--access",
         choices=ACCESS,

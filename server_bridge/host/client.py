@@ -23,9 +23,9 @@ What it publishes (a request, a ctl) it publishes only while connected and subsc
 and then waits for the broker's acknowledgement, so a failure says what happened:
 NotConnected, nothing was sent (paho would have kept a QoS 1 message and sent it after
 reconnecting, so a request "not sent" ran all the same); Unacknowledged, it was handed
-over and may arrive (a request sent again under the same req id still runs once). A
-board cancels a run, not a request: cancel_request() waits for the request's run to
-start and then cancels it (NotStarted when none started in time).
+over and may arrive (a request sent again under the same req id still runs once).
+cancel_request() cancels a request by its run once that has started, and before that
+by its id (the board then never starts it).
 
 It repairs holes itself, because the reducer applies a run's events only in id order
 and a run is finished only when every id below its terminal event is there or declared
@@ -70,7 +70,7 @@ from server_bridge.host.reducer import (
     Reducer,
     RunSnapshot,
 )
-from server_bridge.mqttclient import Client
+from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.tcp import no_delay
 from server_bridge.topics import (
     DEFAULT_PREFIX,
@@ -109,6 +109,11 @@ class HostConnectError(ConnectionError):
     subscription (an ACL that does not give this user the tenant's topics)."""
 
 
+class BrokerRefused(HostConnectError):
+    """The broker was reached and refused this client's CONNECT (CONNACK): the message
+    says so, naming the user for refused credentials (`mqttclient.connack_refusal`)."""
+
+
 class NotConnected(HostConnectError):
     """Nothing was sent: the client was not connected and subscribed when called (the
     broker away, a reconnect under way). Sending it again, under any id, is safe."""
@@ -124,18 +129,6 @@ class Unacknowledged(TimeoutError):
     def __init__(self, what: str, why: str, req: str | None = None) -> None:
         super().__init__(f"{what} is not acknowledged: {why}")
         self.what = what
-        self.req = req
-
-
-class NotStarted(TimeoutError):
-    """cancel_request() found no run started for the request within its timeout. A
-    board cancels runs, not requests: the request may still start a run later (queued
-    behind another run on the board, or waiting for the board in its session)."""
-
-    def __init__(self, req: str, timeout: float) -> None:
-        super().__init__(
-            f"no run started for request {req} within {timeout:g}s; it may still start one"
-        )
         self.req = req
 
 
@@ -290,6 +283,8 @@ class HostClient:
         self._waiting: dict[str, int] = {}
         self._connected = False
         self._connect_error: str | None = None
+        # Whether _connect_error is the broker's CONNACK refusal (BrokerRefused).
+        self._connect_refused = False
         self._subscribed = False
         self._sub_mid: int | None = None
         # paho's client, whose queue the thread that publishes writes itself
@@ -300,6 +295,7 @@ class HostClient:
             client_id=client_id or f"wren-host-{uuid.uuid4().hex[:12]}",
             protocol=mqtt.MQTTv311,
         )
+        self._username = username
         if username is not None:
             self._client.username_pw_set(username, password)
         self._client.on_socket_open = no_delay
@@ -339,9 +335,11 @@ class HostClient:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            error, ok = self._connect_error, self._subscribed
+            error, ok, refused = self._connect_error, self._subscribed, self._connect_refused
         if not ok:
             self.close()
+            if refused and error is not None:
+                raise BrokerRefused(error)
             raise HostConnectError(
                 error
                 or f"no CONNACK/SUBACK from the MQTT broker at {self.host}:{self.port} "
@@ -381,10 +379,10 @@ class HostClient:
     ) -> None:
         if reason_code.is_failure:
             with self._cond:
-                self._connect_error = (
-                    f"the MQTT broker at {self.host}:{self.port} refused the connection: "
-                    f"{reason_code}"
+                self._connect_error = connack_refusal(
+                    f"{self.host}:{self.port}", self._username, reason_code
                 )
+                self._connect_refused = True
                 self._cond.notify_all()
             # Do not retry with credentials the broker has refused.
             client.disconnect()
@@ -516,28 +514,34 @@ class HostClient:
     def cancel_request(
         self, device: str, token: str, req: str, reason: str | None = None, *, timeout: float = 5
     ) -> RunSnapshot:
-        """Cancel the run that request `req` started and wait, `timeout` in all, for it
-        to end; returns a copy of its snapshot: `cancelled`, or how it ended before the
-        cancel reached it.
+        """Cancel request `req` and wait, `timeout` in all, for it to end; returns a copy
+        of its run's snapshot: `cancelled`, or how it ended before the cancel reached it.
 
-        A cancel names a run (PROTOCOL.md "Requests and control"), and a run's id is
-        known once its `run.started` is: so this first waits for that. A request whose
-        run has not started (queued behind another run on the board, or waiting for the
-        board in its session) cannot be cancelled yet: NotStarted (a TimeoutError) past
-        `timeout`, and the request may still run. RequestRefused: it was refused, and no
-        run starts for it. NotConnected / Unacknowledged: the cancel was not sent / not
-        acknowledged. TimeoutError: the run had not ended by `timeout`."""
+        A request whose run has started (its `run.started` is here) is cancelled by its
+        run; one with no run yet by its id (PROTOCOL.md "Requests and control"): the
+        board cancels its run if it has one, takes it out of its queue, or starts
+        nothing when it comes, and says so. RequestRefused: no run starts for it (kind
+        `cancelled`: this cancel took it before its run started; another kind: it was
+        refused before). NotConnected / Unacknowledged: the cancel was not sent / not
+        acknowledged. TimeoutError: no end within `timeout` (an offline board answers
+        when it is back)."""
         deadline = time.monotonic() + timeout
         try:
-            snap = self.wait_for(req, lambda _snap: True, timeout)
+            snap: RunSnapshot | None = self.wait_for(req, lambda _snap: True, 0)
         except TimeoutError:
-            raise NotStarted(req, timeout) from None
-        if snap.terminal:
+            snap = None
+        if snap is not None and snap.terminal:
             return snap
         # The broker's acknowledgement gets a second even past the deadline: a cancel
         # that was sent is not to read as one that may not have been.
-        left = deadline - time.monotonic()
-        self.cancel(device, token, snap.run, reason, timeout=max(left, 1.0))
+        left = max(deadline - time.monotonic(), 1.0)
+        if snap is not None:
+            self.cancel(device, token, snap.run, reason, timeout=left)
+        else:
+            body: dict[str, Any] = {"op": "cancel", "req": req}
+            if reason:
+                body["reason"] = reason
+            self._ctl(device, token, body, left)
         return self.wait_run(req, max(deadline - time.monotonic(), 0))
 
     def _ctl(self, device: str, token: str, body: dict[str, Any], timeout: float) -> None:

@@ -95,7 +95,7 @@ class Presence:
     is not known (a bridge's last will kept retained by the broker says no time); `seen`:
     when this host learned it."""
 
-    st: str  # "online" or "offline"
+    st: str  # "online", "offline", or "unseen": the bridge has never seen its status
     since: float | None
     seen: float
 
@@ -108,7 +108,7 @@ def presence_of(t: str, d: Mapping[str, Any], seen: float) -> Presence | None:
     """A device's presence from what the bridge sends on `_b`: a `presence` event
     `{st, since}`, or an `error` refusing a request `device_offline` (`since`); Unix ms
     on the wire. None for any other."""
-    if t == "presence" and d.get("st") in ("online", "offline"):
+    if t == "presence" and d.get("st") in ("online", "offline", "unseen"):
         st = d["st"]
     elif t == "error" and d.get("kind") == "device_offline":
         st = "offline"

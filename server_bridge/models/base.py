@@ -52,6 +52,7 @@ CAUSES = (
     "timeout",
     "stalled",
     "bad_response",
+    "bad_endpoint",
     "unavailable",
     "model_not_allowed",
     "run_limit",

@@ -154,6 +154,20 @@ def _safe_url(url: str) -> str:
 
 _MALFORMED = "the model server sent a malformed stream"
 
+# A 200 that is a web page (a wrong path, a proxy's or router's login page, the server's
+# own home page) is a wrong URL, not a stream cut short: asking again gets the same page.
+_NOT_AN_ENDPOINT = (
+    "the model server's URL (the bridge's --openai-base-url) does not look like an "
+    "OpenAI-compatible endpoint: it answered with a web page; such a URL usually ends in /v1"
+)
+_PAGE_TYPES = ("text/html", "application/xhtml+xml")
+
+
+def _is_page(content_type: str | None) -> bool:
+    """Whether a Content-Type says the answer is a web page, not a stream or JSON."""
+    media = (content_type or "").partition(";")[0].strip().lower()
+    return media in _PAGE_TYPES
+
 
 def _too_slow() -> ModelError:
     return ModelError(TOO_SLOW, "timeout", False)
@@ -829,7 +843,19 @@ class OpenAIProvider:
                     detail = ""
                 conn.close()  # the rest of the error body is not read: not reusable
                 raise self._status_error(response.status, detail)
+            if _is_page(response.headers.get("content-type")):
+                conn.close()  # the page is not read: not reusable
+                raise self._not_an_endpoint(response.headers.get("content-type", ""))
             return conn, response
+
+    def _not_an_endpoint(self, what: str) -> ModelError:
+        log.warning(
+            "model server %s answered a chat completion with a web page (%s): "
+            "not an OpenAI-compatible endpoint",
+            self.base_url,
+            what,
+        )
+        return ModelError(_NOT_AN_ENDPOINT, "bad_endpoint", False)
 
     def _stalled(self, answering: bool) -> ModelError:
         """The model said nothing for the idle timeout: before it began to answer (not
@@ -882,6 +908,8 @@ class OpenAIProvider:
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise self._unreachable(e, deadline) from None
         with response:
+            if _is_page(response.headers.get("Content-Type")):
+                raise self._not_an_endpoint(response.headers.get("Content-Type", ""))
             sock = _socket_of(response)
             self._track(live, sock)
             return self._stream(response, sock, emit, names, deadline, False, live)[0]
@@ -982,6 +1010,9 @@ class OpenAIProvider:
         finish: str | None = None
         done = False
         data: list[str] = []
+        # The first line that is not blank: a page sent without its Content-Type (or as
+        # text/plain) is told from a stream cut short by its `<`.
+        first = ""
 
         def dispatch() -> None:
             nonlocal finish
@@ -1015,6 +1046,7 @@ class OpenAIProvider:
             if len(raw) > MAX_LINE:
                 raise ModelError("the model server sent an oversized stream line", "bad_response")
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            first = first or line.strip()
             if not line:
                 # A blank line ends an SSE event.
                 if data:
@@ -1037,6 +1069,8 @@ class OpenAIProvider:
         if data:
             dispatch()
         if not done and finish is None:
+            if first.startswith("<"):
+                raise self._not_an_endpoint(f"a body that begins {first[:40]!r}")
             raise ModelError("the model server ended the stream early")
 
         for index in sorted(calls):
