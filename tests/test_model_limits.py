@@ -30,6 +30,7 @@ import pytest
 
 from server_bridge import service
 from server_bridge.host.reducer import RunSnapshot
+from server_bridge.host.terminal import render
 from server_bridge.models.base import ModelError
 from server_bridge.models.openai import IDLE_TIMEOUT_S, OpenAIProvider
 from server_bridge.models.policy import ModelGate, ModelPolicy, ModelRefused, parse_allow
@@ -192,6 +193,12 @@ def test_an_answer_cut_by_the_length_limit_says_so_to_the_host(tmp_path: Path) -
         assert end["d"].get("finish") == "length"
         (end,) = run_events(s, whole, "msg.end")
         assert end["d"].get("finish") == "stop"
+        # The host's snapshot keeps it, and its transcript says it.
+        assert [r.finish for r in cut.rows if r.kind == "assistant"] == ["length"]
+        assert "assistant: The full answer is [cut short: the answer reached its token limit]" in (
+            render(cut)
+        )
+        assert not any("cut short" in line for line in render(whole))
 
 
 # ----------------------------------------------------------------- the provider alone

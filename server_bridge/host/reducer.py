@@ -228,6 +228,9 @@ class Row:
     reasoning: str = ""
     client: bool = False
     format: str | None = None
+    # An assistant row's end as the model gave it (msg.end `finish`): `length` says its
+    # token limit cut the answer short.
+    finish: str | None = None
     links: list[Any] = field(default_factory=list)
     ver: int | None = None
     stored: bool = False
@@ -509,6 +512,7 @@ def _msg_end(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
     row = snap._messages.get(m) if m is not None else None
     if row is not None:
         row.status = "done"
+        row.finish = _str(d.get("finish"))
 
 
 def _tool_call(snap: RunSnapshot, d: Mapping[str, Any]) -> None:

@@ -46,6 +46,9 @@ def render_row(row: Row) -> str:
     if row.kind == "user":
         return f"you: {row.text}"
     if row.kind == "assistant":
+        if row.finish == "length":
+            # Said after the text, once it has ended: a streaming row stays a prefix.
+            return f"assistant: {row.text} [cut short: the answer reached its token limit]"
         return f"assistant: {row.text}"
     if row.kind == "tool_call":
         line = f"tool call {row.name or '?'} {row.input or '{}'}"
