@@ -288,14 +288,19 @@ async def ctl(runtime, msg):
     ck = None
     if runtime.paused.get(run_id) is not None:
         # The checkpoint is the largest thing an answer needs on the heap: a heap too
-        # fragmented for it gets one collection, and without it the answer is refused
-        # and the run goes on waiting for it (nothing has changed yet).
+        # fragmented for it gets one more try, and without it the answer is refused and
+        # the run goes on waiting for it (nothing has changed yet).
         try:
             try:
                 ck = _read(_path(runtime, run_id))
             except MemoryError:
-                platform.collect()
-                ck = _read(_path(runtime, run_id))
+                # Collected once what the link holds is acknowledged (_call_room): after
+                # a reboot the answer comes right behind the run's replay, whose events
+                # the link keeps until then (2 KiB found no block in a CI run at 128K).
+                await runtime._call_room(True)
+                # Meanwhile another answer may have taken the run (or a cancel ended it).
+                if runtime.paused.get(run_id) is not None:
+                    ck = _read(_path(runtime, run_id))
         except MemoryError:
             runtime.refuse("no_memory", "no free heap to apply the answer; send it again",
                            {"r": run_id})

@@ -132,19 +132,22 @@ class RpcClient:
             await self._room()
         self._next_id = self._next_id % 0x3FFFFFFF + 1
         cid = self._next_id
-        call = Call(self, cid, self.epoch if self._online() else self.epoch + 1)
+        epoch = self.epoch if self._online() else self.epoch + 1
         msg = {"c": cid, "m": method, "a": args}
         if run_id is not None:
             msg["r"] = run_id
         try:
+            call = Call(self, cid, epoch)
             sent = self._publish(self._topic, msg, _QOS_CALL)
         except MemoryError:
             if self._room is None:
                 raise
-            # No block for its encoding even after a collection (a model call, a run's
-            # largest message): room(True) waits until what the link holds until the
-            # broker acknowledges it is let go, and the call goes once more.
+            # No block for the call or its encoding even after a collection (a model
+            # call, a run's largest message; a state.commit's call, 272 B, in a CI run):
+            # room(True) waits until what the link holds until the broker acknowledges
+            # it is let go, and the call goes once more.
             await self._room(True)
+            call = Call(self, cid, epoch)
             sent = self._publish(self._topic, msg, _QOS_CALL)
         if not sent:
             # Too large to encode, or no room: waiting would only run out the timeout.

@@ -157,10 +157,13 @@ def test_paho_errors_are_errors_until_the_stop_and_quiet_during_it(
 
 
 def test_demo_once_exits_without_an_error_line(tmp_path: Path) -> None:
+    # The way out is what this checks, so its board has heap to spare: at the demo's
+    # 128K from .mpy the third request (a memory turn) ran out of memory, retryable, in
+    # 3 of 10 of these tests (issue 24's open part; 1 of 10 before its recovery code).
     for k in range(3):
         proc = subprocess.run(
-            [sys.executable, "-m", "tools.cli", "demo", "--once", "--workdir",
-             str(tmp_path / f"run{k}")],
+            [sys.executable, "-m", "tools.cli", "demo", "--once", "--heap", "136K",
+             "--workdir", str(tmp_path / f"run{k}")],
             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         out = proc.stdout + proc.stderr
