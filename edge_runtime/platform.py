@@ -196,6 +196,15 @@ def print_exception(e):
         traceback.print_exception(type(e), e, e.__traceback__, file=sys.stdout)
 
 
+def free_heap():
+    # Free heap in bytes, where the port can say (None elsewhere).
+    try:
+        import gc
+        return gc.mem_free()
+    except (ImportError, AttributeError):
+        return None
+
+
 def read_file(path):
     try:
         with open(path, "rb") as f:

@@ -8,7 +8,6 @@
 import sys
 
 from edge_runtime import codec, platform
-from edge_runtime.runs import free_heap
 
 try:
     from micropython import const
@@ -30,7 +29,7 @@ def connected(runtime):
     # capabilities the bridge needs to serve this board.
     agent = runtime.agent
     status = {"st": "online", "fw": firmware(), "agent": agent.name, "ver": agent.version,
-              "heap": free_heap(), "boot": runtime.boot}
+              "heap": platform.free_heap(), "boot": runtime.boot}
     if runtime.paused is None:
         # A boot's first connection says why the last boot reset itself (board.py
         # writes the note), once: it is removed as it is read.

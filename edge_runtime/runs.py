@@ -59,14 +59,6 @@ _FIXSTR_END = const(0xc0)
 _STR8 = const(0xd9)
 
 
-def free_heap():
-    try:
-        import gc
-        return gc.mem_free()
-    except (ImportError, AttributeError):
-        return None
-
-
 
 class Run:
     # One request's run state: fresh per request, owned by one task.
@@ -268,7 +260,7 @@ class Runtime:
         # row that ended out of memory (refused no_memory, or failed), with none done
         # between them, say the same.
         platform.collect()
-        n = free_heap()
+        n = platform.free_heap()
         link = self.link
         if link is None or self.active or self._queue:
             return
@@ -711,7 +703,7 @@ class Runtime:
             emitter = None
             platform.collect()
             # One console line per run: on a serial console this is how heap trouble shows.
-            platform.log("run", run_id, "ended; heap free", free_heap())
+            platform.log("run", run_id, "ended; heap free", platform.free_heap())
             if self._queue and len(self.active) < self.concurrency:
                 self._start(self._queue.pop(0))
             elif not self.active:
