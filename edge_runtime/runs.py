@@ -43,6 +43,10 @@ _EVENT_SPARE = const(4)
 # one. A second ring (up to ring_bytes, 1.5 KiB) held through every run was heap the
 # valves agent's resumed run and the memory demo's third request lacked at 128K.
 _RECENT_RUNS = const(1)
+# The room a request's envelope takes beside its text (ids, the scope ticket): the hello
+# announces strings this much shorter than the payload, so a request whose text is as
+# long as announced arrives (server_bridge/wire.py BOARD_DEFAULTS says the same).
+_REQ_ENVELOPE = const(512)
 # How long a model call short of memory (or a board done with its runs) waits for the
 # link's messages in flight to be acknowledged (Runtime._call_room), and how often it
 # looks: often, as a sleep allocates nothing, and a request may come soon after a run.
@@ -155,10 +159,11 @@ class Runtime:
         self._bridge_status = prefix + "/b/status"
         rx = settings.get("max_payload", RX_PAYLOAD)
         # What the board can receive (hello `limits`): the payload its receive buffer
-        # holds (the Link allocates it from this figure) and never a string longer.
+        # holds (the Link allocates it from this figure), and strings that leave room
+        # for a request's envelope, so a request whose text is as long still arrives.
         self.limits = {
             "payload": rx,
-            "str": min(rx, settings.get("max_str", codec.MAX_STR)),
+            "str": min(max(rx - _REQ_ENVELOPE, rx // 2), settings.get("max_str", codec.MAX_STR)),
             "items": settings.get("max_items", codec.MAX_ITEMS),
             "depth": settings.get("max_depth", codec.MAX_DEPTH),
             "ring": settings.get("ring", RING),

@@ -70,7 +70,7 @@ def test_one_request_runs_the_tool_loop_to_done():
         assert sorted(t["name"] for t in bridge.hello["tools"]) == ["explode", "read_temperature"]
         # Hello says what the board can receive and its boot, which run ids begin with.
         limits = bridge.hello["limits"]
-        assert limits["payload"] == 4096 and limits["str"] == 4096
+        assert limits["payload"] == 4608 and limits["str"] == 4096
         assert limits["window"] == 4 and limits["chunk"] == 256
         assert run_id.split(".")[0] == bridge.hello["boot"] == runtime.boot
 

@@ -180,7 +180,8 @@ class Limits:
         (`{payload, str, items, depth, ring, window, chunk}`).
 
         A key the board left out keeps what the board runtime receives by default
-        (BOARD_DEFAULTS: a 4 KiB payload, no longer string); a value that is not a
+        (BOARD_DEFAULTS: a 4.5 KiB payload, strings 512 bytes shorter, the room of a
+        request's envelope, as edge_runtime/runs.py announces them); a value that is not a
         positive int makes the hello malformed (BadEnvelope) rather than being guessed at.
         `ring` is the board's replay window, not a decode limit, and is not kept here.
         """
@@ -191,8 +192,10 @@ class Limits:
                 if not _is_int(value) or value < 1:
                     raise BadEnvelope(f"hello limits {key} must be an int >= 1")
                 values[name] = value
-        # The board's own rule: no string longer than what its buffer holds.
-        values.setdefault("max_str", min(values["max_payload"], codec.MAX_STR))
+        # The board's own rule (runs.py): strings leave a request's envelope room in
+        # its buffer, and never less than half of it.
+        payload = values["max_payload"]
+        values.setdefault("max_str", min(max(payload - 512, payload // 2), codec.MAX_STR))
         return cls(**values)
 
 
@@ -210,7 +213,9 @@ _HELLO_LIMIT_KEYS = (
 DEFAULT_LIMITS = Limits()
 # What a board receives when its hello has not said (edge_runtime.events.RX_PAYLOAD): the
 # limits the bridge sizes its answers to for a board it has no hello from.
-BOARD_DEFAULTS = Limits(max_payload=RX_PAYLOAD, max_str=min(RX_PAYLOAD, codec.MAX_STR))
+# Its strings leave 512 bytes of the payload for a request's envelope (edge_runtime/runs.py
+# _REQ_ENVELOPE; tests/test_wire.py checks the two agree).
+BOARD_DEFAULTS = Limits(max_payload=RX_PAYLOAD, max_str=min(RX_PAYLOAD - 512, codec.MAX_STR))
 # An error message the bridge writes (a refusal to a host, a failed model call to a
 # board) is short and customer-safe.
 MAX_ERROR_MSG = 200

@@ -117,17 +117,17 @@ def build_kit() -> Path | None:
     return None
 
 
-def frozen_binary() -> str | None:
-    """A 64-bit MicroPython unix port with this checkout's edge_runtime frozen into it,
-    as a board's firmware holds it (its code in flash, not on the heap), built by the
-    kit (cached by the hash of the frozen files: a build with nothing changed takes a
-    tenth of a second, a first one one or two minutes). None without the kit; a failed
-    build is a StackError naming its log."""
+def frozen_binary(arch: str = "x64") -> str | None:
+    """A MicroPython unix port (`arch` x64, or i686: 32-bit, what boards are) with this
+    checkout's edge_runtime frozen into it, as a board's firmware holds it (its code in
+    flash, not on the heap), built by the kit (cached by the hash of the frozen files: a
+    build with nothing changed takes a tenth of a second, a first one one or two
+    minutes). None without the kit; a failed build is a StackError naming its log."""
     kit = build_kit()
     if kit is None:
         return None
     proc = subprocess.run(
-        ["bash", str(kit / "build.sh"), "--arch", "x64", "--freeze", f"{ROOT}:edge_runtime"],
+        ["bash", str(kit / "build.sh"), "--arch", arch, "--freeze", f"{ROOT}:edge_runtime"],
         capture_output=True,
         text=True,
         timeout=900,

@@ -27,11 +27,25 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from server_bridge.host.client import RequestRefused
-from tests.stack import DEVICE, PREFIX, Stack
+from tests.stack import DEVICE, PREFIX, Stack, i686_binary
 from tests.waiting import wait_for
 from tools.virtual_board import MAIN_PY
 
 JUNK = "junk"
+# The word sizes the acceptance tests run on: the README's 128K on the 64-bit unix port,
+# and on the 32-bit build (what boards are) the 96K its figures give (bench_heap: the
+# memory turn needs 91-92K there from .mpy); skipped where the 32-bit build is not (the
+# project never needs it).
+WORDS = ("32-bit", "64-bit")
+
+
+def _words(word: str) -> dict[str, str]:
+    if word == "64-bit":
+        return {}
+    exe = i686_binary()
+    if exe is None:
+        pytest.skip("no 32-bit MicroPython build here")
+    return {"heap": "96K", "micropython": exe}
 CTL = f"{PREFIX}/d/{DEVICE}/ctl"
 REQ = f"{PREFIX}/d/{DEVICE}/req"
 
@@ -72,8 +86,9 @@ def _retained_status(s: Stack) -> dict[str, object]:
     return status
 
 
-def test_ten_thousand_junk_ctl_at_qos1_then_a_request_runs(tmp_path: Path) -> None:
-    with Stack(tmp_path, extra_users={JUNK: "bridge"}) as s:
+@pytest.mark.parametrize("word", WORDS)
+def test_ten_thousand_junk_ctl_at_qos1_then_a_request_runs(tmp_path: Path, word: str) -> None:
+    with Stack(tmp_path, extra_users={JUNK: "bridge"}, **_words(word)) as s:
         assert s.ask("How warm is it in here?").status == "done", s.describe()
         c = _speaker(s)
         try:
@@ -149,6 +164,27 @@ def test_a_long_request_the_board_has_no_heap_for_ends_by_its_id(tmp_path: Path)
             assert snap.status == "done" or (
                 snap.status == "failed" and snap.error and snap.retryable
             ), s.describe()
+
+
+@pytest.mark.parametrize("word", WORDS)
+def test_requests_up_to_the_announced_text_each_run(tmp_path: Path, word: str) -> None:
+    # The issue's acceptance: 4,096, 3,900, 2,000 and 1 bytes of text, each runs, in a
+    # row on one board from .mpy. The hello announces 4,096 (`str`) and a payload with
+    # room for the request's envelope beside it; a 4,096-character request used to be
+    # 4,266 B against an announced payload of 4,096, refused too_large. Longest first:
+    # the text is one block of its size on the heap, and after other long requests a
+    # 128K board from .mpy may have no free block of 4 KiB (its code shares the heap);
+    # that request is then refused no_memory by its id (the test below).
+    # Frozen, the same board took them in either order.
+    with Stack(tmp_path, **_words(word)) as s:
+        for n in (4096, 3900, 2000, 1):
+            text = ("How warm is it? " * 300)[:n]
+            snap = s.ask(text, timeout=60)
+            assert snap.status == "done", f"{n} characters: {s.describe()}"
+            # The user row: the text as the board echoed it, cut to 512 and saying so.
+            user = [r.text for r in snap.rows if r.kind == "user"]
+            cut = f" [cut: {n - 512} more characters]" if n > 512 else ""
+            assert user == [text[:512] + cut], s.describe()
 
 
 HOG_MAIN_PY = (
@@ -236,7 +272,7 @@ FRAG_MAIN_PY = (
     + f"""
 import gc, os
 from edge_runtime import platform
-held = [None] * 64
+held = [None] * 128  # holes enough to cover the whole free heap
 
 async def frag():
     while True:

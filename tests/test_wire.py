@@ -378,9 +378,11 @@ def test_limits_from_hello() -> None:
     # A hello without limits describes a board with the runtime's default receive
     # buffer (edge_runtime.events.RX_PAYLOAD), not the bridge's own decode limits.
     assert wire.Limits.from_hello({}) == wire.BOARD_DEFAULTS
-    assert (wire.BOARD_DEFAULTS.max_payload, wire.BOARD_DEFAULTS.max_str) == (4096, 4096)
-    # Without `str`, no string longer than the payload (the board's own rule).
-    assert wire.Limits.from_hello({"payload": 2048}).max_str == 2048
+    assert (wire.BOARD_DEFAULTS.max_payload, wire.BOARD_DEFAULTS.max_str) == (4608, 4096)
+    # Without `str`, strings leave a request's envelope 512 bytes of the payload, and
+    # never less than half of it (the board's own rule).
+    assert wire.Limits.from_hello({"payload": 2048}).max_str == 1536
+    assert wire.Limits.from_hello({"payload": 600}).max_str == 300
     assert wire.Limits.from_hello({"payload": 65536}).max_str == wire.DEFAULT_LIMITS.max_str
     got = wire.Limits.from_hello({"payload": 4096, "str": 1024, "items": 32, "depth": 8, "ring": 4})
     assert got == wire.Limits(max_payload=4096, max_str=1024, max_items=32, max_depth=8)
@@ -434,3 +436,17 @@ def test_host_ctl_refusals() -> None:
         wire.check_host_ctl({"op": "approve", "r": "r", "call": "c" * 65, "ok": True})
     with pytest.raises(wire.BadEnvelope):
         wire.check_host_ctl({"op": "tool", "r": "r", "call": ["c1"]})
+
+
+def test_the_bridge_sizes_a_board_without_hello_as_the_board_announces_itself() -> None:
+    # The board's default hello limits (edge_runtime/runs.py) and what the bridge assumes
+    # for a board it has no hello from (wire.BOARD_DEFAULTS) are one figure, written twice.
+    from edge_runtime.runs import Runtime
+
+    announced = Limits.from_hello(Runtime(None, "d1").limits)
+    assert (announced.max_payload, announced.max_str) == (
+        wire.BOARD_DEFAULTS.max_payload,
+        wire.BOARD_DEFAULTS.max_str,
+    )
+    # A request whose text is as long as announced fits the payload with its envelope.
+    assert wire.BOARD_DEFAULTS.max_payload - wire.BOARD_DEFAULTS.max_str >= 300

