@@ -32,7 +32,12 @@ same Mosquitto in the same run (loopback).
 4. A quiet tenant during a neighbour's flood: tenant `other`'s device floods its own
    P/d/D/evt (a child process, QoS 1, as fast as the broker takes it) while tenant `demo`
    sends N requests to its real board; how many completed, were refused, failed, or were
-   lost silently (no run and no refusal). The same N requests without a flood first.
+   lost silently (no run and no refusal). The same N requests without a flood first, and
+   then during a mixed flood (issue 25's report): two devices of `other`, each a child,
+   sending junk RPC calls (a method that does not exist, each refused and answered) and
+   junk events (not envelopes) in turn. Request -> first `msg.delta` and -> `run.done`,
+   and the first delta's p50 during each flood over its p50 without one: the ratio that
+   fairness keeps under 3.
 5. Bridge RSS (/proc/PID/status VmRSS) after 1,000 simulated devices each sent status,
    hello and one run; next to the raw relay's after the same load.
 
@@ -101,6 +106,7 @@ from tools.steps import Steps  # noqa: E402
 
 OTHER = "other"  # the neighbour tenant of figure 4
 FLOOD_DEVICE = "flood1"
+FLOOD_DEVICE2 = "flood2"  # the mixed flood's second device
 HOST_USER = f"host-{TENANT}"
 # The broker binds client ids to users (use_username_as_clientid): a second connection
 # of one user takes over the first. So every connection that is up alongside another
@@ -356,14 +362,17 @@ def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
 
     def on_message(cl: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
         # Only kept here (topic level D and payload), read at `tally`: the counter must not
-        # be what falls behind.
-        kept = msg.topic.rsplit("/", 2)[1].encode() + b"\0" + msg.payload
+        # be what falls behind. D is the level after P/h/T/ (a run's events come on
+        # P/h/T/D/u/U/evt, PROTOCOL.md "Who sees what").
+        kept = msg.topic[len(PREFIX) + 1 :].split("/", 3)[2].encode() + b"\0" + msg.payload
         got.append(kept)
         if DEVICE_STREAM not in msg.payload and BRIDGE_STREAM not in msg.payload:
             runs_seen.add(kept)
 
     c.on_message = on_message
-    connect(c, conf["host"], conf["port"], [f"{PREFIX}/h/{TENANT}/+/evt"])
+    # A watcher's view: the devices' topics and every user's runs.
+    watched = [f"{PREFIX}/h/{TENANT}/+/evt", f"{PREFIX}/h/{TENANT}/+/u/+/evt"]
+    connect(c, conf["host"], conf["port"], watched)
 
     def command(cmd: str) -> Any:
         if cmd == "count":
@@ -431,7 +440,8 @@ def _child_host(conf: dict[str, Any]) -> Callable[[str], Any]:
 
 def _child_flood(conf: dict[str, Any]) -> Callable[[str], Any]:
     """A device of another tenant sending valid runs on its own P/d/D/evt, QoS 1, as fast
-    as the broker takes them (paho's queue bounded, so the rate is the broker's)."""
+    as the broker takes them (paho's queue bounded, so the rate is the broker's); with
+    `mixed`, junk RPC calls and junk events in turn instead, as fast."""
     device, boot = conf["device"], conf["boot"]
     c = paho_client(device, conf["password"], clean_session=False)
     c.max_inflight_messages_set(100)
@@ -445,7 +455,28 @@ def _child_flood(conf: dict[str, Any]) -> Callable[[str], Any]:
     sent = [0]
     started = [0.0, 0.0]
 
+    def junk() -> None:
+        started[0] = time.monotonic()
+        rpc = f"{PREFIX}/d/{device}/rpc"
+        bad_evt = msgpack.packb({"r": "zz", "i": "no", "t": "msg.delta"})
+        n = 0
+        while not stop.is_set():
+            n += 1
+            if n % 2:
+                topic_, payload = rpc, msgpack.packb({"c": n, "m": "no.such", "a": {}})
+            else:
+                topic_, payload = topic, bad_evt
+            while c.publish(topic_, payload, qos=1).rc == paho.MQTT_ERR_QUEUE_SIZE:
+                if stop.is_set():
+                    return
+                time.sleep(0.0005)
+            sent[0] += 1
+        started[1] = time.monotonic()
+
     def flood() -> None:
+        if conf.get("mixed"):
+            junk()
+            return
         started[0] = time.monotonic()
         n = 0
         while not stop.is_set():
@@ -856,36 +887,49 @@ class QuietTenant:
     stuck: int = 0  # a run started and never ended: silent
     lost: int = 0  # no run, no refusal: silent
     done_ms: list[float] = field(default_factory=list)  # request -> run.done, completed
+    first_ms: list[float] = field(default_factory=list)  # request -> first msg.delta
     flood_sent: int = 0
     flood_s: float = 0.0
     bridge_log: dict[str, int] = field(default_factory=dict)
 
 
-def quiet_tenant(s: Stack, workdir: Path, n: int, spacing_s: float, flood: bool) -> QuietTenant:
+def quiet_tenant(
+    s: Stack, workdir: Path, n: int, spacing_s: float, flood: str | None
+) -> QuietTenant:
+    """Figure 4's N requests; `flood` None (no flood), "events" (valid runs from one
+    device) or "mixed" (junk RPC calls and junk events from two devices)."""
     res = QuietTenant(n)
     log_mark = len(s.bridge_log())
-    flooder: Child | None = None
-    if flood:
+    flooders: list[Child] = []
+    devices = {None: [], "events": [FLOOD_DEVICE], "mixed": [FLOOD_DEVICE, FLOOD_DEVICE2]}
+    for device in devices[flood]:
         conf = {
             "host": s.host,
             "port": s.port,
-            "device": FLOOD_DEVICE,
-            "password": s.users[FLOOD_DEVICE],
+            "device": device,
+            "password": s.users[device],
             "boot": secrets.token_hex(4),
+            "mixed": flood == "mixed",
         }
-        flooder = Child("flood", conf, workdir)
+        flooders.append(Child("flood", conf, workdir))
     done_at: dict[str, float] = {}
+    first_at: dict[str, float] = {}
 
     def on_event(event: dict[str, Any], snap: RunSnapshot) -> None:
-        if event["t"] == "run.done" and snap.req is not None:
+        if snap.req is None:
+            return
+        if event["t"] == "msg.delta":
+            first_at.setdefault(snap.req, time.monotonic())
+        elif event["t"] == "run.done":
             done_at.setdefault(snap.req, time.monotonic())
 
     assert s.client is not None
     s.client.on_event = on_event
     sent: list[tuple[str, float]] = []
     try:
-        if flooder is not None:
+        for flooder in flooders:
             flooder.ask("start")
+        if flooders:
             time.sleep(FLOOD_LEAD_S)  # the flood at full speed before the first request
         for _ in range(n):
             req = uuid.uuid4().hex
@@ -896,12 +940,14 @@ def quiet_tenant(s: Stack, workdir: Path, n: int, spacing_s: float, flood: bool)
                 progress(f"  request {req[:8]}: not acknowledged by the broker ({e})")
             sent.append((req, t0))
             time.sleep(spacing_s)
-        if flooder is not None:
+        if flooders:
             # The flood ends a moment after the last request: what has not completed
             # RUN_TIMEOUT_S after that is not merely late.
             time.sleep(FLOOD_LEAD_S)
+        for flooder in flooders:
             info = flooder.ask("stop", timeout=20)
-            res.flood_sent, res.flood_s = info["sent"], info["seconds"]
+            res.flood_sent += info["sent"]
+            res.flood_s = max(res.flood_s, info["seconds"])
         deadline = time.monotonic() + RUN_TIMEOUT_S
         for req, t0 in sent:
             try:
@@ -916,6 +962,8 @@ def quiet_tenant(s: Stack, workdir: Path, n: int, spacing_s: float, flood: bool)
                 else:
                     res.stuck += 1
                 continue
+            if req in first_at:
+                res.first_ms.append((first_at[req] - t0) * 1000)
             if snap.status == "done" and snap.complete:
                 res.completed += 1
                 res.done_ms.append((done_at.get(req, time.monotonic()) - t0) * 1000)
@@ -923,7 +971,7 @@ def quiet_tenant(s: Stack, workdir: Path, n: int, spacing_s: float, flood: bool)
                 res.failed += 1
     finally:
         s.client.on_event = None
-        if flooder is not None:
+        for flooder in flooders:
             flooder.close()
     log = s.bridge_log()[log_mark:]
     for what in (
@@ -1635,32 +1683,51 @@ def print_load(
         print("raw relay counters over figure 2: " + json.dumps(counters["raw"]))
 
 
-def print_quiet(control: QuietTenant, flood: QuietTenant, spacing_s: float) -> None:
+def print_quiet(
+    control: QuietTenant, flood: QuietTenant, mixed: QuietTenant, spacing_s: float
+) -> None:
     print()
     print(
         f"4. Tenant {TENANT}: {flood.requests} requests to its real board (.mpy), one every "
         f"{spacing_s:g} s, while tenant {OTHER}'s device {FLOOD_DEVICE}\n   floods its own "
-        f"P/d/D/evt (valid runs, QoS 1, as fast as the broker takes them) from {FLOOD_LEAD_S:g} s "
-        f"before the first request\n   to {FLOOD_LEAD_S:g} s after the last; then each request "
-        f"has {RUN_TIMEOUT_S:g} s more to end"
+        f"P/d/D/evt (valid runs, QoS 1, as fast as the broker takes them), then while its "
+        f"devices {FLOOD_DEVICE} and {FLOOD_DEVICE2}\n   flood junk RPC calls and junk events "
+        f"in turn (the mixed flood), each from {FLOOD_LEAD_S:g} s before the first request to "
+        f"{FLOOD_LEAD_S:g} s after the last;\n   then each request has {RUN_TIMEOUT_S:g} s more "
+        "to end"
     )
     print(
         f"{'':22} {'completed':>9} {'failed':>7} {'refused':>8} {'stuck':>6} "
-        f"{'lost silently':>13} {'p50 ms':>8} {'max ms':>8}"
+        f"{'lost silently':>13} {'1st delta p50':>13} {'max':>7} {'done p50':>9} {'max':>7}"
     )
-    for name, q in (("no flood", control), ("during the flood", flood)):
-        p50 = f"{pct(q.done_ms, 0.5):8.0f}" if q.done_ms else f"{'-':>8}"
-        mx = f"{max(q.done_ms):8.0f}" if q.done_ms else f"{'-':>8}"
+
+    def ms(xs: list[float], q: float | None) -> str:
+        if not xs:
+            return "-"
+        return f"{pct(xs, q) if q is not None else max(xs):.0f}"
+
+    rows = (("no flood", control), ("during the flood", flood), ("during the mixed flood", mixed))
+    for name, q in rows:
         print(
             f"{name:22} {q.completed:>9} {q.failed:>7} {q.refused:>8} {q.stuck:>6} "
-            f"{q.lost:>13} {p50} {mx}"
+            f"{q.lost:>13} {ms(q.first_ms, 0.5):>13} {ms(q.first_ms, None):>7} "
+            f"{ms(q.done_ms, 0.5):>9} {ms(q.done_ms, None):>7}"
         )
-    rate = flood.flood_sent / flood.flood_s if flood.flood_s else 0.0
-    print(
-        f"flood: {flood.flood_sent} events in {flood.flood_s:.1f} s ({rate:.0f}/s offered to "
-        f"the broker); bridge log during it: "
-        + ", ".join(f"{k!r} x{v}" for k, v in flood.bridge_log.items())
-    )
+    base = pct(control.first_ms, 0.5) if control.first_ms else 0.0
+    for name, q in rows[1:]:
+        # A request with no first delta counts as the whole wait: the ratio must not
+        # look better for the requests that never got one.
+        if base and q.first_ms and len(q.first_ms) == q.requests:
+            ratio = f"{pct(q.first_ms, 0.5) / base:.1f}x"
+        else:
+            ratio = f"- ({len(q.first_ms)} of {q.requests} requests had a first delta)"
+        rate = q.flood_sent / q.flood_s if q.flood_s else 0.0
+        print(
+            f"{name}: first delta p50 / unloaded p50 = {ratio} (fair: under 3x); flood "
+            f"{q.flood_sent} messages in {q.flood_s:.1f} s ({rate:.0f}/s offered to the "
+            "broker); bridge log during it: "
+            + ", ".join(f"{k!r} x{v}" for k, v in q.bridge_log.items())
+        )
     print(
         "(completed = run.done with every event; failed and refused are visible to the host; "
         "stuck = a run started\n and never ended; lost silently = no run and no refusal. "
@@ -1788,7 +1855,7 @@ def main() -> None:
     rest_s = 0.0 if args.answer_ends_at_once else REST_AFTER_S
     started = time.monotonic()
     first: dict[str, Figure1] = {}
-    quiet: tuple[QuietTenant, QuietTenant] | None = None
+    quiet: tuple[QuietTenant, QuietTenant, QuietTenant] | None = None
     takeovers: dict[str, int] = {}  # broker -> connections taken over (TAKEOVER)
     # Users with the bridge's rights for the raw chain of figure 1, next to the stack's bridge.
     chain = dict.fromkeys(CHAIN_USERS + PROCS_CHAIN_USERS, "bridge")
@@ -1815,19 +1882,24 @@ def main() -> None:
                 # Figure 4's flooder: a device of another tenant (provisioned below, once the
                 # registry is there), so not an extra_users "device" (those are demo's).
                 s.users[FLOOD_DEVICE] = secrets.token_urlsafe(12)
+                s.users[FLOOD_DEVICE2] = secrets.token_urlsafe(12)
                 with s:
                     if "1" not in skip:
                         fig = measure_first_delta(s, server, args.latency_runs, work / "chain")
                         progress(f"  wren p50 {pct([x.total_ms for x in fig.deltas], 0.5):.1f} ms")
                         first["board .mpy, MicroPython unix port"] = fig
                     if "4" not in skip:
-                        reg = provision(s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT)])
+                        reg = provision(
+                            s.registry_path, OTHER, [(FLOOD_DEVICE, AGENT), (FLOOD_DEVICE2, AGENT)]
+                        )
                         reg.close()
                         progress(f"figure 4: {args.requests} requests, no flood ...")
-                        control = quiet_tenant(s, work, args.requests, args.spacing_s, flood=False)
+                        control = quiet_tenant(s, work, args.requests, args.spacing_s, None)
                         progress(f"figure 4: {args.requests} requests during the flood ...")
-                        flooded = quiet_tenant(s, work, args.requests, args.spacing_s, flood=True)
-                        quiet = (control, flooded)
+                        flooded = quiet_tenant(s, work, args.requests, args.spacing_s, "events")
+                        progress(f"figure 4: {args.requests} requests during the mixed flood ...")
+                        mixed = quiet_tenant(s, work, args.requests, args.spacing_s, "mixed")
+                        quiet = (control, flooded, mixed)
                         progress(
                             f"  completed {flooded.completed}/{args.requests}, lost {flooded.lost}"
                         )

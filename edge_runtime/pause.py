@@ -177,7 +177,10 @@ def _announce(run, waiting, start=False):
                                "client": w["kind"] == "tool"})
         if w["kind"] == "approval":
             run.emit("approval.request", {"call": w["call"], "name": w["name"]})
-    run.emit("run.paused", {"reason": _reason(waiting), "calls": [w["call"] for w in waiting]})
+    # usr, as in run.started: a bridge that meets the run here (after its restart) learns
+    # whose run it is, whose answers it may take.
+    run.emit("run.paused", {"reason": _reason(waiting), "calls": [w["call"] for w in waiting],
+                            "usr": run.user})
 
 
 async def write(run, step, messages, usage, calls):

@@ -635,8 +635,13 @@ class Runtime:
                         durable = True
                         break
                 if state is None:
+                    # `usr`, the req's (the bridge set it from the session token): the
+                    # bridge sends the run's events to that user's host topic alone, so
+                    # it must learn it from the run, also after its own restart (a
+                    # replay brings run.started again). 4 bytes and the id on the wire.
                     started = {"agent": agent.name, "ver": agent.version, "req": run.req,
-                               "conv": run.conv, "domain": "request", "input": run.input}
+                               "conv": run.conv, "usr": run.user, "domain": "request",
+                               "input": run.input}
                     if len(run.input) > _ECHO:
                         started["input"] = run.input[:_ECHO]
                         started["input_len"] = len(run.input)

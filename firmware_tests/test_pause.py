@@ -84,7 +84,7 @@ def test_a_client_tool_pauses_the_run_and_its_answer_resumes_it():
         await bridge.wait_for(lambda: _paused(bridge))
         paused = _paused(bridge)[0]
         rid = paused["r"]
-        assert paused["d"] == {"reason": "tool", "calls": ["c2"]}
+        assert paused["d"] == {"reason": "tool", "calls": ["c2"], "usr": None}
         # The local tool ran; the client tool was announced; the run left memory and
         # its slot, and its state is on flash.
         assert [t for _, t in _types(bridge, rid)] == [
@@ -128,7 +128,7 @@ def test_approvals_granted_and_denied_answered_out_of_order():
         bridge.send("req", {"req": "p2", "input": "open valves 1 and 2"})
         await bridge.wait_for(lambda: _paused(bridge))
         rid = _paused(bridge)[0]["r"]
-        assert _paused(bridge)[0]["d"] == {"reason": "tool", "calls": ["a1", "a2", "q1"]}
+        assert _paused(bridge)[0]["d"] == {"reason": "tool", "calls": ["a1", "a2", "q1"], "usr": None}
         asked = [e["d"] for e in bridge.of_run(rid) if e["t"] == "approval.request"]
         assert asked == [{"call": "a1", "name": "open_valve"}, {"call": "a2", "name": "open_valve"}]
         assert agent.opened == []  # nothing runs before its yes

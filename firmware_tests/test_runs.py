@@ -42,6 +42,8 @@ def test_one_request_runs_the_tool_loop_to_done():
         started = events[0]["d"]
         assert started["req"] == "q1" and started["input"] == "How warm is it?"
         assert started["domain"] == "request" and started["agent"] == "thermostat"
+        # The req's user: the bridge sends the run's events to that user's host topic.
+        assert started["usr"] == "u1"
         assert events[3]["d"] == {"m": 1, "text": "Let"}
         assert events[4]["d"] == {"m": 1, "text": " me check."}
         assert events[9]["d"] == {"call": "c1", "name": "read_temperature", "input": "{}", "client": False}

@@ -9,8 +9,10 @@ inside any payload is data and changes nothing.
 Every input the bridge refuses is counted by kind (`stats["refused.<kind>"]`), kept in
 a short list of recent refusals, logged with its kind, and answered where there is
 someone to answer: a board's RPC call with an RPC error, a host's req or ctl with an
-`error` event `{kind, msg, req?}` on that host's own P/h/T/D/evt, in the bridge's stream
-for that tenant and device (run id "_b", ids 1, 2, 3 ... kept in memory). Then the
+`error` event `{kind, msg, req?}` on that host's own user topic P/h/T/D/u/U/evt (the
+device's P/h/T/D/evt when its token did not verify), in the bridge's stream for that
+tenant and device (run id "_b", ids 1, 2, 3 ... kept in memory). A host acts on a run
+only as its user or as a watcher (access.py; PROTOCOL.md "Who sees what"). Then the
 bridge carries on with the next message. A retained message on any topic it reads but a
 board's status is refused (`retained`, told to no one: whoever sent it is long gone) and
 cleared at the broker; the bridge retains nothing but its own presence. Every paho
@@ -71,7 +73,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from server_bridge import metrics, tokens
+from server_bridge import access, metrics, tokens
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
 from server_bridge.lanes import CONTROL, EVENTS, Budget, Kind, Outbox
@@ -85,9 +87,19 @@ from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.rpc import RpcServer
 from server_bridge.tcp import no_delay
 from server_bridge.tokens import TokenError
-from server_bridge.topics import BadTopic, Topic, bridge_topic, device_topic, host_topic, parse
+from server_bridge.topics import (
+    UNOWNED,
+    BadTopic,
+    Topic,
+    bridge_topic,
+    device_topic,
+    host_event_topic,
+    host_topic,
+    parse,
+)
 from server_bridge.wire import (
     BRIDGE_RUN,
+    DEVICE_RUN,
     MAX_ERROR_MSG,
     MAX_ID,
     REFUSALS,
@@ -139,6 +151,10 @@ _HELD_AT_START = 10_000
 # cleared, and they are few (nothing is published retained on these topics by contract).
 _CLEAR_ECHO_S = 10.0
 _CLEARS_KEPT = 1024
+# Refusals are logged at most once per kind and tenant this often (Bridge._refuse), and
+# that many (kind, tenant) pairs remembered, the least recent forgotten first.
+_REFUSAL_LOG_S = 1.0
+_REFUSAL_LOG_KEYS = 1024
 
 
 class _PahoLog(logging.LoggerAdapter):
@@ -240,6 +256,8 @@ class Bridge:
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._refusals: deque[Refusal] = deque(maxlen=config.refusals_kept)
+        # (kind, tenant) -> [when last logged, refusals not logged since] (_refuse).
+        self._refusal_log: OrderedDict[tuple[str, str | None], list[float]] = OrderedDict()
         # The input topics whose retained message the bridge cleared, and when (monotonic):
         # the empty publishes that come back are those clears (_CLEAR_ECHO_S).
         self._cleared: OrderedDict[str, float] = OrderedDict()
@@ -282,6 +300,13 @@ class Bridge:
         self._told_offline: set[str] = set()
         # Session tokens verified and scope tickets signed, kept for the next request.
         self._tokens = tokens.TokenCache()
+        # Who sent each recent host request: a cancel by req id is its sender's (or a
+        # watcher's) to make (access.py).
+        self._req_owners = access.RequestOwners()
+        # A host's act on a run whose user the bridge does not know yet (it met no event
+        # of the run since its restart): held while the board replays the run, whose
+        # run.paused or run.started names its user. (topic, host topic, the payload.)
+        self._awaiting: access.AwaitingOwner[tuple[Topic, str, Any]] = access.AwaitingOwner()
         self._boot = uuid.uuid4().hex[:8]
         # Everything the bridge publishes goes through the outbox's lanes (lanes.py).
         self.outbox = Outbox(
@@ -310,6 +335,8 @@ class Bridge:
             replay_retry_max_s=config.replay_retry_max_s,
             on_device_reset=self._device_reset,
             offline_grace_s=config.offline_grace_s,
+            run_probe_s=config.run_probe_s,
+            run_probe_max_s=config.run_probe_max_s,
             lanes=self.outbox,
             budget=self.outbox.budget,
         )
@@ -317,6 +344,7 @@ class Bridge:
         self.rpc = RpcServer(
             provider,
             send=self._send_rpc,
+            send_refusal=self._send_rpc_refusal,
             refuse=self._refuse,
             count=self._count,
             limits=config.limits,
@@ -367,12 +395,17 @@ class Bridge:
         """A device's last P/d/D/status (`st` online/offline), None when unknown."""
         return self.intake.presence(device)
 
-    def _ids_lost(self, tenant: str, device: str, run: str, lo: int, hi: int, why: str) -> None:
+    def _ids_lost(
+        self, tenant: str, device: str, run: str, lo: int, hi: int, why: str, usr: str | None
+    ) -> None:
         """Events lo..hi of a run will never reach hosts through the bridge: say so on
         the tenant's `_b` stream of that device, as a gap naming the run (the form of a
-        replay answer), so a host's transcript marks them missing instead of waiting."""
+        replay answer), so a host's transcript marks them missing instead of waiting.
+        On the run's own host topic (`usr`, its user when known): only those who may see
+        the run learn of it."""
         d = {"kind": "gap", "r": run, "from": lo, "to": hi, "msg": f"events {lo}..{hi}: {why}"}
-        self._device_notice(tenant, device, d, "error")
+        user = None if run == DEVICE_RUN else (usr or UNOWNED)
+        self._device_notice(tenant, device, d, "error", user)
         self._count("host.gaps_told")
         self._count(f"tenant.{tenant}.host.gaps_told")
 
@@ -404,16 +437,19 @@ class Bridge:
         self._device_notice(record.tenant, device, d, "presence")
         self._count(f"host.presence_{st}")
 
-    def _device_notice(self, tenant: str, device: str, d: dict[str, Any], type_: str) -> None:
+    def _device_notice(
+        self, tenant: str, device: str, d: dict[str, Any], type_: str, user: str | None = None
+    ) -> None:
         """An event of `_b` about a device's own stream (its presence, events it lost),
-        queued behind that device's events, on the event connection.
+        queued behind that device's events, on the event connection: on the device's host
+        topic, or (`user`) on the topic of the run it is about (PROTOCOL "Who sees what").
 
         Not with the `_b` answers to hosts' requests on the control connection: a host
         reads a gap report only for a run it holds, and takes any event of a run as its
         device being back; a notice that overtook the events before it would be read
         past, or undone by them. Forced like the bridge's own run ends: a handful per
         run, each the one report of what it says."""
-        topic, payload = self._bridge_event(Topic("h", device, "evt", tenant), d, type_)
+        topic, payload = self._bridge_event(Topic("h", device, "evt", tenant), d, type_, user)
         self.outbox.offer_event(tenant, device, topic, payload, force=True, kind=Kind.NOTICE)
 
     def metrics_text(self) -> str:
@@ -440,13 +476,34 @@ class Bridge:
 
     def _refuse(self, kind: str, topic: str, msg: str) -> None:
         tenant = self._tenant_of(topic)
+        now = time.monotonic()
         with self._lock:
             metrics.add(self._stats, "refused")
             metrics.add(self._stats, f"refused.{kind}")
             if tenant is not None:
                 metrics.add(self._stats, f"tenant.{tenant}.refused.{kind}")
             self._refusals.append(Refusal(kind, topic, msg))
-        log.warning("refused %s on %s: %s", kind, topic, msg)
+            # Logged once per kind and tenant each _REFUSAL_LOG_S, with how many were
+            # not: a line per refusal was 40 % of what a flood of junk cost the network
+            # thread (28 us a message, 17 without), and the input it reads behind a flood
+            # is every tenant's (PROTOCOL.md "Fairness between tenants"). Every refusal
+            # is still counted and kept in `refusals`.
+            key = (kind, tenant)
+            seen = self._refusal_log.get(key)
+            untold = 0
+            if seen is None or now - seen[0] >= _REFUSAL_LOG_S:
+                untold = int(seen[1]) if seen is not None else 0
+                self._refusal_log[key] = [now, 0]
+                self._refusal_log.move_to_end(key)
+                while len(self._refusal_log) > _REFUSAL_LOG_KEYS:
+                    self._refusal_log.popitem(last=False)
+                told = True
+            else:
+                seen[1] += 1
+                told = False
+        if told:
+            more = f" ({untold} more of this kind not logged)" if untold else ""
+            log.warning("refused %s on %s: %s%s", kind, topic, msg, more)
 
     def _tenant_of(self, topic: str) -> str | None:
         # Whose refusal it is, for the per-tenant counters: a host topic names its
@@ -796,6 +853,7 @@ class Bridge:
         while not self._stopping.wait(_TICK_S):
             try:
                 self.intake.tick()
+                self._settle_awaiting()
                 self.rpc.expire()
                 self.rpc.tick()
             except Exception:
@@ -1106,14 +1164,18 @@ class Bridge:
             if presence is not None and presence["st"] == "online":
                 self._tell_presence(t.device, "online")
 
-    def _session(self, t: Topic, tok: object) -> tuple[DeviceRecord, tokens.Session, str]:
+    def _session(
+        self, t: Topic, tok: object, asking: list[tokens.Session]
+    ) -> tuple[DeviceRecord, tokens.Session, str]:
         """The user a host message speaks for, and the device, both checked against T;
-        and T's secret (hex)."""
+        and T's secret (hex). The session, once verified, is added to `asking`: the
+        refusals that follow go to that user's topic."""
         assert t.tenant is not None
         secret = self.registry.tenant_secret(t.tenant)
         if secret is None:
             raise TokenError(f"no tenant {t.tenant!r} to verify the session token against")
         session = self._tokens.verify(secret, tok, t.tenant)
+        asking.append(session)
         record = self.registry.device(t.device)
         if record is None or record.tenant != t.tenant:
             raise UnknownDevice(f"device {t.device!r} is not tenant {t.tenant!r}'s")
@@ -1122,6 +1184,7 @@ class Bridge:
     def _host_input(self, t: Topic, topic: str, payload: bytes) -> None:
         """A host's req or ctl; a refusal is also told to the host (see _tell_host)."""
         obj: Any = None
+        asking: list[tokens.Session] = []
         try:
             if not payload:
                 raise BadEnvelope(f"an empty payload: a host {t.leaf} is a msgpack map")
@@ -1131,40 +1194,81 @@ class Bridge:
             # lane is full, is told so (`rate_limited`, `busy`); nothing is dropped.
             self.outbox.admit_host(t.tenant)
             if t.leaf == "req":
-                self._host_req(t, obj)
+                self._host_req(t, obj, asking)
             else:
-                self._host_ctl(t, obj)
+                self._host_ctl(t, topic, obj, asking)
         except REFUSALS as e:
-            kind = getattr(e, "kind", "bad_envelope")
-            self._refuse(kind, topic, str(e))
-            self._tell_host(t, kind, _host_msg(e, obj), _req_of(obj), getattr(e, "detail", None))
+            self._host_refused(t, topic, e, obj, asking)
+
+    def _host_refused(
+        self, t: Topic, topic: str, e: Exception, obj: Any, asking: list[tokens.Session]
+    ) -> None:
+        """Count a refused host message and tell its sender (see _tell_host)."""
+        kind = getattr(e, "kind", "bad_envelope")
+        self._refuse(kind, topic, str(e))
+        user = asking[0].user if asking else None
+        detail = getattr(e, "detail", None)
+        self._tell_host(t, kind, _host_msg(e, obj), _req_of(obj), detail, user)
+
+    def _settle_awaiting(self) -> None:
+        """Act on the held host acts whose run's user is now known, each as it would have
+        been acted on when it came; refuse those whose wait is over (housekeeping)."""
+        ready, expired = self._awaiting.settle(
+            lambda device, run: self.intake.owner(device, run) is not None, time.monotonic()
+        )
+        for t, topic, obj in ready:
+            asking: list[tokens.Session] = []
+            try:
+                self._host_ctl(t, topic, obj, asking, again=True)
+            except REFUSALS as e:
+                self._host_refused(t, topic, e, obj, asking)
+        for t, topic, obj in expired:
+            asking = []
+            try:
+                self._session(t, obj.get("tok"), asking)
+                raise access.Forbidden(
+                    f"run {obj.get('r')} is not known to be yours: its board did not say "
+                    "whose it is; only a watcher may act on it"
+                )
+            except REFUSALS as e:
+                self._host_refused(t, topic, e, obj, asking)
 
     def _tell_host(
-        self, t: Topic, kind: str, msg: str, req: str | None, detail: dict[str, Any] | None = None
+        self,
+        t: Topic,
+        kind: str,
+        msg: str,
+        req: str | None,
+        detail: dict[str, Any] | None = None,
+        user: str | None = None,
     ) -> None:
         """Publish a refusal as an `error` event of the bridge stream `_b` of T and D
         (with the refusal's own fields, `detail`: a device_offline's `since`).
 
         On the topic's own tenant and device only (parse() has checked both levels), so
-        it reaches the hosts of the tenant that sent the message, whoever owns D.
+        it reaches the hosts of the tenant that sent the message, whoever owns D: on the
+        sender's user topic once its token verified (`user`), else (a bad token, a
+        payload read before any token) on the device's, the only one it could read.
         """
         d: dict[str, Any] = {**(detail or {}), "kind": kind, "msg": msg}
         if req is not None:
             d["req"] = req
-        self._bridge_error(t, d)
+        self._bridge_error(t, d, user)
         self._count("host.refusals_told")
 
-    def _bridge_error(self, t: Topic, d: dict[str, Any]) -> None:
-        """An `error` event `d` on the bridge stream `_b` of the topic's T and D."""
+    def _bridge_error(self, t: Topic, d: dict[str, Any], user: str | None) -> None:
+        """An `error` event `d` on the bridge stream `_b` of the topic's T and D, on
+        `user`'s host topic (None: the device's)."""
         assert t.tenant is not None  # a host topic always has one
-        topic, payload = self._bridge_event(t, d)
+        topic, payload = self._bridge_event(t, d, "error", user)
         self.outbox.notice(t.tenant, topic, payload)
 
     def _bridge_event(
-        self, t: Topic, d: dict[str, Any], type_: str = "error"
+        self, t: Topic, d: dict[str, Any], type_: str = "error", user: str | None = None
     ) -> tuple[str, bytes]:
         """The next event (an `error`, or `presence`) of the bridge stream `_b` of the
-        topic's T and D."""
+        topic's T and D, for `user`'s host topic (None: the device's; PROTOCOL.md "Who
+        sees what"). One id sequence for all of them: hosts fold `_b` as it comes."""
         assert t.tenant is not None  # a host topic always has one
         env = {
             "r": BRIDGE_RUN,
@@ -1173,11 +1277,12 @@ class Bridge:
             "ts": int(time.time() * 1000),
             "d": d,
         }
-        return host_topic(self.config.prefix, t.tenant, t.device, "evt"), encode(env)
+        topic = host_event_topic(self.config.prefix, t.tenant, t.device, user)
+        return topic, encode(env)
 
-    def _host_req(self, t: Topic, obj: Any) -> None:
+    def _host_req(self, t: Topic, obj: Any, asking: list[tokens.Session]) -> None:
         req = check_host_req(obj)
-        record, session, secret = self._session(t, req.tok)
+        record, session, secret = self._session(t, req.tok, asking)
         presence = self.intake.presence(record.device)
         if (
             presence is not None
@@ -1239,6 +1344,7 @@ class Bridge:
             )
         topic = device_topic(self.config.prefix, record.device, "req")
         self.outbox.host(record.tenant, [(topic, payload)], Kind.REQ)
+        self._req_owners.note(record.device, req.req, session.user)
         self._count("host.req")
         if presence is None:
             # No status of the device has ever reached the bridge (none retained at the
@@ -1246,7 +1352,8 @@ class Bridge:
             # cleared. Sent on all the same (a bridge just started may not have read the
             # retained statuses yet), and the hosts told, so one waiting for the run can
             # say what it waits for and stop (PROTOCOL "Presence at the host").
-            notice = self._bridge_event(t, {"st": "unseen", "req": req.req}, "presence")
+            d = {"st": "unseen", "req": req.req}
+            notice = self._bridge_event(t, d, "presence", session.user)
             self.outbox.notice(record.tenant, *notice)
             self._count("host.req_unseen")
 
@@ -1297,12 +1404,36 @@ class Bridge:
             log.exception("reading the state of a request for device %s", record.device)
             return None
 
-    def _host_ctl(self, t: Topic, obj: Any) -> None:
+    def _host_ctl(
+        self, t: Topic, topic: str, obj: Any, asking: list[tokens.Session], again: bool = False
+    ) -> None:
         ctl = check_host_ctl(obj)
-        record, session, _ = self._session(t, ctl.tok)
+        record, session, _ = self._session(t, ctl.tok, asking)
         if ctl.op == "replay":
-            self._host_replay(t, record, ctl.fields["r"], ctl.fields["after"])
+            self._host_replay(t, record, session, ctl.fields["r"], ctl.fields["after"])
             return
+        # Only the run's (or the request's) own user, or a watcher, acts on it: a cancel,
+        # a client tool's answer, an approval (access.py). Refused `forbidden`, nothing
+        # sent to the board.
+        run = ctl.fields.get("r")
+        if run is not None:
+            owner = self.intake.owner(record.device, run)
+            if owner is None and not session.watch and not again:
+                # Not known here yet (a paused run after the bridge's restart): held
+                # while the board replays the run, which names its user; then checked.
+                held = self._awaiting.hold(record.device, run, (t, topic, obj), time.monotonic())
+                if held is None:
+                    raise access.Forbidden(f"run {run} is not known to be yours (too many wait)")
+                if held:
+                    ask = {"op": "replay", "r": run, "after": 0}
+                    ctl_topic = device_topic(self.config.prefix, record.device, "ctl")
+                    self.outbox.host(record.tenant, [(ctl_topic, encode(ask))], Kind.CTL)
+                self._count("host.ctl_awaiting_owner")
+                return
+            access.check_run(session, owner, f"run {run}")
+        else:
+            req = ctl.fields["req"]
+            access.check_run(session, self._req_owners.owner(record.device, req), f"request {req}")
         out = dict(ctl.fields)
         if ctl.op == "approve":
             # Who approved is whoever the token proves, not what the payload claims.
@@ -1311,20 +1442,29 @@ class Bridge:
         self.outbox.host(record.tenant, [(topic, encode(out))], Kind.CTL)
         self._count("host.ctl")
 
-    def _host_replay(self, t: Topic, record: DeviceRecord, run: str, after: int) -> None:
+    def _host_replay(
+        self, t: Topic, record: DeviceRecord, session: tokens.Session, run: str, after: int
+    ) -> None:
         """Answer a host's replay from the intake's window; the board is not asked.
 
-        The events go out on P/h/T/D/evt like the first time (hosts drop ids they have);
-        ids past `after` that the window no longer holds are one `gap` error on `_b`,
-        before them; a run the intake does not know is `unknown_run` on `_b`.
+        The events go out on the run's host topic like the first time (hosts drop ids
+        they have); ids past `after` that the window no longer holds are one `gap` error
+        on `_b`, before them, on the same topic; a run the intake does not know is
+        `unknown_run` on `_b`, on the sender's topic. A run of another user is
+        `forbidden` unless the session is a watcher's (access.py); the device stream "_"
+        is on the device's topic, which every host of the tenant reads, so anyone's.
         """
         self._count("host.replay")
         window = self.intake.window(record.device, run, after)
         if window is None:
             msg = "the bridge holds no events of this run"
             self._refuse("unknown_run", host_topic(self.config.prefix, *_levels(t), "ctl"), msg)
-            self._bridge_error(t, {"kind": "unknown_run", "r": run, "msg": msg})
+            self._bridge_error(t, {"kind": "unknown_run", "r": run, "msg": msg}, session.user)
             return
+        user: str | None = None
+        if run != DEVICE_RUN:
+            access.check_run(session, window.usr, f"run {run}")
+            user = window.usr or UNOWNED
         held_from = window.first if window.first is not None else window.next
         # The answer is one unit in the tenant's lane: the gap first, then the events.
         out: list[tuple[str, bytes]] = []
@@ -1334,9 +1474,11 @@ class Bridge:
                 t,
                 {"kind": "gap", "r": run, "from": lo, "to": hi,
                  "msg": f"events {lo}..{hi} are no longer held by the bridge"},
+                "error",
+                user,
             ))  # fmt: skip
             self._count("host.replay_gap")
-        topic = host_topic(self.config.prefix, *_levels(t), "evt")
+        topic = host_event_topic(self.config.prefix, *_levels(t), user)
         out += [(topic, payload) for payload in window.payloads]
         self.outbox.host(record.tenant, out, Kind.REPLAY)
         self._count("host.replay_events", len(window.payloads))
@@ -1347,16 +1489,33 @@ class Bridge:
         self, device: str, answer: dict[str, Any], wait_until: float | None = None
     ) -> None:
         topic = device_topic(self.config.prefix, device, "rpc/res")
-        self._publish(topic, encode(answer), wait_until)
+        self.outbox.board(topic, encode(answer), wait_until, tenant=self._tenant_of_device(device))
+
+    def _send_rpc_refusal(self, device: str, answer: dict[str, Any]) -> bool:
+        """A refusal of a call that never started, made on the network thread: not
+        queued when the device's tenant's board lane is full (lanes.Outbox.board, counted
+        there), so a tenant's flood of junk calls fills its own lane and no more."""
+        topic = device_topic(self.config.prefix, device, "rpc/res")
+        tenant = self._tenant_of_device(device)
+        return self.outbox.board(topic, encode(answer), tenant=tenant, refusable=True)
+
+    def _tenant_of_device(self, device: str) -> str | None:
+        # Whose lane a message to a board waits in (lanes.py: tenants take turns). A
+        # device the registry does not know (an answer to a call refused for that) has
+        # no tenant: its tenant is not known, and it waits in the bridge's own lane.
+        record = self.registry.device(device)
+        return record.tenant if record is not None else None
 
     def _publish(self, topic: str, payload: bytes, wait_until: float | None = None) -> None:
-        """Queue a message of the bridge's own to a board: RPC answers and chunks, and
-        the intake's replay and cancel requests (the outbox's board lane, first in line).
-
-        An RPC worker (`wait_until`, a time.monotonic() value) waits while that lane is
-        over its bound; everyone else's message is taken at once, since what feeds the
-        lane is bounded where it is made (lanes.Outbox.board). Never dropped."""
-        self.outbox.board(topic, payload, wait_until)
+        """Queue a message of the bridge's own to a board: the intake's replay and cancel
+        requests, in the board lane of the board's tenant (first in that tenant's turn).
+        Always taken, since what feeds it is bounded where it is made (one per run at a
+        time; lanes.Outbox.board). Never dropped."""
+        tenant = None
+        head = f"{self.config.prefix}/d/"
+        if topic.startswith(head):  # P/d/D/...: the device's tenant's lane
+            tenant = self._tenant_of_device(topic[len(head) :].split("/", 1)[0])
+        self.outbox.board(topic, payload, wait_until, tenant=tenant)
 
 
 def _is_retained_by_contract(topic: str) -> bool:

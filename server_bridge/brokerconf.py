@@ -9,9 +9,12 @@ The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
   `P/d/<id>/req`, `P/d/<id>/ctl` and `P/d/<id>/rpc/res` and writes only its own
   `P/d/<id>/status`, `hello`, `evt` and `rpc` (so only the bridge can publish the
   requests, control messages and RPC answers a board acts on);
-- a tenant's host users read `P/h/<tenant>/+/evt` and write `P/h/<tenant>/+/req` and
-  `P/h/<tenant>/+/ctl`, for that tenant only; a tenant may have several host users,
-  one per host connection (see below);
+- a tenant's host users read its device topics `P/h/<tenant>/+/evt` and write
+  `P/h/<tenant>/+/req` and `P/h/<tenant>/+/ctl`, for that tenant only; a tenant may have
+  several host users, one per host connection (see below). Each is either a watcher,
+  which also reads every user's runs, `P/h/<tenant>/+/u/+/evt`, or bound to one end user
+  (`bound`), which reads that user's runs only, `P/h/<tenant>/+/u/<usr>/evt` (PROTOCOL.md
+  "Who sees what"). No host user reads `req` or `ctl`: they carry other users' tokens;
 - devices and host users read `P/b/status`, the bridge's presence (a board fails its
   waiting RPC calls when the bridge goes offline); only the bridge writes it.
 
@@ -66,7 +69,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from server_bridge.topics import bridge_topic, check_id
+from server_bridge.topics import bridge_topic, check_id, check_user_id
 
 __all__ = [
     "BROKER_QUEUES",
@@ -115,6 +118,14 @@ DEVICE_READ = ("req", "ctl", "rpc/res")
 DEVICE_WRITE = ("status", "hello", "evt", "rpc")
 HOST_READ = ("evt",)
 HOST_WRITE = ("req", "ctl")
+# What every user topic a watcher reads looks like (its user level a wildcard).
+ALL_USERS = "+"
+
+
+def _user_events(prefix: str, tenant: str, usr: str) -> str:
+    """The host topics of one end user's runs on any device of `tenant` (usr a user id,
+    or ALL_USERS: every user's, the watchers')."""
+    return f"{prefix}/h/{tenant}/+/u/{usr}/evt"
 
 
 # --- passwords --------------------------------------------------------------------------
@@ -237,9 +248,11 @@ def _parties(
     prefix: str,
     bridge_user: str | Collection[str],
     tenants: Mapping[str, str | Collection[str]],
+    bound: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, list[str]]]:
     """The bridge users, each with its control user, and each tenant's host users,
-    checked: sorted, at least one of each, and no user both."""
+    checked: sorted, at least one of each, and no user both; and every user `bound`
+    binds a host user bound to a valid end-user id."""
     _check_prefix(prefix)
     named = _names(bridge_user, "the bridge")
     bridges = sorted({*named, *map(control_user, named)})
@@ -249,6 +262,11 @@ def _parties(
         hosts[tenant] = _names(users, f"tenant {tenant}")
         if set(hosts[tenant]) & set(bridges):
             raise ValueError("a host user cannot be a bridge user")
+    every_host = {user for users in hosts.values() for user in users}
+    for user, usr in (bound or {}).items():
+        if user not in every_host:
+            raise ValueError(f"{user!r} is bound to an end user but is no tenant's host user")
+        check_user_id(usr)  # a topics.BadTopic, a ValueError
     return bridges, hosts
 
 
@@ -256,6 +274,7 @@ def acl_text(
     prefix: str,
     bridge_user: str | Collection[str],
     tenants: Mapping[str, str | Collection[str]],
+    bound: Mapping[str, str] | None = None,
 ) -> str:
     """A Mosquitto `acl_file` for the rules in this module's docstring.
 
@@ -264,8 +283,11 @@ def acl_text(
     each one's control user gets the same rights.
     `tenants` maps a tenant id to the MQTT user its hosts connect as, or to several
     (one per host connection, for the same reason).
+    `bound` maps a host user to the one end user whose runs it may read; a host user
+    not in it is a watcher (every user's runs of its tenant).
     """
-    bridges, hosts = _parties(prefix, bridge_user, tenants)
+    bridges, hosts = _parties(prefix, bridge_user, tenants, bound)
+    bound = bound or {}
     out = [
         "# Wren broker ACL (written by server_bridge/brokerconf.py). Mosquitto denies whatever",
         "# is not granted here.",
@@ -283,8 +305,11 @@ def acl_text(
         out += ["", "# The bridge.", f"user {user}", f"topic readwrite {prefix}/#"]
     for tenant, users in hosts.items():
         for user in users:
-            out += ["", f"# Hosts of tenant {tenant}.", f"user {user}"]
+            usr = bound.get(user)
+            who = f"bound to user {usr}" if usr is not None else "a watcher"
+            out += ["", f"# Hosts of tenant {tenant}: {who}.", f"user {user}"]
             out += [f"topic read {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_READ]
+            out.append(f"topic read {_user_events(prefix, tenant, usr or ALL_USERS)}")
             out += [f"topic write {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_WRITE]
     return "\n".join(out) + "\n"
 
@@ -347,19 +372,23 @@ def dynsec_config(
     bridge_user: str | Collection[str],
     tenants: Mapping[str, str | Collection[str]],
     entries: Mapping[str, str],
+    bound: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The dynamic security plugin's file (as JSON data) for the rules in this module's
     docstring: the same rights as `acl_text(prefix, bridge_user, tenants)`, for the users
     of `entries` (user -> `$7$` entry; a user without one cannot log in).
 
     The plugin's ACLs have no `%u` (Mosquitto 2.0.11), so every device has a role of its
-    own, `device-<id>`; each tenant's host users share `tenant-<id>`, the bridge users
-    `bridge`, and devices and hosts `presence` (the read of `P/b/status`). As with the
+    own, `device-<id>`; each tenant's host users share `tenant-<id>`, and have besides
+    `watch-<tenant>` (a watcher's: every user's runs) or `user-<tenant>-<usr>` (one bound
+    to end user usr: that user's runs), the bridge users `bridge`, and devices and hosts
+    `presence` (the read of `P/b/status`). As with the
     ACL's `%u` patterns, a user that is neither a bridge nor a host user is a device.
     Unlike them, a user has one part's rights only. The bridge may also subscribe to
     `P/#` as a shared subscription (`$share/<group>/...`).
     """
-    bridges, hosts = _parties(prefix, bridge_user, tenants)
+    bridges, hosts = _parties(prefix, bridge_user, tenants, bound)
+    bound = bound or {}
     presence = bridge_topic(prefix)
     roles: dict[str, list[dict[str, Any]]] = {
         _BRIDGE_ROLE: _reads(f"{prefix}/#")
@@ -376,7 +405,11 @@ def dynsec_config(
             acl for leaf in HOST_READ for acl in _reads(f"{prefix}/h/{tenant}/+/{leaf}")
         ] + [acl for leaf in HOST_WRITE for acl in _writes(f"{prefix}/h/{tenant}/+/{leaf}")]
         for user in users:  # a host user of two tenants (the ACL allows it) has both
-            part.setdefault(user, [_PRESENCE_ROLE]).insert(-1, f"tenant-{tenant}")
+            usr = bound.get(user)
+            sees = f"user-{tenant}-{usr}" if usr is not None else f"watch-{tenant}"
+            roles[sees] = _reads(_user_events(prefix, tenant, usr or ALL_USERS))
+            own = part.setdefault(user, [_PRESENCE_ROLE])
+            own[-1:-1] = [f"tenant-{tenant}", sees]
     clients = []
     for user, entry in sorted(entries.items()):
         check_user(user)

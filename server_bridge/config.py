@@ -116,6 +116,16 @@ class BridgeConfig:
     # broker shutting down sends every client's will, so an offline status alone may be
     # a board that is back a moment later with its session and its runs (0: at once).
     offline_grace_s: float = 5.0
+    # Run liveness (PROTOCOL.md "Runs that end without their board"): an open run of an
+    # online device that has sent nothing for run_probe_s is asked for what follows its
+    # last id (a replay); the board resends what the bridge lacks (the lost end of the
+    # run) or answers that it no longer holds the run, and the bridge ends it. Asked
+    # again with the wait doubling up to run_probe_max_s while the run stays quiet: a
+    # run may be quiet for long (a slow model, a pause for an answer), and each probe
+    # is one small message. 10 s: a lost end shows at hosts within about 10 s; a
+    # model's silence of that length is common, and costs a probe the board ignores.
+    run_probe_s: float = 10.0
+    run_probe_max_s: float = 60.0
     # Recent refusals kept for diagnostics.
     refusals_kept: int = 100
     # What the bridge sends goes through lanes (lanes.py) and a forwarder that hands
@@ -181,6 +191,8 @@ class BridgeConfig:
             raise ValueError("offline_grace_s must be >= 0")
         if self.replay_retry_max_s < self.replay_retry_s:
             raise ValueError("replay_retry_max_s must be >= replay_retry_s")
+        if self.run_probe_s <= 0 or self.run_probe_max_s < self.run_probe_s:
+            raise ValueError("run_probe_s must be > 0 and run_probe_max_s >= run_probe_s")
         for name in (
             "rpc_workers",
             "rpc_max_inflight",

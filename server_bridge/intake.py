@@ -2,7 +2,9 @@
 
 Per (device, run) the intake tracks the next id it expects and the highest id it has seen
 (delivered, held, or dropped from a full hold buffer). An in-order event goes out at once
-to P/h/T/D/evt (one envelope per message); an event past a hole is held (a bounded buffer
+to its run's user's P/h/T/D/u/U/evt (one envelope per message, once: watchers read every
+user's topic by a wildcard; the device stream "_" goes to P/h/T/D/evt; see _Run.usr and
+PROTOCOL.md "Who sees what"); an event past a hole is held (a bounded buffer
 per run). While any id below the highest seen is missing, the board is asked to resend,
 `ctl {op:"replay", r, after}` on P/d/D/ctl: at once, then after replay_retry_s, the wait
 doubling up to replay_retry_max_s, for as long as it takes. It never gives up: a hole
@@ -30,7 +32,17 @@ forwards with them an `error` of kind "gap" for each hole no event filled and no
 covered, then `run.failed` (kind "device", retryable), so every id a host waits for is
 accounted for. Later events of that run are dropped. On offline the board is also sent
 `ctl cancel` for each such run (it waits in the board's persistent session); on a
-restart the device stream "_" starts again at 1. Nothing is ever made up for the
+restart the device stream "_" starts again at 1.
+
+A run whose end was lost while its board stayed online (the broker dropped it: a
+restart without persistence, a subscription not yet back) is found by liveness: an
+open run of an online device that has sent nothing for run_probe_s is asked
+`ctl {op:"replay", r, after}` from the last id passed, again with the wait doubling
+up to run_probe_max_s while it stays quiet, and at once when a newer run of its device
+starts (a board keeps its last finished run's ring only until its next run ends). The
+board resends what followed (the end among it), says nothing for a run it still runs,
+or answers `unknown_run`: then the run ends here as above, `run.failed` kind "device"
+with RUN_NOT_HELD. Nothing is ever made up for the
 streams "_" and "_b". Whoever else keeps per-device state (the RPC server) is told
 through `on_device_reset`. An offline status naming a boot older than the one known is
 the late will of an earlier connection and changes nothing: taken as news, it would end
@@ -90,7 +102,7 @@ from edge_runtime.events import MAX_ID, TERMINAL
 from server_bridge.config import BridgeConfig
 from server_bridge.lanes import OVERHEAD, Budget
 from server_bridge.registry import DeviceRecord
-from server_bridge.topics import device_topic, host_topic
+from server_bridge.topics import UNOWNED, device_topic, host_event_topic, is_user_id
 from server_bridge.wire import (
     BRIDGE_RUN,
     DEFAULT_LIMITS,
@@ -104,7 +116,14 @@ from server_bridge.wire import (
     is_bridge_run,
 )
 
-__all__ = ["DEVICE_OFFLINE", "DEVICE_RESTARTED", "EventIntake", "EventLanes", "Window"]
+__all__ = [
+    "DEVICE_OFFLINE",
+    "DEVICE_RESTARTED",
+    "RUN_NOT_HELD",
+    "EventIntake",
+    "EventLanes",
+    "Window",
+]
 
 log = logging.getLogger("wren.bridge.intake")
 
@@ -114,7 +133,7 @@ Count = Callable[[str, int], None]
 # one) or went offline (boot: the one its will named), None when unknown.
 DeviceReset = Callable[[str, str, bool, "str | None"], None]
 # (tenant, device, run, first id, last id, why): ids hosts will never get from the bridge.
-IdsLost = Callable[[str, str, str, int, int, str], None]
+IdsLost = Callable[[str, str, str, int, int, str, "str | None"], None]
 
 
 class EventLanes(Protocol):
@@ -136,9 +155,14 @@ _MAX_BUILDING = 32
 _STREAMS = (DEVICE_RUN, BRIDGE_RUN)
 # What of a board's status the bridge keeps (PROTOCOL.md "Topics": presence).
 _STATUS_KEYS = ("fw", "agent", "ver", "heap", "boot", "reset")
+# The events that name their run's user (PROTOCOL.md "Event types").
+_NAMES_USER = ("run.started", "run.paused")
+# A paused run's probes are at most this many times run_probe_max_s apart (_first_wait).
+_PAUSED_PROBE_FACTOR = 10
 # The `run.failed` messages of runs the bridge ends (customer-safe, PROTOCOL.md).
 DEVICE_RESTARTED = "the device restarted"
 DEVICE_OFFLINE = "the device went offline"
+RUN_NOT_HELD = "the device no longer holds the run: how it ended was lost"
 
 
 def _unpack(payload: bytes) -> dict[str, Any]:
@@ -154,6 +178,8 @@ class Window(NamedTuple):
     payloads: list[bytes]
     first: int | None  # the lowest id still held (None: nothing forwarded yet)
     next: int  # the next id the run will forward
+    # The run's user, from its run.started (None: not seen, the run is watchers' only).
+    usr: str | None = None
 
 
 @dataclass(eq=False)
@@ -200,6 +226,19 @@ class _Run:
     # neither a restart nor an absence of the board ends it (PROTOCOL.md "Runs that
     # pause"); the board resumes it.
     paused: bool = False
+    # The run's user, as its run.started says it (the `usr` the bridge set in the req
+    # from the session token), and the host topic its events go to: that user's, or the
+    # watchers' alone (UNOWNED) while no run.started was seen (the bridge met the run
+    # mid-way, after its own restart); the device stream "_" goes to the device's topic
+    # (PROTOCOL.md "Who sees what"). Made once per run, not per event.
+    usr: str | None = None
+    topic: str = ""
+    # Liveness: when the run's last event arrived (the intake's clock), and the probe in
+    # progress while it stays quiet: when it was sent and the wait before the next
+    # (0: none sent since the last event).
+    heard: float = 0.0
+    probe_sent: float = 0.0
+    probe_wait: float = 0.0
 
     @property
     def missing(self) -> bool:
@@ -239,6 +278,8 @@ class EventIntake:
         clock: Callable[[], float] = time.monotonic,
         on_device_reset: DeviceReset | None = None,
         offline_grace_s: float = BridgeConfig.offline_grace_s,
+        run_probe_s: float = BridgeConfig.run_probe_s,
+        run_probe_max_s: float = BridgeConfig.run_probe_max_s,
         lanes: EventLanes | None = None,
         budget: Budget | None = None,
         window_bytes: int = BridgeConfig.window_bytes,
@@ -255,6 +296,8 @@ class EventIntake:
         self._retry_s = replay_retry_s
         self._retry_max_s = max(replay_retry_max_s, replay_retry_s)
         self._offline_grace_s = offline_grace_s
+        self._probe_s = run_probe_s
+        self._probe_max_s = max(run_probe_max_s, run_probe_s)
         self._clock = clock
         # Without lanes (tests of the rules alone) events are published like the rest,
         # always taken; without a budget held events are bounded by `hold` alone.
@@ -275,7 +318,7 @@ class EventIntake:
         # run it stopped tracking, or that the board no longer holds. The bridge says so
         # on `_b` as a gap naming the run, so no loss is silent.
         self.on_ids_lost: IdsLost | None = None
-        self._lost_notices: list[tuple[str, str, str, int, int, str]] = []
+        self._lost_notices: list[tuple[str, str, str, int, int, str, str | None]] = []
         # paho's network thread feeds events; the bridge's housekeeping thread ticks
         # replay retries; hosts read. One lock guards all run state. Publishing happens
         # after it is released, so no paho lock is ever taken while holding it.
@@ -342,7 +385,10 @@ class EventIntake:
     ) -> None:
         if env["r"] == DEVICE_RUN and env["t"] == "error":
             self._board_refused(device, env["d"], now, out)
-        st = self._run(device, env["r"])
+        st = self._run(device, env["r"], now)
+        st.heard, st.probe_wait = now, 0.0
+        if env["t"] == "run.started" and st.highest == 0:
+            self._probe_older(st, now, out)
         if st.ended:
             # The bridge ended this run for hosts and took the ids past what it had seen.
             self._count("evt.after_end", 1)
@@ -469,7 +515,17 @@ class EventIntake:
         `force` is for the events the bridge makes itself, which must go out."""
         if payload is None:
             payload = encode(clean)
-        topic = host_topic(self.prefix, st.tenant, st.device, "evt")
+        if clean["t"] in _NAMES_USER and st.usr is None:
+            # run.paused names it too: a bridge that restarted meets a paused run there.
+            usr = clean["d"].get("usr")
+            if is_user_id(usr):
+                # A usr no topic level can hold (a board's bug) leaves the run to the
+                # watchers, never on a topic it could break out of.
+                st.usr, st.topic = usr, ""
+        topic = st.topic
+        if not topic:
+            user = None if st.run == DEVICE_RUN else (st.usr or UNOWNED)
+            topic = st.topic = host_event_topic(self.prefix, st.tenant, st.device, user)
         if self._lanes is None:
             out.append((topic, payload))
         else:
@@ -613,7 +669,8 @@ class EventIntake:
         out.append((device_topic(self.prefix, st.device, "ctl"), encode(ctl)))
 
     def _end(self, st: _Run, msg: str, out: list[tuple[str, bytes]]) -> bool:
-        """End an open run for hosts: its board restarted or went offline.
+        """End an open run for hosts: its board restarted, went offline, or no longer
+        holds it (`msg` says which).
 
         What is held goes out in order; each hole below the highest id seen that no event
         filled and no gap report covered is told with an `error` of kind "gap", and the
@@ -672,7 +729,7 @@ class EventIntake:
         self._count("evt.made", 1)
         return {"r": st.run, "i": st.expected, "t": t, "ts": st.last_ts, "d": d}
 
-    def _run(self, device: DeviceRecord, run: str) -> _Run:
+    def _run(self, device: DeviceRecord, run: str, now: float) -> _Run:
         key = (device.device, run)
         own = self._by_device.setdefault(device.device, OrderedDict())
         st = self._runs.get(key)
@@ -680,7 +737,7 @@ class EventIntake:
             self._runs.move_to_end(key)
             own.move_to_end(run)
             return st
-        st = _Run(device.device, device.tenant, run)
+        st = _Run(device.device, device.tenant, run, heard=now)
         self._runs[key] = st
         own[run] = st
         # A device over its own cap makes room among its own runs: a device that opens
@@ -743,26 +800,80 @@ class EventIntake:
     def _ids_lost(self, st: _Run, lo: int, hi: int, why: str) -> None:
         # Counted in evt.lost where the ids are passed over; this counts the telling.
         self._count("evt.lost_told", hi - lo + 1)
-        self._lost_notices.append((st.tenant, st.device, st.run, lo, hi, why))
+        # With the run's user: the run itself may be forgotten before the notice goes.
+        self._lost_notices.append((st.tenant, st.device, st.run, lo, hi, why, st.usr))
 
     def _board_refused(
         self, device: DeviceRecord, d: dict[str, Any], now: float, out: list[tuple[str, bytes]]
     ) -> None:
-        # The board answers a replay for a run it no longer holds with `unknown_run`
-        # naming it: what the bridge was asking for is gone for good. Without this the
-        # bridge would go on asking, and hosts wait, for ever.
+        # The board answers a replay (or a cancel) for a run it no longer holds with
+        # `unknown_run` naming it: what the bridge was asking for is gone for good, and
+        # a run still open here will never send its end. Without this the bridge would
+        # go on asking, and hosts wait, for ever.
         run = d.get("r")
-        if d.get("kind") != "unknown_run" or not isinstance(run, str):
+        if d.get("kind") != "unknown_run" or not isinstance(run, str) or run in _STREAMS:
             return
         st = self._runs.get((device.device, run))
-        if st is None or st.ended or not st.missing or st.replay_for is None:
+        if st is None or st.ended:
             return
-        holes = _holes(st)
-        for lo, hi in holes:
-            self._record_lost(st, lo, hi)
-        self._advance(st, now, out)
-        for lo, hi in holes:
-            self._ids_lost(st, lo, hi, "the board no longer holds these events")
+        if st.missing and st.replay_for is not None:
+            holes = _holes(st)
+            for lo, hi in holes:
+                self._record_lost(st, lo, hi)
+            self._advance(st, now, out)
+            for lo, hi in holes:
+                self._ids_lost(st, lo, hi, "the board no longer holds these events")
+        if not st.finished:
+            # Its board ran it and let it go, and its end never arrived: it is over, and
+            # the bridge says so (PROTOCOL.md "Runs that end without their board").
+            log.warning("device %s: run %s is no longer held; ending it", st.device, st.run)
+            self._count("runs.ended_not_held", 1)
+            self._end(st, RUN_NOT_HELD, out)
+
+    # ------------------------------------------------------------------ run liveness
+
+    def _online(self, device: str) -> bool:
+        presence = self._presence.get(device)
+        return presence is not None and presence["st"] == "online"
+
+    def _probe_due(self, st: _Run, now: float) -> bool:
+        # An open run of an online device with nothing to ask for already (a hole has its
+        # own replay requests; a blocked run waits for room), quiet past its wait.
+        if st.finished or st.ended or st.missing or st.blocked or st.run in _STREAMS:
+            return False
+        if not self._online(st.device) or st.device in self._offline_since:
+            return False
+        return now - max(st.heard, st.probe_sent) >= (st.probe_wait or self._first_wait(st))
+
+    def _first_wait(self, st: _Run) -> float:
+        # A paused run waits, quiet, for as long as its answer takes, and a board answers
+        # a replay of it from its checkpoint on flash (read and restored on its heap):
+        # such a run is asked only every run_probe_max_s at first, and up to ten times
+        # that apart.
+        return self._probe_max_s if st.paused else self._probe_s
+
+    def _probe(self, st: _Run, now: float, out: list[tuple[str, bytes]]) -> None:
+        # A replay from the last id passed: the board resends whatever followed it (the
+        # run's lost end among it), answers nothing for a run it still runs, and
+        # `unknown_run` for one it no longer holds (_board_refused ends it).
+        most = self._probe_max_s * (_PAUSED_PROBE_FACTOR if st.paused else 1)
+        st.probe_wait = min((st.probe_wait or self._first_wait(st)) * 2, most)
+        st.probe_sent = now
+        self._count("runs.probed", 1)
+        ctl = {"op": "replay", "r": st.run, "after": st.expected - 1}
+        out.append((device_topic(self.prefix, st.device, "ctl"), encode(ctl)))
+
+    def _probe_older(self, new: _Run, now: float, out: list[tuple[str, bytes]]) -> None:
+        # A board keeps the ring of its last finished run only until its next run ends
+        # (edge_runtime/runs.py _RECENT_RUNS): a new run's start is the moment to ask for
+        # an open older run's lost end, while the board still has it to send. A run
+        # still running answers nothing and costs one message.
+        for st in self._by_device.get(new.device, {}).values():
+            if st is new or st.paused:
+                continue  # a paused run waits for its answer whatever else runs
+            if not (st.finished or st.ended or st.missing or st.blocked):
+                if st.run not in _STREAMS and not st.probe_wait:  # not asked since it spoke
+                    self._probe(st, now, out)
 
     def _send(self, out: list[tuple[str, bytes]]) -> int:
         forwarded = 0
@@ -774,8 +885,9 @@ class EventIntake:
         return forwarded
 
     def tick(self, now: float | None = None) -> None:
-        """Retry replay requests of runs still waiting on a hole, and fetch again what the
-        lanes refused once they have room (housekeeping thread)."""
+        """Retry replay requests of runs still waiting on a hole, probe the quiet open runs
+        of online devices, and fetch again what the lanes refused once they have room
+        (housekeeping thread)."""
         now = self._clock() if now is None else now
         out: list[tuple[str, bytes]] = []
         gone: list[tuple[str, str | None, list[str]]] = []
@@ -792,6 +904,8 @@ class EventIntake:
             for st in self._runs.values():
                 if st.missing and not st.blocked:
                     self._maybe_replay(st, now, out)
+                elif self._probe_due(st, now):
+                    self._probe(st, now, out)
             for device, (since, boot) in list(self._offline_since.items()):
                 if now - since >= self._offline_grace_s:
                     del self._offline_since[device]
@@ -819,7 +933,14 @@ class EventIntake:
             # so `first` is where the bridge's part of the run begins again.
             payloads = [p for i, p in st.recent if i > after]
             first = st.recent[0][0] if st.recent else None
-            return Window(payloads, first, st.expected)
+            return Window(payloads, first, st.expected, st.usr)
+
+    def owner(self, device: str, run: str) -> str | None:
+        """The user of a run, as its run.started or run.paused said; None when the run or
+        its user is unknown here (server_bridge/access.py: then it is the watchers' alone)."""
+        with self._lock:
+            st = self._runs.get((device, run))
+            return st.usr if st else None
 
     def highest(self, device: str, run: str) -> int | None:
         """The highest event id seen of a run (0 before any), None when unknown."""

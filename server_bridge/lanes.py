@@ -8,10 +8,17 @@ connection takes messages out and hands them to that connection's paho client.
 The bridge has two connections (bridge.py), so the outbox has two channels, each with
 its own client, window of unacknowledged messages and forwarder:
 
-- CONTROL, in this order: 1. the board lane: what the bridge itself sends boards (RPC
-  answers and chunks, replay and cancel `ctl`) and its presence — first, because a
-  board's run waits on it; 2. the host lanes, one per tenant, round robin: host `req`
-  and `ctl` on their way to a board, the bridge's answers on `_b`, replay answers;
+- CONTROL: 1. the bridge's own lane, first: its presence (and anything it sends for
+  no tenant); 2. then the tenants, round robin, one message per turn: each tenant's
+  board lane (what the bridge sends that tenant's boards: RPC answers and chunks,
+  replay and cancel `ctl`; first within the tenant, because a board's run waits on it),
+  else its host lane (host `req` and `ctl` on their way to a board, the bridge's
+  answers on `_b`, replay answers). Per tenant, not one board lane for all: with one,
+  the answers to a neighbour's flood of junk calls (283,000 queued in 81 s, from two
+  devices sending junk calls and junk events) stood ahead of every other tenant's
+  request and model text, and a quiet tenant's request waited for the flood to end.
+  Now a message of a quiet tenant waits for at most one message of each other tenant
+  with something queued (and the window), whatever those tenants have queued;
 - EVENTS: the event lanes, round robin across tenants, then across that tenant's
   devices, one message per turn, so a flooding device slows only itself and its own
   tenant.
@@ -47,7 +54,13 @@ Nothing is taken that there is no room for. An event is offered (`offer_event`) 
 refused, with the reason, when its device's queue, its tenant's queue or the global
 memory `Budget` is full; the intake then does not advance past it and fetches it again
 with its gap repair once `has_room` says so (intake.py). A host request that finds its
-tenant's lane full is refused `busy` (`host`), by name, on the tenant's `_b` stream.
+tenant's lane full is refused `busy` (`host`), by name, on the tenant's `_b` stream. A
+tenant's board lane holds at most `board_lane` messages: an RPC worker waits for room
+(its model is slowed), and an answer made on paho's network thread (a refusal of a
+junk call) that finds it full is not queued (`board` returns False): counted
+`lanes.board_full` and `tenant.T.board_full`, logged once per episode, and its call,
+never started, is one its board times out on. What else the bridge sends a board
+(replay and cancel requests, bounded per run where they are made) is always taken.
 """
 
 from __future__ import annotations
@@ -206,6 +219,9 @@ class _Channel:
 class _Tenant:
     name: str
     host: deque[_Msg] = field(default_factory=deque)
+    # What the bridge sends this tenant's boards (module docstring): its turn on the
+    # control channel serves this lane first.
+    board: deque[_Msg] = field(default_factory=deque)
     # Devices with queued events, in turn order (the one served goes to the end).
     devices: OrderedDict[str, deque[_Msg]] = field(default_factory=OrderedDict)
     device_bytes: dict[str, int] = field(default_factory=dict)
@@ -251,18 +267,21 @@ class Outbox:
         # only briefly, so no lock order with paho's own locks arises.
         lock = threading.Lock()
         self._cond = threading.Condition(lock)
+        # The bridge's own messages, for no tenant (its presence): first in line.
         self._board: deque[_Msg] = deque()
         self._events = _Channel(EVENTS, window, lock)
         self._control = _Channel(CONTROL, window, lock)
         # Tenants in least-recently-used order, bounded (a tenant's state is its lanes
         # and its rate bucket; one with nothing queued is forgotten first).
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
-        self._host_turn: OrderedDict[str, _Tenant] = OrderedDict()
+        # Tenants with board or host messages queued, in turn order (control channel).
+        self._control_turn: OrderedDict[str, _Tenant] = OrderedDict()
         self._event_turn: OrderedDict[str, _Tenant] = OrderedDict()
         self._stopping = False
         self._draining_until = 0.0
         self._untold_episode = False
-        # RPC workers waiting in board() for room in the board lane.
+        self._board_full_episode = False
+        # RPC workers waiting in board() for room in a board lane.
         self._board_waiting = 0
 
     # ------------------------------------------------------------------ producers
@@ -358,8 +377,8 @@ class Outbox:
                 ten.host.extend(
                     _Msg(topic, payload, kind, tenant, 0) for topic, payload in messages
                 )
-                if messages and tenant not in self._host_turn:
-                    self._host_turn[tenant] = ten
+                if messages and tenant not in self._control_turn:
+                    self._control_turn[tenant] = ten
                 self._queued(ch)
         if direct is not None:
             self._publish(ch, direct, _Msg(*messages[0], kind, tenant, 0))
@@ -387,8 +406,8 @@ class Outbox:
                     self.budget.force(cost)
                 ten.host.append(_Msg(topic, payload, Kind.NOTICE, tenant, cost))
                 ten.notices += 1
-                if tenant not in self._host_turn:
-                    self._host_turn[tenant] = ten
+                if tenant not in self._control_turn:
+                    self._control_turn[tenant] = ten
                 self._queued(self._control)
                 self._untold_episode = False
                 return True
@@ -402,20 +421,31 @@ class Outbox:
         payload: bytes,
         wait_until: float | None = None,
         retain: bool = False,
-    ) -> None:
-        """Queue a message of the bridge's own to a board (or its presence), first in line.
+        tenant: str | None = None,
+        refusable: bool = False,
+    ) -> bool:
+        """Queue a message of the bridge's own to a board of `tenant` (None: the bridge's
+        own lane, first of all: its presence, and an answer to a device the registry does
+        not know), first in that tenant's turn; True when queued.
 
-        Always taken: what feeds this lane is bounded elsewhere (one replay or cancel
-        request per run at a time, RPC chunks by each call's window). A caller that may
-        wait (an RPC worker, `wait_until` a time.monotonic() value) waits while the lane
-        holds more than its bound, so a model streaming faster than the broker takes it
-        is slowed, not queued without end.
+        A caller that may wait (an RPC worker, `wait_until` a time.monotonic() value)
+        waits while the tenant's lane holds `board_lane` messages or more, so a model
+        streaming faster than the broker takes it is slowed, not queued without end; past
+        its time it is queued all the same (counted `lanes.board_over`: the call's own
+        deadline bounds it). A `refusable` message (an answer made on paho's network
+        thread, which never waits) that finds the lane full is not queued: counted, logged
+        once per episode, and False (module docstring). Anything else is always taken:
+        what feeds it is bounded where it is made (one replay or cancel request per run).
         """
         ch = self._control
+        first = False
         with self._cond:
+            ten = self._tenant(tenant) if tenant is not None else None
+            lane = ten.board if ten is not None else self._board
             while (
                 wait_until is not None
-                and len(self._board) >= self._board_cap
+                and ten is not None
+                and len(lane) >= self._board_cap
                 and not self._stopping
             ):
                 left = wait_until - time.monotonic()
@@ -427,13 +457,34 @@ class Outbox:
                     self._cond.wait(min(left, _IDLE_S))
                 finally:
                     self._board_waiting -= 1
-            msg = _Msg(topic, payload, Kind.BOARD, None, 0, retain)
-            direct = self._direct(ch)
-            if direct is None:
-                self._board.append(msg)
-                self._queued(ch)
+            if refusable and len(lane) >= self._board_cap:
+                self._count("lanes.board_full", 1)
+                if tenant is not None:
+                    self._count(f"tenant.{tenant}.board_full", 1)
+                first, self._board_full_episode = not self._board_full_episode, True
+                direct = None
+                queued = False
+            else:
+                msg = _Msg(topic, payload, Kind.BOARD, tenant, 0, retain)
+                direct = self._direct(ch)
+                if direct is None:
+                    lane.append(msg)
+                    if ten is not None and tenant not in self._control_turn:
+                        self._control_turn[ten.name] = ten
+                    self._queued(ch)
+                queued = True
+                if refusable and len(lane) * 2 <= self._board_cap:
+                    self._board_full_episode = False
+        if first:
+            log.warning(
+                "tenant %s's board lane holds %d messages: answers made on the network "
+                "thread are not queued (counted lanes.board_full)",
+                tenant,
+                self._board_cap,
+            )
         if direct is not None:
             self._publish(ch, direct, msg)
+        return queued
 
     def _tenant(self, name: str) -> _Tenant:
         ten = self._tenants.get(name)
@@ -449,7 +500,7 @@ class Outbox:
     def _forget_idle_tenant(self) -> None:
         # The oldest with nothing queued; a tenant forgotten starts with a full bucket.
         for name, ten in self._tenants.items():
-            if not ten.host and not ten.devices:
+            if not ten.host and not ten.devices and not ten.board:
                 del self._tenants[name]
                 return
 
@@ -459,8 +510,9 @@ class Outbox:
         """How much waits in the lanes now, and the budget: for stats and tests."""
         with self._cond:
             events = sum(len(q) for t in self._tenants.values() for q in t.devices.values())
+            boards = sum(len(t.board) for t in self._tenants.values())
             return {
-                "board": len(self._board) + len(self._control.retry),
+                "board": len(self._board) + boards + len(self._control.retry),
                 "host": sum(len(t.host) for t in self._tenants.values()),
                 "events": events + len(self._events.retry),
                 "event_bytes": sum(t.bytes for t in self._tenants.values()),
@@ -513,7 +565,8 @@ class Outbox:
                 ch.client = None
                 left += len(ch.retry)
             for ten in self._tenants.values():
-                left += len(ten.host) + sum(len(q) for q in ten.devices.values())
+                left += len(ten.host) + len(ten.board)
+                left += sum(len(q) for q in ten.devices.values())
         if left:
             self._count("lanes.unsent_at_stop", left)
             log.warning("stopping with %d messages not handed to the broker", left)
@@ -572,7 +625,7 @@ class Outbox:
         if ch.retry:
             return True
         if ch is self._control:
-            return bool(self._board or self._host_turn)
+            return bool(self._board or self._control_turn)
         return bool(self._event_turn)
 
     def _direct(self, ch: _Channel) -> mqtt.Client | None:
@@ -644,14 +697,17 @@ class Outbox:
             return self._next_event()
         if self._board:
             return self._board.popleft()
-        if self._host_turn:
-            name, ten = next(iter(self._host_turn.items()))
-            msg = ten.host.popleft()
-            if msg.kind == Kind.NOTICE:
-                ten.notices -= 1
-            del self._host_turn[name]
-            if ten.host:
-                self._host_turn[name] = ten  # to the back of the round
+        if self._control_turn:
+            name, ten = next(iter(self._control_turn.items()))
+            if ten.board:
+                msg = ten.board.popleft()
+            else:
+                msg = ten.host.popleft()
+                if msg.kind == Kind.NOTICE:
+                    ten.notices -= 1
+            del self._control_turn[name]
+            if ten.board or ten.host:
+                self._control_turn[name] = ten  # to the back of the round
             return msg
         return None
 

@@ -66,7 +66,7 @@ from server_bridge.store import (
     parse_document,
     settled,
 )
-from server_bridge.topics import check_id
+from server_bridge.topics import check_id, check_user_id
 
 __all__ = [
     "BRIDGE",
@@ -110,12 +110,16 @@ class DeviceRecord:
 @dataclass(frozen=True)
 class BrokerUser:
     """A broker user: `tenant` is None for a bridge user; `password_hash` is the `$7$`
-    entry of Mosquitto's password file (kept out of the repr all the same)."""
+    entry of Mosquitto's password file (kept out of the repr all the same). A host user
+    with `usr` reads only that end user's runs; one without is a watcher, which reads
+    every user's runs of its tenant (PROTOCOL.md "Who sees what"; brokerconf.py writes
+    the rights)."""
 
     user: str
     role: str
     tenant: str | None
     password_hash: str = field(repr=False)
+    usr: str | None = None
 
 
 @dataclass(frozen=True)
@@ -495,19 +499,33 @@ class Registry:
 
     # ------------------------------------------------------------------ broker users
 
-    def add_user(self, user: str, role: str, tenant: str | None, password_hash: str) -> BrokerUser:
+    def add_user(
+        self,
+        user: str,
+        role: str,
+        tenant: str | None,
+        password_hash: str,
+        *,
+        usr: str | None = None,
+    ) -> BrokerUser:
         """Add a bridge user (`tenant` None) or a host user of an existing tenant, with
-        its `$7$` password entry. A device's user comes with the device
-        (`enroll_device`). A name already taken, by a user or a device, is refused."""
+        its `$7$` password entry; a host user with `usr` is bound to that end user (it
+        reads that user's runs only), one without is a watcher. A device's user comes
+        with the device (`enroll_device`). A name already taken, by a user or a device,
+        is refused."""
         with self._writing():
-            return self._insert_user(user, role, tenant, password_hash)
+            return self._insert_user(user, role, tenant, password_hash, usr)
 
     def _insert_user(
-        self, user: str, role: str, tenant: str | None, password_hash: str
+        self, user: str, role: str, tenant: str | None, password_hash: str, usr: str | None = None
     ) -> BrokerUser:
         """The caller holds the lock, in a change."""
         check_user(user)
         check_entry(password_hash)
+        if usr is not None:
+            if role != HOST:
+                raise RegistryError("only a host user is bound to an end user")
+            check_user_id(usr)
         if role == BRIDGE:
             if tenant is not None:
                 raise RegistryError("a bridge user belongs to no tenant")
@@ -523,8 +541,11 @@ class Registry:
         if role == BRIDGE:
             # Its control user comes with it, so that name must be free and fit too.
             self._check_name_free(control_user(user))
-        self._users.insert({"user": user, "role": role, "tenant": tenant, "hash": password_hash})
-        return BrokerUser(user, role, tenant, password_hash)
+        doc = {"user": user, "role": role, "tenant": tenant, "hash": password_hash}
+        if usr is not None:
+            doc["usr"] = usr
+        self._users.insert(doc)
+        return BrokerUser(user, role, tenant, password_hash, usr)
 
     def set_password_hash(self, user: str, password_hash: str) -> BrokerUser:
         """Give an existing broker user a new `$7$` password entry (its old password stops
@@ -683,9 +704,13 @@ def _grant(doc: dict[str, Any]) -> Grant:
 
 def _user(doc: dict[str, Any]) -> BrokerUser:
     tenant = doc.get("tenant")
+    # A host user written before users were bound has no `usr`: a watcher, the reach
+    # every host user had then.
+    usr = doc.get("usr")
     return BrokerUser(
         str(doc["user"]),
         str(doc["role"]),
         None if tenant is None else str(tenant),
         str(doc["hash"]),
+        None if usr is None else str(usr),
     )

@@ -60,8 +60,23 @@ what its payload and string limits allow, whichever is less; a tool call whose i
 board could not decode ends the call with `too_large`, since splitting it would change its
 meaning.
 
-Calls in flight are bounded in total and per device: a device that floods the bridge
-with calls gets `busy`, while the other devices' calls still find room.
+Calls in flight are bounded in total, per tenant and per device: a device that floods
+the bridge with calls gets `busy`, and so does a tenant whose devices together hold
+`tenant_share` of the bridge's room (three quarters by default), while the other
+devices' and tenants' calls still find room.
+
+Tenants take turns for the workers (_FairPool), not first come first served: a free
+worker takes the oldest waiting call of the next tenant in the round, and a tenant runs
+on at most `tenant_share` of the workers, so a neighbour whose devices keep their
+workers busy with slow model calls leaves a worker free for a quiet tenant's call, which
+waits at most for the calls ahead of it in the round, not for the neighbour's queue. (With
+ThreadPoolExecutor's one queue, a tenant with enough devices could hold every worker and
+queue calls in every other slot the bridge has, ahead of another tenant's call.)
+
+A refusal made on paho's network thread (a call refused before it started) goes out
+through `send_refusal` when the bridge gives one: it may find its tenant's board lane
+full and not be queued (lanes.py, counted there), so a tenant's flood of junk calls fills
+only its own lane. Nothing that answers a call that started is ever refused so.
 
 Failures are logged as their type and a scrubbed message (server_bridge/redact.py); the
 scrubbed traceback goes to DEBUG. A provider's exception text can hold URLs with
@@ -73,9 +88,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -127,6 +141,8 @@ Admit = Callable[[DeviceRecord, "Call", dict[str, Any]], dict[str, Any]]
 # is set by the worker threads only: they may wait for room in a full outgoing queue
 # until then, where paho's network thread and the housekeeping thread must never wait.
 Send = Callable[[str, dict[str, Any], "float | None"], None]
+# (device, answer map) -> queued: a refusal made on the network thread (never waits).
+SendRefusal = Callable[[str, dict[str, Any]], bool]
 Refuse = Callable[[str, str, str], None]  # (kind, topic, msg)
 Count = Callable[[str, int], None]
 LimitsOf = Callable[[str], "Limits | None"]  # device -> limits from its hello, if any
@@ -152,6 +168,136 @@ _RECENT_DEVICES = 1024
 # (timeit), against the 0.4 ms a worker took to wake; 17 KiB took 190 us, and a call
 # that large is left to its worker, so the messages waiting behind it wait no longer.
 _EARLY_MAX_PAYLOAD = 4096
+# The share of the workers, and of the calls in flight, that one tenant may hold while
+# others wait or call (module docstring): 6 of the default 8 workers and 48 of the 64
+# calls, so two always remain for the others however slow the busy tenant's calls are.
+_TENANT_SHARE = 0.75
+
+
+def tenant_share(n: int) -> int:
+    """How many of `n` workers or call slots one tenant may hold: at least one, and
+    fewer than all when there are two or more."""
+    return max(1, min(n - 1, int(n * _TENANT_SHARE))) if n > 1 else n
+
+
+class _Job:
+    """A call waiting for a worker of a _FairPool, or run by one."""
+
+    __slots__ = ("fn", "args", "tenant", "state")
+
+    def __init__(self, tenant: str, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.tenant = tenant
+        self.fn = fn
+        self.args = args
+        self.state = "queued"  # then "running", "done", or "cancelled"
+
+    def cancelled(self) -> bool:
+        return self.state == "cancelled"
+
+
+class _FairPool:
+    """Worker threads that take calls tenant by tenant (module docstring).
+
+    Each tenant's calls wait in a queue of its own, oldest first; tenants with a call
+    waiting take turns in `_turn`. A worker that frees up takes the next tenant's oldest
+    call, skipping a tenant that already runs `cap` calls.
+    The queues are bounded where calls are admitted (RpcServer._start: calls in flight,
+    per device and per tenant), so nothing here refuses. Threads start as calls need
+    them, up to `workers`, and live until shutdown."""
+
+    def __init__(self, workers: int, name: str = "wren-rpc") -> None:
+        self.workers = workers
+        self.cap = tenant_share(workers)
+        self._name = name
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[_Job]] = {}
+        self._turn: OrderedDict[str, None] = OrderedDict()
+        self._running: Counter[str] = Counter()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._shutdown = False
+
+    def submit(self, tenant: str, fn: Callable[..., None], *args: Any) -> _Job:
+        job = _Job(tenant, fn, args)
+        with self._cond:
+            if self._shutdown:
+                raise RuntimeError("the pool is shut down")
+            self._queues.setdefault(tenant, deque()).append(job)
+            self._turn.setdefault(tenant, None)
+            if self._idle:
+                self._cond.notify()
+            elif len(self._threads) < self.workers:
+                t = threading.Thread(
+                    target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+        return job
+
+    def _next(self) -> _Job | None:
+        """The next call by the tenants' turns (the lock is held), or None when every
+        waiting tenant is at its cap or nothing waits."""
+        for tenant in self._turn:
+            # At its cap even when alone: a quiet tenant's call that comes while a busy
+            # tenant's slow calls hold the workers finds one free, instead of waiting
+            # for one of those calls to end (a model call may take minutes).
+            if self._running[tenant] >= self.cap:
+                continue
+            q = self._queues[tenant]
+            job = q.popleft()
+            del self._turn[tenant]
+            if q:
+                self._turn[tenant] = None  # to the back of the round
+            else:
+                del self._queues[tenant]
+            return job
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                job = self._next()
+                while job is None:
+                    if self._shutdown:
+                        return
+                    self._idle += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._idle -= 1
+                    job = self._next()
+                job.state = "running"
+                self._running[job.tenant] += 1
+            try:
+                job.fn(*job.args)
+            except Exception:
+                # The calls' own code logs what it can; this is what escaped it.
+                log.exception("rpc worker: a call raised")
+            finally:
+                with self._cond:
+                    job.state = "done"
+                    self._running[job.tenant] -= 1
+                    if self._running[job.tenant] <= 0:
+                        del self._running[job.tenant]
+                    # A tenant skipped at its cap may go now: wake every idle worker.
+                    if self._turn:
+                        self._cond.notify_all()
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = True) -> None:
+        with self._cond:
+            self._shutdown = True
+            if cancel_futures:
+                for q in self._queues.values():
+                    for job in q:
+                        job.state = "cancelled"
+                self._queues.clear()
+                self._turn.clear()
+            self._cond.notify_all()
+            threads = list(self._threads)
+        if wait:
+            for t in threads:
+                if t is not threading.current_thread():
+                    t.join()
 
 
 class RpcError(Exception):
@@ -374,10 +520,11 @@ class _Call:
     # What the method began early, and the worker's job: a job close() cancels never
     # runs, so close() lets go of what it began.
     early: Started | None = None
-    job: Future[None] | None = None
+    job: _Job | None = None
     # Set by the worker as it runs the handler: a call that times out after this was the
     # method's own work being too slow; before it, the call waited for a worker.
     started: bool = False
+    tenant: str = ""  # the device's tenant when the call was admitted (its share)
 
     @property
     def key(self) -> tuple[str, int | str]:
@@ -551,8 +698,10 @@ class RpcServer:
         merge_s: float = BridgeConfig.rpc_merge_s,
         llm_max_tokens: int = BridgeConfig.llm_max_tokens,
         model_policy: ModelPolicy | None = None,
+        send_refusal: SendRefusal | None = None,
     ) -> None:
         self._send = send
+        self._send_refusal = send_refusal
         self._refuse = refuse
         self._count: Count = count or (lambda name, n: None)
         # What the bridge accepts from boards; what it sends a board is sized by that
@@ -565,11 +714,13 @@ class RpcServer:
         self._merge_s = merge_s
         self.rpc_timeout_s = rpc_timeout_s
         self._workers = workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wren-rpc")
+        self._pool = _FairPool(workers)
+        self._max_per_tenant = tenant_share(max_inflight)
         self._lock = threading.Lock()
         self._inflight: set[_Call] = set()
         self._calls: dict[tuple[str, int | str], _Call] = {}  # the same calls, by key
         self._per_device: Counter[str] = Counter()
+        self._per_tenant: Counter[str] = Counter()
         # Recently finished call ids per device, least recently calling device first.
         self._recent: OrderedDict[str, OrderedDict[int | str, None]] = OrderedDict()
         self._closed = False
@@ -642,14 +793,14 @@ class RpcServer:
             if not is_ack(obj):
                 # A call is answered (with c = nil when it has no readable id); an ack is
                 # not a call, so a malformed one is refused and counted, never answered.
-                self.answer(device.device, err(c, e.kind, str(e)))
+                self._answer_refusal(device.device, err(c, e.kind, str(e)))
             self._refuse(e.kind, topic, str(e))
             return
         self._start(device, call, method, args, topic, len(payload))
 
     def answer_refusal(self, device: str, topic: str, kind: str, msg: str) -> None:
         """Answer a call refused before it was read (e.g. an unknown device)."""
-        self.answer(device, err(None, kind, msg))
+        self._answer_refusal(device, err(None, kind, msg))
         self._refuse(kind, topic, msg)
 
     def _ack(self, device: str, obj: object) -> None:
@@ -714,22 +865,31 @@ class RpcServer:
                 # Checked before the total: a device at its own cap is told so, and its
                 # calls never take the room other devices' calls need.
                 msg = f"device {device.device} has {self._max_per_device} calls in flight"
+            elif self._per_tenant[device.tenant] >= self._max_per_tenant:
+                # And a tenant at its share is told so before the total: one tenant's
+                # devices together never take the room the other tenants' calls need.
+                msg = f"tenant {device.tenant} has {self._max_per_tenant} calls in flight"
             elif len(self._inflight) >= self._max_inflight:
                 msg = f"the bridge has {self._max_inflight} calls in flight"
             else:
                 self._inflight.add(state)
                 self._calls[state.key] = state
                 self._per_device[device.device] += 1
+                self._per_tenant[device.tenant] += 1
+                state.tenant = device.tenant
                 # No call waits for a worker ahead of this one: it runs at once. (A call
                 # device_gone ended no longer counts while its worker may still run it;
                 # then this one waits for that worker, and what it began is closed if it
                 # expires meanwhile.)
-                worker_free = len(self._inflight) <= self._workers
+                worker_free = (
+                    len(self._inflight) <= self._workers
+                    and self._per_tenant[device.tenant] <= self._pool.cap
+                )
         if repeat:
             self._count("rpc.duplicate", 1)
             return
         if msg is not None:
-            self.answer(device.device, err(call.c, "busy", msg))
+            self._answer_refusal(device.device, err(call.c, "busy", msg))
             self._refuse("busy", topic, msg)
             return
         self._count("rpc.calls", 1)
@@ -747,12 +907,12 @@ class RpcServer:
                 cause = e.extra.get("cause")
                 self._count(f"rpc.refused.{cause if isinstance(cause, str) else e.kind}", 1)
                 log.info("rpc %s for %s (call %r): %s", call.m, device.device, call.c, e.msg)
-                self.answer(device.device, err(call.c, e.kind, e.msg, e.extra))
+                self._answer_refusal(device.device, err(call.c, e.kind, e.msg, e.extra))
                 return
         early = state.early = self._start_early(method, call, args, size) if worker_free else None
         ctx = CallContext(device, call, deadline=state.wait_until, early=early)
         try:
-            state.job = self._pool.submit(self._run, state, method, ctx, args)
+            state.job = self._pool.submit(device.tenant, self._run, state, method, ctx, args)
         except RuntimeError:  # the pool was shut down between the check and here
             if early is not None:
                 early.close()
@@ -839,6 +999,9 @@ class RpcServer:
         self._per_device[state.device] -= 1
         if self._per_device[state.device] <= 0:
             del self._per_device[state.device]
+        self._per_tenant[state.tenant] -= 1
+        if self._per_tenant[state.tenant] <= 0:
+            del self._per_tenant[state.tenant]
 
     def _remember(self, state: _Call) -> None:  # under self._lock
         ids = self._recent.pop(state.device, None)
@@ -1042,6 +1205,15 @@ class RpcServer:
 
     def answer(self, device: str, obj: Mapping[str, Any], wait_until: float | None = None) -> None:
         self._send(device, dict(obj), wait_until)
+
+    def _answer_refusal(self, device: str, obj: Mapping[str, Any]) -> None:
+        """Answer a call refused before it started (network thread). Through
+        send_refusal when there is one: not queued when the device's tenant's board lane
+        is full (counted by the lanes, and here `rpc.refusal_unsent`)."""
+        if self._send_refusal is None:
+            self._send(device, dict(obj), None)
+        elif not self._send_refusal(device, dict(obj)):
+            self._count("rpc.refusal_unsent", 1)
 
     # ------------------------------------------------------------------ devices
 

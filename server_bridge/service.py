@@ -298,6 +298,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"(default {BridgeConfig.rpc_merge_s * 1000:g}; 0 sends each chunk as it comes)",
     )
     p.add_argument(
+        "--run-probe",
+        type=seconds,
+        metavar="S",
+        help="seconds an open run of an online device may stay quiet before the bridge "
+        "asks its board for what followed (run liveness, PROTOCOL.md; default "
+        f"{BridgeConfig.run_probe_s:g}, the wait doubling up to "
+        f"{BridgeConfig.run_probe_max_s:g})",
+    )
+    p.add_argument(
         "--stats-file",
         type=Path,
         default=DEFAULT_STATS_FILE,
@@ -355,6 +364,9 @@ def bridge_config(args: argparse.Namespace) -> BridgeConfig:
         config = dataclasses.replace(config, llm_max_tokens=args.max_tokens)
     if args.model_timeout is not None:
         config = dataclasses.replace(config, llm_timeout_s=args.model_timeout)
+    if args.run_probe is not None:
+        most = max(args.run_probe, config.run_probe_max_s)
+        config = dataclasses.replace(config, run_probe_s=args.run_probe, run_probe_max_s=most)
     return config
 
 

@@ -1,8 +1,11 @@
 """Session tokens and scope tickets, signed with the tenant's secret (HMAC-SHA256).
 
 A session token is `<base64url(msgpack claims)>.<base64url(hmac)>` with claims
-{ten, usr, exp}. The bridge verifies it and takes the user id from it; nothing else in a
-host message names the user.
+{ten, usr, exp} and, for a watcher (a dashboard, an operator), `role: "watch"`. The
+bridge verifies it and takes the user id from it; nothing else in a host message names
+the user. The user id is a level of the host topic of that user's runs, so it is held
+to topics.USR_PATTERN: no token is signed, and none verifies, for any other. Who may do
+what with a run follows from the session (server_bridge/access.py).
 
 A scope ticket has the same form with claims {ten, dev, usr, conv, exp}: the bridge
 adds one to each request it forwards to a board, and the board copies it into the run's
@@ -27,6 +30,11 @@ from typing import Any
 import msgpack
 
 from edge_runtime.events import MAX_ID
+from server_bridge.topics import USR_PATTERN, is_user_id
+
+# The one role a session token may carry: it may watch (and act on) every run of its
+# tenant (PROTOCOL.md "Who sees what"). A token without one speaks for its user alone.
+WATCH = "watch"
 
 
 class TokenError(ValueError):
@@ -40,6 +48,8 @@ class Session:
     tenant: str
     user: str
     expires: int
+    # The token's role is "watch": the session may see and act on every user's runs.
+    watch: bool = False
 
 
 def _b64(data: bytes) -> str:
@@ -72,15 +82,28 @@ def _claims(key: bytes, token: object, what: str, max_len: int) -> dict[Any, Any
     return claims
 
 
-def sign(secret: bytes, tenant: str, user: str, ttl_s: int = 3600, now: float | None = None) -> str:
-    # The user id reaches the board as `usr`, which the board bounds like every id: a
-    # token naming a longer one could never start a run, so it is not issued.
-    if not isinstance(user, str) or not 0 < len(user) <= MAX_ID:
-        raise ValueError(f"a session token's user id must be a str of 1..{MAX_ID} chars")
+def sign(
+    secret: bytes,
+    tenant: str,
+    user: str,
+    ttl_s: int = 3600,
+    now: float | None = None,
+    *,
+    watch: bool = False,
+) -> str:
+    """A session token for `user` of `tenant`; with `watch`, a watcher's (role "watch")."""
+    # The user id reaches the board as `usr` (bounded like every id) and names the host
+    # topic of the user's runs: a token naming a longer one, or one with a character a
+    # topic level cannot hold, could never be served, so it is not issued.
+    if not is_user_id(user):
+        raise ValueError(f"a session token's user id must match {USR_PATTERN}")
     if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_ID:
         raise ValueError(f"a session token's tenant must be a str of 1..{MAX_ID} chars")
     exp = int((time.time() if now is None else now) + ttl_s)
-    body = msgpack.packb({"ten": tenant, "usr": user, "exp": exp})
+    claims: dict[str, Any] = {"ten": tenant, "usr": user, "exp": exp}
+    if watch:
+        claims["role"] = WATCH
+    body = msgpack.packb(claims)
     mac = hmac.new(secret, body, hashlib.sha256).digest()
     return f"{_b64(body)}.{_b64(mac)}"
 
@@ -91,11 +114,34 @@ def verify(secret: bytes, token: object, tenant: str, now: float | None = None) 
     ten, usr, exp = claims.get("ten"), claims.get("usr"), claims.get("exp")
     if not isinstance(ten, str) or not isinstance(usr, str) or not usr or not isinstance(exp, int):
         raise TokenError("session token lacks ten, usr or exp")
+    if not is_user_id(usr):
+        # Signed by the tenant's secret, but not a user id a topic can name.
+        raise TokenError("session token names a user id outside the contract's alphabet")
+    role = claims.get("role")
+    if role is not None and role != WATCH:
+        # An unknown role is refused, never read as none: a newer issuer's narrower
+        # role must not turn into a plain user's rights here, nor a wider one.
+        raise TokenError("session token has an unknown role")
     if ten != tenant:
         raise TokenError("session token is for another tenant")
     if exp < (time.time() if now is None else now):
         raise TokenError("session token has expired")
-    return Session(ten, usr, exp)
+    return Session(ten, usr, exp, role == WATCH)
+
+
+def peek(token: object) -> dict[str, Any] | None:
+    """The claims of a session token, NOT verified (a host holds no secret): what a host
+    client reads to know which topics its token's events come on. None when malformed.
+    Never a basis for a right: the bridge and the broker decide those."""
+    if not isinstance(token, str) or token.count(".") != 1 or len(token) > 1024:
+        return None
+    try:
+        claims = msgpack.unpackb(
+            _unb64(token.split(".")[0]), max_str_len=MAX_ID, max_map_len=8, max_array_len=0
+        )
+    except Exception:  # noqa: BLE001 - any decode failure is a malformed token
+        return None
+    return claims if isinstance(claims, dict) else None
 
 
 # A ticket outlives its run's longest wait on a person (a paused run, for hours).

@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from edge_runtime.events import MAX_ID, PREFIX
 
 DEFAULT_PREFIX = PREFIX
 # A device or tenant id: the contract's id bound (MAX_ID) in a topic-safe alphabet.
 _ID = re.compile(rf"[a-z0-9][a-z0-9_-]{{0,{MAX_ID - 1}}}\Z")
+# An end user's id (a session token's `usr`), a level of the host topic of that user's
+# runs: wider than a device id, since user ids come from elsewhere (an e-mail address,
+# a directory's name), but never an MQTT wildcard, a `/` or anything a broker's ACL line
+# cannot hold, and never beginning with `_`, which is the bridge's (UNOWNED).
+_USR = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.@-]{{0,{MAX_ID - 1}}}\Z")
+USR_PATTERN = _USR.pattern[:-2]
+# The user level of a run whose user the bridge does not know (a run it met mid-way,
+# after its own restart, whose run.started it never saw; a board that did not say):
+# no user id begins with `_`, so only the watchers' wildcard reads it.
+UNOWNED = "_"
 
 # Board-side leaves (after P/d/D/), host-side leaves (after P/h/T/D/) and the bridge's
 # own (after P/b/: its presence, which boards and hosts read).
@@ -34,14 +45,27 @@ def check_id(value: str, what: str = "id") -> str:
     return value
 
 
+def is_user_id(value: object) -> bool:
+    """Whether `value` may be an end user's id, so a level of a host topic."""
+    return isinstance(value, str) and _USR.match(value) is not None
+
+
+def check_user_id(value: object) -> str:
+    if not is_user_id(value):
+        raise BadTopic(f"invalid user id {value!r}: must match {USR_PATTERN}")
+    return cast(str, value)
+
+
 @dataclass(frozen=True)
 class Topic:
-    """A parsed topic: side is 'd' (board link) or 'h' (host stream)."""
+    """A parsed topic: side is 'd' (board link) or 'h' (host stream); `user` is the
+    user level of a host event topic of one user's runs (P/h/T/D/u/<user>/evt)."""
 
     side: str
     device: str
     leaf: str
     tenant: str | None = None
+    user: str | None = None
 
 
 def device_topic(prefix: str, device: str, leaf: str) -> str:
@@ -57,6 +81,20 @@ def host_topic(prefix: str, tenant: str, device: str, leaf: str) -> str:
     if leaf not in HOST_LEAVES:
         raise BadTopic(f"unknown host topic leaf {leaf!r}")
     return f"{prefix}/h/{tenant}/{device}/{leaf}"
+
+
+def host_event_topic(prefix: str, tenant: str, device: str, user: str | None) -> str:
+    """Where hosts read an event (PROTOCOL.md "Who sees what"): P/h/T/D/u/<user>/evt for
+    an event of `user`'s run or an answer to `user`'s request, P/h/T/D/u/_/evt (UNOWNED,
+    watchers only) for a run whose user is unknown, and P/h/T/D/evt for the device's own
+    (None: its stream "_", the bridge's presence reports)."""
+    if user is None:
+        return host_topic(prefix, tenant, device, "evt")
+    check_id(tenant, "tenant")
+    check_id(device, "device")
+    if user != UNOWNED:
+        check_user_id(user)
+    return f"{prefix}/h/{tenant}/{device}/u/{user}/evt"
 
 
 def bridge_topic(prefix: str, leaf: str = "status") -> str:
@@ -80,4 +118,7 @@ def parse(prefix: str, topic: str) -> Topic:
         if rest[3] not in HOST_LEAVES:
             raise BadTopic(f"unknown host topic leaf {rest[3]!r}")
         return Topic("h", check_id(rest[2], "device"), rest[3], check_id(rest[1], "tenant"))
-    raise BadTopic(f"topic {topic!r} does not match P/d/D/... or P/h/T/D/...")
+    if len(rest) == 6 and rest[0] == "h" and rest[3] == "u" and rest[5] == "evt":
+        user = rest[4] if rest[4] == UNOWNED else check_user_id(rest[4])
+        return Topic("h", check_id(rest[2], "device"), "evt", check_id(rest[1], "tenant"), user)
+    raise BadTopic(f"topic {topic!r} does not match P/d/D/..., P/h/T/D/... or P/h/T/D/u/U/evt")

@@ -7,8 +7,9 @@ does (PROTOCOL.md "Replay"), without a MicroPython process per board. `ring=None
 everything it sent, so nothing is ever lost on the board side; a bounded ring reports
 what it overwrote as a gap, as the real one does.
 
-`HostTally` plays every host of a prefix: it reads P/h/+/+/evt and keeps, per (tenant,
-device, run), the ids that arrived, so a test can say "every id from 1 to n, no hole".
+`HostTally` plays every host of a prefix, a watcher: it reads P/h/+/+/evt and
+P/h/+/+/u/+/evt and keeps, per (tenant, device, run), the ids that arrived, so a test can
+say "every id from 1 to n, no hole".
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ class FakeBoard:
 
 
 class HostTally:
-    """Every event on P/h/+/+/evt, as ids per (tenant, device, run)."""
+    """Every event on P/h/+/+/evt and P/h/+/+/u/+/evt (a watcher's view: the devices'
+    topics and every user's runs), as ids per (tenant, device, run)."""
 
     def __init__(self, host: str, port: int, prefix: str) -> None:
         self.prefix = prefix
@@ -151,7 +153,7 @@ class HostTally:
         self.client.connect(host, port)
         self.client.loop_start()
         assert self._connected.wait(WAIT), "host did not connect"
-        self.client.subscribe(f"{prefix}/h/+/+/evt", 1)
+        self.client.subscribe([(f"{prefix}/h/+/+/evt", 1), (f"{prefix}/h/+/+/u/+/evt", 1)])
         assert self._subscribed.wait(WAIT), "host subscription not acknowledged"
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:

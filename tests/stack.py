@@ -203,6 +203,7 @@ class Stack:
         extra_users: Mapping[str, str] | None = None,
         main_py: str | None = None,
         access: str = "acl_file",
+        bound_users: Mapping[str, str] | None = None,
     ) -> None:
         self._owned_dir: tempfile.TemporaryDirectory[str] | None = None
         if workdir is None:
@@ -229,6 +230,9 @@ class Stack:
         self.start_timeout_s = start_timeout_s
 
         self.extra_users = dict(extra_users or {})
+        # Host users (of extra_users) bound to one end user, who read that user's runs
+        # alone; every other host user is a watcher (PROTOCOL.md "Who sees what").
+        self.bound_users = dict(bound_users or {})
         names = (BRIDGE_USER, device, HOST_USER, *self.extra_users)
         self.users = {name: secrets.token_urlsafe(12) for name in names}
         self.registry_path = workdir / "registry.json"
@@ -292,11 +296,12 @@ class Stack:
         if self.access == "dynsec":
             entries = {user: brokerconf.hash_password(pw) for user, pw in logins.items()}
             conf = brokerconf.write_dynsec_files(
-                broker_dir, brokerconf.dynsec_config(PREFIX, bridges, tenants, entries)
+                broker_dir,
+                brokerconf.dynsec_config(PREFIX, bridges, tenants, entries, self.bound_users),
             )
         else:
             conf = brokerconf.secure_mosquitto_conf(
-                broker_dir, logins, brokerconf.acl_text(PREFIX, bridges, tenants)
+                broker_dir, logins, brokerconf.acl_text(PREFIX, bridges, tenants, self.bound_users)
             )
         conf += "log_type subscribe\n"
         if self.persistence:

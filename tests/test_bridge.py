@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import re
 import threading
 import time
 import uuid
@@ -42,8 +43,18 @@ WAIT = 5.0
 # ---------------------------------------------------------------- helpers
 
 
+# A host's device topic P/h/T/D/evt, and the topics of that device's users' runs.
+_HOST_EVT = re.compile(r"(?P<device>.*/h/[^/]+/[^/]+)(?P<user>/u/[^/]+)?/evt")
+
+
 class Peer:
-    """A paho client playing a board or a host: per-topic queues of decoded payloads."""
+    """A paho client playing a board or a host: per-topic queues of decoded payloads.
+
+    A host peer that subscribes to a device's P/h/T/D/evt reads as a watcher: it also
+    subscribes to every user's runs of that device (P/h/T/D/u/+/evt) and reads all of
+    them in one queue, the device topic's, in the order they came. Which topic an event
+    goes to is tests/test_who_sees_what.py's; here it is what the bridge delivers.
+    """
 
     def __init__(
         self,
@@ -72,7 +83,8 @@ class Peer:
         self.client.loop_start()
         assert self._connected.wait(WAIT), "peer did not connect"
         if subscribe:
-            self.client.subscribe([(t, 1) for t in subscribe])
+            watched = [f"{m['device']}/u/+/evt" for t in subscribe if (m := _HOST_EVT.fullmatch(t))]
+            self.client.subscribe([(t, 1) for t in [*subscribe, *watched]])
             assert self._subscribed.wait(WAIT), "peer subscription not acknowledged"
 
     @property
@@ -84,7 +96,9 @@ class Peer:
             return self._queues.setdefault(topic, queue.Queue())
 
     def _on_message(self, client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        self.inbox(msg.topic).put(msgpack.unpackb(msg.payload, raw=False))
+        m = _HOST_EVT.fullmatch(msg.topic)
+        topic = f"{m['device']}/evt" if m else msg.topic
+        self.inbox(topic).put(msgpack.unpackb(msg.payload, raw=False))
 
     def send(self, topic: str, obj: Any = None, raw: bytes | None = None) -> None:
         payload = raw if raw is not None else msgpack.packb(obj, use_bin_type=True)
@@ -696,8 +710,10 @@ def test_hello_and_status_are_kept(world: World) -> None:
 # ---------------------------------------------------------------- host requests
 
 
-def token(user: str, tenant: str = "acme", secret: bytes = SECRET, ttl: int = 600) -> str:
-    return tokens.sign(secret, tenant, user, ttl_s=ttl)
+def token(
+    user: str, tenant: str = "acme", secret: bytes = SECRET, ttl: int = 600, watch: bool = False
+) -> str:
+    return tokens.sign(secret, tenant, user, ttl_s=ttl, watch=watch)
 
 
 def test_host_req_carries_the_tokens_user(world: World) -> None:
@@ -773,22 +789,40 @@ def test_req_without_conv_to_an_agent_with_session_state_is_refused_up_front(
     assert got["req"] == "q2" and got["conv"] == "c1" and "sc" in got
 
 
+def host_ctl(w: World) -> Any:
+    """The next ctl the board gets that is not the bridge's own replay request (it asks
+    for what follows a run that went quiet)."""
+    while (got := w.board.get(w.d("ctl")))["op"] == "replay":
+        pass
+    return got
+
+
+def owned(w: World, user: str, *runs: str) -> None:
+    """The board starts `runs` for `user` (their run.started says so, as a board's does)
+    and the host has seen them: the bridge knows each run's user, whose it is to act on
+    (server_bridge/access.py)."""
+    for run in runs:
+        w.board.send(w.d("evt"), ev(1, "run.started", run=run, req=f"q-{run}", usr=user))
+        assert w.host.get(w.h("evt"))["r"] == run
+
+
 def test_host_ctl(world: World) -> None:
     tok = token("alice")
+    owned(world, "alice", "r1", "r2")
     world.host.send(world.h("ctl"), {"op": "cancel", "r": "r1", "tok": tok, "usr": "admin"})
-    assert world.board.get(world.d("ctl")) == {"op": "cancel", "r": "r1"}
+    assert host_ctl(world) == {"op": "cancel", "r": "r1"}
     world.host.send(
         world.h("ctl"),
         {"op": "approve", "r": "r1", "call": "c1", "ok": True, "by": "admin", "tok": tok},
     )
-    assert world.board.get(world.d("ctl")) == {
+    assert host_ctl(world) == {
         "op": "approve", "r": "r1", "call": "c1", "ok": True, "by": "alice"
     }  # fmt: skip
     world.host.send(
         world.h("ctl"),
         {"op": "tool", "r": "r1", "call": "c2", "output": "yes", "failed": False, "tok": tok},
     )
-    assert world.board.get(world.d("ctl")) == {
+    assert host_ctl(world) == {
         "op": "tool", "r": "r1", "call": "c2", "output": "yes", "failed": False
     }  # fmt: skip
     world.host.send(world.h("ctl"), {"op": "reboot", "r": "r1", "tok": tok})
@@ -798,15 +832,16 @@ def test_host_ctl(world: World) -> None:
     )
     world.refused("bad_token")
     world.host.send(world.h("ctl"), {"op": "cancel", "r": "r2", "tok": tok})
-    assert world.board.get(world.d("ctl")) == {"op": "cancel", "r": "r2"}
+    assert host_ctl(world) == {"op": "cancel", "r": "r2"}
 
 
 def test_cancel_reason_reaches_the_board_cut_to_size(world: World) -> None:
     tok = token("alice")
+    owned(world, "alice", "r1")
     world.host.send(world.h("ctl"), {"op": "cancel", "r": "r1", "reason": "user left", "tok": tok})
-    assert world.board.get(world.d("ctl")) == {"op": "cancel", "r": "r1", "reason": "user left"}
+    assert host_ctl(world) == {"op": "cancel", "r": "r1", "reason": "user left"}
     world.host.send(world.h("ctl"), {"op": "cancel", "r": "r1", "reason": "z" * 5000, "tok": tok})
-    got = world.board.get(world.d("ctl"))
+    got = host_ctl(world)
     assert got == {"op": "cancel", "r": "r1", "reason": "z" * MAX_REASON}
 
 
@@ -1222,15 +1257,16 @@ def test_a_gap_report_cannot_lose_ids_past_its_own() -> None:
 def test_a_run_the_bridge_stops_tracking_with_ids_missing_is_told_to_hosts() -> None:
     sink = Sink()
     it = intake(sink, max_runs_per_device=2)
-    told: list[tuple[str, str, str, int, int, str]] = []
+    told: list[tuple[str, str, str, int, int, str, str | None]] = []
     it.on_ids_lost = lambda *notice: told.append(notice)
-    it.accept(DEV, [ev(1, run="a"), ev(4, run="a")])  # a: 2..3 missing, 4 held
+    # a: 2..3 missing, 4 held; alice's run, which the notice names after it is forgotten.
+    it.accept(DEV, [ev(1, "run.started", run="a", usr="alice"), ev(4, run="a")])
     it.accept(DEV, [ev(1, run="b")])
     assert told == []
     it.accept(DEV, [ev(1, run="c")])  # over the device's cap: a, the oldest, goes
     assert it.runs("dev1") == ["b", "c"]
     assert [t[:5] for t in told] == [("acme", "dev1", "a", 2, 4)]
-    assert "stopped tracking" in told[0][5]
+    assert "stopped tracking" in told[0][5] and told[0][6] == "alice"
     assert it.counts["evt.lost"] == 3  # type: ignore[attr-defined]
     # A finished run with nothing missing goes without a word.
     it.accept(DEV, [ev(2, "run.done", run="b", usage={})])

@@ -206,7 +206,10 @@ def test_calls_and_requests_are_served_while_a_neighbour_floods_events(
 
     bridge.intake.handle_evt = held  # type: ignore[method-assign]
     board = Peer(broker, "dev1", USERS["dev1"], (f"{P}/d/dev1/#",))
-    host = Peer(broker, "host-acme", USERS["host-acme"], (f"{P}/h/acme/dev1/evt",))
+    # A watcher (PROTOCOL "Who sees what"): the device's topic and every user's.
+    watched = (f"{P}/h/acme/dev1/evt", f"{P}/h/acme/dev1/u/+/evt")
+    host = Peer(broker, "host-acme", USERS["host-acme"], watched)
+    alices = f"{P}/h/acme/dev1/u/alice/evt"
     flood: Flood | None = None
     read = 0
     try:
@@ -222,20 +225,22 @@ def test_calls_and_requests_are_served_while_a_neighbour_floods_events(
         host.send(f"{P}/h/acme/dev1/req", {"req": "q1", "input": "hi", "tok": tok})
         req = board.next(f"{P}/d/dev1/req")
         assert (req["req"], req["usr"]) == ("q1", "alice")
-        # No status of dev1 read (the event connection is held): hosts are told the
-        # bridge has never seen it online (PROTOCOL "Presence at the host").
-        unseen = host.next(f"{P}/h/acme/dev1/evt")
+        # No status of dev1 read (the event connection is held): the host that asked is
+        # told the bridge has never seen it online (PROTOCOL "Presence at the host").
+        unseen = host.next(alices)
         assert (unseen["r"], unseen["t"], unseen["d"]) == (
             "_b", "presence", {"st": "unseen", "req": "q1"}
         )  # fmt: skip
         # `req` first (PROTOCOL "Requests and control"): a board names a req it cannot
         # decode by the id in its first bytes.
         assert next(iter(req)) == "req"
-        host.send(f"{P}/h/acme/dev1/ctl", {"op": "cancel", "r": "0a0b0c0d.1", "tok": tok})
+        # A watcher's cancel: no event of the run has been read, so whose it is is unknown.
+        ops = tokens.sign(SECRET, "acme", "ops", watch=True)
+        host.send(f"{P}/h/acme/dev1/ctl", {"op": "cancel", "r": "0a0b0c0d.1", "tok": ops})
         assert board.next(f"{P}/d/dev1/ctl") == {"op": "cancel", "r": "0a0b0c0d.1"}
         # The bridge's answer to a host on `_b` goes out on the control connection too.
         host.send(f"{P}/h/acme/dev1/ctl", {"op": "replay", "r": "nope", "after": 0, "tok": tok})
-        told = host.next(f"{P}/h/acme/dev1/evt")
+        told = host.next(alices)
         assert (told["r"], told["d"]["kind"]) == ("_b", "unknown_run")
         # All of it while the event connection had not read past the flood's first event.
         assert not release.is_set() and bridge.stats["evt.in"] == read
@@ -269,7 +274,12 @@ def test_a_drop_of_either_connection_recovers(secured: tuple[MosquittoProcess, R
     broker, registry = secured
     bridge = start_bridge(broker, registry)
     board = Peer(broker, "dev1", USERS["dev1"], (f"{P}/d/dev1/#", f"{P}/b/status"))
-    host = Peer(broker, "host-acme", USERS["host-acme"], (f"{P}/h/acme/dev1/evt", f"{P}/b/status"))
+    host = Peer(
+        broker,
+        "host-acme",
+        USERS["host-acme"],
+        (f"{P}/h/acme/dev1/evt", f"{P}/h/acme/dev1/u/+/evt", f"{P}/b/status"),
+    )
     evt = f"{P}/d/dev1/evt"
     try:
         assert board.next(f"{P}/b/status")["st"] == "online"

@@ -239,7 +239,8 @@ def test_the_replay_window_budget_holds_under_a_flood(
         evt = f"{f.p}/h/demo/f1/evt"
         host = Peer(f.broker, [evt])
         f.closing.append(host)
-        tok = token("alice", tenant="demo")
+        # A watcher's token: a fake board's run says no user, so it is a watcher's alone.
+        tok = token("ops", tenant="demo", watch=True)
         host.send(f"{f.p}/h/demo/f1/ctl", {"op": "replay", "r": "r1", "after": 0, "tok": tok})
         told = host.get(evt)
         assert (told["r"], told["d"]["kind"], told["d"]["from"], told["d"]["to"]) == (
@@ -267,7 +268,8 @@ def test_a_full_host_lane_refuses_busy_by_name(sized: MosquittoProcess, tmp_path
         quiet.burst("r1", 1000, "w" * 32)
         wait_for(lambda: f.bridge.intake.expected("quiet", "r1") == 1001, "the run", 60)
         evt = f"{f.p}/h/demo/quiet/evt"
-        tok = token("alice", tenant="demo")
+        # A watcher's token: a fake board's run says no user, so it is a watcher's alone.
+        tok = token("ops", tenant="demo", watch=True)
         # The answer to this replay is 1,000 events in demo's lane, one at a time on the
         # wire (max_inflight_messages 1): requests right behind it find the lane full.
         host.send(f"{f.p}/h/demo/quiet/ctl", {"op": "replay", "r": "r1", "after": 0, "tok": tok})

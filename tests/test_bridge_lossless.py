@@ -806,7 +806,9 @@ def test_a_host_replay_is_answered_from_the_bridges_window(
         replay_retry_max_s=60,
     )
     try:
-        tok = token("alice")
+        # A watcher's token: the run has no run.started, so no user the bridge knows of,
+        # and only a watcher may replay it (server_bridge/access.py).
+        tok = token("ops", watch=True)
         w.board.send(w.d("evt"), [ev(i) for i in range(1, 6)])
         assert [e["i"] for e in host_events(w, 5)] == [1, 2, 3, 4, 5]
 
@@ -857,7 +859,7 @@ def test_the_window_reader() -> None:
     it = intake(sink, keep=2)
     assert it.window("dev1", "r1") is None
     it.accept(DEV, [ev(2)])  # held: nothing forwarded yet
-    assert it.window("dev1", "r1") == ([], None, 1)
+    assert it.window("dev1", "r1") == ([], None, 1, None)
     it.accept(DEV, [ev(1), ev(3)])
     window = it.window("dev1", "r1", after=1)
     assert window is not None
@@ -932,7 +934,7 @@ def test_an_event_larger_than_the_window_budget_is_not_kept() -> None:
     it = intake(sink, window_bytes=100)
     it.accept(DEV, [ev(1, m=1, text="z" * 200), ev(2, "run.done")])
     assert sink.evts() == [1, 2]  # forwarded all the same: the window is only a cache
-    assert it.window("dev1", "r1") == ([], None, 3)
+    assert it.window("dev1", "r1") == ([], None, 3, None)
     assert it.window_used == 0 and it.window_peak <= 100
 
 
@@ -958,7 +960,7 @@ def test_a_host_replay_of_evicted_events_is_told_gap(
         replay_retry_max_s=60,
     )
     try:
-        tok = token("alice")
+        tok = token("ops", watch=True)  # a watcher's: the run's user is not known
         sent = [ev(i, m=1, text=big) for i in range(1, 11)]
         w.board.send(w.d("evt"), sent)
         assert host_events(w, 10) == sent

@@ -39,9 +39,12 @@ USERS = {
     "dev2": "dev2-pw",
     "host-acme": "acme-pw",
     "host-other": "other-pw",
+    "host-bob": "bob-pw",
     "observer": "observer-pw",
 }
-TENANTS = {"acme": "host-acme", "other": "host-other"}
+TENANTS = {"acme": ["host-acme", "host-bob"], "other": "host-other"}
+# host-bob reads end user bob's runs alone; the other host users are watchers.
+BOUND = {"host-bob": "bob"}
 # Not a Wren rule: a user of the tests' own who reads everything, so a write the broker
 # let through is seen (Wren's rules let no one but the bridge read all of P/#, and no
 # one read outside it).
@@ -175,9 +178,11 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         "user bridge.ctl\n"
         "topic readwrite wren/v1/#\n"
         "\n"
-        "# Hosts of tenant acme.\n"
+        # A host user not bound to one end user is a watcher: every user's runs.
+        "# Hosts of tenant acme: a watcher.\n"
         "user host-acme\n"
         "topic read wren/v1/h/acme/+/evt\n"
+        "topic read wren/v1/h/acme/+/u/+/evt\n"
         "topic write wren/v1/h/acme/+/req\n"
         "topic write wren/v1/h/acme/+/ctl\n"
     )
@@ -199,21 +204,34 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
 def test_acl_text_takes_a_user_per_connection() -> None:
     # With client ids bound to users, each bridge process and each host connection has a
     # user of its own; each gets the same rights as the one user did.
-    text = brokerconf.acl_text(P, ["bridge-b", "bridge"], {"acme": ["host-acme-2", "host-acme"]})
+    # A host user bound to one end user reads the device topics and that user's runs
+    # alone (PROTOCOL.md "Who sees what"); never `req` or `ctl`, which carry tokens.
+    text = brokerconf.acl_text(
+        P, ["bridge-b", "bridge"], {"acme": ["host-acme-2", "host-acme"]},
+        {"host-acme-2": "bob.b@example.com"},
+    )  # fmt: skip
     blocks = text.split("\n\n")[3:]
     assert blocks == [
         "# The bridge.\nuser bridge\ntopic readwrite wren/v1/#",
         "# The bridge.\nuser bridge-b\ntopic readwrite wren/v1/#",
         "# The bridge.\nuser bridge-b.ctl\ntopic readwrite wren/v1/#",
         "# The bridge.\nuser bridge.ctl\ntopic readwrite wren/v1/#",
-        *(
-            f"# Hosts of tenant acme.\nuser {user}\n"
-            "topic read wren/v1/h/acme/+/evt\n"
-            "topic write wren/v1/h/acme/+/req\n"
-            "topic write wren/v1/h/acme/+/ctl" + ("\n" if user == "host-acme-2" else "")
-            for user in ("host-acme", "host-acme-2")
-        ),
+        "# Hosts of tenant acme: a watcher.\nuser host-acme\n"
+        "topic read wren/v1/h/acme/+/evt\n"
+        "topic read wren/v1/h/acme/+/u/+/evt\n"
+        "topic write wren/v1/h/acme/+/req\n"
+        "topic write wren/v1/h/acme/+/ctl",
+        "# Hosts of tenant acme: bound to user bob.b@example.com.\nuser host-acme-2\n"
+        "topic read wren/v1/h/acme/+/evt\n"
+        "topic read wren/v1/h/acme/+/u/bob.b@example.com/evt\n"
+        "topic write wren/v1/h/acme/+/req\n"
+        "topic write wren/v1/h/acme/+/ctl\n",
     ]
+    # Bound: only a host user, only to an end-user id a topic level can hold.
+    for bound in ({"bridge": "bob"}, {"nobody": "bob"}, {"host-acme": "a/b"},
+                  {"host-acme": "+"}, {"host-acme": "_"}, {"host-acme": "b" * 65}):  # fmt: skip
+        with pytest.raises(ValueError):
+            brokerconf.acl_text(P, "bridge", {"acme": "host-acme"}, bound)
 
 
 def test_the_configuration_binds_client_ids_to_users(tmp_path: Path) -> None:
@@ -245,7 +263,7 @@ def test_dynsec_config_is_exactly_the_wren_rules() -> None:
     )
     doc = brokerconf.dynsec_config(
         P, ["bridge", "bridge-b"], {"acme": ["host-acme", "host-acme-2"], "other": "host-other"},
-        entries,
+        entries, {"host-acme-2": "bob"},
     )  # fmt: skip
     # Whatever no role grants is denied, unsubscribing too.
     assert doc["defaultACLAccess"] == {
@@ -261,12 +279,14 @@ def test_dynsec_config_is_exactly_the_wren_rules() -> None:
         "bridge.ctl": ["bridge"],
         "bridge-b.ctl": ["bridge"],
         "dev1": ["device-dev1", "presence"],
-        "host-acme": ["tenant-acme", "presence"],
-        "host-acme-2": ["tenant-acme", "presence"],
-        "host-other": ["tenant-other", "presence"],
+        # A watcher reads every user's runs of its tenant; a bound host user one's.
+        "host-acme": ["tenant-acme", "watch-acme", "presence"],
+        "host-acme-2": ["tenant-acme", "user-acme-bob", "presence"],
+        "host-other": ["tenant-other", "watch-other", "presence"],
     }
     assert [r["rolename"] for r in doc["roles"]] == [
-        "bridge", "device-dev1", "presence", "tenant-acme", "tenant-other",
+        "bridge", "device-dev1", "presence", "tenant-acme", "tenant-other", "user-acme-bob",
+        "watch-acme", "watch-other",
     ]  # fmt: skip
     assert _acls(doc, "bridge") == [
         *_reads("wren/v1/#", "Pattern"),
@@ -288,6 +308,8 @@ def test_dynsec_config_is_exactly_the_wren_rules() -> None:
         ("publishClientSend", "wren/v1/h/acme/+/req"),
         ("publishClientSend", "wren/v1/h/acme/+/ctl"),
     ]
+    assert _acls(doc, "watch-acme") == _reads("wren/v1/h/acme/+/u/+/evt", "Pattern")
+    assert _acls(doc, "user-acme-bob") == _reads("wren/v1/h/acme/+/u/bob/evt", "Pattern")
     assert _acls(doc, "presence") == _reads("wren/v1/b/status")
     # Each password as the registry stored it, in the plugin's fields.
     for client in doc["clients"]:
@@ -467,10 +489,10 @@ def access_conf(access: str, directory: Path, users: dict[str, str]) -> str:
     bridge's control user logs in with the bridge's password."""
     users = brokerconf.with_control_users(users, ["bridge"])
     if access == "acl_file":
-        acl = brokerconf.acl_text(P, "bridge", TENANTS) + OBSERVER_ACL
+        acl = brokerconf.acl_text(P, "bridge", TENANTS, BOUND) + OBSERVER_ACL
         return brokerconf.secure_mosquitto_conf(directory, users, acl)
     entries = {user: brokerconf.hash_password(pw) for user, pw in users.items()}
-    doc = brokerconf.dynsec_config(P, "bridge", TENANTS, entries)
+    doc = brokerconf.dynsec_config(P, "bridge", TENANTS, entries, BOUND)
     # The observer is a device to the rules (the ACL's %u makes it one too), and reads all.
     doc["roles"].append(OBSERVER_ROLE)
     [observer] = [c for c in doc["clients"] if c["username"] == "observer"]
@@ -781,6 +803,49 @@ def test_a_denied_subscription_is_granted_in_suback_and_delivers_nothing(
     bridge.publish(f"{P}/h/acme/dev1/evt", b"marker")
     assert dev1.until(b"marker") == [(f"{P}/d/dev1/req", b"marker")]
     assert host.until(b"marker") == [(f"{P}/h/acme/dev1/evt", b"marker")]
+
+
+def test_a_host_bound_to_one_user_reads_no_other_users_runs(secured: Secured) -> None:
+    """Who sees what (PROTOCOL.md): a host user bound to bob reads its tenant's device
+    topics and bob's runs, never alice's, however it subscribes; a watcher reads both.
+    Under the acl_file the wider filters are granted and deliver only bob's; the plugin
+    refuses them in SUBACK."""
+    bridge = secured.login("bridge")
+    bob = secured.login("host-bob")
+    watcher = secured.login("host-acme")
+    wide = [
+        f"{P}/h/acme/+/u/+/evt",
+        f"{P}/h/acme/+/u/alice/evt",
+        f"{P}/h/acme/#",
+        f"{P}/h/acme/dev1/req",  # other users' tokens go there
+        f"{P}/h/acme/dev1/ctl",
+    ]
+    codes = [bob.suback(topic) for topic in wide]
+    if secured.access == "dynsec":
+        assert codes == [[REFUSED_311]] * len(wide)
+    else:
+        assert codes == [[GRANTED_1]] * len(wide)
+    assert bob.suback(f"{P}/h/acme/+/u/bob/evt") == [GRANTED_1]
+    assert bob.suback(f"{P}/h/acme/+/evt") == [GRANTED_1]
+    assert watcher.suback(f"{P}/h/acme/+/u/+/evt") == [GRANTED_1]
+    assert watcher.suback(f"{P}/h/acme/+/evt") == [GRANTED_1]
+    # Alice's run, a token on req, then bob's run and the device's stream: bob gets the
+    # last two alone, the watcher every event.
+    bridge.publish(f"{P}/h/acme/dev1/u/alice/evt", b"alice's event")
+    bridge.publish(f"{P}/h/acme/dev1/u/_/evt", b"a run of no known user")
+    bridge.publish(f"{P}/h/acme/dev1/req", b"alice's token")
+    bridge.publish(f"{P}/h/acme/dev1/u/bob/evt", b"bob's event")
+    bridge.publish(f"{P}/h/acme/dev1/evt", b"marker")
+    assert bob.until(b"marker") == [
+        (f"{P}/h/acme/dev1/u/bob/evt", b"bob's event"),
+        (f"{P}/h/acme/dev1/evt", b"marker"),
+    ]
+    assert watcher.until(b"marker") == [
+        (f"{P}/h/acme/dev1/u/alice/evt", b"alice's event"),
+        (f"{P}/h/acme/dev1/u/_/evt", b"a run of no known user"),
+        (f"{P}/h/acme/dev1/u/bob/evt", b"bob's event"),
+        (f"{P}/h/acme/dev1/evt", b"marker"),
+    ]
 
 
 # --- the dynamic security plugin: refused in SUBACK -------------------------------------------

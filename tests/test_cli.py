@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from server_bridge import service
+from server_bridge import service, tokens
 from server_bridge.brokerconf import check_password, secure_mosquitto_conf
 from server_bridge.config import BridgeConfig
 from server_bridge.host.client import HostClient, RequestRefused
@@ -571,9 +571,13 @@ class _Mosquitto:
 def test_a_device_added_by_the_cli_logs_in_with_its_printed_password_and_only_as_itself(
     tmp_path: Path, access: str
 ) -> None:
-    _ok(tmp_path, "tenant", "add", "acme")
+    watcher_pw = _printed_password(_ok(tmp_path, "tenant", "add", "acme"), "host-acme")
     _ok(tmp_path, "tenant", "add", "other")
     bridge_pw = _printed_password(_ok(tmp_path, "bridge-user", "add", "bridge"), "bridge")
+    # A host connection bound to end user bob (PROTOCOL.md "Who sees what").
+    bobs = _ok(tmp_path, "host-user", "add", "host-bob", "--tenant", "acme", "--usr", "bob")
+    assert "host user host-bob (tenant acme, reads user bob's runs): added" in bobs
+    bob_pw = _printed_password(bobs, "host-bob")
     dev1 = _printed_settings(_ok(tmp_path, "device", "add", "dev1", "--tenant", "acme"))
     dev2 = _printed_settings(_ok(tmp_path, "device", "add", "dev2", "--tenant", "other"))
     assert dev1["device"] == "dev1" and dev1["port"] == 1883
@@ -617,6 +621,26 @@ def test_a_device_added_by_the_cli_logs_in_with_its_printed_password_and_only_as
         bridge.publish(f"{P}/d/dev2/req", b"for dev2")
         bridge.publish(f"{P}/d/dev1/req", b"for dev1")
         assert device.until(b"for dev1") == [(f"{P}/d/dev1/req", b"for dev1")]
+        # Who sees what: the tenant's own host user (`tenant add`) is a watcher and reads
+        # alice's run; host-bob reads bob's and the device's topic, never alice's.
+        watcher = connect("host-acme", watcher_pw)
+        bob = connect("host-bob", bob_pw)
+        assert watcher.subscribe(f"{P}/h/acme/+/u/+/evt")[0].is_failure is False
+        [wide] = bob.subscribe(f"{P}/h/acme/+/u/+/evt")
+        assert wide.is_failure == (access == "dynsec")
+        assert not bob.subscribe(f"{P}/h/acme/+/u/bob/evt")[0].is_failure
+        assert not bob.subscribe(f"{P}/h/acme/+/evt")[0].is_failure
+        bridge.publish(f"{P}/h/acme/dev1/u/alice/evt", b"alice's")
+        bridge.publish(f"{P}/h/acme/dev1/u/bob/evt", b"bob's")
+        bridge.publish(f"{P}/h/acme/dev1/evt", b"the device's")
+        assert bob.until(b"the device's") == [
+            (f"{P}/h/acme/dev1/u/bob/evt", b"bob's"),
+            (f"{P}/h/acme/dev1/evt", b"the device's"),
+        ]
+        assert watcher.until(b"bob's") == [
+            (f"{P}/h/acme/dev1/u/alice/evt", b"alice's"),
+            (f"{P}/h/acme/dev1/u/bob/evt", b"bob's"),
+        ]
         # A wrong password, and another device's, are refused.
         assert connect("dev1", "not-the-password").rc.is_failure
         assert connect("dev1", dev2["password"]).rc.is_failure
@@ -685,6 +709,19 @@ def test_passwords_are_never_shown_again_nor_stored(tmp_path: Path) -> None:
         assert registry.device("dev1") == DeviceRecord("dev1", "acme", "kiosk")
 
 
+def test_wren_token_signs_a_users_or_a_watchers_session_token(tmp_path: Path) -> None:
+    _ok(tmp_path, "tenant", "add", "acme")
+    with Registry(tmp_path / ".wren" / "registry.json") as registry:
+        secret = bytes.fromhex(registry.tenant_secret("acme") or "")
+    plain = _ok(tmp_path, "token", "--tenant", "acme", "--user-id", "bob.b@example.com")
+    watch = _ok(tmp_path, "token", "--tenant", "acme", "--user-id", "ops", "--watch")
+    assert tokens.verify(secret, plain.strip(), "acme") == tokens.Session(
+        "acme", "bob.b@example.com", tokens.verify(secret, plain.strip(), "acme").expires
+    )
+    session = tokens.verify(secret, watch.strip(), "acme")
+    assert (session.user, session.watch) == ("ops", True)
+
+
 def test_registry_commands_refuse_bad_input_in_one_line_and_change_nothing(
     tmp_path: Path,
 ) -> None:
@@ -723,7 +760,14 @@ def test_registry_commands_refuse_bad_input_in_one_line_and_change_nothing(
         ("bridge-user", "add", "dev1"): "'dev1' is a device",
         ("bridge-user", "add", "a:b"): "cannot be written to the broker's files",
         ("bridge-user", "add", "b2", "--rotate"): "unknown broker user 'b2'",
-        ("host-user", "add", "h2", "--tenant", "nobody"): "unknown tenant 'nobody'",
+        ("host-user", "add", "h2", "--tenant", "nobody", "--watch"): "unknown tenant 'nobody'",
+        # Whose runs a new host user reads is said, never defaulted (PROTOCOL "Who sees
+        # what"), and only as an id a topic level can hold.
+        ("host-user", "add", "h2", "--tenant", "acme"): "--usr USER",
+        ("host-user", "add", "h2", "--tenant", "acme", "--usr", "a/b"): "invalid user id",
+        ("host-user", "add", "h2", "--tenant", "acme", "--usr", "+"): "invalid user id",
+        ("token", "--tenant", "nobody", "--user-id", "bob"): "unknown tenant 'nobody'",
+        ("token", "--tenant", "acme", "--user-id", "bob/#"): "user id must match",
         ("host-user", "add", "host-acme", "--tenant", "globex", "--rotate"): "not a host user of",
         ("bridge-user", "add", "host-acme", "--rotate"): "is not a bridge user",
         ("grant", "add", "--tenant", "nobody", "--agent", "kiosk"): "unknown tenant 'nobody'",
@@ -741,7 +785,8 @@ def test_registry_commands_refuse_bad_input_in_one_line_and_change_nothing(
         assert proc.returncode == 1, (args, proc.stdout, proc.stderr)
         assert proc.stdout == "", args
         [line] = proc.stderr.splitlines()
-        assert line.startswith(f"wren {args[0]} {args[1]}: ") and says in line, (args, line)
+        name = f"wren {args[0]} {args[1]}: " if args[0] != "token" else "wren token: "
+        assert line.startswith(name) and says in line, (args, line)
     assert registry.read_bytes() == before
     # A usage error is argparse's (exit 2): --agent is what --rotate keeps.
     usage = _registry_cli(tmp_path, "device", "add", "dev1", "--tenant", "acme", "--rotate",

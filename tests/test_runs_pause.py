@@ -16,7 +16,7 @@ from pathlib import Path
 from edge_runtime.events import RING_BYTES
 from server_bridge.host.reducer import RunSnapshot
 from tests.model_server import ModelServer, ToolCall, Turn
-from tests.stack import Stack
+from tests.stack import Stack, counters
 
 # A valve keeper: reading the pressure is local, opening a valve needs a person's yes,
 # and asking the user is the host app's.
@@ -116,16 +116,26 @@ def test_a_bridge_restarted_while_paused_still_delivers_the_answers(tmp_path: Pa
     # issue 9 reports; the other pause tests run at 128K.
     with (
         ModelServer(_script()) as server,
-        Stack(tmp_path, model_url=server.url, main_py=VALVES, heap="136K") as s,
-    ):
+        Stack(tmp_path, model_url=server.url, main_py=VALVES, heap="136K",
+              bridge_args=["--stats-file", str(tmp_path / "stats.prom"),
+                           "--stats-every", "0.2"]) as s,
+    ):  # fmt: skip
         assert s.client is not None
         req = s.request("Open valve 3.")
         snap = s.client.wait_for(req, _paused, 30)
         s.kill_bridge()
         s.start_bridge()
+        # The new bridge has not seen the run, so it does not know whose it is: its own
+        # user's answer waits at the bridge while the board replays the run, whose
+        # run.paused names its user (PROTOCOL.md "Who sees what"), and is then delivered.
         s.client.approve(s.device, s.token, snap.run, "call_1_1", True)
         s.client.answer(s.device, s.token, snap.run, "call_1_2", "yes, vent it")
         _check_finished(s, s.wait_run(req), 0)
+        # Both waited for the board to say whose run it is.
+        deadline = time.monotonic() + 10
+        while counters(tmp_path / "stats.prom").get("wren_host_ctl_awaiting_owner_total", 0) < 2:
+            assert time.monotonic() < deadline, counters(tmp_path / "stats.prom")
+            time.sleep(0.1)
 
 
 # "run <id> ended; heap free <n>": the board's line when a run leaves memory (paused or

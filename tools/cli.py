@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from server_bridge import brokerconf, service
+from server_bridge import brokerconf, service, tokens
 from server_bridge.memory.grants import ALL_FIELDS, READ, WRITE
 from server_bridge.registry import (
     BRIDGE,
@@ -44,7 +44,9 @@ from tools.virtual_board import PY_HEAP
 DEFAULT_REGISTRY = Path(".wren/registry.json")
 DEFAULT_BROKER_DIR = Path(".wren/broker")
 # The commands that change or read the registry (handled by `_registry_command`).
-REGISTRY_COMMANDS = ("tenant", "device", "bridge-user", "host-user", "grant", "broker-files")
+REGISTRY_COMMANDS = (
+    "tenant", "device", "bridge-user", "host-user", "grant", "broker-files", "token"
+)
 ONCE = "shown this once: it cannot be shown again (the registry keeps only its hash)"
 RELOAD = (
     "next: `wren broker-files`, then SIGHUP to the Mosquitto that uses them "
@@ -197,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--device", default="thermo1", help="the device to ask")
     a.add_argument("--user-id", default="cli-user", help="the end user the session token names")
     a.add_argument(
+        "--conv",
+        help="the conversation the request belongs to (an id of your choosing; an agent "
+        "with per-conversation state needs one, and the same id carries its state on)",
+    )
+    a.add_argument(
         "--timeout",
         type=float,
         default=150.0,
@@ -296,11 +303,33 @@ def _add_registry_parsers(sub: argparse._SubParsersAction[Any]) -> None:
 
     h = sub.add_parser("host-user", help="a tenant's host users (one per host connection)")
     hsub = h.add_subparsers(dest="action", required=True)
-    ha = hsub.add_parser("add", help="add a host user to a tenant; prints its password once")
+    ha = hsub.add_parser(
+        "add", help="add a host user to a tenant, bound to one end user (--usr) or a "
+        "watcher of every user's runs (--watch); prints its password once"
+    )  # fmt: skip
     ha.add_argument("user")
     ha.add_argument("--tenant", required=True)
+    sees = ha.add_mutually_exclusive_group()
+    sees.add_argument(
+        "--usr", help="the end user whose runs it reads, alone (docs/PROTOCOL.md 'Who sees what')"
+    )
+    sees.add_argument(
+        "--watch", action="store_true", help="reads every user's runs of the tenant (a dashboard)"
+    )
     _registry_option(ha)
     _rotate_option(ha, "the user")
+
+    k = sub.add_parser(
+        "token", help="print a session token of a tenant's end user, signed with its secret"
+    )
+    k.add_argument("--tenant", required=True)
+    k.add_argument("--user-id", required=True, help="the end user it speaks for")
+    k.add_argument(
+        "--watch", action="store_true", help="a watcher's token: it may see and act on every "
+        "user's runs of the tenant (a dashboard, an operator)"
+    )  # fmt: skip
+    k.add_argument("--ttl", type=int, default=3600, help="seconds it is valid (default 3600)")
+    _registry_option(k)
 
     g = sub.add_parser(
         "grant", help="which agents of a tenant may use its tenant-scoped memory fields"
@@ -365,7 +394,12 @@ def _tenant_add(args: argparse.Namespace, out: TextIO) -> None:
         password, entry = _new_login()
         if not args.rotate:
             reg.add_tenant(args.tenant, host_password_hash=entry)
-            print(f"tenant {args.tenant}: added, with host user {name}", file=out)
+            # The tenant's first host connection is its operator's: a watcher.
+            print(
+                f"tenant {args.tenant}: added, with host user {name} (a watcher: it reads "
+                "every user's runs; `wren host-user add --usr` makes one that reads one's)",
+                file=out,
+            )
         else:
             if reg.tenant_secret(args.tenant) is None:
                 raise CommandError(f"unknown tenant {args.tenant!r}")
@@ -396,6 +430,14 @@ def _print_password(out: TextIO, user: str, password: str, login: str) -> None:
 
 def _user_add(args: argparse.Namespace, role: str, out: TextIO) -> None:
     tenant = args.tenant if role == HOST else None
+    usr = getattr(args, "usr", None)
+    if role == HOST and not args.rotate and usr is None and not args.watch:
+        # Who the new connection may watch is decided here, never by default: a
+        # watcher reads every user's conversations.
+        raise CommandError(
+            "say whose runs it reads: --usr USER (that end user's alone) or --watch "
+            "(every user's of the tenant)"
+        )
     brokerconf.check_user(args.user)  # before a new registry's directory is made
     with _open(args.registry, create=role == BRIDGE) as reg:
         password, entry = _new_login()
@@ -405,8 +447,11 @@ def _user_add(args: argparse.Namespace, role: str, out: TextIO) -> None:
             _rotate_or_add(reg, args.user, role, tenant, entry)
             print(f"{role} user {args.user}: new password", file=out)
         else:
-            reg.add_user(args.user, role, tenant, entry)
+            reg.add_user(args.user, role, tenant, entry, usr=usr)
             whose = f" (tenant {tenant})" if tenant else ""
+            if role == HOST:
+                sees = f"user {usr}'s runs" if usr is not None else "every user's runs"
+                whose = f" (tenant {tenant}, reads {sees})"
             print(f"{role} user {args.user}{whose}: added", file=out)
     env = "WREN_BRIDGE" if role == BRIDGE else "WREN_HOST"
     _print_password(out, args.user, password, f"{env}_USER={args.user} {env}_PASSWORD=...")
@@ -545,6 +590,18 @@ def _grant_list(args: argparse.Namespace, out: TextIO) -> None:
         )
 
 
+def _token(args: argparse.Namespace, out: TextIO) -> None:
+    with _open(args.registry) as reg:
+        secret = reg.tenant_secret(args.tenant)
+    if secret is None:
+        raise CommandError(f"unknown tenant {args.tenant!r}")
+    # tokens.sign refuses a user id no host topic can name (a ValueError, one line).
+    print(
+        tokens.sign(bytes.fromhex(secret), args.tenant, args.user_id, args.ttl, watch=args.watch),
+        file=out,
+    )
+
+
 def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
     with _open(args.registry) as reg:
         users = reg.users()
@@ -558,15 +615,17 @@ def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
     for u in users:
         if u.role == HOST and u.tenant is not None:
             hosts.setdefault(u.tenant, []).append(u.user)
+    # Host users bound to one end user; the others are watchers (registry.BrokerUser).
+    bound = {u.user: u.usr for u in users if u.role == HOST and u.usr is not None}
     # Each bridge user logs in twice (its control connection as `<user>.ctl`), with one
     # password: its stored entry serves both.
     entries = brokerconf.with_control_users({u.user: u.password_hash for u in users}, bridges)
     if args.access == "dynsec":
-        document = brokerconf.dynsec_config(args.prefix, bridges, hosts, entries)
+        document = brokerconf.dynsec_config(args.prefix, bridges, hosts, entries, bound)
         conf = brokerconf.dynsec_mosquitto_conf(args.out, document, args.port, args.bind)
         wrote = f"{args.out / 'dynsec.json'} ({len(entries)} users)"
     else:
-        acl = brokerconf.acl_text(args.prefix, bridges, hosts)
+        acl = brokerconf.acl_text(args.prefix, bridges, hosts, bound)
         conf = brokerconf.mosquitto_conf(args.out, entries, acl, args.port, args.bind)
         wrote = f"{args.out / 'passwords'} ({len(entries)} users), {args.out / 'acl'}"
     logins = {u.user for u in users if u.role == DEVICE}
@@ -611,6 +670,8 @@ def _registry_command(args: argparse.Namespace, out: TextIO | None = None) -> in
             _grant_remove(args, out)
         elif args.command == "grant":
             _grant_list(args, out)
+        elif args.command == "token":
+            _token(args, out)
         else:
             _broker_files(args, out)
     except (CommandError, ValueError, OSError) as e:

@@ -439,8 +439,20 @@ def run_ask(args: argparse.Namespace) -> int:
     secret = registry.tenant_secret(args.tenant)
     if secret is None:
         raise DemoError(f"tenant {args.tenant!r} is not in {args.registry}")
+    try:
+        token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
+    except ValueError as e:
+        raise DemoError(f"--user-id: {e}") from None
+    # With the token, the client reads its user's topic (and the device's), no one
+    # else's runs (PROTOCOL.md "Who sees what"): what a host bound to that user may read.
     client = HostClient(
-        host, port, args.tenant, username=args.user, password=args.password, prefix=PREFIX
+        host,
+        port,
+        args.tenant,
+        username=args.user,
+        password=args.password,
+        prefix=PREFIX,
+        token=token,
     )
     try:
         client.connect(timeout=10)
@@ -473,9 +485,8 @@ def run_ask(args: argparse.Namespace) -> int:
     interrupts = _Interrupts()
     previous = interrupts.install()
     try:
-        token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
         try:
-            client.request(args.device, token, args.text, req=req)
+            client.request(args.device, token, args.text, conv=args.conv, req=req)
             snap = _follow(client, req, args.timeout, args.device, interrupts.first)
         except KeyboardInterrupt:
             with drawing:

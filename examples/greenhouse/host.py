@@ -150,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     if secret is None:
         print(f"tenant {args.tenant!r} is not in {args.registry}", file=sys.stderr)
         return 1
-    client = HostClient(host, port, args.tenant, username=args.user, password=args.password)
+    token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
+    # Given the token, the client reads the device's topic and this user's alone: the
+    # runs of other users of the tenant are not its to see (PROTOCOL.md "Who sees what").
+    client = HostClient(
+        host, port, args.tenant, username=args.user, password=args.password, token=token
+    )
     client.connect(timeout=10)
     try:
-        token = sign(bytes.fromhex(secret), args.tenant, args.user_id)
         snap = run_once(
             client, args.device, token, args.text, ask_terminal(args.yes, args.answer), sys.stdout
         )

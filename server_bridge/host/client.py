@@ -2,10 +2,14 @@
 
 It is what scripts and hardware-in-loop tests use in place of a dashboard. It speaks the
 host side of the contract (docs/PROTOCOL.md): it publishes `{req, conv, input, ttl, tok}`
-on `P/h/T/D/req` and subscribes to `P/h/T/+/evt`, folding every event into one Reducer
-per device. Payloads are decoded and checked by server_bridge.wire, the same code the
-bridge reads boards with, so a host accepts what the bridge accepts (with larger limits,
-see HOST_LIMITS, and any event type, see wire.check_envelope).
+on `P/h/T/D/req` and subscribes to the tenant's device topics `P/h/T/+/evt` and to the
+user topics it may read (PROTOCOL.md "Who sees what"): `P/h/T/+/u/<usr>/evt` for the user
+its session token names, or every user's, `P/h/T/+/u/+/evt`, for a watcher's token (or
+with no token and no user given: then the broker delivers what this MQTT user may read,
+under an `acl_file`), folding every event into one Reducer per device. Payloads are
+decoded and checked by server_bridge.wire, the same code the bridge reads boards with, so
+a host accepts what the bridge accepts (with larger limits, see HOST_LIMITS, and any
+event type, see wire.check_envelope).
 
 A request that never becomes a run is refused somewhere, and said so: by the bridge on
 its stream `_b` (bad token, unknown device, malformed request) or by the board on its
@@ -72,11 +76,13 @@ from server_bridge.host.reducer import (
 )
 from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.tcp import no_delay
+from server_bridge.tokens import WATCH, peek
 from server_bridge.topics import (
     DEFAULT_PREFIX,
     BadTopic,
     bridge_topic,
     check_id,
+    check_user_id,
     host_topic,
     parse,
 )
@@ -224,7 +230,14 @@ class HostClient:
     `callback_errors`, and never stops the network thread.
 
     `token` is the session token for replay requests of devices this client only
-    watches (see set_token); `replay_after_s` and `max_replay_wait_s` pace them.
+    watches (see set_token); `replay_after_s` and `max_replay_wait_s` pace them. Its
+    claims (read, not verified: the bridge and the broker decide) also say which user
+    topics to subscribe to: its user's, or every user's when its role is "watch". `user`
+    and `watch` say it without a token (a token's claims win); with neither, every
+    user's topic is subscribed to, which under a dynamic-security broker only a watching
+    MQTT user may do. The topics are chosen once, here: a request made with another
+    user's token runs, but its events come on that user's topic, which this client
+    reads only as a watcher.
 
     A broker configured by server_bridge/brokerconf.py replaces `client_id` with the
     user name (client ids bound to users, PROTOCOL.md "Identity"): each HostClient that
@@ -247,9 +260,17 @@ class HostClient:
         token: str | None = None,
         replay_after_s: float = REPLAY_AFTER_S,
         max_replay_wait_s: float = MAX_REPLAY_WAIT_S,
+        user: str | None = None,
+        watch: bool | None = None,
     ) -> None:
         if not 0 < replay_after_s <= max_replay_wait_s:
             raise ValueError("need 0 < replay_after_s <= max_replay_wait_s")
+        claims = peek(token) if token is not None else None
+        if claims is not None:
+            user = claims.get("usr") if isinstance(claims.get("usr"), str) else user
+            watch = claims.get("role") == WATCH
+        if user is not None:
+            check_user_id(user)
         self.host = host
         self.port = port
         self.tenant = check_id(tenant, "tenant")
@@ -303,7 +324,16 @@ class HostClient:
         self._client.on_disconnect = self._on_disconnect
         self._client.on_subscribe = self._on_subscribe
         self._client.on_message = self._on_message
-        self._evt_filter = f"{prefix}/h/{self.tenant}/+/evt"
+        # The device topics (each device's stream "_", the bridge's presence reports),
+        # and the user topics this client reads: all of them for a watcher, else its
+        # user's (PROTOCOL.md "Who sees what").
+        self.user = user
+        self.watch = bool(watch) or user is None
+        mine = "+" if self.watch else user
+        self._evt_filters = [
+            f"{prefix}/h/{self.tenant}/+/evt",
+            f"{prefix}/h/{self.tenant}/+/u/{mine}/evt",
+        ]
         self._status_topic = bridge_topic(prefix)
         self._started = False
 
@@ -395,7 +425,7 @@ class HostClient:
         # and handles a client's packets in order, so by the events' SUBACK (what
         # connect() waits for) the bridge's retained status has arrived.
         client.subscribe(self._status_topic, qos=1)
-        _, mid = client.subscribe(self._evt_filter, qos=1)
+        _, mid = client.subscribe([(f, 1) for f in self._evt_filters])
         with self._cond:
             self._sub_mid = mid
 
@@ -407,9 +437,15 @@ class HostClient:
             if mid != self._sub_mid:
                 return  # the bridge's status: hosts may read it (PROTOCOL "Broker ACL")
             if any(rc.is_failure for rc in reason_codes):
+                refused = [
+                    f
+                    for f, rc in zip(self._evt_filters, reason_codes, strict=False)
+                    if rc.is_failure
+                ]
                 self._connect_error = (
-                    f"the MQTT broker refused the subscription to {self._evt_filter} "
-                    "(check this user's ACL)"
+                    f"the MQTT broker refused the subscription to {', '.join(refused)} "
+                    "(check this user's ACL: a host user bound to one end user reads that "
+                    "user's topic only; give HostClient its token or user)"
                 )
             else:
                 self._subscribed = True

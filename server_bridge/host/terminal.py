@@ -148,6 +148,9 @@ def render_refusal(device: str, tenant: str, kind: str, msg: str, detail: dict[s
             f"device {device} is not a device of tenant {tenant} "
             "(`wren device list` shows the registry's devices)"
         )
+    if kind == "no_scope":
+        # The agent keeps state per conversation, and the request named none.
+        return f"the request was refused: no_scope: {msg} (`wren ask --conv ID` names one)"
     return f"the request was refused: {kind}: {msg}"
 
 
