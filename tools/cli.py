@@ -13,6 +13,7 @@ wren grant add --tenant T --agent A [--field F] [--read-only]
                                    let an agent use the tenant's tenant-scoped memory
 wren grant list | remove           the registry's grants
 wren broker-files [--access dynsec] Mosquitto's password file, ACL and config from the registry
+wren kb ingest|search|list|delete  document knowledge (tools/kb.py)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from server_bridge.registry import (
 )
 from server_bridge.service import DEFAULT_AGENT, add_broker_arguments, broker_address
 from server_bridge.topics import DEFAULT_PREFIX
+from tools import kb as kb_cli
 from tools.virtual_board import PY_HEAP
 
 DEFAULT_REGISTRY = Path(".wren/registry.json")
@@ -211,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bridge's 120 s model timeout, so its error comes first)",
     )
     _add_registry_parsers(sub)
+    kb_cli.add_parser(sub)
     h = sub.add_parser("hil", help="run the board tests on a target through its raw REPL")
     target = h.add_mutually_exclusive_group(required=True)
     target.add_argument("--pty", action="store_true", help="the unix port on a pseudo-terminal")
@@ -708,6 +711,8 @@ def _main(argv: list[str] | None) -> int:
     service.setup_logging(args.verbose)
     if args.command in REGISTRY_COMMANDS:
         return _registry_command(args)
+    if args.command == "kb":
+        return kb_cli.run(args)
     # The demo's parts (the bridge, the host client, the board) only for the commands
     # that run them: the registry commands start several times faster without them.
     from tools import demo as demo_mod

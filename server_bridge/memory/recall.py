@@ -1,4 +1,6 @@
-"""The search index behind `mem.recall` (and, later, the knowledge pipeline's retrieve).
+"""The search index behind `mem.recall`; its embedder (`default_embedder`) and its text
+analysis (`analyze`) also serve document knowledge (server_bridge/knowledge/), so the
+bridge loads one model and reads text one way for both.
 
 The index is never the source of truth: it lives beside the store and is rebuilt from
 it (`rebuild`), then kept current by `upsert` / `remove` as rows change. It knows

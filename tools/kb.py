@@ -1,0 +1,246 @@
+"""`wren kb`: document knowledge from the command line (server_bridge.knowledge).
+
+wren kb ingest PATH... --tenant T --collection C [--tag TAG]...
+wren kb search QUERY --tenant T [--collection C] [--k N] [--mode dense|keyword|hybrid]
+wren kb list --tenant T [--collection C]
+wren kb delete --tenant T --collection C [--source S]
+
+The store is one SQLite file, by default beside the registry (.wren/knowledge.sqlite3);
+--store names another. A folder is ingested recursively by extension, each file's
+source id its path relative to that folder; a file given on its own is its name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+# Beside the registry `wren tenant add` makes (.wren/registry.json), so one folder
+# holds a checkout's bridge state.
+DEFAULT_STORE = Path(".wren/knowledge.sqlite3")
+# A terminal's progress line is redrawn at most this often: more is flicker and cost.
+REDRAW_S = 0.1
+
+
+def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
+    """Register `wren kb` and its actions on the `wren` subparsers."""
+    from server_bridge.knowledge import DEFAULT_MAX_CHARS, DEFAULT_MAX_FILE_BYTES, MAX_K
+
+    kb = sub.add_parser("kb", help="document knowledge: ingest, search, list, delete")
+    ksub = kb.add_subparsers(dest="action", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tenant", required=True, help="whose knowledge")
+        p.add_argument("--store", type=Path, default=DEFAULT_STORE, help="the knowledge store file")
+
+    i = ksub.add_parser("ingest", help="ingest files and folders (.txt .md .html .pdf)")
+    i.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files or folders")
+    common(i)
+    i.add_argument("--collection", required=True, help="the collection to ingest into")
+    i.add_argument(
+        "--tag", action="append", default=[], help="a tag for every source (repeat; default none)"
+    )
+    i.add_argument(
+        "--max-mb", type=float, default=DEFAULT_MAX_FILE_BYTES / 1e6,
+        help="skip files larger than this many MB",
+    )
+    i.add_argument(
+        "--no-embed", action="store_true",
+        help="keyword index only (fast; dense search finds these sources once re-ingested "
+        "with the model)",
+    )
+
+    s = ksub.add_parser("search", help="the best passages for a question")
+    s.add_argument("query", help="the question (at most 8,192 characters)")
+    common(s)
+    for flag, what in (
+        ("--collection", "only these collections (repeat; default all)"),
+        ("--source", "only these sources (repeat; default all)"),
+        ("--tag", "only sources with every tag given (repeat; default any)"),
+    ):
+        s.add_argument(flag, action="append", default=[], help=what)
+    s.add_argument("--k", type=int, default=5, help=f"hits, 1..{MAX_K}")
+    s.add_argument("--mode", choices=("dense", "keyword", "hybrid"), default="hybrid")
+    s.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS,
+                   help="characters of passage text in all")
+    s.add_argument("--json", action="store_true", help="one JSON object per hit")
+
+    li = ksub.add_parser("list", help="the tenant's collections, or one collection's sources")
+    common(li)
+    li.add_argument("--collection", help="list this collection's sources")
+
+    d = ksub.add_parser("delete", help="delete a collection, or one source of it")
+    common(d)
+    d.add_argument("--collection", required=True)
+    d.add_argument("--source", help="only this source (its id as `wren kb list` shows it)")
+
+
+class _ProgressLine:
+    """One line redrawn in place on a terminal; a plain line per file elsewhere (a log
+    or a pipe wants every file, not carriage returns)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.last = 0.0
+        self.width = 0
+
+    def __call__(self, p: Any) -> None:
+        result = p.result
+        if not self.tty:
+            if result is not None:
+                self.out.write(_file_line(result) + "\n")
+            return
+        if result is not None and result.status == "failed":
+            self._clear()
+            self.out.write(_file_line(result) + "\n")
+        now = time.monotonic()
+        if now - self.last < REDRAW_S and p.files_done < p.files_total:
+            return
+        self.last = now
+        rate = p.chunks / p.seconds if p.seconds > 0 else 0.0
+        eta = ""
+        if p.files_done and p.files_done < p.files_total:
+            left = p.seconds / p.files_done * (p.files_total - p.files_done)
+            eta = f"  ETA {int(left) // 60}:{int(left) % 60:02d}"
+        line = (
+            f"files {p.files_done}/{p.files_total}  chunks {p.chunks}  embedded {p.embedded}"
+            f"  {rate:.0f} chunks/s{eta}  {p.current}"
+        )[:120]
+        self.out.write("\r" + line.ljust(self.width))
+        self.width = len(line)
+        self.out.flush()
+
+    def _clear(self) -> None:
+        if self.width:
+            self.out.write("\r" + " " * self.width + "\r")
+            self.width = 0
+
+    def done(self) -> None:
+        if self.tty and self.width:
+            self.out.write("\n")
+
+
+def _file_line(r: Any) -> str:
+    if r.status == "failed":
+        return f"failed     {r.source}: {r.reason}"
+    return f"{r.status:<10} {r.source}" + (f" ({r.chunks} chunks)" if r.chunks else "")
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Carry out a `wren kb` action; 1 with one line on stderr when refused."""
+    from server_bridge.knowledge import KnowledgeError
+
+    out = out or sys.stdout
+    try:
+        if args.action == "ingest":
+            return _ingest(args, out)
+        if args.action == "search":
+            return _search(args, out)
+        if args.action == "list":
+            return _list(args, out)
+        if args.action == "delete":
+            return _delete(args, out)
+    except KnowledgeError as e:
+        print(f"wren kb {args.action}: {e}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def _open(args: argparse.Namespace, *, create: bool = False, embed: bool = True) -> Any:
+    from server_bridge.knowledge import KnowledgeBase, NotFound
+
+    if not create and not args.store.exists():
+        # Not created on the way: a mistyped --store would otherwise look empty.
+        raise NotFound(f"no knowledge store at {args.store} (`wren kb ingest` makes one)")
+    kw: dict[str, Any] = {}
+    if not embed:
+        kw["embedder"] = None
+    if getattr(args, "max_mb", None) is not None:
+        kw["max_file_bytes"] = max(1, int(args.max_mb * 1e6))
+    return KnowledgeBase(args.store, **kw)
+
+
+def _ingest(args: argparse.Namespace, out: TextIO) -> int:
+    from server_bridge.knowledge import Connector, FileList, Folder
+
+    connectors: list[Connector] = []
+    files: list[Path] = []
+    for p in args.paths:
+        if p.is_dir():
+            connectors.append(Folder(p))
+        else:
+            files.append(p)  # a missing file is listed as failed, with the reason
+    if files:
+        connectors.append(FileList(files))
+    progress = _ProgressLine(out)
+    with _open(args, create=True, embed=not args.no_embed) as kb:
+        summary = kb.ingest(
+            connectors, tenant=args.tenant, collection=args.collection, tags=args.tag,
+            progress=progress,
+        )
+    # Every failed file has had its line already (on a terminal, above the live line).
+    progress.done()
+    out.write(summary.line() + "\n")
+    return 1 if summary.failed else 0
+
+
+def _search(args: argparse.Namespace, out: TextIO) -> int:
+    with _open(args) as kb:
+        result = kb.retrieve(
+            args.tenant, args.query, k=args.k, mode=args.mode, collections=args.collection,
+            sources=args.source, tags=args.tag, max_chars=args.max_chars,
+        )
+    if result.note:
+        print(f"wren kb search: {result.note}", file=sys.stderr)
+    for n, h in enumerate(result.hits, start=1):
+        if args.json:
+            out.write(json.dumps({
+                "collection": h.collection, "source": h.source, "version": h.version,
+                "chunk": h.chunk, "headings": list(h.headings), "score": h.score,
+                "mode": result.mode, "text": h.text, "truncated": h.truncated,
+            }) + "\n")
+            continue
+        where = " > ".join(h.headings)
+        out.write(
+            f"{n}. {h.collection}/{h.source}  version {h.version[:12]}  chunk {h.chunk}"
+            f"{'  ' + where if where else ''}  {result.mode} {h.score:.3f}\n"
+        )
+        text = h.text.replace("\n", "\n   ")
+        out.write(f"   {text}{' [cut]' if h.truncated else ''}\n")
+    if not result.hits and not args.json:
+        out.write("no passages found\n")
+    return 0
+
+
+def _list(args: argparse.Namespace, out: TextIO) -> int:
+    with _open(args) as kb:
+        if args.collection is None:
+            rows = kb.collections(args.tenant)
+            for c in rows:
+                out.write(f"{c.name}\t{c.sources} sources\t{c.chunks} chunks\t{c.bytes} bytes\n")
+            if not rows:
+                out.write(f"tenant {args.tenant} has no collections\n")
+            return 0
+        for s in kb.sources(args.tenant, args.collection):
+            tags = ",".join(s.tags) or "-"
+            out.write(
+                f"{s.source}\tversion {s.version[:12]}\t{s.chunks} chunks\t"
+                f"{'embedded' if s.embedder else 'keyword only'}\ttags {tags}\n"
+            )
+    return 0
+
+
+def _delete(args: argparse.Namespace, out: TextIO) -> int:
+    with _open(args) as kb:
+        if args.source is not None:
+            n = kb.delete_source(args.tenant, args.collection, args.source)
+            out.write(f"deleted source {args.source} of {args.collection} ({n} chunks)\n")
+        else:
+            n = kb.delete_collection(args.tenant, args.collection)
+            out.write(f"deleted collection {args.collection} ({n} chunks)\n")
+    return 0
