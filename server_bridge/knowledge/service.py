@@ -475,6 +475,9 @@ class KnowledgeBase:
         query: str,
         *,
         k: int = 5,
+        # Hybrid by the quality table (DESIGN "Knowledge"): at the default chunking it
+        # leads dense and BM25 in MRR@10 (0.617, 0.615, 0.538), hit@5 (0.825, 0.797,
+        # 0.689) and answers within 8,000 characters (0.939, 0.929, 0.788).
         mode: Mode = "hybrid",
         collections: Sequence[str] = (),
         sources: Sequence[str] = (),
