@@ -172,6 +172,30 @@ def test_unchanged_source_costs_nothing_and_a_change_replaces_it(tmp_path: Path)
         assert kb.retrieve("acme", "pump", mode="keyword", tags=["2026"]).hits
 
 
+def test_prune_mirrors_the_folder_and_keeps_what_failed(tmp_path: Path) -> None:
+    # A file deleted from the folder since the last ingest goes with --prune (and stays
+    # without it); a file named but failing now (grown past the size limit) keeps its
+    # last good version: a passing fault never deletes knowledge.
+    d = docs_folder(tmp_path)
+    with kb_at(tmp_path) as kb:
+        kb.ingest(Folder(d), tenant="acme", collection="m")
+        (d / "notes.txt").unlink()
+        kept = kb.ingest(Folder(d), tenant="acme", collection="m")
+        assert kept.count("removed") == 0
+        assert "notes.txt" in {r.source for r in kb.sources("acme", "m")}
+        (d / "manual.md").write_text("x" * 200)
+        kb.max_file_bytes = 100
+        pruned = kb.ingest(Folder(d), tenant="acme", collection="m", prune=True)
+        status = {f.source: f.status for f in pruned.files}
+        assert status["notes.txt"] == "removed" and status["manual.md"] == "failed"
+        assert "1 removed" in pruned.line()
+        left = {r.source for r in kb.sources("acme", "m")}
+        assert "notes.txt" not in left and "manual.md" in left
+        assert not kb.retrieve("acme", "pump primes", mode="keyword", k=10).hits
+    with kb_at(tmp_path) as kb:  # and a reopen does not bring it back
+        assert "notes.txt" not in {r.source for r in kb.sources("acme", "m")}
+
+
 def test_single_files_are_sources_by_name(tmp_path: Path) -> None:
     d = docs_folder(tmp_path)
     with kb_at(tmp_path) as kb:

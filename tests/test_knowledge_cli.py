@@ -51,6 +51,15 @@ def test_ingest_search_list_delete_a_folder(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stdout + again.stderr
     assert "sources: 1 new, 0 changed, 1 unchanged, 0 failed" in again.stdout
 
+    # --prune: the collection mirrors the paths given; the single kiosk.md goes again.
+    mirror = wren(tmp_path, "kb", "ingest", "docs", "--tenant", "acme", "--collection", "manuals",
+                  "--tag", "v1", "--prune")
+    assert "removed    kiosk.md (1 chunks)" in mirror.stdout.splitlines(), mirror.stdout
+    assert ", 1 removed; " in mirror.stdout
+    again = wren(tmp_path, "kb", "ingest", "docs/guide/kiosk.md", "--tenant", "acme",
+                 "--collection", "manuals", "--tag", "v1")
+    assert again.returncode == 0, again.stdout + again.stderr
+
     found = wren(tmp_path, "kb", "search", "how do I reset it", "--tenant", "acme", "--k", "2",
                  "--mode", "keyword", "--json")
     assert found.returncode == 0, found.stderr

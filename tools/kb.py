@@ -49,6 +49,11 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
         help="skip files larger than this many MB",
     )
     i.add_argument(
+        "--prune", action="store_true",
+        help="then remove the collection's sources these paths no longer hold (files deleted "
+        "since the last ingest), so the collection mirrors them",
+    )
+    i.add_argument(
         "--no-embed", action="store_true",
         help="keyword index only (fast; dense search finds these sources once re-ingested "
         "with the model)",
@@ -181,7 +186,7 @@ def _ingest(args: argparse.Namespace, out: TextIO) -> int:
     with _open(args, create=True, embed=not args.no_embed) as kb:
         summary = kb.ingest(
             connectors, tenant=args.tenant, collection=args.collection, tags=args.tag,
-            progress=progress,
+            progress=progress, prune=args.prune,
         )
     # Every failed file has had its line already (on a terminal, above the live line).
     progress.done()

@@ -141,7 +141,7 @@ class Retrieval:
 @dataclass(frozen=True)
 class FileResult:
     source: str
-    status: Literal["new", "changed", "unchanged", "failed"]
+    status: Literal["new", "changed", "unchanged", "failed", "removed"]
     chunks: int = 0
     reason: str = ""
 
@@ -167,7 +167,9 @@ class IngestSummary:
     def line(self) -> str:
         return (
             f"sources: {self.count('new')} new, {self.count('changed')} changed, "
-            f"{self.count('unchanged')} unchanged, {self.count('failed')} failed; "
+            f"{self.count('unchanged')} unchanged, {self.count('failed')} failed"
+            + (f", {self.count('removed')} removed" if self.count("removed") else "")
+            + "; "
             f"{self.chunks} chunks in {self.seconds:.1f} s ({self.chunks_per_s:.0f} chunks/s)"
         )
 
@@ -259,8 +261,14 @@ class KnowledgeBase:
         collection: str,
         tags: Iterable[str] = (),
         progress: Callable[[Progress], None] | None = None,
+        prune: bool = False,
     ) -> IngestSummary:
-        """Ingest every document the connectors give into the tenant's collection."""
+        """Ingest every document the connectors give into the tenant's collection.
+
+        With `prune` the collection then mirrors what was given: its sources that no
+        connector named (a file deleted from the folder since the last ingest) are
+        removed. A source that was named but failed (unreadable, now too large) keeps
+        its last good version: a passing fault never deletes knowledge."""
         _check_name("tenant", tenant)
         _check_name("collection", collection)
         tag_set = _check_tags(tags)
@@ -298,6 +306,7 @@ class KnowledgeBase:
             for p in batch:
                 report(p.source, FileResult(p.source, p.status, len(p.rows)))
 
+        given = {entry.source_id for entry in entries}
         for entry in entries:
             sid = entry.source_id
             if isinstance(entry, Skipped):
@@ -322,6 +331,14 @@ class KnowledgeBase:
             if pending_chunks >= WRITE_BATCH_CHUNKS:
                 flush()
         flush()
+        if prune:
+            for row in self.sources(tenant, collection):
+                if row.source not in given:
+                    try:
+                        gone = self._delete(tenant, collection, row.source)
+                    except NotFound:
+                        continue  # removed meanwhile by another writer
+                    report(row.source, FileResult(row.source, "removed", gone))
         summary.seconds = time.monotonic() - start
         return summary
 
