@@ -344,6 +344,31 @@ def test_filters_k_and_character_limit(tmp_path: Path) -> None:
         assert r.hits[-1].truncated and not any(h.truncated for h in r.hits[:-1])
 
 
+def test_max_age_keeps_to_recently_ingested_versions(tmp_path: Path) -> None:
+    # A board's readings of the last week: only sources whose current version was
+    # ingested within max_age_s. The store's ingest time is set back as a week's wait.
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "old.txt").write_text("Greenhouse reading: humidity 80 percent at noon.")
+    (d / "new.txt").write_text("Greenhouse reading: humidity 60 percent at noon.")
+    with kb_at(tmp_path) as kb:
+        kb.ingest(FileList([d / "old.txt", d / "new.txt"]), tenant="t", collection="r")
+    db = sqlite3.connect(tmp_path / "kb.sqlite3")
+    with db:
+        db.execute("UPDATE sources SET ingested = ingested - ? WHERE source = 'old.txt'",
+                   (8 * 86400,))
+    db.close()
+    with kb_at(tmp_path) as kb:
+        q = "humidity reading"
+        assert {h.source for h in kb.retrieve("t", q, k=10, mode="keyword").hits} == {
+            "old.txt", "new.txt"}
+        week = kb.retrieve("t", q, k=10, mode="keyword", max_age_s=7 * 86400).hits
+        assert {h.source for h in week} == {"new.txt"}
+        for bad in (0, -1.0, True, "7d"):
+            with pytest.raises(InvalidOption):
+                kb.retrieve("t", q, max_age_s=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("k", [0, -1, 101, 10_000])
 def test_k_out_of_range_is_refused_by_name(tmp_path: Path, k: int) -> None:
     with kb_at(tmp_path) as kb, pytest.raises(InvalidK, match="outside 1..100"):

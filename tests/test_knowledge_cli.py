@@ -68,6 +68,14 @@ def test_ingest_search_list_delete_a_folder(tmp_path: Path) -> None:
     assert hits[0]["headings"] == ["Kiosk", "Reset"] and hits[0]["collection"] == "manuals"
     assert len(hits[0]["version"]) == 64 and hits[0]["chunk"] == 0
 
+    # Everything was ingested just now: within a week, and an age that is no age refused.
+    recent = wren(tmp_path, "kb", "search", "how do I reset it", "--tenant", "acme",
+                  "--mode", "keyword", "--max-age", "7d", "--json")
+    first = [json.loads(line)["source"] for line in recent.stdout.splitlines()][:1]
+    assert first == [hits[0]["source"]], recent.stdout + recent.stderr
+    bad_age = wren(tmp_path, "kb", "search", "reset", "--tenant", "acme", "--max-age", "soon")
+    assert bad_age.returncode == 2 and "expected an age like" in bad_age.stderr
+
     other = wren(tmp_path, "kb", "search", "reset", "--tenant", "beta")
     assert other.returncode == 0 and other.stdout == "no passages found\n"
     listed = wren(tmp_path, "kb", "list", "--tenant", "acme", "--collection", "manuals")

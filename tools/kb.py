@@ -70,6 +70,11 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
         s.add_argument(flag, action="append", default=[], help=what)
     s.add_argument("--k", type=int, default=5, help=f"hits, 1..{MAX_K}")
     s.add_argument("--mode", choices=("dense", "keyword", "hybrid"), default="hybrid")
+    s.add_argument(
+        "--max-age", type=_age, metavar="AGE",
+        help="only sources ingested (in their current version) within AGE: seconds, or "
+        "with a unit, 90m, 12h, 7d",
+    )
     s.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS,
                    help="characters of passage text in all")
     s.add_argument("--json", action="store_true", help="one JSON object per hit")
@@ -194,11 +199,30 @@ def _ingest(args: argparse.Namespace, out: TextIO) -> int:
     return 1 if summary.failed else 0
 
 
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _age(text: str) -> float:
+    """`--max-age`: seconds, or a number with s, m, h or d; an argparse type."""
+    unit = _AGE_UNITS.get(text[-1:].lower())
+    number = text[:-1] if unit is not None else text
+    try:
+        value = float(number) * (unit or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an age like 3600, 90m, 12h or 7d, not {text!r}"
+        ) from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"an age must be positive, not {text!r}")
+    return value
+
+
 def _search(args: argparse.Namespace, out: TextIO) -> int:
     with _open(args) as kb:
         result = kb.retrieve(
             args.tenant, args.query, k=args.k, mode=args.mode, collections=args.collection,
             sources=args.source, tags=args.tag, max_chars=args.max_chars,
+            max_age_s=args.max_age,
         )
     if result.note:
         print(f"wren kb search: {result.note}", file=sys.stderr)

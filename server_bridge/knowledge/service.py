@@ -500,9 +500,12 @@ class KnowledgeBase:
         sources: Sequence[str] = (),
         tags: Sequence[str] = (),
         max_chars: int = DEFAULT_MAX_CHARS,
+        max_age_s: float | None = None,
     ) -> Retrieval:
         """The best `k` chunks of the tenant's documents for `query`, best first, with
-        at most `max_chars` characters of text in all (the last hit cut to fit)."""
+        at most `max_chars` characters of text in all (the last hit cut to fit); with
+        `max_age_s`, only from sources whose current version was ingested that recently
+        (a board's readings of the last week; an unchanged re-ingest keeps the age)."""
         _check_name("tenant", tenant)
         for c in collections:
             _check_name("collection", c)
@@ -513,6 +516,11 @@ class KnowledgeBase:
             raise InvalidOption(f"mode {mode!r}: one of {', '.join(MODES)}")
         if not isinstance(max_chars, int) or not 1 <= max_chars <= MAX_CHARS_LIMIT:
             raise InvalidOption(f"max_chars {max_chars!r} is outside 1..{MAX_CHARS_LIMIT:,}")
+        if max_age_s is not None and (
+            isinstance(max_age_s, bool) or not isinstance(max_age_s, (int, float)) or max_age_s <= 0
+        ):
+            raise InvalidOption(f"max_age_s {max_age_s!r} must be a positive number of seconds")
+        since = None if max_age_s is None else time.time() - max_age_s
         if len(query) > MAX_QUERY_CHARS:
             raise QueryTooLarge(
                 f"query of {len(query):,} characters: at most {MAX_QUERY_CHARS:,} (it is "
@@ -533,7 +541,7 @@ class KnowledgeBase:
         # can beat one first in only one.
         depth = k if used != "hybrid" else max(2 * k, 50)
         with self._lock, self._store.transaction():
-            allowed = self._store.allowed_sources(tenant, collections, sources, tag_set)
+            allowed = self._store.allowed_sources(tenant, collections, sources, tag_set, since)
             dense: list[tuple[int, float]] = []
             keyword: list[tuple[int, float]] = []
             if qvec is not None and allowed:

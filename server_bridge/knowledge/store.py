@@ -211,9 +211,11 @@ class Store:
         collections: Sequence[str] = (),
         sources: Sequence[str] = (),
         tags: Sequence[str] = (),
+        since: float | None = None,
     ) -> list[int]:
         """The ids of the sources a search may return: the tenant's always, narrowed by
-        collection, source id and tags (a source must carry every tag given)."""
+        collection, source id and tags (a source must carry every tag given), and to
+        those whose current version was ingested at `since` (Unix s) or later."""
         sql = ["SELECT s.id FROM sources s JOIN collections c ON c.id = s.collection_id"
                " WHERE c.tenant = ?"]
         params: list[object] = [tenant]
@@ -229,6 +231,9 @@ class Store:
                 f" ({','.join('?' * len(tags))}) GROUP BY source_id HAVING count(*) = ?)"
             )
             params += [*tags, len(set(tags))]
+        if since is not None:
+            sql.append(" AND s.ingested >= ?")
+            params.append(since)
         return [int(r[0]) for r in self.db.execute("".join(sql), params)]
 
     def keyword(self, match: str, allowed: Sequence[int], limit: int) -> list[tuple[int, float]]:
