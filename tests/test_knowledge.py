@@ -24,6 +24,7 @@ from server_bridge.knowledge import (
     InvalidOption,
     KnowledgeBase,
     NotFound,
+    Query,
     QueryTooLarge,
 )
 from server_bridge.knowledge import chunk as chunking
@@ -367,6 +368,48 @@ def test_max_age_keeps_to_recently_ingested_versions(tmp_path: Path) -> None:
         for bad in (0, -1.0, True, "7d"):
             with pytest.raises(InvalidOption):
                 kb.retrieve("t", q, max_age_s=bad)  # type: ignore[arg-type]
+
+
+def test_a_database_query_is_a_source_of_one_document_per_row(tmp_path: Path) -> None:
+    # A table of notes (the standard library's sqlite3 here; any DB-API 2 driver):
+    # each row a source by its id, its title a heading; a changed row replaces its
+    # chunks, an unchanged one costs a hash, and prune drops the rows no longer returned.
+    db = sqlite3.connect(tmp_path / "notes.sqlite3")
+    db.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, title TEXT, body TEXT, kept INT)")
+    db.executemany("INSERT INTO notes VALUES (?, ?, ?, 1)", [
+        (1, "Pump", "Prime the pump for thirty seconds before the first run."),
+        (2, "Vents", "Close the vents when the wind passes forty kilometres an hour."),
+        (3, "Empty", ""),
+        (4, None, "Lights go off at ten in the evening."),
+    ])  # fmt: skip
+    db.commit()
+    query = "SELECT id, title, body FROM notes WHERE kept = 1 ORDER BY id"
+
+    def notes() -> Query:
+        return Query(db, query, id_column="id", text_columns=["body"], title_column="title",
+                     prefix="note/", batch=2)  # fmt: skip
+
+    with kb_at(tmp_path) as kb:
+        s = kb.ingest(notes(), tenant="acme", collection="notes")
+        status = {f.source: (f.status, f.reason) for f in s.files}
+        assert status == {
+            "note/1": ("new", ""), "note/2": ("new", ""),
+            "note/3": ("failed", "the row has no text"), "note/4": ("new", ""),
+        }  # fmt: skip
+        [hit] = kb.retrieve("acme", "wind vents", mode="keyword", k=1).hits
+        assert (hit.source, hit.headings) == ("note/2", ("Vents",))
+        db.execute("UPDATE notes SET body = 'Prime it for five seconds.' WHERE id = 1")
+        db.execute("UPDATE notes SET kept = 0 WHERE id = 4")
+        db.commit()
+        s = kb.ingest(notes(), tenant="acme", collection="notes", prune=True)
+        status = {f.source: f.status for f in s.files}
+        assert status == {"note/1": "changed", "note/2": "unchanged", "note/3": "failed",
+                          "note/4": "removed"}  # fmt: skip
+        assert {r.source for r in kb.sources("acme", "notes")} == {"note/1", "note/2"}
+        # A query naming a column it does not return says which.
+        bad = kb.ingest(Query(db, "SELECT id FROM notes"), tenant="acme", collection="x")
+        assert [f.reason for f in bad.files] == ["the query has no column text"]
+    db.close()
 
 
 @pytest.mark.parametrize("k", [0, -1, 101, 10_000])

@@ -28,7 +28,17 @@ from .service import (
     Progress,
     Retrieval,
 )
-from .sources import DEFAULT_EXTENSIONS, Connector, FileList, Folder, Item, Skipped
+from .sources import (
+    DEFAULT_EXTENSIONS,
+    Connector,
+    Document,
+    FileList,
+    Folder,
+    Item,
+    Query,
+    Record,
+    Skipped,
+)
 
 __all__ = [
     "DEFAULT_EXTENSIONS",
@@ -38,6 +48,7 @@ __all__ = [
     "MAX_QUERY_CHARS",
     "CollectionInfo",
     "Connector",
+    "Document",
     "FileList",
     "FileResult",
     "Folder",
@@ -52,7 +63,9 @@ __all__ = [
     "Mode",
     "NotFound",
     "Progress",
+    "Query",
     "QueryTooLarge",
+    "Record",
     "Retrieval",
     "SkipFile",
     "Skipped",

@@ -38,7 +38,7 @@ from . import chunk as chunking
 from .errors import InvalidK, InvalidName, InvalidOption, NotFound, QueryTooLarge, SkipFile
 from .extract import extract
 from .index import VectorCache, resolve_embedder
-from .sources import Connector, Item, Skipped
+from .sources import Connector, Document, Skipped
 from .store import ChunkRow, SourceRow, Store
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ class KnowledgeBase:
         start = time.monotonic()
         summary = IngestSummary()
         # Names only: a folder of 100k files is a list of 100k short strings.
-        entries: list[Item | Skipped] = [e for c in connectors for e in c.items()]
+        entries: list[Document | Skipped] = [e for c in connectors for e in c.items()]
         seen: set[str] = set()
         pending: list[_Pending] = []
         pending_chunks = 0
@@ -344,7 +344,7 @@ class KnowledgeBase:
 
     def _prepare(
         self,
-        item: Item,
+        item: Document,
         tenant: str,
         collection: str,
         tags: tuple[str, ...],

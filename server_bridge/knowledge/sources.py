@@ -1,9 +1,11 @@
 """Where documents come from: connectors behind one small interface.
 
-A connector yields `Item`s (a source id and a way to read the bytes within a size
-limit) and `Skipped` entries (a source id and the reason it will not be read: a
-symlink that leads outside the folder, an unsupported extension). Ingest reads each
-item once, so a connector may stream: nothing here lists or holds more than names.
+A connector yields documents (a source id, a kind, and a way to read the bytes within
+a size limit: an `Item`, a file; a `Record`, text already in hand, such as a database
+row) and `Skipped` entries (a source id and the reason it will not be read: a symlink
+that leads outside the folder, an unsupported extension, a row with no text). Ingest
+reads each once, so a connector may stream: `Folder` and `FileList` hold only names,
+and `Query` reads its rows from the cursor a batch at a time.
 
 Source ids are paths relative to the root the caller gave, with `/` separators, so the
 same file ingested again, from any working directory, is the same source.
@@ -12,19 +14,22 @@ same file ingested again, from any working directory, is the same source.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import SkipFile
 
 __all__ = [
     "DEFAULT_EXTENSIONS",
     "Connector",
+    "Document",
     "FileList",
     "Folder",
     "Item",
+    "Query",
+    "Record",
     "Skipped",
     "read_limited",
 ]
@@ -56,10 +61,30 @@ class Skipped:
     reason: str
 
 
+@dataclass(frozen=True)
+class Record:
+    """A document whose text the connector already holds (a database row). `kind` is
+    how to read it, as a file's extension says: `.txt` or `.md`."""
+
+    source_id: str
+    text: str
+    kind: str = ".txt"
+
+    def read(self, limit: int) -> bytes:
+        data = self.text.encode("utf-8")
+        if len(data) > limit:
+            raise SkipFile(f"over the size limit ({_mb(len(data))} > {_mb(limit)})")
+        return data
+
+
+# What ingest reads: a file, or text in hand.
+Document = Item | Record
+
+
 class Connector(Protocol):
     """A source of documents: `items()` yields what to ingest and what was skipped."""
 
-    def items(self) -> Iterator[Item | Skipped]: ...
+    def items(self) -> Iterator[Document | Skipped]: ...
 
 
 def _mb(n: int) -> str:
@@ -170,3 +195,77 @@ class FileList:
                 yield Skipped(rel, "not a file" if target.exists() else "no such file")
                 continue
             yield Item(rel, target)
+
+
+class Query:
+    """The rows of a database query, one document each: a DB-API 2 connection (the
+    standard library's `sqlite3`, or a driver the user has, such as psycopg for
+    PostgreSQL), a query and its parameters, the column holding each row's id (its
+    source id, with `prefix` before it) and the columns of its text, joined by blank
+    lines. With `title_column` the row reads as Markdown under that heading, so its
+    chunks keep it as their heading path.
+
+    The query runs when ingest asks for the items, and its rows are read from the
+    cursor `batch` at a time. A row whose id is empty or whose text is empty is skipped
+    with that reason. Re-ingesting the same query is an update by row: a changed row
+    replaces its chunks, an unchanged one costs a hash, and `prune` removes the rows
+    the query no longer returns.
+    """
+
+    def __init__(
+        self,
+        connection: Any,
+        sql: str,
+        params: Sequence[Any] = (),
+        *,
+        id_column: str = "id",
+        text_columns: Sequence[str] = ("text",),
+        title_column: str | None = None,
+        prefix: str = "",
+        batch: int = 500,
+    ) -> None:
+        if not text_columns:
+            raise ValueError("a Query needs at least one text column")
+        self.connection = connection
+        self.sql = sql
+        self.params = tuple(params)
+        self.id_column = id_column
+        self.text_columns = tuple(text_columns)
+        self.title_column = title_column
+        self.prefix = prefix
+        self.batch = max(1, batch)
+
+    def items(self) -> Iterator[Document | Skipped]:
+        cursor = self.connection.cursor()
+        try:
+            cursor.execute(self.sql, self.params)
+            names = [d[0] for d in cursor.description or ()]
+            wanted = [self.id_column, *self.text_columns]
+            if self.title_column is not None:
+                wanted.append(self.title_column)
+            missing = [c for c in wanted if c not in names]
+            if missing:
+                yield Skipped(self.sql[:80], f"the query has no column {', '.join(missing)}")
+                return
+            at = {name: i for i, name in enumerate(names)}
+            while rows := cursor.fetchmany(self.batch):
+                for row in rows:
+                    yield self._document(row, at)
+        finally:
+            cursor.close()
+
+    def _document(self, row: Sequence[Any], at: dict[str, int]) -> Document | Skipped:
+        key = row[at[self.id_column]]
+        sid = f"{self.prefix}{'' if key is None else key}"
+        if key is None or str(key) == "":
+            return Skipped(sid or "(no id)", "the row has no id")
+        parts = [str(row[at[c]]) for c in self.text_columns if row[at[c]] not in (None, "")]
+        text = "\n\n".join(p for p in parts if p.strip())
+        if not text:
+            return Skipped(sid, "the row has no text")
+        if self.title_column is None:
+            return Record(sid, text)
+        title = row[at[self.title_column]]
+        if title in (None, ""):
+            return Record(sid, text, ".md")
+        return Record(sid, f"# {str(title).strip()}\n\n{text}", ".md")
