@@ -76,6 +76,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge import access, metrics, tokens
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
+from server_bridge.knowledge import KnowledgeBase
+from server_bridge.knowledge import calls as knowledge_calls
 from server_bridge.lanes import CONTROL, EVENTS, Budget, Kind, Outbox
 from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
@@ -246,6 +248,7 @@ class Bridge:
         registry: Registry,
         provider: Provider,
         memory: MemoryService | None = None,
+        knowledge: KnowledgeBase | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -253,6 +256,10 @@ class Bridge:
         # Durable memory (state.*, mem.*, core.*): without it those methods are
         # unknown_method, as before the memory service existed.
         self.memory = memory
+        # Document knowledge (kb.*): without it those methods are unknown_method too
+        # (PROTOCOL "RPC"): a board cannot tell an old bridge from one without a store,
+        # and needs to do the same in both cases.
+        self.knowledge = knowledge
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._refusals: deque[Refusal] = deque(maxlen=config.refusals_kept)
@@ -359,6 +366,10 @@ class Bridge:
         )
         if memory is not None:
             memory_calls.register(self.rpc, memory, registry, self.hello, self.intake.device_limits)
+        if knowledge is not None:
+            knowledge_calls.register(
+                self.rpc, knowledge, registry, self.intake.device_limits, self._count
+            )
 
     # ------------------------------------------------------------------ diagnostics
 

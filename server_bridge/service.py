@@ -40,6 +40,7 @@ from server_bridge.registry import provision
 
 if TYPE_CHECKING:
     from server_bridge.bridge import Bridge
+    from server_bridge.knowledge import KnowledgeBase
     from server_bridge.memory import MemoryService
     from server_bridge.metrics_http import MetricsServer
 
@@ -197,6 +198,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="where durable memory is kept (default: memory/ beside --registry)",
+    )
+    p.add_argument(
+        "--knowledge",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the knowledge store boards reach by kb.retrieve, kb.ingest and kb.delete "
+        "(default: knowledge.sqlite3 beside --registry when that file exists; without "
+        "one those methods are unknown_method)",
     )
     p.add_argument(
         "--client-id",
@@ -418,6 +428,19 @@ def memory_service(args: argparse.Namespace) -> MemoryService:
     return open_memory(args.memory_dir or Path(args.registry).parent / "memory")
 
 
+def knowledge_base(args: argparse.Namespace) -> KnowledgeBase | None:
+    """The knowledge store at --knowledge, else knowledge.sqlite3 beside the registry
+    when `wren kb ingest` has made one; None (no kb.* methods) otherwise."""
+    path = args.knowledge
+    if path is None:
+        path = Path(args.registry).parent / "knowledge.sqlite3"
+        if not path.exists():
+            return None
+    from server_bridge.knowledge import KnowledgeBase
+
+    return KnowledgeBase(path)
+
+
 def run(
     args: argparse.Namespace, stop: threading.Event | None = None, out: TextIO | None = None
 ) -> int:
@@ -438,7 +461,8 @@ def run(
     registry = provision(args.registry, args.tenant, _devices(args.device))
     try:
         provider, what = model_provider(args)
-        bridge = Bridge(config, registry, provider, memory_service(args))
+        knowledge = knowledge_base(args)
+        bridge = Bridge(config, registry, provider, memory_service(args), knowledge)
         # The allow-list and the per-run caps; the model timeout and the token cap came
         # with the config, the idle timeout and temperature with the provider.
         bridge.rpc.set_model_policy(model_policy(args))
@@ -486,6 +510,8 @@ def run(
                 finally:
                     if metrics is not None:
                         metrics.stop()
+                    if knowledge is not None:
+                        knowledge.close()
     finally:
         registry.close()
 

@@ -127,6 +127,7 @@ class World:
         tmp: Path,
         provider: Any,
         memory: Any = None,
+        knowledge: Any = None,
         **config: Any,
     ) -> None:
         self.p = f"wren-test-{uuid.uuid4().hex[:8]}/v1"
@@ -149,7 +150,7 @@ class World:
             prefix=self.p,
             **config,
         )
-        self.bridge = Bridge(cfg, self.registry, provider, memory)
+        self.bridge = Bridge(cfg, self.registry, provider, memory, knowledge)
         self.bridge.start()
         p = self.p
         self.board = Peer(broker, [f"{p}/d/dev1/rpc/res", f"{p}/d/dev1/req", f"{p}/d/dev1/ctl"])

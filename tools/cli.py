@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from server_bridge import brokerconf, service, tokens
-from server_bridge.memory.grants import ALL_FIELDS, READ, WRITE
+from server_bridge.memory.grants import ALL_FIELDS, KNOWLEDGE_PREFIX, READ, WRITE
 from server_bridge.registry import (
     BRIDGE,
     DEVICE,
@@ -254,7 +254,9 @@ def _grant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--field",
         default=ALL_FIELDS,
-        help="a tenant field's name (default: every tenant field, stored as '*')",
+        help="a tenant field's name (default: every tenant field, stored as '*'), or "
+        "kb:COLLECTION for a knowledge collection (kb.retrieve; kb.ingest/kb.delete unless "
+        "--read-only)",
     )
     _registry_option(p)
 
@@ -529,6 +531,8 @@ _ACCESS_SHOWN = {READ: "read-only", WRITE: "read-write"}
 
 
 def _fields_named(field: str) -> str:
+    if field.startswith(KNOWLEDGE_PREFIX):
+        return f"knowledge collection {field[len(KNOWLEDGE_PREFIX) :]}"
     return "every tenant field" if field == ALL_FIELDS else f"tenant field {field}"
 
 

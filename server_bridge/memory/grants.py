@@ -29,6 +29,8 @@ __all__ = [
     "ACCESS",
     "ALL_FIELDS",
     "FIELD_NAME",
+    "KNOWLEDGE_FIELD",
+    "KNOWLEDGE_PREFIX",
     "NO_GRANTS",
     "READ",
     "WRITE",
@@ -47,14 +49,23 @@ ALL_FIELDS = "*"
 # A declared field's name (PROTOCOL "Declared fields"; edge_runtime/fields.py checks the
 # same on the board).
 FIELD_NAME = re.compile(r"[a-z0-9_]{1,64}\Z")
+# A knowledge collection's grant (server_bridge/knowledge/calls.py): `kb:` and the
+# collection's name as the knowledge store spells it. A namespace of its own, so no
+# memory field can be named by it (FIELD_NAME has no `:`), and `*` (every tenant
+# field) does not reach it: knowledge is granted collection by collection.
+KNOWLEDGE_PREFIX = "kb:"
+KNOWLEDGE_FIELD = re.compile(r"kb:[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 
 
 def check_grant_field(name: object) -> str:
-    """`*` or a field name; ValueError otherwise."""
-    if name == ALL_FIELDS or (isinstance(name, str) and FIELD_NAME.match(name)):
+    """`*`, a field name or `kb:<collection>`; ValueError otherwise."""
+    if name == ALL_FIELDS or (
+        isinstance(name, str) and (FIELD_NAME.match(name) or KNOWLEDGE_FIELD.match(name))
+    ):
         return str(name)
     raise ValueError(
-        f"a grant's field must be {ALL_FIELDS!r} or 1-64 characters of [a-z0-9_], not {name!r}"
+        f"a grant's field must be {ALL_FIELDS!r} or 1-64 characters of [a-z0-9_] (a tenant "
+        f"field) or {KNOWLEDGE_PREFIX}<collection> (a knowledge collection), not {name!r}"
     )
 
 
@@ -96,6 +107,20 @@ class Grants:
 
     def may_write(self, name: str) -> bool:
         return self.access(name) == WRITE
+
+    def knowledge(self, collection: str) -> str | None:
+        """`read`, `write`, or None for the knowledge collection `collection`: only its
+        own `kb:` grant counts, never the `*` of tenant fields."""
+        return self.by_field.get(KNOWLEDGE_PREFIX + collection)
+
+    def knowledge_collections(self, access: str = READ) -> list[str]:
+        """The collections granted with at least `access`, by name."""
+        need = ACCESS.index(access)
+        return sorted(
+            name[len(KNOWLEDGE_PREFIX) :]
+            for name, got in self.by_field.items()
+            if name.startswith(KNOWLEDGE_PREFIX) and ACCESS.index(got) >= need
+        )
 
     def __bool__(self) -> bool:
         return bool(self.by_field)
