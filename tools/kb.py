@@ -1,6 +1,6 @@
 """`wren kb`: document knowledge from the command line (server_bridge.knowledge).
 
-wren kb ingest PATH... --tenant T --collection C [--tag TAG]...
+wren kb ingest PATH... --tenant T --collection C [--tag TAG]... [--nice N] [--idle]
 wren kb search QUERY --tenant T [--collection C] [--k N] [--mode dense|keyword|hybrid]
 wren kb list --tenant T [--collection C]
 wren kb delete --tenant T --collection C [--source S]
@@ -8,12 +8,18 @@ wren kb delete --tenant T --collection C [--source S]
 The store is one SQLite file, by default beside the registry (.wren/knowledge.sqlite3);
 --store names another. A folder is ingested recursively by extension, each file's
 source id its path relative to that folder; a file given on its own is its name.
+
+An ingest is polite to a bridge on the same machine: it lowers its own CPU priority
+(`--nice`, default NICE) before the model loads, and embeds on a bounded number of
+onnxruntime threads (`--threads`, default THREADS), so the boards' runs keep their
+latency while it works (benchmarks/bench_ingest_load.py measures it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +30,15 @@ from typing import Any, TextIO
 DEFAULT_STORE = Path(".wren/knowledge.sqlite3")
 # A terminal's progress line is redrawn at most this often: more is flicker and cost.
 REDRAW_S = 0.1
+# The niceness an ingest adds to its own (0 leaves it): an ingest is a batch job that
+# takes as long as it takes, while a bridge on the same machine streams boards' runs.
+# Measured in benchmarks/bench_ingest_load.py (DESIGN "Knowledge").
+NICE = 10
+# Embedding threads (onnxruntime intra-op) of an ingest, bounded: measured on 2 cores
+# (benchmarks/bench_ingest_load.py), 2 threads at NICE embed 24 chunks/s against 16 on
+# one, and the boards' first deltas kept their figure (1.04x), while the same 2 threads
+# at normal priority cost them 1.21x. The bridge's own recall keeps its 1.
+THREADS = 2
 
 
 def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
@@ -52,6 +67,20 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
         "--prune", action="store_true",
         help="then remove the collection's sources these paths no longer hold (files deleted "
         "since the last ingest), so the collection mirrors them",
+    )
+    i.add_argument(
+        "--nice", type=int, default=NICE,
+        help=f"lower this process's CPU priority by N while ingesting, so a bridge on the "
+        f"same machine keeps its latency (default {NICE}; 0 leaves it)",
+    )
+    i.add_argument(
+        "--threads", type=int, default=THREADS,
+        help=f"onnxruntime threads for embedding (default {THREADS}; with --nice 0 on a "
+        f"small machine, 1 leaves a core to a bridge beside it)",
+    )
+    i.add_argument(
+        "--idle", action="store_true",
+        help="also run in Linux's SCHED_IDLE class: only on CPU time nothing else wants",
     )
     i.add_argument(
         "--no-embed", action="store_true",
@@ -170,13 +199,53 @@ def _open(args: argparse.Namespace, *, create: bool = False, embed: bool = True)
     kw: dict[str, Any] = {}
     if not embed:
         kw["embedder"] = None
+    elif getattr(args, "threads", 1) != 1:
+        # 1 is recall's shared default embedder; any other count is a session of its own.
+        kw["embedder"] = _embedder(args.threads)
     if getattr(args, "max_mb", None) is not None:
         kw["max_file_bytes"] = max(1, int(args.max_mb * 1e6))
     return KnowledgeBase(args.store, **kw)
 
 
+def be_polite(nice: int, idle: bool = False) -> str:
+    """Lower this process's CPU priority for a batch job: `nice` more niceness (where the
+    platform has os.nice), and with `idle` Linux's SCHED_IDLE class. Returns what was
+    done, for the log. Linux keeps a priority per thread and a new thread inherits its
+    creator's, so this is called before anything starts threads (onnxruntime, sqlite).
+    A refusal (a container without the right) leaves the priority as it was."""
+    done: list[str] = []
+    if nice > 0 and hasattr(os, "nice"):
+        try:
+            done.append(f"nice {os.nice(nice)}")
+        except OSError as e:
+            done.append(f"nice refused ({e.strerror})")
+    if idle:
+        if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+            try:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                done.append("SCHED_IDLE")
+            except OSError as e:
+                done.append(f"SCHED_IDLE refused ({e.strerror})")
+        else:
+            done.append("SCHED_IDLE unavailable")
+    return ", ".join(done) or "normal priority"
+
+
+def _embedder(threads: int) -> Any:
+    """Recall's MiniLM on `threads` onnxruntime threads, or "auto" (its default embedder,
+    or none with its logged reason) when it cannot be built."""
+    from server_bridge.memory.recall import MiniLMEmbedder, ModelFileError
+
+    try:
+        return MiniLMEmbedder(threads=max(1, threads))
+    except (ImportError, ModelFileError):
+        return "auto"
+
+
 def _ingest(args: argparse.Namespace, out: TextIO) -> int:
     from server_bridge.knowledge import Connector, FileList, Folder
+
+    be_polite(args.nice, args.idle)
 
     connectors: list[Connector] = []
     files: list[Path] = []
