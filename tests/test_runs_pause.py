@@ -131,11 +131,15 @@ def test_a_bridge_restarted_while_paused_still_delivers_the_answers(tmp_path: Pa
         s.client.approve(s.device, s.token, snap.run, "call_1_1", True)
         s.client.answer(s.device, s.token, snap.run, "call_1_2", "yes, vent it")
         _check_finished(s, s.wait_run(req), 0)
-        # Both waited for the board to say whose run it is.
-        deadline = time.monotonic() + 10
-        while counters(tmp_path / "stats.prom").get("wren_host_ctl_awaiting_owner_total", 0) < 2:
-            assert time.monotonic() < deadline, counters(tmp_path / "stats.prom")
-            time.sleep(0.1)
+        # Neither answer was refused: the owner's own, though the new bridge had not seen
+        # the run (before, each was `forbidden` and the run stayed paused). Most often
+        # both waited for the board to say whose run it is; when the board's resend of
+        # what the old bridge had not acknowledged came first, the bridge knew already.
+        refused = [e for e in s.client.events if e["r"] == "_b" and e["t"] == "error"]
+        assert not refused, refused
+        time.sleep(0.5)  # the stats file is written every 0.2 s
+        waited = counters(tmp_path / "stats.prom").get("wren_host_ctl_awaiting_owner_total", 0)
+        print(f"answers that waited for the run's user: {waited} of 2")
 
 
 # "run <id> ended; heap free <n>": the board's line when a run leaves memory (paused or
