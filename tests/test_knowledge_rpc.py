@@ -18,6 +18,7 @@ from server_bridge.memory.grants import READ, WRITE, Grants
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry, RegistryError
 from tests.test_bridge import SECRET, Peer, World, wait_for
+from tests.test_memory_rpc import kind, ok
 from tools.broker import MosquittoProcess
 
 _ids = itertools.count(1)
@@ -77,16 +78,6 @@ def kw(broker: MosquittoProcess, tmp_path: Path) -> Iterator[KnowledgeWorld]:
     w = KnowledgeWorld(broker, tmp_path)
     yield w
     w.close()
-
-
-def ok(answer: dict[str, Any]) -> dict[str, Any]:
-    assert "ok" in answer, answer
-    return dict(answer["ok"])
-
-
-def kind(answer: dict[str, Any]) -> str:
-    assert "err" in answer, answer
-    return str(answer["err"]["kind"])
 
 
 MANUAL = (
