@@ -7,7 +7,10 @@ through the bridge to `done` with the exact text, as .mpy, and (d) `memory`: the
 for an agent with declared fields (a core field and a collection) with one memory.recall
 and one core memory.append besides the sensor read, as .mpy, against the scripted bridge
 peer of firmware_tests/memory_turn.py (the bridge does not serve state, mem and core
-calls yet).
+calls yet), and (e) `kiosk`: the README's knowledge example (examples/kiosk/main.py,
+an agent whose rule is `docs={"mode": "before"}`) answering from its manuals through the
+real bridge with a knowledge store: a `cite` chunk and three `citation` events besides
+the turn, as .mpy.
 
 Each figure for each MicroPython binary: by default the unix port, and the 32-bit build
 of ../shared/micropython (or $WREN_MICROPYTHON_I686) when it is there.
@@ -58,7 +61,8 @@ I686 = i686_binary()
 # The long answer: each position checkable, so a lost or doubled piece shows.
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters
 LONG_CHUNK = 4
-FIGURES = ("import", "turn", "long", "memory")
+FIGURES = ("import", "turn", "long", "memory", "kiosk")
+KIOSK = Path(__file__).resolve().parent.parent / "examples" / "kiosk"
 
 ABOVE = 8  # sizes checked above the bisected minimum
 TURN_TIMEOUT_S = 20.0
@@ -145,7 +149,7 @@ class TurnRig:
     demo agent's durable field is loaded at each run's start) and one host client
     serving every trial board."""
 
-    def __init__(self, workdir: Path, provider: Provider) -> None:
+    def __init__(self, workdir: Path, provider: Provider, knowledge: Path | None = None) -> None:
         self.workdir = workdir
         self.broker = start_mosquitto(workdir / "mosquitto")
         self.registry = Registry(workdir / "registry.json")
@@ -153,7 +157,15 @@ class TurnRig:
         self.registry.add_tenant("bench", self.secret)
         config = BridgeConfig(host=self.broker.host, port=self.broker.port)
         memory = open_memory(workdir / "memory", None)
-        self.bridge = Bridge(config, self.registry, provider, memory)
+        kb = None
+        if knowledge is not None:
+            from server_bridge.knowledge import Folder, KnowledgeBase
+
+            # Keyword ranking: the board's heap is the figure, not the embedder's.
+            kb = KnowledgeBase(workdir / "knowledge.sqlite3", embedder=None)
+            kb.ingest(Folder(knowledge), tenant="bench", collection="manuals")
+            self.registry.add_grant("bench", "kiosk", "kb:manuals", "read")
+        self.bridge = Bridge(config, self.registry, provider, memory, kb)
         self.bridge.start()
         self.client = HostClient(self.broker.host, self.broker.port, "bench")
         self.client.connect(timeout=10)
@@ -168,14 +180,17 @@ class TurnRig:
         ask: str,
         expect: str | None = None,
         timeout: float = TURN_TIMEOUT_S,
+        agent: str = "thermostat",
+        main_py: str | None = None,
     ) -> bool:
         """Whether a fresh board at `kib` KiB serves `ask` to `done` (with exactly the
         assistant text `expect`, if given) and is still running after it."""
         self.trial += 1
         device = f"heap{self.trial}"
-        self.registry.add_device(device, "bench", "thermostat")
+        self.registry.add_device(device, "bench", agent)
         settings = {"device": device, "host": self.broker.host, "port": self.broker.port}
-        flash = lay_out_flash(self.workdir / "boards" / device, settings, mpy=mpy)
+        more = {} if main_py is None else {"main_py": main_py}
+        flash = lay_out_flash(self.workdir / "boards" / device, settings, mpy=mpy, **more)
         board = VirtualBoard(flash, heap=f"{kib}K", exe=exe)
         proc = board.start()
         try:
@@ -197,8 +212,12 @@ class TurnRig:
                 except RequestRefused:
                     return False
             text = "".join(row.text for row in snap.rows if row.kind == "assistant")
+            cited = main_py is None or len(snap.citations) == 3
             return (
-                snap.status == "done" and (expect is None or text == expect) and proc.poll() is None
+                snap.status == "done"
+                and (expect is None or text == expect)
+                and cited
+                and proc.poll() is None
             )
         finally:
             board.stop()
@@ -351,6 +370,27 @@ def main() -> None:
                     rows.append((name, label, found, None))
             finally:
                 broker.stop()
+
+        if "kiosk" in figures:
+            progress("kiosk: starting a broker and a bridge with a knowledge store")
+            answer = "Hold the round reset button for five seconds [1]."
+            rig = TurnRig(work / "kiosk", ScriptedProvider([[{"text": answer}]]), KIOSK / "manuals")
+            main_py = (KIOSK / "main.py").read_text()
+            try:
+                for n, exe in enumerate(binaries, 1):
+                    label = f"{n}: {words[exe]}-bit"
+                    name = "kiosk turn (.mpy)"
+
+                    def kiosks(k: int, e: str = exe) -> bool:
+                        return rig.turn_ok(
+                            e, k, True, "How do I reset the printer?", answer,
+                            agent="kiosk", main_py=main_py,
+                        )  # fmt: skip
+
+                    found = bisect_kib(f"{name} [{label}]", kiosks, 8, 256)
+                    rows.append((name, label, found, None))
+            finally:
+                rig.close()
 
     print(
         f"{'what':24} {'binary':10} {'min heap KiB':>16} {'alloc after import B':>21}"

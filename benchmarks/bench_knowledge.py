@@ -14,9 +14,11 @@
   corpus are random unit vectors under the model's name, which costs the search the
   same as real ones and spares the minute of embedding.
 - Opening the store and loading the vector cache (the first dense search after a
-  restart).
+  restart), and the process's resident memory that cache adds (VmRSS before and after
+  it), per 10k chunks: the index memory.
 
     python benchmarks/bench_knowledge.py
+    python benchmarks/bench_knowledge.py --docs 10000 --embed-docs 0 --queries 100  # 100k chunks
 
 Takes about a minute on 2 cores.
 """
@@ -87,6 +89,17 @@ class RandomVectors:
         return v / (v**2).sum(axis=1, keepdims=True) ** 0.5
 
 
+def rss_kib() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
@@ -148,11 +161,16 @@ def main() -> None:
         modes = ("keyword", "dense", "hybrid") if embedder is not None else ("keyword",)
         with kb:
             if embedder is not None:
+                embedder.embed([queries[0]])  # the model's own memory, before the cache's
+                before = rss_kib()
                 t0 = time.perf_counter()
                 kb.retrieve("bench", queries[0], mode="dense")
                 first = time.perf_counter() - t0
+                grown = rss_kib() - before
                 print(f"open {opened * 1e3:.0f} ms; first dense search (loads {chunks} vectors) "
                       f"{first * 1e3:.0f} ms")
+                print(f"index memory: the vector cache added {grown / 1024:.1f} MiB resident, "
+                      f"{grown / 1024 * 10_000 / max(chunks, 1):.1f} MiB per 10k chunks")
             for mode in modes:
                 times = []
                 for q in queries:

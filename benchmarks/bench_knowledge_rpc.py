@@ -1,4 +1,4 @@
-"""One board's `kb.ingest` and `kb.retrieve` as the bridge's RPC worker runs them.
+"""One board's `kb.add` and `kb.retrieve` as the bridge's RPC worker runs them.
 
 The handler of `server_bridge/knowledge/calls.py` called in process (no MQTT: what a
 call costs the worker that takes it), with the embedder the bridge uses (MiniLM-L6
@@ -62,7 +62,7 @@ def main() -> None:
                 t = time.perf_counter()
                 chunks = h.ingest(ctx, a, None)["chunks"]
                 times.append(time.perf_counter() - t)
-            print(f"kb.ingest {size:>5} B ({chunks} chunks): median "
+            print(f"kb.add {size:>5} B ({chunks} chunks): median "
                   f"{statistics.median(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms")
         times = []
         for q in ("north vent humidity", "pump seal impeller", "sensor drift alarm"):

@@ -45,8 +45,13 @@ class Agent:
     # oldest first to fit (toolloop). budget: what one run may spend, any of
     # {"steps": nodes started, "tokens": model tokens in and out, "wall_s": seconds not
     # paused, "reads": memory reads from the bridge} (budget.py, PROTOCOL "Budgets").
+    # docs: the agent's rule for the documents the bridge holds (its knowledge),
+    # {"mode": "before" (the bridge adds passages to each model call) or "tool" (the
+    # model may call kb.search), "collections", "k", "max_chars", "on_error": "fail"
+    # or "skip"} (docs.py, PROTOCOL "Knowledge in runs"); None: off.
     def __init__(self, name, version, instructions, handler=None, fields=None,
-                 model=None, max_tokens=None, max_steps=8, context_chars=6000, budget=None):
+                 model=None, max_tokens=None, max_steps=8, context_chars=6000, budget=None,
+                 docs=None):
         self.name = name
         self.version = version
         self.instructions = instructions
@@ -66,8 +71,17 @@ class Agent:
             # Checked once, here; budget.py stays loaded for the agent's runs.
             from edge_runtime import budget as limits
             limits.check(budget)
+        # Named `docs`, module and all: a name the board's qstr pool has already, so
+        # an agent without knowledge adds none (test_on_small_heap).
+        self.docs = None
+        if docs:
+            from edge_runtime import docs as rule
+            self.docs = rule.check(docs)
         self.tools = {}
         self.specs = None
+        # The board's runtime, once one runs this agent (runs.Runtime): docs.add
+        # reaches the bridge through it.
+        self.runtime = None
 
     def field(self, name):
         # A declared field by name, or None (an undeclared key is private and run-scoped).

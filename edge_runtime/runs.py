@@ -150,6 +150,7 @@ class Runtime:
     def __init__(self, agent, device, settings=None):
         settings = settings or {}
         self.agent = agent
+        agent.runtime = self
         self.device = device
         prefix = settings.get("prefix", PREFIX)
         self._base = "%s/d/%s/" % (prefix, device)

@@ -129,6 +129,10 @@ _IDLE_MS = const(1000)
 # path before its name, and a node's good end. A const tuple rather than five literals:
 # its strs are not names in the board's qstr pool (five fewer, test_on_small_heap).
 _NODES = const(("node.start", "node.end", "/model", "/tool/", "completed"))
+# A model call's failures that are the agent's knowledge rule's, not the model's
+# (docs.py): the run fails with the first as its kind. Strs of a const tuple, for
+# the same reason as _NODES.
+_KB = const(("kb", "forbidden"))
 
 
 async def node(run, path, usage):
@@ -222,16 +226,21 @@ async def model_loop(run, state=None, pause=0):
         if specs is None or not keep:
             from edge_runtime import memstart
             try:
-                specs = codec.Raw(await memstart.start(
-                    mem, [t.describe(False) for t in agent.tools.values()]))
+                tools = [t.describe(False) for t in agent.tools.values()]
+                if agent.docs:
+                    agent.docs.extend(tools)  # kb.search, for a `tool` rule
+                specs = codec.Raw(await memstart.start(mem, tools))
             finally:
                 memstart = None
                 platform.unload("memstart")
             if keep:
                 agent.specs = specs
     elif specs is None:
-        specs = agent.specs = codec.Raw(codec.encode_exact(
-            [t.describe(False) for t in agent.tools.values()]))
+        tools = [t.describe(False) for t in agent.tools.values()]
+        if agent.docs:
+            agent.docs.extend(tools)  # kb.search, for a `tool` rule
+        specs = agent.specs = codec.Raw(codec.encode_exact(tools))
+        tools = None
     start, end, model, tool_path, completed = _NODES
     for step in range(first, agent.max_steps):
         run.check_cancelled()
@@ -250,6 +259,13 @@ async def model_loop(run, state=None, pause=0):
             args["model"] = agent.model
         if agent.max_tokens:
             args["max_tokens"] = agent.max_tokens
+        if agent.docs:
+            # A `before` rule: the bridge retrieves for the latest user text and adds the
+            # passages to the call; they never come here, only which they were (a
+            # `cite` chunk, below). The docs Rule's methods carry names the
+            # firmware already has (update, send, extend, call): no new ones in the
+            # board's qstr pool for every agent (test_on_small_heap).
+            agent.docs.update(args)
         deltas = _Deltas(run, m)
         begun = False
         try:
@@ -293,6 +309,10 @@ async def model_loop(run, state=None, pause=0):
                     elif isinstance(ch.get("tool"), dict):
                         await deltas.flush()
                         calls.append(ch["tool"])
+                    elif agent.docs:
+                        # Which passages the bridge added to the call (`cite`).
+                        await deltas.flush()
+                        await agent.docs.send(run, ch)
                 if deltas.n:
                     await deltas.flush()
                     # A turn for the link to send the turn's last text before msg.end,
@@ -311,11 +331,15 @@ async def model_loop(run, state=None, pause=0):
             run.emit(end, {"status": "failed"}, here)
             # The bridge's own words for a model's failure (what to do about it, and
             # whether asking again can help); anything else failed on the way to it.
-            d = e.detail if e.kind == "llm" and isinstance(e.detail, dict) else {}
+            # A `before` agent's knowledge failing is its own kind: the model was never
+            # asked (docs.py), and so is its refusal of a collection (`forbidden`).
+            kb = e.kind in _KB
+            d = e.detail if (kb or e.kind == "llm") and isinstance(e.detail, dict) else {}
             msg = d.get("msg")
-            raise RunFailed("llm", msg[:200] if isinstance(msg, str) and msg
+            raise RunFailed(_KB[0] if kb else "llm", msg[:200] if isinstance(msg, str) and msg
                             else "the model is unavailable (%s)" % e.kind,
-                            d.get("retryable") is not False, d.get("cause"))
+                            d.get("retryable") is True if kb else d.get("retryable") is not False,
+                            d.get("cause"))
         # The step's end, msg.end, usage and node.end, goes as one payload too, waiting
         # (flow) as run.event does: before, for the turn's text still waiting; after,
         # when the link had no room for these.
@@ -380,7 +404,13 @@ async def model_loop(run, state=None, pause=0):
                 # its node.end: one payload each (Run.event's `held`).
                 await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
                                               "client": False}, None, starting)
-                if tool is None:
+                answer = None
+                if tool is None and agent.docs:
+                    # kb.search, for a `tool` rule (None: not its tool).
+                    answer = await agent.docs.call(run, name, input_text)
+                if answer is not None:
+                    output, failed = answer
+                elif tool is None:
                     output, failed = "no tool named %s" % name, True
                 else:
                     output, failed = await _run_tool(tool, input_text)

@@ -243,6 +243,31 @@ class Memory:
         self.cores[scope] = {"ver": a["ver"], "doc": a["doc"]}
         return {"ver": a["ver"]}
 
+    # Document knowledge (PROTOCOL "Knowledge in runs"): what boards added, by
+    # collection and src, and a retrieval that finds every added text whose words
+    # include one of the query's, first added first.
+    def _kb_add(self, a, decls):
+        docs = self.rows.setdefault("kb:" + a["collection"], {})
+        status = "unchanged" if docs.get(a["src"]) == a["text"] else (
+            "changed" if a["src"] in docs else "new")
+        docs[a["src"]] = a["text"]
+        return {"src": a["src"], "ver": "0" * 64, "status": status, "chunks": 1}
+
+    def _kb_delete(self, a, decls):
+        docs = self.rows.get("kb:" + a["collection"], {})
+        return {"src": a["src"], "chunks": 1 if docs.pop(a["src"], None) is not None else 0}
+
+    def _kb_retrieve(self, a, decls):
+        words = a["query"].lower().split()
+        hits = []
+        for col in a.get("collections") or [k[3:] for k in self.rows if k.startswith("kb:")]:
+            for src, text in self.rows.get("kb:" + col, {}).items():
+                if any(w in text.lower() for w in words):
+                    hits.append({"collection": col, "source": src, "version": "ab" * 32,
+                                 "chunk": 0, "headings": ["Notes"], "score": 0.5,
+                                 "text": text[:a.get("max_chars", 8000)], "truncated": False})
+        return {"hits": hits[:a.get("k", 5)], "mode": "keyword", "cut": False}
+
     def _core_load(self, a, decls):
         held = self.cores.get(self._scope(a))
         return dict(held) if held else {"ver": 0}
@@ -340,6 +365,10 @@ class ScriptedBridge:
             turn = sum(1 for m in call["a"]["messages"] if m["role"] == "assistant")
         if turn >= len(self.script):
             await self.put("rpc/res", {"c": c, "s": 0, "err": {"kind": "llm", "msg": "script exhausted"}})
+            return
+        if self.script[turn] and "err" in self.script[turn][0]:
+            # A turn the bridge refuses: its answer is that error (a `kb` failure, say).
+            await self.put("rpc/res", {"c": c, "s": 0, "err": self.script[turn][0]["err"]})
             return
         finish = "tool_calls" if any("tool" in s for s in self.script[turn]) else "stop"
         window = self.hello["limits"]["window"]

@@ -74,11 +74,14 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from server_bridge import access, metrics, tokens
+from server_bridge.brokerconf import LINKS
 from server_bridge.config import BridgeConfig
 from server_bridge.intake import EventIntake
 from server_bridge.knowledge import KnowledgeBase
 from server_bridge.knowledge import calls as knowledge_calls
+from server_bridge.knowledge.augment import Augmenter
 from server_bridge.lanes import CONTROL, EVENTS, Budget, Kind, Outbox
+from server_bridge.links import LinkPlan, batches
 from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
 from server_bridge.metrics import prometheus_text
@@ -157,6 +160,8 @@ _CLEARS_KEPT = 1024
 # that many (kind, tenant) pairs remembered, the least recent forgotten first.
 _REFUSAL_LOG_S = 1.0
 _REFUSAL_LOG_KEYS = 1024
+# How often the registry is read again for devices the links should read (links.py).
+_LINKS_CHECK_S = 1.0
 
 
 class _PahoLog(logging.LoggerAdapter):
@@ -271,12 +276,29 @@ class Bridge:
         # The control connection (presence, will, RPC calls, host input) and the event
         # connection (module docstring), each up or not on its own.
         self._client: mqtt.Client | None = None
-        self._events: mqtt.Client | None = None
         self._control_up = False
-        self._events_up = False
-        self._events_ready = threading.Event()
-        self._events_error: str | None = None
-        self._events_sub_mid: int | None = None
+        # The links that read boards (links.py), link 0 the event connection: each one's
+        # client, whether it is up, its first subscription's outcome, and the SUBACKs
+        # that outcome waits for.
+        n = config.tenant_links
+        self._plan = LinkPlan(config.prefix, n, config.shared_subscription)
+        self._links: list[mqtt.Client | None] = [None] * n
+        self._links_up = [False] * n
+        self._links_ready = [threading.Event() for _ in range(n)]
+        self._links_error: list[str | None] = [None] * n
+        self._links_sub_mids: list[set[int]] = [set() for _ in range(n)]
+        # What each link reads (its board topics), the registry's devices they were
+        # dealt from, and the SUBACKs a change of the deal waits for before it
+        # unsubscribes what moved (_refresh_links).
+        self._links_lock = threading.Lock()
+        self._link_topics: list[set[str]] = [set() for _ in range(n)]
+        self._linked_devices: set[str] = set()
+        self._dealt_from: tuple[tuple[str, str], ...] | None = None
+        self._undropped = False  # a refresh without `drop` left topics a link lost
+        self._deal_mids: set[tuple[int, int]] = set()
+        self._deal_acked = threading.Event()
+        self._links_checked = 0.0
+        self._links_token: object = None
         self._ready = threading.Event()
         # Both connections subscribed once: from then on the control connection says
         # online at each (re)connect. Not before: at a first start an event a board sent
@@ -370,6 +392,9 @@ class Bridge:
             knowledge_calls.register(
                 self.rpc, knowledge, registry, self.intake.device_limits, self._count
             )
+        # An agent's `before` knowledge rule, with or without a store (without one, its
+        # on_error decides: knowledge/augment.py).
+        self.rpc.augment = Augmenter(knowledge, registry, config.model_context_chars, self._count)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -387,8 +412,8 @@ class Bridge:
 
     @property
     def connected(self) -> bool:
-        """Both connections are up."""
-        return self._control_up and self._events_up
+        """Every connection is up: the control connection and each link."""
+        return self._control_up and all(self._links_up)
 
     @property
     def control_connected(self) -> bool:
@@ -396,7 +421,25 @@ class Bridge:
 
     @property
     def events_connected(self) -> bool:
-        return self._events_up
+        """The event connection (link 0) is up."""
+        return self._links_up[0]
+
+    @property
+    def _events(self) -> mqtt.Client | None:
+        """The event connection: link 0."""
+        return self._links[0]
+
+    def reads_device(self, device: str) -> bool:
+        """Whether a link reads `device`'s topics (always, with one link)."""
+        if self.config.tenant_links == 1:
+            return True
+        with self._links_lock:
+            return device in self._linked_devices
+
+    def link_topics(self, link: int) -> list[str]:
+        """The board topics link `link` reads (links.py), sorted."""
+        with self._links_lock:
+            return sorted(self._link_topics[link])
 
     def hello(self, device: str) -> dict[str, Any] | None:
         """The capabilities a device last announced on P/d/D/hello (None before any)."""
@@ -552,13 +595,31 @@ class Bridge:
         ]
 
     def control_subscriptions(self) -> list[str]:
-        """What the control connection reads: boards' calls, hosts' requests and ctl."""
+        """What the control connection reads: hosts' requests and ctl, and with one link
+        boards' calls too (with links, each link reads its own boards' calls)."""
         all_ = self.subscriptions()
+        if self.config.tenant_links > 1:
+            return [all_[4], all_[5]]
         return [all_[0], all_[4], all_[5]]
 
     def event_subscriptions(self) -> list[str]:
-        """What the event connection reads: boards' events, hellos and statuses."""
+        """What the event connection reads: with one link every board's events, hellos
+        and statuses; with links, link 0's boards' topics (links.py)."""
+        if self.config.tenant_links > 1:
+            return self.link_topics(0)
         return self.subscriptions()[1:4]
+
+    def _link_wants(self, link: int) -> tuple[list[str], list[str]]:
+        """What link `link` subscribes at connect, and what it unsubscribes then (what a
+        persistent session may hold that is not its own: links.py)."""
+        if link == 0 and self.config.tenant_links == 1:
+            deal = self._plan.deal(self.registry.devices())
+            every = sorted({topic for topics in deal for topic in topics})
+            return self.event_subscriptions(), [*self._not_for_events(), *every]
+        with self._links_lock:
+            wants = sorted(self._link_topics[link])
+            stale = self._plan.not_for(link, self._link_topics)
+        return wants, [*(self._not_for_events() if link == 0 else []), *stale]
 
     def _not_for_events(self) -> list[str]:
         """What the event connection's session must not read: the control topics, in
@@ -605,11 +666,12 @@ class Bridge:
         """Undo a start that failed: a clean DISCONNECT of each connection (no will, so
         another bridge's presence stands) and no forwarders."""
         self.outbox.stop(drain_s=0)
-        for client in (self._events, self._client):
+        for client in (*self._links, self._client):
             if client is not None:
                 client.disconnect()
                 client.loop_stop()
-        self._client = self._events = None
+        self._client = None
+        self._links = [None] * len(self._links)
 
     def start(self) -> None:
         """Connect, subscribe and return once subscribed; raise BridgeError if not in time."""
@@ -632,15 +694,16 @@ class Bridge:
         client.on_subscribe = self._on_subscribe
         client.on_publish = self._on_publish
         client.on_unsubscribe = self._on_unsubscribe
-        events = self._new_client(cfg.client_id, cfg.username, cfg.password)
-        events.on_connect = self._on_events_connect
-        events.on_disconnect = self._on_events_disconnect
-        events.on_subscribe = self._on_events_subscribe
-        events.on_publish = self._on_events_publish
+        links = [self._new_link(k) for k in range(cfg.tenant_links)]
+        events = links[0]
         self._ready.clear()
-        self._events_ready.clear()
-        self._start_error = self._events_error = None
+        for ready in self._links_ready:
+            ready.clear()
+        self._start_error = None
+        self._links_error = [None] * cfg.tenant_links
         self._login_refused = False
+        if cfg.tenant_links > 1:
+            self._refresh_links(drop=False)
         self._client = client
         try:
             client.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
@@ -662,22 +725,33 @@ class Bridge:
                 f"bridge could not start on {cfg.host}:{cfg.port} (control connection, user "
                 f"{cfg.control_username or '(none)'}): {why}"
             )
-        # Then the event connection, once this process is the one serving the prefix:
-        # its session may hold what boards sent meanwhile, acted on as it comes.
-        self._events = events
-        try:
-            events.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
-        except OSError as e:
-            self._abort()
-            raise BridgeError(f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}") from e
-        events.loop_start()
-        if not self._events_ready.wait(cfg.connect_timeout_s) or self._events_error is not None:
-            why = self._events_error or f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
-            self._abort()
-            raise (LoginRefused if self._login_refused else BridgeError)(
-                f"bridge could not start on {cfg.host}:{cfg.port} (event connection, user "
-                f"{cfg.username or '(none)'}): {why}"
-            )
+        # Then the links, the event connection first, once this process is the one
+        # serving the prefix: their sessions may hold what boards sent meanwhile, acted
+        # on as it comes.
+        for k, link in enumerate(links):
+            self._links[k] = link
+            _, user, _ = cfg.link_login(k)
+            what = "event connection" if k == 0 else f"link {k}"
+            try:
+                link.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
+            except OSError as e:
+                self._abort()
+                raise BridgeError(
+                    f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}"
+                ) from e
+            link.loop_start()
+            came = self._links_ready[k].wait(cfg.connect_timeout_s)
+            if not came or self._links_error[k] is not None:
+                why = self._links_error[k] or (
+                    f"no CONNACK and SUBACK within {cfg.connect_timeout_s}s"
+                )
+                self._abort()
+                raise (LoginRefused if self._login_refused else BridgeError)(
+                    f"bridge could not start on {cfg.host}:{cfg.port} ({what}, user "
+                    f"{user or '(none)'}): {why}"
+                )
+        if cfg.tenant_links < LINKS:
+            self._forget_unused_links()
         self._serving = True
         self._say_online()
         self._housekeeper = threading.Thread(
@@ -781,6 +855,41 @@ class Bridge:
             self._early_subacks.clear()
         if early is not None:
             self._subscribed(early)
+        if self.config.tenant_links > 1:
+            # With links the boards' calls are the links' to read: a session of the
+            # one-link layout still holds the control connection's wildcard, and a call
+            # read on two connections would be served twice.
+            client.unsubscribe([self._plan.wildcards()[0], f"{self.config.prefix}/d/+/rpc"])
+
+    def _forget_unused_links(self) -> None:
+        """Clear the persistent sessions of the link users this process does not use
+        (`tenant_links` below LINKS): a session left from a run with more links would
+        keep its boards' subscriptions and queue their messages at the broker for ever.
+        A clean-session connect ends it; a broker that does not know the user (set up
+        for fewer links) refuses it, which is fine and logged at debug."""
+        cfg = self.config
+        for link in range(cfg.tenant_links, LINKS):
+            client_id, user, password = cfg.link_login(link)
+            c = mqtt.Client(
+                CallbackAPIVersion.VERSION2,
+                client_id=client_id,
+                protocol=mqtt.MQTTv311,
+                clean_session=True,
+            )
+            if user is not None:
+                c.username_pw_set(user, password)
+            done = threading.Event()
+            c.on_connect = lambda *a, done=done: done.set()
+            try:
+                c.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
+                c.loop_start()
+                if done.wait(cfg.connect_timeout_s) and c.is_connected():
+                    log.info("cleared the session of unused link %d (%s)", link, client_id)
+            except OSError as e:
+                log.debug("could not clear unused link %d's session: %s", link, e)
+            finally:
+                c.disconnect()
+                c.loop_stop()
 
     def _reindex(self) -> None:
         assert self.memory is not None
@@ -812,7 +921,7 @@ class Bridge:
         if callable(cancel):
             cancel()
         client, self._client = self._client, None
-        events, self._events = self._events, None
+        links, self._links = self._links, [None] * len(self._links)
         if client is not None:
             if answered and self.connected:
                 self._await_runs(answered)
@@ -824,9 +933,10 @@ class Bridge:
                 self._say_offline(client)
             client.disconnect()
             client.loop_stop()
-        if events is not None:
-            events.disconnect()
-            events.loop_stop()
+        for link in links:
+            if link is not None:
+                link.disconnect()
+                link.loop_stop()
         if self._housekeeper is not None:
             self._housekeeper.join(timeout=5)
             self._housekeeper = None
@@ -838,7 +948,8 @@ class Bridge:
         close = getattr(self.provider, "close", None)
         if callable(close):
             close()
-        self._control_up = self._events_up = False
+        self._control_up = False
+        self._links_up = [False] * len(self._links_up)
 
     def _await_runs(self, calls: list[tuple[str, str | None]]) -> None:
         """Wait (bounded) until the runs of the calls answered `bridge_stopping` have
@@ -870,6 +981,24 @@ class Bridge:
             except Exception:
                 log.exception("bridge housekeeping failed")
                 self._count("callback_errors")
+            if self.config.tenant_links > 1:
+                try:
+                    # Each tick the registry's device table is compared by identity (it
+                    # is parsed again only when its file changed, at most every
+                    # RECHECK_S); a full check at least every _LINKS_CHECK_S also
+                    # drops what a refresh without `drop` kept.
+                    token = self.registry.devices_token()
+                    now = time.monotonic()
+                    due = now - self._links_checked >= _LINKS_CHECK_S
+                    if token is not self._links_token or due:
+                        self._links_token = token
+                        self._links_checked = now
+                        self._refresh_links(drop=True)
+                except Exception:
+                    # An unreadable registry, most likely: the links read what they read
+                    # until it is readable again (checked again in a second).
+                    log.exception("dealing the boards to the links failed")
+                    self._count("links.errors")
 
     def _status_payload(self, st: str, at: int | None = None) -> bytes:
         # `boot` is this process's: a board that sees it change knows the bridge
@@ -1000,61 +1129,98 @@ class Bridge:
     ) -> None:
         self.outbox.on_publish(mid, CONTROL)
 
-    # The event connection's own callbacks (its network thread).
+    # The links' own callbacks (each on its network thread; userdata is the link's
+    # number, 0 the event connection).
+
+    def _new_link(self, link: int) -> Client:
+        client_id, user, password = self.config.link_login(link)
+        client = self._new_client(client_id, user, password)
+        client.user_data_set(link)
+        client.on_connect = self._on_link_connect
+        client.on_disconnect = self._on_link_disconnect
+        client.on_subscribe = self._on_link_subscribe
+        if link == 0:
+            # The event channel's publisher (lanes.py); the other links publish nothing
+            # but the clears of retained messages they read.
+            client.on_publish = self._on_events_publish
+        return client
+
+    def _what(self, link: int) -> str:
+        return "event connection" if link == 0 else f"link {link}"
 
     @_guarded
-    def _on_events_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    def _on_link_connect(
+        self, client: mqtt.Client, link: int, flags: Any, reason_code: Any, properties: Any
     ) -> None:
         if reason_code.is_failure:
-            self._events_error = connack_refusal(
-                f"{self.config.host}:{self.config.port}", self.config.username, reason_code
+            _, user, _ = self.config.link_login(link)
+            self._links_error[link] = connack_refusal(
+                f"{self.config.host}:{self.config.port}", user, reason_code
             )
             self._login_refused = True
-            log.error("broker refused the bridge's event connection: %s", reason_code)
-            self._events_ready.set()
+            log.error("broker refused the bridge's %s: %s", self._what(link), reason_code)
+            self._links_ready[link].set()
             return
-        self._events_up = True
-        self._count("connects")
+        self._links_up[link] = True
+        self._count("connects" if link == 0 else "link.connects")
         if flags.session_present:
-            self._count("session.resumed")
+            self._count("session.resumed" if link == 0 else "link.session.resumed")
         # Subscribed on every connect, as the control connection is (_on_connect); from
-        # this callback the SUBACK cannot be read before the mid is kept (one thread).
-        rc, mid = client.subscribe([(topic, 1) for topic in self.event_subscriptions()])
-        if rc != mqtt.MQTT_ERR_SUCCESS:
-            self._events_error = f"subscribe failed: {mqtt.error_string(rc)}"
-            self._events_ready.set()
-            return
-        self._events_sub_mid = mid
-        # After the control connection has subscribed (start() connects this one then),
-        # so nothing falls between: a message of the old session's may come on both
-        # once, which every control message survives (PROTOCOL.md "At least once").
-        client.unsubscribe(self._not_for_events())
+        # this callback no SUBACK can be read before its mid is kept (one thread).
+        wants, stale = self._link_wants(link)
+        mids: set[int] = set()
+        for batch in batches(wants):
+            rc, mid = client.subscribe([(topic, 1) for topic in batch])
+            if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+                self._links_error[link] = f"subscribe failed: {mqtt.error_string(rc)}"
+                self._links_ready[link].set()
+                return
+            mids.add(mid)
+        self._links_sub_mids[link] = mids
+        # After the control connection has subscribed (start() connects the links then),
+        # so nothing falls between: a message of the old session's may come on two
+        # connections once, which every message the bridge reads survives (PROTOCOL.md
+        # "At least once").
+        for batch in batches(stale):
+            client.unsubscribe(batch)
+        if not mids:
+            self._links_ready[link].set()  # no tenant of its own yet: nothing to wait for
 
     @_guarded
-    def _on_events_subscribe(
-        self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
+    def _on_link_subscribe(
+        self, client: mqtt.Client, link: int, mid: int, reason_codes: Any, properties: Any
     ) -> None:
-        if mid != self._events_sub_mid:
-            return
         refused = [str(rc) for rc in reason_codes if rc.is_failure]
         if refused:
-            self._events_error = f"broker refused subscriptions: {', '.join(refused)}"
-            log.error("broker refused the event connection's subscriptions: %s", refused)
-        self._events_ready.set()
+            log.error("broker refused the %s's subscriptions: %s", self._what(link), refused)
+            self._count("link.refused_subscriptions")
+        with self._links_lock:
+            if (link, mid) in self._deal_mids:
+                self._deal_mids.discard((link, mid))
+                if not self._deal_mids:
+                    self._deal_acked.set()
+        pending = self._links_sub_mids[link]
+        if mid not in pending:
+            return
+        pending.discard(mid)
+        if refused and self._links_error[link] is None:
+            self._links_error[link] = f"broker refused subscriptions: {', '.join(refused)}"
+        if not pending:
+            self._links_ready[link].set()
 
     @_guarded
-    def _on_events_disconnect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    def _on_link_disconnect(
+        self, client: mqtt.Client, link: int, flags: Any, reason_code: Any, properties: Any
     ) -> None:
-        self._events_up = False
+        self._links_up[link] = False
         # Offline statuses that arrived just now were most likely the wills of a broker
         # shutting down; what is true comes again, retained, after the reconnect.
         self.intake.broker_lost()
         if not self._stopping.is_set():
-            self._count("disconnects")
+            self._count("disconnects" if link == 0 else "link.disconnects")
             log.warning(
-                "bridge disconnected from the broker, event connection (%s); paho reconnects",
+                "bridge disconnected from the broker, %s (%s); paho reconnects",
+                self._what(link),
                 reason_code,
             )
 
@@ -1063,6 +1229,61 @@ class Bridge:
         self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any, properties: Any
     ) -> None:
         self.outbox.on_publish(mid, EVENTS)
+
+    def _refresh_links(self, drop: bool) -> None:
+        """Deal the registry's devices to the links again, if they changed, and subscribe
+        each link to what it gained; with `drop`, once the broker has acknowledged those
+        (bounded), unsubscribe what each lost, so a moved board is read on one link or
+        both, never on none (links.py). Without `drop` (a host asking for a device the
+        links do not read yet), what a link lost stays until the next check that drops."""
+        devices = self.registry.devices()
+        key = tuple(sorted((d.device, d.tenant) for d in devices))
+        with self._links_lock:
+            if key == self._dealt_from and not (drop and self._undropped):
+                return
+            deal = self._plan.deal(devices)
+            old = self._link_topics
+            self._link_topics = deal if drop else [o | d for o, d in zip(old, deal, strict=True)]
+            self._dealt_from = key
+            self._undropped = not drop
+            self._linked_devices = {d.device for d in devices}
+            self._deal_mids.clear()
+            self._deal_acked.clear()
+            gained = [sorted(d - o) for o, d in zip(old, deal, strict=True)]
+            lost = [sorted(o - d) for o, d in zip(old, deal, strict=True)] if drop else []
+        for link, topics in enumerate(gained):
+            client = self._links[link]
+            if not topics or client is None or not self._links_up[link]:
+                continue  # a link not up subscribes to all it reads when it connects
+            for batch in batches(topics):
+                rc, mid = client.subscribe([(topic, 1) for topic in batch])
+                if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
+                    with self._links_lock:
+                        self._deal_mids.add((link, mid))
+        if not any(lost):
+            return
+        with self._links_lock:
+            waiting = bool(self._deal_mids)
+        if waiting and not self._deal_acked.wait(self.config.connect_timeout_s):
+            log.warning("the broker did not acknowledge the links' new subscriptions in time")
+        for link, topics in enumerate(lost):
+            client = self._links[link]
+            if topics and client is not None:
+                for batch in batches(topics):
+                    client.unsubscribe(batch)
+        count = sum(map(len, gained))
+        if count:
+            log.info("links dealt again: %d topic(s) moved or added", count)
+
+    def _ensure_linked(self, device: str) -> None:
+        """Before a host's request reaches a board the links do not read yet (added to
+        the registry since the last check), subscribe to it, so its answer is read."""
+        if self.config.tenant_links == 1:
+            return
+        with self._links_lock:
+            linked = device in self._linked_devices
+        if not linked:
+            self._refresh_links(drop=False)
 
     @_guarded
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
@@ -1294,6 +1515,7 @@ class Bridge:
     def _host_req(self, t: Topic, obj: Any, asking: list[tokens.Session]) -> None:
         req = check_host_req(obj)
         record, session, secret = self._session(t, req.tok, asking)
+        self._ensure_linked(record.device)
         presence = self.intake.presence(record.device)
         if (
             presence is not None

@@ -2,9 +2,12 @@
 
 The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
 
-- the bridge user reads and writes all of `P/#`, and so does its control user
-  (`control_user`: the bridge user's name and `.ctl`), the login of the bridge's second
-  connection, which carries RPC calls and host requests apart from the event flood;
+- the bridge user reads and writes all of `P/#`, and so do its sibling users
+  (`sibling_users`): its control user (`control_user`: the bridge user's name and
+  `.ctl`), the login of the bridge's control connection, which carries host requests
+  and the bridge's presence apart from the boards' traffic, and its link users
+  (`link_user`: the name and `.l1`, `.l2`, `.l3`), the logins of the connections that
+  read the boards of the tenants beyond the first (server_bridge/links.py);
 - a device, whose MQTT user name *is* its device id, reads only its own
   `P/d/<id>/req`, `P/d/<id>/ctl` and `P/d/<id>/rpc/res` and writes only its own
   `P/d/<id>/status`, `hello`, `evt` and `rpc` (so only the bridge can publish the
@@ -29,14 +32,15 @@ connection of a tenant gets a host user of its own (`acl_text` takes several per
 tenant). The persistent sessions of the bridge and the boards are kept under their
 user names.
 
-A bridge process has two connections (server_bridge/bridge.py says why), so two users:
-its own and its control user, `<user>.ctl`, with the same password and the same rights.
-They are one party with one secret, which is why the rights are the same: a narrower
-control user would guard nothing its sibling's password does not open. The rules below
-grant every bridge user's control user with it (`_parties`), and `with_control_users`
-adds its login (the bridge user's password or `$7$` entry) to a map of users. The name
-cannot be a device's or a tenant's (`.` is not in their alphabet), so no `%u` pattern
-or device role ever means it, and the registry refuses it to anyone else.
+A bridge process has several connections (server_bridge/bridge.py and links.py say
+why), so several users: its own, its control user `<user>.ctl` and its link users
+`<user>.l1` to `<user>.l3`, all with the same password and the same rights. They are
+one party with one secret, which is why the rights are the same: a narrower sibling
+would guard nothing the others' password does not open. The rules below grant every
+bridge user's siblings with it (`_parties`), and `with_control_users` adds their logins
+(the bridge user's password or `$7$` entry) to a map of users. The names cannot be a
+device's or a tenant's (`.` is not in their alphabet), so no `%u` pattern or device
+role ever means them, and the registry refuses them to anyone else.
 
 Device rules are Mosquitto `pattern` lines with `%u`, which apply to every user: a
 bridge or host user name that is also a registered device id would share that
@@ -74,6 +78,8 @@ from server_bridge.topics import bridge_topic, check_id, check_user_id
 __all__ = [
     "BROKER_QUEUES",
     "CONTROL_SUFFIX",
+    "LINKS",
+    "SIBLING_SUFFIXES",
     "DEVICE_READ",
     "DEVICE_WRITE",
     "DYNSEC_PLUGIN",
@@ -85,6 +91,8 @@ __all__ = [
     "check_password",
     "check_user",
     "control_user",
+    "link_user",
+    "sibling_users",
     "dynsec_config",
     "dynsec_mosquitto_conf",
     "dynsec_plugin",
@@ -113,6 +121,13 @@ _PREFIX = re.compile(r"[^/+#\s]+(/[^/+#\s]+)*")
 # What makes a bridge user's control user of it (module docstring): a character no
 # device or tenant id has, so the name can never be a device's.
 CONTROL_SUFFIX = ".ctl"
+# How many connections a bridge process reads boards on at most (server_bridge/links.py):
+# its own user's and one per link user, `<user>.l1` ... Each is a queue of its own at
+# the broker, so tenants on different links never wait behind each other's floods.
+LINKS = 4
+LINK_SUFFIX = ".l"
+# Every suffix that makes a sibling of a bridge user.
+SIBLING_SUFFIXES = (CONTROL_SUFFIX, *(f"{LINK_SUFFIX}{i}" for i in range(1, LINKS)))
 
 DEVICE_READ = ("req", "ctl", "rpc/res")
 DEVICE_WRITE = ("status", "hello", "evt", "rpc")
@@ -216,13 +231,29 @@ def control_user(user: str) -> str:
     return check_user(check_user(user) + CONTROL_SUFFIX)
 
 
+def link_user(user: str, link: int) -> str:
+    """The login of link `link` (1 .. LINKS-1) of bridge user `user`'s process; link 0
+    is the bridge user itself (server_bridge/links.py)."""
+    if not 1 <= link < LINKS:
+        raise ValueError(f"link {link} is not one of 1..{LINKS - 1}")
+    return check_user(check_user(user) + f"{LINK_SUFFIX}{link}")
+
+
+def sibling_users(user: str) -> list[str]:
+    """The other logins of bridge user `user`'s process: its control user, then its
+    link users (module docstring)."""
+    return [check_user(check_user(user) + suffix) for suffix in SIBLING_SUFFIXES]
+
+
 def with_control_users(users: Mapping[str, str], bridges: Collection[str]) -> dict[str, str]:
-    """`users` (name -> password, or name -> `$7$` entry) with the control user of each
-    of `bridges` added under that bridge user's own value, unless it has one already."""
+    """`users` (name -> password, or name -> `$7$` entry) with the sibling users of each
+    of `bridges` (control and link users) added under that bridge user's own value,
+    unless they have one already."""
     out = dict(users)
     for user in bridges:
         if user in users:
-            out.setdefault(control_user(user), users[user])
+            for sibling in sibling_users(user):
+                out.setdefault(sibling, users[user])
     return out
 
 
@@ -250,12 +281,12 @@ def _parties(
     tenants: Mapping[str, str | Collection[str]],
     bound: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, list[str]]]:
-    """The bridge users, each with its control user, and each tenant's host users,
+    """The bridge users, each with its sibling users, and each tenant's host users,
     checked: sorted, at least one of each, and no user both; and every user `bound`
     binds a host user bound to a valid end-user id."""
     _check_prefix(prefix)
     named = _names(bridge_user, "the bridge")
-    bridges = sorted({*named, *map(control_user, named)})
+    bridges = sorted({*named, *(sibling for user in named for sibling in sibling_users(user))})
     hosts: dict[str, list[str]] = {}
     for tenant, users in sorted(tenants.items()):
         check_id(tenant, "tenant")  # the contract's id rule, from topics.py; a ValueError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from server_bridge.brokerconf import CONTROL_SUFFIX, control_user
+from server_bridge.brokerconf import CONTROL_SUFFIX, LINK_SUFFIX, LINKS, control_user, link_user
 from server_bridge.topics import DEFAULT_PREFIX
 from server_bridge.wire import Limits
 
@@ -50,6 +50,20 @@ class BridgeConfig:
     control_username: str | None = None
     control_password: str | None = None
     control_client_id: str | None = None
+    # How many connections read the boards (server_bridge/links.py): tenants are dealt
+    # to them in turn, so up to this many tenants each have a queue of their own at the
+    # broker and never wait behind another's flood. 1 is the one-link layout: the event
+    # connection reads every board's evt, hello and status by wildcard, and the control
+    # connection every board's rpc (a device missing from the registry is then refused
+    # `unknown_device`; with links it is not read at all). Link i >= 1 logs in as the
+    # bridge user's link user `<user>.l<i>`, same password (brokerconf.link_user).
+    tenant_links: int = LINKS
+    # What one model call may carry, in characters (`--model-context-chars`): the
+    # operator's word for the model's context window. Knowledge passages added before a
+    # call (an agent's `before` rule) get what the board's messages and the tools leave
+    # (knowledge/augment.py). 32,000 characters is about 8,000 tokens, the smallest
+    # context of the local models people run.
+    model_context_chars: int = 32_000
     keepalive_s: int = 30
     # What the bridge accepts from boards and hosts. What it sends a board is sized by the
     # limits that board announced in its hello.
@@ -161,6 +175,17 @@ class BridgeConfig:
     # cancel requests) past which an RPC worker waits before queueing more.
     board_lane: int = 1024
 
+    def link_login(self, link: int) -> tuple[str, str | None, str | None]:
+        """Client id, user and password of link `link` (0 is the event connection's:
+        `client_id`, `username`, `password`)."""
+        assert self.client_id is not None
+        if link == 0:
+            return self.client_id, self.username, self.password
+        if self.username is None:
+            return f"{self.client_id}{LINK_SUFFIX}{link}", None, self.password
+        user = link_user(self.username, link)
+        return user, user, self.password
+
     def __post_init__(self) -> None:
         if not self.prefix or any(ch in self.prefix for ch in "+#") or self.prefix.endswith("/"):
             raise ValueError(f"bad topic prefix {self.prefix!r}")
@@ -180,6 +205,8 @@ class BridgeConfig:
         if self.control_client_id == self.client_id:
             # One id for both connections: each would take the other's over, for ever.
             raise ValueError("control_client_id must differ from client_id")
+        if not 1 <= self.tenant_links <= LINKS:
+            raise ValueError(f"tenant_links must be 1..{LINKS}")
         for name in ("connect_timeout_s", "llm_timeout_s", "rpc_timeout_s", "replay_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -212,6 +239,7 @@ class BridgeConfig:
             "host_burst",
             "host_lane",
             "board_lane",
+            "model_context_chars",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -50,6 +50,17 @@ A PUBACK under MQTT 3.1.1 is read as its packet id alone: paho builds a ReasonCo
 and a Properties for each, its MQTT 5 way, 14 % of the bridge's CPU as it relayed a
 board's runs, since every message it publishes is acknowledged.
 
+A reconnect keeps the order of QoS 1 messages. paho sends again what the last connection
+left unacknowledged (and what was published while it was down) only once it has read the
+new CONNACK, said it is connected and called on_connect; a publish of another thread
+in that moment, or between the new socket and its CONNACK, went out at once, ahead of
+those: an RPC worker's next model chunk overtook the ones before it, and the board
+failed the call (`gap`; tests/test_streams.py, a broker restarted mid-answer, once the
+board's acks came on another connection than its chunks). So until paho has handled
+the CONNACK (`_resent`), a QoS 1 publish of any other thread is kept, as while
+disconnected, and that handling sends it after everything before it; the handling
+holds paho's lock on its outgoing messages throughout, so no publish falls between.
+
 And the network thread reads the broker's stream in blocks (_BufferedSocket): paho asks
 its socket for each packet's first byte, its length bytes and its body in turn, a
 system call each (14 % of the thread's time under the flood). The block's bytes not yet
@@ -120,6 +131,10 @@ class Client(mqtt.Client):
         self._flush_on = True  # off from disconnect(): its DISCONNECT is paho's to write
         # Per thread: `quiet` while publish_quiet() queues, `owed` until its flush().
         self._local = threading.local()
+        # Whether paho has handled this connection's CONNACK (and so sent again what an
+        # earlier one left), and the thread handling it; both under _out_message_mutex.
+        self._resent = False
+        self._connack_thread: int | None = None
 
     def loop_forever(self, *args: Any, **kwargs: Any) -> mqtt.MQTTErrorCode:
         # loop_start()'s thread runs this: remember which thread it is.
@@ -190,7 +205,29 @@ class Client(mqtt.Client):
     def reconnect(self) -> mqtt.MQTTErrorCode:
         with self._flush_lock:
             self._flush_on = True
+            with self._out_message_mutex:
+                self._resent = False
             return super().reconnect()
+
+    def _handle_connack(self) -> mqtt.MQTTErrorCode:
+        # Held throughout (an RLock): paho marks itself connected and calls on_connect
+        # before it sends again what was left; no other thread's publish falls between.
+        with self._out_message_mutex:
+            self._connack_thread = threading.get_ident()
+            try:
+                return super()._handle_connack()
+            finally:
+                self._connack_thread = None
+                self._resent = self.is_connected()
+
+    def _send_publish(self, mid: int, topic: bytes, payload: Any = b"", qos: int = 0,
+                      *args: Any, **kwargs: Any) -> mqtt.MQTTErrorCode:  # fmt: skip
+        # Before the CONNACK has been handled, another thread's QoS 1 message is kept
+        # (paho's publish leaves it queued, in order, as when disconnected) and the
+        # handling sends it after what came before it (module docstring).
+        if qos > 0 and not self._resent and self._connack_thread != threading.get_ident():
+            return mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN
+        return super()._send_publish(mid, topic, payload, qos, *args, **kwargs)
 
     def disconnect(self, *args: Any, **kwargs: Any) -> mqtt.MQTTErrorCode:
         # Not under the lock: disconnect() may be called from a callback, which holds

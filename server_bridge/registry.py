@@ -10,9 +10,10 @@ the password, never the password), so that Mosquitto's password file and ACL fol
 from the registry (`wren broker-files`): a device's user is its device id, a tenant's
 host users are `host-<tenant>` and others, and the bridge has users of its own. User
 names and device ids share one name space, since the ACL's device rules apply to any
-user whose name is a device id. Each bridge user's control user (`<user>.ctl`,
-brokerconf.control_user: the login of its second connection, with its password) is not
-stored but is in that name space too: no one else may be given its name.
+user whose name is a device id. Each bridge user's sibling users (`<user>.ctl`, its
+control connection's login, and `<user>.l1` to `.l3`, its links', with its password:
+brokerconf.sibling_users) are not stored but are in that name space too: no one else
+may be given their names.
 
 Grants (`grants`: tenant, agent, field, access) say which agents of a tenant may use
 which of its `tenant` memory fields: `field` is a field name or `*` (every tenant
@@ -50,7 +51,12 @@ from typing import Any
 from tinydb import Query, TinyDB
 
 from edge_runtime.events import MAX_ID
-from server_bridge.brokerconf import CONTROL_SUFFIX, check_entry, check_user, control_user
+from server_bridge.brokerconf import (
+    SIBLING_SUFFIXES,
+    check_entry,
+    check_user,
+    sibling_users,
+)
 from server_bridge.memory.grants import (
     ALL_FIELDS,
     NO_GRANTS,
@@ -366,13 +372,18 @@ class Registry:
             raise RegistryError(f"{name!r} is a device")
         if self._users.get(q.user == name) is not None:
             raise RegistryError(f"broker user {name!r} already exists")
-        # A bridge user's control user is not stored: it is made from the name wherever
-        # the broker's files are written (brokerconf.control_user). Anyone else taking
-        # that name would log in with the bridge's rights under the ACL written for it.
-        if name.endswith(CONTROL_SUFFIX):
-            owner = self._users.get(q.user == name[: -len(CONTROL_SUFFIX)])
-            if isinstance(owner, dict) and owner.get("role") == BRIDGE:
-                raise RegistryError(f"{name!r} is bridge user {owner['user']!r}'s control user")
+        # A bridge user's sibling users (its control and link users) are not stored:
+        # they are made from the name wherever the broker's files are written
+        # (brokerconf.sibling_users). Anyone else taking such a name would log in with
+        # the bridge's rights under the ACL written for it.
+        for suffix in SIBLING_SUFFIXES:
+            if name.endswith(suffix):
+                owner = self._users.get(q.user == name[: -len(suffix)])
+                if isinstance(owner, dict) and owner.get("role") == BRIDGE:
+                    raise RegistryError(
+                        f"{name!r} is bridge user {owner['user']!r}'s "
+                        + ("control user" if suffix == SIBLING_SUFFIXES[0] else "link user")
+                    )
 
     # ------------------------------------------------------------------ tenants
 
@@ -489,6 +500,12 @@ class Registry:
             docs = self._current().device_docs
         return sorted((_record(d) for d in docs), key=lambda r: r.device)
 
+    def devices_token(self) -> object:
+        """Something that changes whenever the set of devices may have (the parsed
+        file's device table): compared by identity, a check costs no copy."""
+        with self._lock:
+            return self._current().device_docs
+
     def devices_of(self, tenant: str) -> list[DeviceRecord]:
         check_id(tenant, "tenant")
         with self._lock:
@@ -539,8 +556,10 @@ class Registry:
             raise RegistryError(f"role must be {BRIDGE!r} or {HOST!r}, not {role!r}")
         self._check_name_free(user)
         if role == BRIDGE:
-            # Its control user comes with it, so that name must be free and fit too.
-            self._check_name_free(control_user(user))
+            # Its control and link users come with it, so those names must be free and
+            # fit too.
+            for sibling in sibling_users(user):
+                self._check_name_free(sibling)
         doc = {"user": user, "role": role, "tenant": tenant, "hash": password_hash}
         if usr is not None:
             doc["usr"] = usr

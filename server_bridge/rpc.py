@@ -133,6 +133,9 @@ log = logging.getLogger("wren.bridge.rpc")
 
 Emit = Callable[[Chunk], None]
 Handler = Callable[["CallContext", dict[str, Any], Emit], Any]
+# The `before` knowledge rule (knowledge/augment.py's Augmenter): a call's messages with
+# the passages in, and the `cite` chunk to send the board ahead of the model's text.
+Augment = Callable[[DeviceRecord, dict[str, Any]], tuple[list[dict[str, Any]], dict[str, Any]]]
 ArgCheck = Callable[[dict[str, Any]], dict[str, Any]]
 # (device, call, checked args) -> the args the call runs with; raises RpcError to refuse
 # the call (answered without `s`: it never started). Paho's network thread: never waits.
@@ -556,7 +559,16 @@ def _check_llm_args(args: dict[str, Any]) -> dict[str, Any]:
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
     ):
         raise BadEnvelope("llm.complete max_tokens must be an int >= 1")
-    return {"messages": messages, "tools": tools, "model": model, "max_tokens": max_tokens}
+    out: dict[str, Any] = {
+        "messages": messages, "tools": tools, "model": model, "max_tokens": max_tokens
+    }
+    kb = args.get("kb")
+    if kb is not None:
+        # The agent's `before` knowledge rule (knowledge/augment.py checks the rest).
+        if not isinstance(kb, dict):
+            raise BadEnvelope("llm.complete kb must be a map")
+        out["kb"] = kb
+    return out
 
 
 def _llm_admit(gate: ModelGate) -> Admit:
@@ -589,6 +601,9 @@ def _llm_early(provider: Provider) -> StartEarly | None:
         return None
 
     def early(args: dict[str, Any]) -> Started | None:
+        if args.get("kb") is not None:
+            # Its messages are not final until the worker has retrieved the passages.
+            return None
         started: Started | None = send_early(
             args["messages"], args["tools"], model=args["model"], max_tokens=args["max_tokens"]
         )
@@ -606,10 +621,26 @@ def _tokens(final: Any) -> int:
     return sum(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0)
 
 
-def _llm_complete(provider: Provider, gate: ModelGate) -> Handler:
+def _llm_complete(
+    provider: Provider, gate: ModelGate, augment: Callable[[], Augment | None]
+) -> Handler:
     def handler(ctx: CallContext, args: dict[str, Any], emit: Emit) -> Any:
         # Only a provider with send_early made ctx.early, and only its complete takes it.
         more: dict[str, Any] = {} if ctx.early is None else {"early": ctx.early}
+        messages = args["messages"]
+        if args.get("kb") is not None:
+            # The agent's `before` rule: the passages go into the call, the board hears
+            # which (one `cite` chunk, ahead of the model's text). Its refusals and its
+            # `kb` failure are the call's answer (knowledge/augment.py).
+            rule = augment()
+            if rule is None:
+                raise RpcError(
+                    "kb",
+                    "this bridge has no knowledge store (wren bridge --knowledge PATH)",
+                    {"cause": "unavailable", "retryable": False},
+                )
+            messages, cite = rule(ctx.device, args)
+            emit(cite)
         begun = time.monotonic()
         deadline, by_run = ctx.deadline, False
         left = args.get("run_left_s")
@@ -619,7 +650,7 @@ def _llm_complete(provider: Provider, gate: ModelGate) -> Handler:
         final: Any = None
         try:
             final = provider.complete(
-                args["messages"],
+                messages,
                 args["tools"],
                 emit,
                 model=args["model"],
@@ -728,9 +759,11 @@ class RpcServer:
         # default, llm_max_tokens the cap, and the policy (set_model_policy) the rest.
         own = getattr(provider, "model", None)
         self.models = ModelGate(own if isinstance(own, str) else None, llm_max_tokens, model_policy)
+        # Knowledge before a model call (knowledge/augment.py), set by the bridge.
+        self.augment: Augment | None = None
         self.methods: dict[str, Method] = {
             "llm.complete": Method(
-                _llm_complete(provider, self.models),
+                _llm_complete(provider, self.models, lambda: self.augment),
                 _check_llm_args,
                 llm_timeout_s,
                 fail_kind="llm",

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
+from server_bridge.brokerconf import LINKS
 from server_bridge.config import DEFAULT_CLIENT_ID, BridgeConfig
 from server_bridge.metrics import write_text_file
 from server_bridge.models.base import Provider, check_base_url
@@ -204,7 +205,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="PATH",
-        help="the knowledge store boards reach by kb.retrieve, kb.ingest and kb.delete "
+        help="the knowledge store boards reach by kb.retrieve, kb.add and kb.delete "
         "(default: knowledge.sqlite3 beside --registry when that file exists; without "
         "one those methods are unknown_method)",
     )
@@ -317,6 +318,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{BridgeConfig.run_probe_max_s:g})",
     )
     p.add_argument(
+        "--model-context-chars",
+        type=int,
+        metavar="N",
+        help="characters one model call may carry: knowledge passages an agent asks for "
+        "before its calls get what its messages leave (default "
+        f"{BridgeConfig.model_context_chars:,})",
+    )
+    p.add_argument(
+        "--tenant-links",
+        type=int,
+        choices=range(1, LINKS + 1),
+        metavar="N",
+        help="connections that read the boards, tenants dealt to them in turn, so that "
+        "one tenant's flood never queues another's calls at the broker (default "
+        f"{LINKS}; 1 reads every board on one connection by wildcard; "
+        "PROTOCOL.md \"The bridge's connections\")",
+    )
+    p.add_argument(
         "--stats-file",
         type=Path,
         default=DEFAULT_STATS_FILE,
@@ -374,6 +393,10 @@ def bridge_config(args: argparse.Namespace) -> BridgeConfig:
         config = dataclasses.replace(config, llm_max_tokens=args.max_tokens)
     if args.model_timeout is not None:
         config = dataclasses.replace(config, llm_timeout_s=args.model_timeout)
+    if args.model_context_chars is not None:
+        config = dataclasses.replace(config, model_context_chars=args.model_context_chars)
+    if args.tenant_links is not None:
+        config = dataclasses.replace(config, tenant_links=args.tenant_links)
     if args.run_probe is not None:
         most = max(args.run_probe, config.run_probe_max_s)
         config = dataclasses.replace(config, run_probe_s=args.run_probe, run_probe_max_s=most)

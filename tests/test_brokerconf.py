@@ -152,6 +152,10 @@ def test_mosquitto_conf_is_a_whole_config_using_the_files(tmp_path: Path) -> Non
 # --- ACL text ----------------------------------------------------------------
 
 
+# A bridge user's siblings, in the order the ACL lists them (sorted by name).
+LINK_USERS = (".ctl", ".l1", ".l2", ".l3")
+
+
 def test_acl_text_is_exactly_the_wren_rules() -> None:
     assert brokerconf.acl_text(P, "bridge", {"acme": "host-acme"}) == (
         "# Wren broker ACL (written by server_bridge/brokerconf.py). Mosquitto denies whatever\n"
@@ -173,9 +177,22 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         "user bridge\n"
         "topic readwrite wren/v1/#\n"
         "\n"
-        # Its control user (the login of its second connection): the same rights.
+        # Its control user (its control connection's login) and its link users (the
+        # logins of its links, server_bridge/links.py): the same rights.
         "# The bridge.\n"
         "user bridge.ctl\n"
+        "topic readwrite wren/v1/#\n"
+        "\n"
+        "# The bridge.\n"
+        "user bridge.l1\n"
+        "topic readwrite wren/v1/#\n"
+        "\n"
+        "# The bridge.\n"
+        "user bridge.l2\n"
+        "topic readwrite wren/v1/#\n"
+        "\n"
+        "# The bridge.\n"
+        "user bridge.l3\n"
         "topic readwrite wren/v1/#\n"
         "\n"
         # A host user not bound to one end user is a watcher: every user's runs.
@@ -193,6 +210,7 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         (P, "bridge", {"acme": "bridge"}),
         (P, ["bridge", "b2"], {"acme": ["h1", "b2"]}),
         (P, "bridge", {"acme": "bridge.ctl"}),  # the bridge's control user
+        (P, "bridge", {"acme": "bridge.l2"}),  # one of its link users
         (P, "b" * 125, {}),  # no room for its control user's name
         (P, [], {}),
         (P, "bridge", {"acme": []}),
@@ -214,8 +232,8 @@ def test_acl_text_takes_a_user_per_connection() -> None:
     assert blocks == [
         "# The bridge.\nuser bridge\ntopic readwrite wren/v1/#",
         "# The bridge.\nuser bridge-b\ntopic readwrite wren/v1/#",
-        "# The bridge.\nuser bridge-b.ctl\ntopic readwrite wren/v1/#",
-        "# The bridge.\nuser bridge.ctl\ntopic readwrite wren/v1/#",
+        *(f"# The bridge.\nuser bridge-b{x}\ntopic readwrite wren/v1/#" for x in LINK_USERS),
+        *(f"# The bridge.\nuser bridge{x}\ntopic readwrite wren/v1/#" for x in LINK_USERS),
         "# Hosts of tenant acme: a watcher.\nuser host-acme\n"
         "topic read wren/v1/h/acme/+/evt\n"
         "topic read wren/v1/h/acme/+/u/+/evt\n"
@@ -275,9 +293,9 @@ def test_dynsec_config_is_exactly_the_wren_rules() -> None:
     assert {c["username"]: [r["rolename"] for r in c["roles"]] for c in doc["clients"]} == {
         "bridge": ["bridge"],
         "bridge-b": ["bridge"],
-        # Each bridge user's control user: the bridge's role, its password.
-        "bridge.ctl": ["bridge"],
-        "bridge-b.ctl": ["bridge"],
+        # Each bridge user's control and link users: the bridge's role, its password.
+        **{f"{b}{suffix}": ["bridge"] for b in ("bridge", "bridge-b")
+           for suffix in (".ctl", ".l1", ".l2", ".l3")},
         "dev1": ["device-dev1", "presence"],
         # A watcher reads every user's runs of its tenant; a bound host user one's.
         "host-acme": ["tenant-acme", "watch-acme", "presence"],

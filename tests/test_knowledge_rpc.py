@@ -1,5 +1,5 @@
 """The knowledge methods through a real Mosquitto and the real bridge: board peers call
-kb.retrieve, kb.ingest and kb.delete on P/d/D/rpc, and who may do what comes from the
+kb.retrieve, kb.add and kb.delete on P/d/D/rpc, and who may do what comes from the
 registry (the device's tenant, its agent's `kb:<collection>` grants) alone."""
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class KnowledgeWorld(World):
         self.kb = KnowledgeBase(tmp / "knowledge.sqlite3", embedder=None)
         super().__init__(broker, tmp, ScriptedProvider(), knowledge=self.kb)
         self.registry.add_device("dev3", "acme", "thermostat")
+        # Added after the bridge started: read once the bridge has seen the registry
+        # again, as a board registered and then booted is (links.py).
+        wait_for(lambda: self.bridge.reads_device("dev3"), "the bridge to read dev3")
         self.peers = {"dev1": self.board}
         for dev in ("dev2", "dev3"):
             self.peers[dev] = Peer(broker, [self.d("rpc/res", dev)])
@@ -107,17 +110,17 @@ def test_retrieve_needs_a_read_grant_and_answers_with_provenance(kw: KnowledgeWo
     assert ok(kw.rpc("kb.retrieve", {"query": "receipt roll"}))["hits"][0]["source"] == "kiosk.md"
     # A read grant is not a write grant.
     put = {"collection": "manuals", "src": "n1", "text": "a note"}
-    assert kind(kw.rpc("kb.ingest", put)) == "forbidden"
+    assert kind(kw.rpc("kb.add", put)) == "forbidden"
 
 
 def test_ingest_then_retrieve_and_delete_only_its_own(kw: KnowledgeWorld) -> None:
     kw.registry.add_grant("acme", "thermostat", "kb:notes", WRITE)
     text = "Greenhouse log: the north vent stuck half open at 14:00; humidity 81 percent."
-    got = ok(kw.rpc("kb.ingest", {"collection": "notes", "src": "log-1", "text": text,
+    got = ok(kw.rpc("kb.add", {"collection": "notes", "src": "log-1", "text": text,
                                   "tags": ["log"]}))  # fmt: skip
     assert got["src"] == "dev1/log-1" and got["status"] == "new" and got["chunks"] == 1
     assert len(got["ver"]) == 64
-    again = ok(kw.rpc("kb.ingest", {"collection": "notes", "src": "log-1", "text": text,
+    again = ok(kw.rpc("kb.add", {"collection": "notes", "src": "log-1", "text": text,
                                     "tags": ["log"]}))  # fmt: skip
     assert again["status"] == "unchanged" and again["ver"] == got["ver"]
     hits = ok(kw.rpc("kb.retrieve", {"query": "vent stuck", "collections": ["notes"]}))["hits"]
@@ -128,9 +131,9 @@ def test_ingest_then_retrieve_and_delete_only_its_own(kw: KnowledgeWorld) -> Non
     # dev3, same tenant and agent (so the same grant), reaches only its own namespace.
     for src in ("log-1", "dev1/log-1"):
         assert kind(kw.rpc("kb.delete", {"collection": "notes", "src": src}, "dev3")) == "not_found"
-    assert kind(kw.rpc("kb.ingest", {"collection": "notes", "src": "../dev1/log-1",
+    assert kind(kw.rpc("kb.add", {"collection": "notes", "src": "../dev1/log-1",
                                      "text": "x"}, "dev3")) == "bad_envelope"  # fmt: skip
-    over = ok(kw.rpc("kb.ingest", {"collection": "notes", "src": "log-1", "text": "dev3's"},
+    over = ok(kw.rpc("kb.add", {"collection": "notes", "src": "log-1", "text": "dev3's"},
                      "dev3"))  # fmt: skip
     assert over["src"] == "dev3/log-1"
     assert {s.source for s in kw.kb.sources("acme", "notes")} == {"dev1/log-1", "dev3/log-1"}
@@ -157,7 +160,7 @@ def test_another_tenants_collection_is_invisible_and_args_name_no_tenant(
     # A `tenant` key in dev1's arguments changes nothing either: its ingest is acme's.
     put = {"collection": "manuals", "src": "n1", "text": "the spare key is under the mat",
            "tenant": "globex"}  # fmt: skip
-    ok(kw.rpc("kb.ingest", put))
+    ok(kw.rpc("kb.add", put))
     assert [s.source for s in kw.kb.sources("globex")] == []
     assert "dev1/n1" in {s.source for s in kw.kb.sources("acme", "manuals")}
     assert ok(kw.rpc("kb.retrieve", {"query": "spare key mat", "collections": ["manuals"]},
@@ -171,9 +174,9 @@ def test_text_over_the_limit_is_refused_by_name_and_nothing_is_written(kw: Knowl
     kw.registry.add_grant("acme", "thermostat", "kb:notes", WRITE)
     # dev1's hello says 4,096 bytes: its own payload bounds a call's text below 8 KiB.
     limit = min(MAX_TEXT_BYTES, 4096)
-    at = ok(kw.rpc("kb.ingest", {"collection": "notes", "src": "at", "text": "w " * (limit // 2)}))
+    at = ok(kw.rpc("kb.add", {"collection": "notes", "src": "at", "text": "w " * (limit // 2)}))
     assert at["status"] == "new"
-    over = kw.rpc("kb.ingest", {"collection": "notes", "src": "over", "text": "w" * (limit + 1)})
+    over = kw.rpc("kb.add", {"collection": "notes", "src": "over", "text": "w" * (limit + 1)})
     assert kind(over) == "too_large" and "at most 4,096" in over["err"]["msg"]
     assert [s.source for s in kw.kb.sources("acme", "notes")] == ["dev1/at"]
     for bad in (
@@ -181,7 +184,7 @@ def test_text_over_the_limit_is_refused_by_name_and_nothing_is_written(kw: Knowl
         {"collection": "no/pe", "src": "x", "text": "y"},
         {"collection": "notes", "src": "x", "text": "y", "kind": "pdf"},
     ):
-        assert kind(kw.rpc("kb.ingest", bad)) == "bad_envelope", bad
+        assert kind(kw.rpc("kb.add", bad)) == "bad_envelope", bad
     assert kind(kw.rpc("kb.retrieve", {"query": "w", "collections": ["notes"], "k": 0})) == (
         "bad_envelope")  # fmt: skip
 
@@ -193,7 +196,7 @@ def test_a_flood_of_ingests_is_rate_limited_and_what_was_accepted_is_kept(
     accepted, refused = [], 0
     for n in range(60):
         text = f"reading {n}: soil moisture {n % 40} percent " + "x" * 2000
-        got = kw.rpc("kb.ingest", {"collection": "notes", "src": f"r{n}", "text": text})
+        got = kw.rpc("kb.add", {"collection": "notes", "src": f"r{n}", "text": text})
         if "ok" in got:
             accepted.append(got["ok"])
         else:
@@ -205,7 +208,7 @@ def test_a_flood_of_ingests_is_rate_limited_and_what_was_accepted_is_kept(
     stored = {s.source: s.version for s in kw.kb.sources("acme", "notes")}
     assert stored == {a["src"]: a["ver"] for a in accepted}
     # Another device's budget is its own.
-    ok(kw.rpc("kb.ingest", {"collection": "notes", "src": "r0", "text": "fine"}, "dev3"))
+    ok(kw.rpc("kb.add", {"collection": "notes", "src": "r0", "text": "fine"}, "dev3"))
 
 
 def test_device_budget_refills_and_counts_calls_and_bytes() -> None:

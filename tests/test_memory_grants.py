@@ -82,6 +82,9 @@ class GrantWorld(World):
         service = MemoryService(TinyMemoryStore(tmp / "memory"), index=RecallIndex(embedder=None))
         super().__init__(broker, tmp, ScriptedProvider(), memory=service)
         self.registry.add_device("dev3", "acme", "kiosk")
+        # Added after the bridge started: read once the bridge has seen the registry
+        # again, as a board registered and then booted is (links.py).
+        wait_for(lambda: self.bridge.reads_device("dev3"), "the bridge to read dev3")
         self.registry.add_grant("acme", "thermostat")  # every tenant field, read-write
         self.thermo = Board(self, "dev1", "thermostat")
         self.kiosk = Board(self, "dev3", "kiosk")

@@ -375,3 +375,43 @@ def test_pubacks_reach_on_publish_as_success(
     finally:
         sender.disconnect()
         sender.loop_stop()
+
+
+def test_a_reconnect_sends_what_was_left_before_what_another_thread_publishes(
+    pair: tuple[Client, mqtt.Client, str],
+) -> None:
+    # What was published while the connection was down goes out first after the
+    # reconnect, even when another thread publishes while paho handles the CONNACK (here
+    # held open by on_connect): before, that publish overtook them (an RPC worker's next
+    # chunk, and the board failed its call with `gap`).
+    sender, sub, topic = pair
+    got: list[bytes] = []
+    sub.on_message = lambda c, u, msg: got.append(bytes(msg.payload))
+    in_connack = threading.Event()
+    reconnected = threading.Event()
+
+    def on_connect(cl: mqtt.Client, u: Any, flags: Any, rc: Any, p: Any) -> None:
+        if not reconnected.is_set():
+            return
+        in_connack.set()
+        time.sleep(0.3)  # a window for the other thread's publish to fall in
+
+    sender.on_connect = on_connect
+    sock = sender.socket()
+    assert sock is not None
+    sock.shutdown(2)  # the connection drops; paho reconnects within a second
+    deadline = time.monotonic() + WAIT
+    while sender.is_connected() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sender.is_connected()
+    for n in range(5):
+        assert sender.publish(topic, b"left %d" % n, qos=1).rc == mqtt.MQTT_ERR_NO_CONN
+    reconnected.set()
+    assert in_connack.wait(WAIT), "no reconnect"
+    later = sender.publish(topic, b"later", qos=1)
+    assert later.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN)
+    sender.flush()
+    deadline = time.monotonic() + WAIT
+    while len(got) < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert got == [b"left 0", b"left 1", b"left 2", b"left 3", b"left 4", b"later"], got

@@ -15,8 +15,16 @@ delta must reach its host while the flood is still being processed (fewer of the
 messages counted by the bridge than the flood sent in all), and the flood's answers must
 all be accounted for (answered, or not queued and counted by name).
 
+What made the quiet tenant wait in the end was the broker: it queues each connection's
+input in arrival order, and one connection read every board, so a flood the machine
+could not read as fast as it was offered filled that queue. The tenants' boards are now
+read on links of their own (server_bridge/links.py); that a neighbour's queue at the
+broker is not the quiet tenant's is checked deterministically by stopping the
+neighbour's link from reading while its board sends, as a flood the bridge cannot keep
+up with does.
+
 The lane order and the RPC workers' turns are also checked directly, deterministically,
-on the Outbox and the RPC server's pool.
+on the Outbox and the RPC server's pool, and the links' deal on LinkPlan.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from server_bridge import brokerconf
 from server_bridge.lanes import Budget, Kind, Outbox
+from server_bridge.links import BATCH, LinkPlan, batches
+from server_bridge.registry import DeviceRecord
 from server_bridge.rpc import _FairPool, tenant_share
 from tests.test_bridge import token, wait_for
 from tests.test_bridge_load import Fleet
@@ -241,6 +251,114 @@ def test_a_quiet_tenant_is_served_during_a_neighbours_mixed_flood(
     finally:
         for fl in flooders:
             fl.close()
+        f.close()
+
+
+def test_a_neighbours_queue_at_the_broker_is_not_the_quiet_tenants(
+    sized: MosquittoProcess, tmp_path: Path
+) -> None:
+    f = Fleet(sized, tmp_path, {"quiet": "demo", "f1": "other"})
+    flooder: Flooder | None = None
+    try:
+        bridge = f.bridge
+        # demo and other, sorted, on links 0 and 1: each its own queue at the broker.
+        assert f"{f.p}/d/quiet/rpc" in bridge.link_topics(0)
+        assert f"{f.p}/d/f1/rpc" in bridge.link_topics(1)
+        assert not any("/f1/" in t for t in bridge.link_topics(0))
+        quiet = QuietBoard(sized, f.p, "quiet")
+        f.closing.append(quiet)
+        host = _client(sized, "host-demo")
+        f.closing.append(_Closer(host))
+        first = threading.Event()
+        host.on_message = lambda c, u, m: first.set()
+        _subscribe(host, [f"{f.p}/h/demo/quiet/#"])
+        # other's link stops reading, as a link does that a flood outruns: whatever f1
+        # sends waits in that link's queue at the broker.
+        other_link = bridge._links[1]
+        assert other_link is not None
+        other_link.loop_stop()
+        flooder = Flooder(sized, f.p, "f1", 2000)
+        flooder.thread.start()
+        flooder.thread.join(WAIT * 3)
+        assert flooder.sent == 2000
+        req = msgpack.packb({"req": "q1", "input": "hi", "tok": token("alice", tenant="demo")})
+        host.publish(f"{f.p}/h/demo/quiet/req", req, qos=1)
+        # The quiet tenant's request is served, its model call read on its own link and
+        # its first words at its host, while nothing of the neighbour's has been read.
+        assert first.wait(WAIT), "the quiet tenant waited for its neighbour's queue"
+        assert _flood_seen(bridge.stats) == 0
+        # The neighbour's link reads again: all it was sent is there, none of it lost.
+        other_link.loop_start()
+        wait_for(lambda: _flood_seen(bridge.stats) == 2000, "the queued flood to be read", 60)
+    finally:
+        if flooder is not None:
+            flooder.close()
+        f.close()
+
+
+def _device(name: str, tenant: str) -> DeviceRecord:
+    return DeviceRecord(name, tenant, "x")
+
+
+def test_links_deal_tenants_in_turn_and_each_drops_only_what_is_not_its_own() -> None:
+    plan = LinkPlan("P", 2, share=False)
+    devices = [_device("a1", "acme"), _device("g1", "globex"), _device("i1", "initech")]
+    deal = plan.deal(devices)
+    # Sorted tenants in turn: acme on 0, globex on 1, initech on 0 again.
+    assert deal[0] == {*plan.device_topics("a1"), *plan.device_topics("i1")}
+    assert deal[1] == set(plan.device_topics("g1"))
+    assert plan.device_topics("a1") == ["P/d/a1/rpc", "P/d/a1/evt", "P/d/a1/hello", "P/d/a1/status"]
+    # At connect a link drops the one-link layout's wildcards and the others' boards.
+    stale = plan.not_for(1, deal)
+    assert stale[:5] == plan.wildcards()
+    assert set(stale[5:]) == deal[0]
+    # A tenant added ahead of the others shifts the deal: globex moves to link 0.
+    moved = plan.deal([*devices, _device("0", "aaa")])
+    assert set(plan.device_topics("g1")) <= moved[0]
+    # Shared calls read through the shared group.
+    assert LinkPlan("P", 2, share=True).device_topics("a1")[0] == "$share/bridge/P/d/a1/rpc"
+    assert [len(b) for b in batches([str(i) for i in range(BATCH * 2 + 1)])] == [BATCH, BATCH, 1]
+    with pytest.raises(ValueError):
+        LinkPlan("P", 0, share=False)
+
+
+def test_a_board_moved_between_links_is_read_throughout(
+    sized: MosquittoProcess, tmp_path: Path
+) -> None:
+    # Tenant "aaa" added while the bridge runs sorts first: demo moves from link 0 to 1
+    # and other from 1 to 2. The boards are subscribed on their new link before they are
+    # unsubscribed from the old, so events sent all along reach the host, none missing.
+    f = Fleet(sized, tmp_path, {"quiet": "demo"})
+    try:
+        board = f.board("quiet")
+        tally = f.tally()
+        run = "0000000b.1"
+        sent = 0
+
+        def send(n: int) -> None:
+            nonlocal sent
+            board.burst(run, n, first=sent + 1)
+            sent += n
+
+        send(50)
+        assert f"{f.p}/d/quiet/evt" in f.bridge.link_topics(0)
+        f.registry.add_tenant("aaa", "aa" * 32)
+        f.registry.add_device("aaa1", "aaa", "x")
+        deadline = time.monotonic() + WAIT
+        while f"{f.p}/d/quiet/evt" not in f.bridge.link_topics(1):
+            assert time.monotonic() < deadline, "demo's boards never moved to link 1"
+            send(5)
+            time.sleep(0.05)
+        wait_for(
+            lambda: f"{f.p}/d/quiet/evt" not in f.bridge.link_topics(0), "the old link to let go"
+        )
+        send(50)
+        assert tally.wait_complete({("demo", "quiet", run): sent}, 30), tally.holes(
+            ("demo", "quiet", run), sent
+        )
+        assert f.bridge.stats["host.gaps_told"] == 0
+        print(f"moved during {sent} events; replays asked of the board: {board.replays}")
+    finally:
         f.close()
 
 

@@ -441,9 +441,10 @@ def test_host_ctl_refusals() -> None:
 def test_the_bridge_sizes_a_board_without_hello_as_the_board_announces_itself() -> None:
     # The board's default hello limits (edge_runtime/runs.py) and what the bridge assumes
     # for a board it has no hello from (wire.BOARD_DEFAULTS) are one figure, written twice.
+    from edge_runtime.agent import Agent
     from edge_runtime.runs import Runtime
 
-    announced = Limits.from_hello(Runtime(None, "d1").limits)
+    announced = Limits.from_hello(Runtime(Agent("a", "1", "x"), "d1").limits)
     assert (announced.max_payload, announced.max_str) == (
         wire.BOARD_DEFAULTS.max_payload,
         wire.BOARD_DEFAULTS.max_str,

@@ -255,7 +255,7 @@ def _grant_options(p: argparse.ArgumentParser) -> None:
         "--field",
         default=ALL_FIELDS,
         help="a tenant field's name (default: every tenant field, stored as '*'), or "
-        "kb:COLLECTION for a knowledge collection (kb.retrieve; kb.ingest/kb.delete unless "
+        "kb:COLLECTION for a knowledge collection (kb.retrieve; kb.add/kb.delete unless "
         "--read-only)",
     )
     _registry_option(p)
@@ -462,8 +462,12 @@ def _user_add(args: argparse.Namespace, role: str, out: TextIO) -> None:
     _print_password(out, args.user, password, f"{env}_USER={args.user} {env}_PASSWORD=...")
     if role == BRIDGE:
         # brokerconf.py: the second connection's login, written by `wren broker-files`.
-        ctl = brokerconf.control_user(args.user)
-        print(f"its control connection logs in as {ctl}, with the same password", file=out)
+        ctl, *links = brokerconf.sibling_users(args.user)
+        print(
+            f"its control connection logs in as {ctl} and its links as {', '.join(links)}, "
+            "with the same password",
+            file=out,
+        )
 
 
 def _device_add(args: argparse.Namespace, out: TextIO) -> None:

@@ -49,6 +49,7 @@ NEEDS_BROKER = {
     "test_pause",
     "test_nodes",
     "test_budget",
+    "test_docs",
 }
 # The unix port's heap for a module, by the form of the board package it imports: .mpy
 # at a board's 128 KiB; from sources, where the compiler's own working memory needs more.
@@ -76,6 +77,7 @@ HEAP_OVERRIDE = {
     "test_pause": {"mpy": "384K", "py": "384K"},
     "test_nodes": {"mpy": "384K", "py": "384K"},
     "test_budget": {"mpy": "256K", "py": "384K"},
+    "test_docs": {"mpy": "256K", "py": "384K"},
 }
 # The topic root of every run's own prefix, `wren-hil/<tag>`.
 PREFIX_ROOT = "wren-hil"

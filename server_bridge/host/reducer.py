@@ -127,9 +127,13 @@ def presence_of(t: str, d: Mapping[str, Any], seen: float) -> Presence | None:
 # its agent declared (see `budgets`).
 # Why a model call failed (run.failed `err.cause` with kind llm; server_bridge/models/base.py).
 MODEL_CAUSES = frozenset(CAUSES)
+# `kb`: an agent's knowledge was unavailable or refused before its model call (PROTOCOL
+# "Knowledge in runs").
 FAILURE_KINDS = frozenset(
-    {"llm", "tool", "condition", "internal", "link", "device", "timeout", "budget"}
+    {"llm", "tool", "condition", "internal", "link", "device", "timeout", "budget", "kb"}
 )
+# Citations kept per run: a run cites the passages of its model calls, a handful each.
+MAX_CITATIONS = 32
 
 # A customer-safe message is short; a board that sent a long one (a stack trace, say)
 # should not be able to fill a UI with it.
@@ -266,6 +270,9 @@ class RunSnapshot:
     last_id: int = 0
     gaps: list[tuple[int, int]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
+    # The passages the run used, as `citation` events name them (n, col, src, ver,
+    # chunk, h, score), in order; at most MAX_CITATIONS.
+    citations: list[dict[str, Any]] = field(default_factory=list)
     dropped: int = 0
     # Table rows not kept past MAX_TABLE_ROWS of one table.
     rows_dropped: int = 0
@@ -732,9 +739,28 @@ def _error(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
     del snap.errors[:-MAX_ERRORS]
 
 
+def _citation(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
+    if len(snap.citations) >= MAX_CITATIONS:
+        return
+    entry: dict[str, Any] = {}
+    for key in ("col", "src", "ver", "h"):
+        value = _str(d.get(key))
+        if value is not None:
+            entry[key] = value[:200]
+    for key in ("n", "chunk"):
+        value = d.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            entry[key] = value
+    score = d.get("score")
+    if isinstance(score, (int, float)) and not isinstance(score, bool):
+        entry["score"] = float(score)
+    if "src" in entry:
+        snap.citations.append(entry)
+
+
 Handler = Callable[[RunSnapshot, Mapping[str, Any]], None]
 
-# The one dispatch table. Types of the contract not listed here (memory, citations, ...)
+# The one dispatch table. Types of the contract not listed here (memory writes, ...)
 # do not change what this snapshot renders; they are ignored like unknown ones. An event
 # that names a node (`n`) is also folded into that node (_on_node).
 HANDLERS: dict[str, Handler] = {
@@ -760,6 +786,7 @@ HANDLERS: dict[str, Handler] = {
     "edge": _edge,
     "budget": _budget,
     "error": _error,
+    "citation": _citation,
 }
 
 # The terminal event types must be the board's (edge_runtime/events.py); a mismatch is a

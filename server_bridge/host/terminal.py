@@ -71,6 +71,20 @@ def render_table_row(row: Row) -> str:
     return f"{line} ({'stored' if row.stored else row.status or 'final'})"
 
 
+def render_citation(c: dict[str, Any]) -> str:
+    """`source [1] manual.md — Setup > Wi-Fi (manuals, chunk 2, version 3f2a…, score 0.031)`."""
+    n = f"[{c['n']}] " if "n" in c else ""
+    where = f" — {c['h']}" if c.get("h") else ""
+    about = [c.get("col") or "?"]
+    if "chunk" in c:
+        about.append(f"chunk {c['chunk']}")
+    if c.get("ver"):
+        about.append(f"version {c['ver'][:8]}")
+    if "score" in c:
+        about.append(f"score {c['score']:.3g}")
+    return f"source {n}{c.get('src', '?')}{where} ({', '.join(about)})"
+
+
 def render_error(err: dict[str, Any]) -> str:
     return f"error {err.get('kind', '?')}: {err.get('msg', '')}"
 
@@ -166,6 +180,7 @@ def render(snapshot: RunSnapshot) -> list[str]:
     lines = [render_row(row) for row in snapshot.rows]
     for name in snapshot.tables:
         lines.extend(render_table_row(row) for row in snapshot.table(name))
+    lines.extend(render_citation(c) for c in snapshot.citations)
     lines.extend(render_error(e) for e in snapshot.errors)
     lines.extend(render_budget(b) for b in snapshot.budgets.values())
     lines.append(render_status(snapshot))
@@ -186,6 +201,7 @@ class _Printed:
     # Table rows by (field, key): the line last written for each.
     table_rows: dict[tuple[str, str], str] = field(default_factory=dict)
     errors: int = 0
+    citations: int = 0
     # Budget lines by kind: one each time a kind's level changes.
     budgets: dict[str, str] = field(default_factory=dict)
     status: str = "running"
@@ -215,6 +231,13 @@ class LiveView:
         for index, row in enumerate(snap.rows):
             self._show_row(snap.run, printed, index, row)
         self._show_tables(snap, printed)
+        if snap.terminal or snap.status == "paused":
+            # The passages a run used, once its answer is there: they come before its
+            # text (the bridge says which as the model starts), and a line between would
+            # cut the answer's streaming line in two.
+            for c in snap.citations[printed.citations :]:
+                self._line(render_citation(c))
+            printed.citations = len(snap.citations)
         for err in snap.errors[printed.errors :]:
             self._line(render_error(err))
         printed.errors = len(snap.errors)

@@ -1,4 +1,4 @@
-"""The knowledge methods as RPC handlers: `kb.retrieve`, `kb.ingest`, `kb.delete`.
+"""The knowledge methods as RPC handlers: `kb.retrieve`, `kb.add`, `kb.delete`.
 
 A board asks the bridge's KnowledgeBase (service.py) over its RPC link, and everything
 about who is asking comes from trusted sources only, as for memory (memory/calls.py):
@@ -7,7 +7,7 @@ about who is asking comes from trusted sources only, as for memory (memory/calls
   collection of another tenant cannot be named, searched, written or deleted;
 - the rights from the registry's grants of the device's agent in that tenant: a grant of
   field `kb:<collection>` (memory/grants.py), `read` for kb.retrieve, `write` for
-  kb.ingest and kb.delete (write includes read). The `*` grant of tenant memory fields
+  kb.add and kb.delete (write includes read). The `*` grant of tenant memory fields
   does not reach knowledge. No grant: `forbidden`.
 
 A board's sources are namespaced by its device: `src` "readings" of dev1 is stored as
@@ -63,8 +63,8 @@ log = logging.getLogger("wren.bridge.knowledge")
 LimitsOf = Callable[[str], Limits | None]
 Count = Callable[[str, int], None]
 
-METHODS = ("kb.retrieve", "kb.ingest", "kb.delete")
-#: Text one kb.ingest carries: a board offloads a few KiB at a time (its payload is
+METHODS = ("kb.retrieve", "kb.add", "kb.delete")
+#: Text one kb.add carries: a board offloads a few KiB at a time (its payload is
 #: 4.5 KiB by default), and 8 KiB is eight chunks, about half a second of embedding.
 MAX_TEXT_BYTES = 8192
 #: A board's own source id, before the bridge puts its device in front.
@@ -148,10 +148,10 @@ def register(
     count: Count,
     budget: DeviceBudget | None = None,
 ) -> None:
-    """Add kb.retrieve, kb.ingest and kb.delete to the RPC table."""
+    """Add kb.retrieve, kb.add and kb.delete to the RPC table."""
     h = _Handlers(kb, registry, limits_of, count, budget or DeviceBudget())
     rpc.register("kb.retrieve", h.retrieve)
-    rpc.register("kb.ingest", h.ingest)
+    rpc.register("kb.add", h.ingest)
     rpc.register("kb.delete", h.delete)
 
 
@@ -290,7 +290,7 @@ class _Handlers:
             raise _fault(e) from None
         return _fit(got, limits)
 
-    # --- kb.ingest ---------------------------------------------------------------------
+    # --- kb.add ------------------------------------------------------------------------
 
     def ingest(self, ctx: CallContext, args: dict[str, Any], emit: Emit) -> Any:
         collection = self._collection(args)
