@@ -288,7 +288,10 @@ def _child_bridge(conf: dict[str, Any]) -> Callable[[str], Any]:
     from server_bridge.config import BridgeConfig
     from server_bridge.models.scripted import ScriptedProvider
     from server_bridge.registry import Registry
+    from server_bridge.service import SWITCH_INTERVAL_S
 
+    # As `wren bridge` runs (server_bridge/service.py).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     config = BridgeConfig(
         host=conf["host"],
         port=conf["port"],
@@ -1399,9 +1402,13 @@ def load_figures(
     extra_conf: str,
     ring: int = RING,
     ring_bytes: int = RING_BYTES,
+    tenant_link: int = 0,
 ) -> tuple[dict[str, dict[int, list[Step]]], dict[str, Rss], dict[str, dict[str, int]], str, int]:
     """Figures 2, 3 and 5 on a broker of their own; also the relays' own counters after
-    figure 2, and the broker's takeovers."""
+    figure 2, and the broker's takeovers. With `tenant_link` K, K idle tenants (one
+    device each, never connected) sort ahead of the boards' own, so the bridge reads
+    the boards on its link K (server_bridge/links.py) rather than on the event
+    connection."""
     sim = [f"b{k:02d}" for k in range(max(BOARD_COUNTS))]
     many = [f"m{k:04d}" for k in range(MANY_DEVICES)]
     # One user per connection: the bridge, the raw relay (the bridge's rights), the host
@@ -1411,6 +1418,8 @@ def load_figures(
     progress(f"registry and broker for {len(sim) + len(many)} devices ...")
     registry = workdir / "registry.json"
     provision(registry, TENANT, [(d, AGENT) for d in sim + many]).close()
+    for k in range(tenant_link):
+        provision(registry, f"aa{k}", [(f"idle{k}", AGENT)]).close()
     broker_dir = workdir / "load-broker"
     conf = brokerconf.secure_mosquitto_conf(
         broker_dir,
@@ -1820,6 +1829,14 @@ def main() -> None:
         "--nagle", action="store_true", help="Mosquitto with set_tcp_nodelay false (Nagle on)"
     )
     parser.add_argument(
+        "--tenant-link",
+        type=int,
+        default=0,
+        metavar="K",
+        help="figures 2, 3, 5: the boards' tenant on the bridge's link K (0-3; K idle tenants "
+        "sort ahead of it), not on the event connection (0)",
+    )
+    parser.add_argument(
         "--plain",
         action="store_true",
         help="figures 1 and 4 with the thermostat without its memory field (settings "
@@ -1919,7 +1936,8 @@ def main() -> None:
         version = ""
         if not {"2", "3", "5"} <= skip:
             steps, rss, counters, version, takeovers["load"] = load_figures(
-                work / "load", rates, args.step_s, extra, args.ring, args.ring_bytes
+                work / "load", rates, args.step_s, extra, args.ring, args.ring_bytes,
+                args.tenant_link,
             )
     print(f"command: {command}")
     print(

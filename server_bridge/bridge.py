@@ -80,7 +80,7 @@ from server_bridge.intake import EventIntake
 from server_bridge.knowledge import KnowledgeBase
 from server_bridge.knowledge import calls as knowledge_calls
 from server_bridge.knowledge.augment import Augmenter
-from server_bridge.lanes import CONTROL, EVENTS, Budget, Kind, Outbox
+from server_bridge.lanes import CONTROL, Budget, Kind, Outbox, event_channel
 from server_bridge.links import LinkPlan, batches
 from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
@@ -293,6 +293,7 @@ class Bridge:
         self._links_lock = threading.Lock()
         self._link_topics: list[set[str]] = [set() for _ in range(n)]
         self._linked_devices: set[str] = set()
+        self._tenant_link: dict[str, int] = {}
         self._dealt_from: tuple[tuple[str, str], ...] | None = None
         self._undropped = False  # a refresh without `drop` left topics a link lost
         self._deal_mids: set[tuple[int, int]] = set()
@@ -348,7 +349,10 @@ class Bridge:
             host_rate=config.host_rate,
             host_burst=config.host_burst,
             board_lane=config.board_lane,
+            event_links=config.tenant_links,
         )
+        # A tenant's events go out on the link that read them (lanes.py).
+        self.outbox.link_of = self._link_of_tenant
         self.intake = EventIntake(
             config.prefix,
             self._publish,
@@ -695,7 +699,6 @@ class Bridge:
         client.on_publish = self._on_publish
         client.on_unsubscribe = self._on_unsubscribe
         links = [self._new_link(k) for k in range(cfg.tenant_links)]
-        events = links[0]
         self._ready.clear()
         for ready in self._links_ready:
             ready.clear()
@@ -710,7 +713,7 @@ class Bridge:
         except OSError as e:
             self._client = None
             raise BridgeError(f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}") from e
-        self.outbox.start(events, client)
+        self.outbox.start(links, client)
         client.loop_start()
         self._start_thread = threading.current_thread()
         try:
@@ -1139,10 +1142,8 @@ class Bridge:
         client.on_connect = self._on_link_connect
         client.on_disconnect = self._on_link_disconnect
         client.on_subscribe = self._on_link_subscribe
-        if link == 0:
-            # The event channel's publisher (lanes.py); the other links publish nothing
-            # but the clears of retained messages they read.
-            client.on_publish = self._on_events_publish
+        # Its event channel's publisher (lanes.py): the events of the tenants it reads.
+        client.on_publish = self._on_events_publish
         return client
 
     def _what(self, link: int) -> str:
@@ -1226,9 +1227,9 @@ class Bridge:
 
     @_guarded
     def _on_events_publish(
-        self, client: mqtt.Client, userdata: Any, mid: int, reason_code: Any, properties: Any
+        self, client: mqtt.Client, link: int, mid: int, reason_code: Any, properties: Any
     ) -> None:
-        self.outbox.on_publish(mid, EVENTS)
+        self.outbox.on_publish(mid, event_channel(link))
 
     def _refresh_links(self, drop: bool) -> None:
         """Deal the registry's devices to the links again, if they changed, and subscribe
@@ -1247,6 +1248,7 @@ class Bridge:
             self._dealt_from = key
             self._undropped = not drop
             self._linked_devices = {d.device for d in devices}
+            self._tenant_link = self._plan.link_of(devices)
             self._deal_mids.clear()
             self._deal_acked.clear()
             gained = [sorted(d - o) for o, d in zip(old, deal, strict=True)]
@@ -1274,6 +1276,10 @@ class Bridge:
         count = sum(map(len, gained))
         if count:
             log.info("links dealt again: %d topic(s) moved or added", count)
+
+    def _link_of_tenant(self, tenant: str) -> int:
+        """The link that reads a tenant's boards (0 for one not dealt yet)."""
+        return self._tenant_link.get(tenant, 0)
 
     def _ensure_linked(self, device: str) -> None:
         """Before a host's request reaches a board the links do not read yet (added to

@@ -5,8 +5,9 @@ message (paho's network threads for events and host input, the housekeeping thre
 replay retries, RPC workers for answers) only puts it in a lane; a forwarder thread per
 connection takes messages out and hands them to that connection's paho client.
 
-The bridge has two connections (bridge.py), so the outbox has two channels, each with
-its own client, window of unacknowledged messages and forwarder:
+The bridge has a control connection and its links (bridge.py, links.py), so the outbox
+has a control channel and an event channel per link, each with its own client, window
+of unacknowledged messages and forwarder:
 
 - CONTROL: 1. the bridge's own lane, first: its presence (and anything it sends for
   no tenant); 2. then the tenants, round robin, one message per turn: each tenant's
@@ -19,9 +20,14 @@ its own client, window of unacknowledged messages and forwarder:
   request and model text, and a quiet tenant's request waited for the flood to end.
   Now a message of a quiet tenant waits for at most one message of each other tenant
   with something queued (and the window), whatever those tenants have queued;
-- EVENTS: the event lanes, round robin across tenants, then across that tenant's
-  devices, one message per turn, so a flooding device slows only itself and its own
-  tenant.
+- EVENTS (one per link, `event_channel(k)`): the event lanes of the tenants that link
+  reads (`link_of`), round robin across tenants, then across that tenant's devices, one
+  message per turn, so a flooding device slows only itself and its own tenant. A
+  tenant's events go out on the connection that read them: written by the thread that
+  read them, on its own client, they cost what they cost on the event connection (from
+  link 1 on another link's client, 140 us of CPU per relayed event against 92-101,
+  bench_bridge --tenant-link 1, figure 3), and a neighbour's flood never fills a
+  quiet tenant's window.
 
 Apart, because a window shared with a flood of events is full whenever the flood is on:
 a board's RPC chunk, first in line, still waited for the broker to acknowledge one of
@@ -69,9 +75,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import paho.mqtt.client as mqtt
 
@@ -79,7 +85,7 @@ from server_bridge.config import BridgeConfig
 from server_bridge.mqttclient import Client
 from server_bridge.wire import WireError
 
-__all__ = ["CONTROL", "EVENTS", "Budget", "Busy", "Kind", "Outbox", "RateLimited"]
+__all__ = ["CONTROL", "EVENTS", "Budget", "Busy", "Kind", "Outbox", "RateLimited", "event_channel"]
 
 log = logging.getLogger("wren.bridge.lanes")
 
@@ -106,6 +112,15 @@ _EARLY_MAX = 1024
 NOTICES_PER_TENANT = 256
 # The outbox's channels (module docstring): the connection a message goes out on.
 EVENTS = "events"
+
+
+def event_channel(link: int) -> str:
+    """The name of link `link`'s event channel (on_publish's `channel`)."""
+    return EVENTS if link == 0 else f"{EVENTS}{link}"
+
+
+def _event_index(channel: str) -> int:
+    return int(channel[len(EVENTS) :] or 0)
 CONTROL = "control"
 
 
@@ -213,6 +228,9 @@ class _Channel:
         # What the client refused, first in line for another try.
         self.retry: deque[_Msg] = deque()
         self.full_episode = False
+        # An event channel's tenants with events queued, in turn order; None for the
+        # control channel.
+        self.turn: OrderedDict[str, _Tenant] | None = None
 
 
 @dataclass(eq=False)
@@ -251,6 +269,7 @@ class Outbox:
         board_lane: int = BridgeConfig.board_lane,
         max_tenants: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        event_links: int = 1,
     ) -> None:
         self._count = count
         self.budget = budget
@@ -269,20 +288,34 @@ class Outbox:
         self._cond = threading.Condition(lock)
         # The bridge's own messages, for no tenant (its presence): first in line.
         self._board: deque[_Msg] = deque()
-        self._events = _Channel(EVENTS, window, lock)
+        # One event channel per link (bridge.py, links.py): a tenant's events go out on
+        # the connection that read them, each with its own window and forwarder.
+        self._event_chs = [_Channel(event_channel(k), window, lock) for k in range(event_links)]
+        for ch in self._event_chs:
+            ch.turn = OrderedDict()
+        # Which link reads a tenant's boards (the bridge sets it; 0 without links).
+        self.link_of: Callable[[str], int] = lambda tenant: 0
         self._control = _Channel(CONTROL, window, lock)
         # Tenants in least-recently-used order, bounded (a tenant's state is its lanes
         # and its rate bucket; one with nothing queued is forgotten first).
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
         # Tenants with board or host messages queued, in turn order (control channel).
         self._control_turn: OrderedDict[str, _Tenant] = OrderedDict()
-        self._event_turn: OrderedDict[str, _Tenant] = OrderedDict()
         self._stopping = False
         self._draining_until = 0.0
         self._untold_episode = False
         self._board_full_episode = False
         # RPC workers waiting in board() for room in a board lane.
         self._board_waiting = 0
+
+    @property
+    def _events(self) -> _Channel:
+        """The event connection's channel (link 0)."""
+        return self._event_chs[0]
+
+    def _event_channel(self, tenant: str) -> _Channel:
+        link = self.link_of(tenant)
+        return self._event_chs[link if 0 <= link < len(self._event_chs) else 0]
 
     # ------------------------------------------------------------------ producers
 
@@ -316,7 +349,7 @@ class Outbox:
             elif not self.budget.take(cost):
                 return "budget"
             msg = _Msg(topic, payload, kind, tenant, cost)
-            ch = self._events
+            ch = self._event_channel(tenant)
             direct = self._direct(ch)
             if direct is None:
                 lane = ten.devices.get(device)
@@ -325,8 +358,9 @@ class Outbox:
                 lane.append(msg)
                 ten.device_bytes[device] = dev_bytes + cost
                 ten.bytes += cost
-                if tenant not in self._event_turn:
-                    self._event_turn[tenant] = ten
+                assert ch.turn is not None
+                if tenant not in ch.turn:
+                    ch.turn[tenant] = ten
                 self._queued(ch)
         if direct is not None:
             self._publish(ch, direct, msg)
@@ -514,9 +548,10 @@ class Outbox:
             return {
                 "board": len(self._board) + boards + len(self._control.retry),
                 "host": sum(len(t.host) for t in self._tenants.values()),
-                "events": events + len(self._events.retry),
+                "events": events + sum(len(ch.retry) for ch in self._event_chs),
                 "event_bytes": sum(t.bytes for t in self._tenants.values()),
-                "outstanding": self._events.outstanding + self._control.outstanding,
+                "outstanding": sum(ch.outstanding for ch in self._event_chs)
+                + self._control.outstanding,
                 "outstanding_control": self._control.outstanding,
                 "budget_used": self.budget.used,
                 "budget_peak": self.budget.peak,
@@ -531,16 +566,26 @@ class Outbox:
 
     # ------------------------------------------------------------------ the forwarder
 
-    def start(self, events: mqtt.Client, control: mqtt.Client) -> None:
-        """Start a forwarder for each channel: events on `events`, the board and host
-        lanes on `control` (each client's on_publish must call on_publish with its
-        channel). Two clients, never one: the channels count message ids apart."""
-        if events is control:
+    def start(self, events: mqtt.Client | Sequence[mqtt.Client], control: mqtt.Client) -> None:
+        """Start a forwarder for each channel: events on `events` (one client per link,
+        link 0 first), the board and host lanes on `control` (each client's on_publish
+        must call on_publish with its channel). A client each, never one for two: the
+        channels count message ids apart."""
+        clients: list[mqtt.Client] = (
+            list(events) if isinstance(events, (list, tuple)) else [cast(mqtt.Client, events)]
+        )
+        if len(clients) != len(self._event_chs):
+            raise ValueError(f"the outbox has {len(self._event_chs)} event channels")
+        if control in clients or len(set(map(id, clients))) != len(clients):
             raise ValueError("the outbox's channels need a client each")
         with self._cond:
-            self._events.client, self._control.client = events, control
+            for ch, client in zip(self._event_chs, clients, strict=True):
+                ch.client = client
+            self._control.client = control
             self._stopping = False
-        for ch, name in ((self._events, "wren-bridge-forwarder"),
+        names = ["wren-bridge-forwarder" + ("" if k == 0 else f"-l{k}")
+                 for k in range(len(self._event_chs))]  # fmt: skip
+        for ch, name in (*zip(self._event_chs, names, strict=True),
                          (self._control, "wren-bridge-forwarder-ctl")):  # fmt: skip
             ch.thread = threading.Thread(target=self._forward, args=(ch,), name=name, daemon=True)
             ch.thread.start()
@@ -552,16 +597,16 @@ class Outbox:
             self._draining_until = time.monotonic() + drain_s
             self._stopping = True
             self._cond.notify_all()
-            for ch in (self._events, self._control):
+            for ch in (*self._event_chs, self._control):
                 ch.cond.notify_all()
-        for ch in (self._events, self._control):
+        for ch in (*self._event_chs, self._control):
             if ch.thread is not None:
                 # Both drain at once: the second waits only for what the first left.
                 ch.thread.join(max(0.0, self._draining_until - time.monotonic()) + 1.0)
                 ch.thread = None
         with self._cond:
             left = len(self._board)
-            for ch in (self._events, self._control):
+            for ch in (*self._event_chs, self._control):
                 ch.client = None
                 left += len(ch.retry)
             for ten in self._tenants.values():
@@ -576,7 +621,7 @@ class Outbox:
         """paho's on_publish of a channel's client (its network thread, with paho's locks
         held): the broker has a message. Only counts and wakes the forwarder; never
         calls paho."""
-        ch = self._control if channel == CONTROL else self._events
+        ch = self._control if channel == CONTROL else self._event_chs[_event_index(channel)]
         with self._cond:
             if mid in ch.mids:
                 ch.mids.discard(mid)
@@ -624,9 +669,9 @@ class Outbox:
         """Something of this channel waits in its lanes (the lock is held)."""
         if ch.retry:
             return True
-        if ch is self._control:
+        if ch.turn is None:
             return bool(self._board or self._control_turn)
-        return bool(self._event_turn)
+        return bool(ch.turn)
 
     def _direct(self, ch: _Channel) -> mqtt.Client | None:
         """The channel's client, when the caller may hand its message to paho itself:
@@ -693,8 +738,8 @@ class Outbox:
         is held."""
         if ch.retry:
             return ch.retry.popleft()
-        if ch is self._events:
-            return self._next_event()
+        if ch.turn is not None:
+            return self._next_event(ch.turn)
         if self._board:
             return self._board.popleft()
         if self._control_turn:
@@ -711,10 +756,11 @@ class Outbox:
             return msg
         return None
 
-    def _next_event(self) -> _Msg | None:
-        """The next event, round robin (module docstring); the lock is held."""
-        if self._event_turn:
-            name, ten = next(iter(self._event_turn.items()))
+    def _next_event(self, turn: OrderedDict[str, _Tenant]) -> _Msg | None:
+        """The next event of a channel, round robin (module docstring); the lock is
+        held."""
+        if turn:
+            name, ten = next(iter(turn.items()))
             device, lane = next(iter(ten.devices.items()))
             msg = lane.popleft()
             del ten.devices[device]
@@ -725,9 +771,9 @@ class Outbox:
             else:
                 del ten.device_bytes[device]
             ten.bytes -= msg.cost
-            del self._event_turn[name]
+            del turn[name]
             if ten.devices:
-                self._event_turn[name] = ten
+                turn[name] = ten
             return msg
         return None
 

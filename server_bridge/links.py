@@ -15,6 +15,10 @@ other links are read as they come. Up to L tenants each have a link of their own
 that, tenants share links, and a flood slows the tenants sharing its link (a fleet
 with more tenants than that needs more bridge processes: issue "Past one machine").
 
+Each link also publishes its tenants' events to hosts (an event channel of its own in the
+outbox, lanes.py). What the bridge says to boards and on `_b`, and the bridge's
+presence, stay on the control connection; hosts' `req` and `ctl` are read there too.
+
 A link subscribes to its tenants' boards by name (P/d/<device>/rpc, evt, hello and
 status), since a board's topics do not name its tenant. So the bridge reads only the
 boards the registry has: a device the registry does not know is not read at all (its
@@ -72,11 +76,16 @@ class LinkPlan:
         p = self.prefix
         return [f"$share/bridge/{p}/d/+/rpc", *(f"{p}/d/+/{leaf}" for leaf in DEVICE_LEAVES)]
 
-    def deal(self, devices: Iterable[DeviceRecord]) -> list[set[str]]:
-        """Each link's topics: tenant k (sorted by name) on link k mod links."""
-        devices = list(devices)
+    def link_of(self, devices: Iterable[DeviceRecord]) -> dict[str, int]:
+        """Each tenant's link: tenant k (sorted by name, of those with devices) on link
+        k mod links."""
         tenants = sorted({d.tenant for d in devices})
-        link_of = {tenant: k % self.links for k, tenant in enumerate(tenants)}
+        return {tenant: k % self.links for k, tenant in enumerate(tenants)}
+
+    def deal(self, devices: Iterable[DeviceRecord]) -> list[set[str]]:
+        """Each link's topics: its tenants' boards (link_of)."""
+        devices = list(devices)
+        link_of = self.link_of(devices)
         out: list[set[str]] = [set() for _ in range(self.links)]
         for d in devices:
             out[link_of[d.tenant]].update(self.device_topics(d.device))

@@ -464,6 +464,13 @@ def knowledge_base(args: argparse.Namespace) -> KnowledgeBase | None:
     return KnowledgeBase(path)
 
 
+# The interpreter's switch interval in the bridge process: 1 ms, not Python's 5 ms.
+# bench_bridge figure 4 (40 requests, this 2-core machine), request -> first delta
+# during a neighbour's flood of valid events over the same without: 2.7x and 3.1x at
+# 5 ms, 2.2x, 2.2x and 2.3x at 1 ms; CPU per relayed event (figure 3) is in DESIGN.md.
+SWITCH_INTERVAL_S = 0.001
+
+
 def run(
     args: argparse.Namespace, stop: threading.Event | None = None, out: TextIO | None = None
 ) -> int:
@@ -476,6 +483,11 @@ def run(
     """
     out = out if out is not None else sys.stdout
     stop = stop if stop is not None else threading.Event()
+    # The bridge's threads (a network thread per connection, the forwarders, the RPC
+    # workers) pass the interpreter's lock among them; a thread with a quiet tenant's
+    # message in hand waited up to the default 5 ms for it behind a link busy with a
+    # neighbour's flood, at each hop (SWITCH_INTERVAL_S).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     config = bridge_config(args)
     # Imported here, not with this module: every `wren` command builds its parser from
     # this module, and the bridge (paho and all) is most of a command's start-up time.

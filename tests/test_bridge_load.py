@@ -390,7 +390,8 @@ def test_the_forwarder_is_woken_only_when_it_has_something_to_do() -> None:
     # An RPC worker waits for the board lane: the control channel's acks wake it, the
     # events channel's do not (they free no room there).
     outbox._board_waiting = 1
-    outbox._event_turn.clear()
+    assert outbox._events.turn is not None
+    outbox._events.turn.clear()
     outbox.on_publish(3)
     assert workers.notified == 0 and control.notified == 0
     outbox.board("d/dev1/rpc/res", b"y")

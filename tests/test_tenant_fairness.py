@@ -396,6 +396,25 @@ class _Paho:
         return True
 
 
+def test_a_tenants_events_go_out_on_the_link_that_reads_it() -> None:
+    # Each link is an event channel of its own (its client, window and forwarder): the
+    # events of a tenant on link 1 never wait in link 0's window, and are written by the
+    # client whose network thread read them.
+    ob = Outbox(lambda name, n: None, Budget(1 << 20), window=2, event_links=2)
+    ob.link_of = {"demo": 0, "other": 1}.get  # type: ignore[assignment]
+    first, second = _Paho(), _Paho()
+    ob._event_chs[0].client, ob._event_chs[1].client = first, second  # type: ignore[assignment]
+    ob._control.client = _Paho()  # type: ignore[assignment]
+    for k in range(4):  # other's window fills; demo's is its own
+        ob.offer_event("other", "f1", f"other/{k}", b"x")
+    ob.offer_event("demo", "q1", "demo/0", b"x")
+    assert first.sent == ["demo/0"] and second.sent == ["other/0", "other/1"]
+    ob.on_publish(1, "events1")  # link 1's ack: room on link 1 only
+    assert ob._event_chs[1].outstanding == 1 and ob._event_chs[0].outstanding == 1
+    with pytest.raises(ValueError):
+        ob.start(first, ob._control.client)  # type: ignore[arg-type]  # two channels, one client
+
+
 def test_the_control_channel_gives_tenants_turns_and_bounds_a_tenants_board_lane() -> None:
     counts: collections.Counter[str] = collections.Counter()
     ob = Outbox(lambda name, n: counts.update({name: n}), Budget(1 << 20), window=1, board_lane=8)
