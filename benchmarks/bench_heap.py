@@ -9,7 +9,7 @@ and one core memory.append besides the sensor read, as .mpy, against the scripte
 peer of firmware_tests/memory_turn.py (the bridge does not serve state, mem and core
 calls yet), and (e) `kiosk`: the README's knowledge example (examples/kiosk/main.py,
 an agent whose rule is `docs={"mode": "before"}`) answering from its manuals through the
-real bridge with a knowledge store: a `cite` chunk and three `citation` events besides
+real bridge with a knowledge store: a `cite` chunk and its `citation` events besides
 the turn, as .mpy.
 
 Each figure for each MicroPython binary: by default the unix port, and the 32-bit build
@@ -212,7 +212,7 @@ class TurnRig:
                 except RequestRefused:
                     return False
             text = "".join(row.text for row in snap.rows if row.kind == "assistant")
-            cited = main_py is None or len(snap.citations) == 3
+            cited = main_py is None or len(snap.citations) >= 1
             return (
                 snap.status == "done"
                 and (expect is None or text == expect)

@@ -44,6 +44,7 @@ from server_bridge.knowledge import Folder, KnowledgeBase  # noqa: E402
 from server_bridge.memory.recall import default_embedder  # noqa: E402
 from server_bridge.models.scripted import ScriptedProvider  # noqa: E402
 from server_bridge.registry import Registry  # noqa: E402
+from server_bridge.tcp import no_delay  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
 
 COMMAND = "python benchmarks/bench_knowledge_mqtt.py"
@@ -62,6 +63,8 @@ class Asker:
 
     def __init__(self, host: str, port: int) -> None:
         self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"asker-{uuid.uuid4().hex[:6]}")
+        # Without Nagle, as the bridge and boards' links run (server_bridge/tcp.py).
+        self.c.on_socket_open = no_delay
         self.got = threading.Event()
         self.answer: Any = None
         self.size = 0
@@ -127,6 +130,7 @@ def main() -> None:
         asker = Asker(broker.host, broker.port)
         # The bare relay: answers each request at once with a payload of the given size.
         relay = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bare-relay")
+        relay.on_socket_open = no_delay
         relay_up = threading.Event()
         relay.on_connect = lambda c, *a: c.subscribe("bench/bare/req", qos=1)
         relay.on_subscribe = lambda *a: relay_up.set()
