@@ -449,11 +449,13 @@ def test_links_read_only_the_registrys_devices_and_new_ones_within_a_check(
         # Registered while the bridge runs: read from the next check of the registry on,
         # on its tenant's link, and answered as any board is.
         world.registry.add_device("ghost", "globex", "kiosk")
+        # Dealt to globex's link, and the broker's SUBACK for it read (the refresh's
+        # own wait before it lets anything go).
         wait_for(
-            lambda: f"{world.p}/d/ghost/rpc" in world.bridge.link_topics(1),
+            lambda: f"{world.p}/d/ghost/rpc" in world.bridge.link_topics(1)
+            and world.bridge._deal_acked.is_set(),
             "globex's link to read ghost",
         )
-        time.sleep(0.5)  # the SUBSCRIBE is on its way; its SUBACK is not observable here
         ghost.send(world.d("rpc", "ghost"), {"c": 3, "m": "no.such", "a": {}})
         msg = ghost.get(world.d("rpc/res", "ghost"))
         assert msg["c"] == 3 and msg["err"]["kind"] == "unknown_method"

@@ -23,6 +23,11 @@ decides: `fail` (the default) ends the call with RPC error kind `kb`, retryable,
 the board fails the run with kind `kb`; `skip` goes on without passages, and the cite
 chunk's `note` says why, which the board shows as a `guard` event.
 
+Every model call of a run retrieves again (a tool loop's next step, 6-19 ms at 10k
+chunks, DESIGN "Knowledge"), with nothing cached between them: a source deleted or
+changed mid-run must be gone or new at the next call, as the issue's delete rule says of
+every cache. The board shows the first call's citations only.
+
 Rights are the agent's grants of `kb:<collection>` with read (calls.py); an agent with
 none, or asking for a collection it may not read, is refused `forbidden` whatever its
 `on_error`, since that is its configuration, not an outage.
