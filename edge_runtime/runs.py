@@ -691,6 +691,14 @@ class Runtime:
                 platform.log("run", run.id, "ran out of memory")
                 platform.print_exception(e)
                 e = None
+                d = run.started_d
+                if d is not None and d["input"]:
+                    # Its run.started has not gone yet, and it is the large event: the
+                    # echoed text found no heap (a request's first events) and, tried
+                    # again, left the run unended at the host. It goes without the echo.
+                    d["input_len"] = len(run.input)
+                    d["input"] = ""
+                d = None
                 run.emit("run.failed", {"err": {"kind": "internal",
                                                 "msg": "the board ran out of memory"},
                                         "retryable": True})

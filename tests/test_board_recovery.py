@@ -166,6 +166,37 @@ def test_a_long_request_the_board_has_no_heap_for_ends_by_its_id(tmp_path: Path)
             ), s.describe()
 
 
+def test_a_board_a_little_short_of_heap_ends_each_long_request_by_name(tmp_path: Path) -> None:
+    # 125K, 3 KiB under the README's board: the long requests below run, or run out of
+    # memory at their first events. A run whose run.started (the echoed 512 characters)
+    # found no heap used to try it again on its way to run.failed, fail again, and end
+    # nowhere: the host waited out its timeout (2 of 6 tries at 125K). Now each ends by
+    # name (done, or failed and retryable, or refused no_memory by its id), and a short
+    # request after them runs (after the board's reset, when all four ran out).
+    ends = []
+    with Stack(tmp_path, heap="125K") as s:
+        for n in (4096, 3900, 4096, 3900, 4096, 3900):
+            text = ("How warm is it? " * 300)[:n]
+            try:
+                snap = s.ask(text, timeout=60)
+            except RequestRefused as e:
+                assert e.kind == "no_memory", e
+                ends.append("refused")
+                continue
+            assert snap.status == "done" or (
+                snap.status == "failed" and snap.error and snap.retryable
+            ), s.describe()
+            ends.append(snap.status)
+        # After four that ran out in a row the board resets itself and refuses the
+        # next request so (send it again): then the one after runs, on a new heap.
+        try:
+            snap = s.ask("How warm is it?")
+        except RequestRefused as e:
+            assert e.kind == "no_memory" and "resets" in e.msg, e
+            snap = s.ask("How warm is it?", timeout=60)
+        assert snap.status == "done", (ends, s.describe())
+
+
 @pytest.mark.parametrize("word", WORDS)
 def test_requests_up_to_the_announced_text_each_run(tmp_path: Path, word: str) -> None:
     # The acceptance: 4,096, 3,900, 2,000 and 1 bytes of text, each runs, in a
@@ -176,10 +207,19 @@ def test_requests_up_to_the_announced_text_each_run(tmp_path: Path, word: str) -
     # 128K board from .mpy may have no free block of 4 KiB (its code shares the heap);
     # that request is then refused no_memory by its id (the test below).
     # Frozen, the same board took them in either order.
+    # On the 64-bit unix port at 128K the margin is about 2 KiB, and how much of it the
+    # link holds (QoS 1 events waiting for their acks) depends on timing: a loaded CI
+    # machine once ran the board out of heap in the 3,900-character run (it reset and
+    # the run failed, retryable). There, and only there, a run that failed retryable
+    # is asked again as a host would, and must then be done; the 32-bit build (what
+    # boards are) must run each at the first try.
     with Stack(tmp_path, **_words(word)) as s:
         for n in (4096, 3900, 2000, 1):
             text = ("How warm is it? " * 300)[:n]
             snap = s.ask(text, timeout=60)
+            if word == "64-bit" and snap.status == "failed":
+                assert snap.retryable, f"{n} characters: {s.describe()}"
+                snap = s.ask(text, timeout=60)
             assert snap.status == "done", f"{n} characters: {s.describe()}"
             # The user row: the text as the board echoed it, cut to 512 and saying so.
             user = [r.text for r in snap.rows if r.kind == "user"]
