@@ -692,7 +692,13 @@ class Runtime:
                 platform.print_exception(e)
                 e = None
                 d = run.started_d
-                if d is not None and d["input"]:
+                if d is None and not run.emitter.last_id:
+                    # It ran out before its run.started was made: one with the req and
+                    # the user all the same, or the host could not match the run.failed
+                    # to its request, nor would the bridge send it to that user.
+                    run.started_d = {"req": run.req, "conv": run.conv, "usr": run.user,
+                                     "input": "", "input_len": len(run.input)}
+                elif d is not None and d["input"]:
                     # Its run.started has not gone yet, and it is the large event: the
                     # echoed text found no heap (a request's first events) and, tried
                     # again, left the run unended at the host. It goes without the echo.

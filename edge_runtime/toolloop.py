@@ -255,6 +255,10 @@ async def model_loop(run, state=None, pause=0):
             # Core memory as it is now, and what is in view (memtools).
             await _fit(run, messages, *mem.assemble(messages))
         args = {"messages": messages, "tools": specs}
+        if run.conv and run.sc:
+            # Whose conversation this is, signed by the bridge: it gives the model the
+            # conversation's earlier turns, which the board never holds.
+            args["sc"] = run.sc
         if agent.model:
             args["model"] = agent.model
         if agent.max_tokens:

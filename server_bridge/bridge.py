@@ -76,6 +76,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge import access, metrics, tokens
 from server_bridge.brokerconf import LINKS
 from server_bridge.config import BridgeConfig
+from server_bridge.conversations import History, Turns
+from server_bridge.eventlog import EventLog
 from server_bridge.intake import EventIntake
 from server_bridge.knowledge import KnowledgeBase
 from server_bridge.knowledge import calls as knowledge_calls
@@ -133,6 +135,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 # a stalled provider's text several times that). A pass costs ~4 us on an idle bridge and
 # ~0.3 ms with 1024 runs all waiting on a replay and 64 calls in flight.
 _TICK_S = 0.05
+#: The most events one replay answer carries (from the log, a run may hold many more
+#: than the window's): past them the answer ends with `replay_cut`, and the host asks
+#: again after the last id it got.
+REPLAY_MAX_EVENTS = 4096
+# How often the event log's retention runs (whole segments go; a segment is 4 MiB).
+_RETAIN_EVERY_S = 60.0
 # How long a clean stop waits for the broker to take its offline status.
 _STOP_STATUS_WAIT_S = 5.0
 # How long a stop waits, once it has answered the calls in flight `bridge_stopping`, for
@@ -254,6 +262,8 @@ class Bridge:
         provider: Provider,
         memory: MemoryService | None = None,
         knowledge: KnowledgeBase | None = None,
+        events: EventLog | None = None,
+        turns: Turns | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -265,6 +275,12 @@ class Bridge:
         # (PROTOCOL "RPC"): a board cannot tell an old bridge from one without a store,
         # and needs to do the same in both cases.
         self.knowledge = knowledge
+        # The durable event log (server_bridge/eventlog): every event hosts are sent is
+        # appended to it, and a host's replay reads it where the in-memory window no
+        # longer holds the run. None: replays reach only as far back as the window. The
+        # caller opened it and closes it, after stop().
+        self.events = events
+        self._retained_at = 0.0
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._refusals: deque[Refusal] = deque(maxlen=config.refusals_kept)
@@ -369,6 +385,7 @@ class Bridge:
             on_device_reset=self._device_reset,
             offline_grace_s=config.offline_grace_s,
             run_probe_s=config.run_probe_s,
+            event_log=events,
             run_probe_max_s=config.run_probe_max_s,
             lanes=self.outbox,
             budget=self.outbox.budget,
@@ -399,6 +416,10 @@ class Bridge:
         # An agent's `before` knowledge rule, with or without a store (without one, its
         # on_error decides: knowledge/augment.py).
         self.rpc.augment = Augmenter(knowledge, registry, config.model_context_chars, self._count)
+        # A conversation's earlier turns in its follow-ups' model calls (conversations/):
+        # recorded in `turns`, a log the caller opened beside the event log.
+        if turns is not None:
+            self.rpc.history = History(turns, registry, config.model_context_chars, self._count)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -984,6 +1005,9 @@ class Bridge:
             except Exception:
                 log.exception("bridge housekeeping failed")
                 self._count("callback_errors")
+            if self.events is not None and time.monotonic() - self._retained_at >= _RETAIN_EVERY_S:
+                self._retained_at = time.monotonic()
+                self._retain_events()
             if self.config.tenant_links > 1:
                 try:
                     # Each tick the registry's device table is compared by identity (it
@@ -1002,6 +1026,25 @@ class Bridge:
                     # until it is readable again (checked again in a second).
                     log.exception("dealing the boards to the links failed")
                     self._count("links.errors")
+
+    def _retain_events(self) -> None:
+        """Drop each tenant's oldest segments of the event log past the configured age
+        and bytes (BridgeConfig.event_log_max_age_s, event_log_max_bytes)."""
+        logs = [self.events]
+        if self.rpc.history is not None:
+            logs.append(self.rpc.history.turns.log)  # the conversations' turns: the same
+        for it in logs:
+            if it is None:
+                continue
+            for tenant in it.tenants():
+                try:
+                    gone = it.retain(tenant, max_age_s=self.config.event_log_max_age_s,
+                                     max_bytes=self.config.event_log_max_bytes)  # fmt: skip
+                    if gone:
+                        self._count("eventlog.segments_dropped", gone)
+                except Exception:
+                    log.exception("event log retention failed for tenant %s", tenant)
+                    self._count("callback_errors")
 
     def _status_payload(self, st: str, at: int | None = None) -> bytes:
         # `boot` is this process's: a board that sees it change knows the bridge
@@ -1684,43 +1727,84 @@ class Bridge:
     def _host_replay(
         self, t: Topic, record: DeviceRecord, session: tokens.Session, run: str, after: int
     ) -> None:
-        """Answer a host's replay from the intake's window; the board is not asked.
+        """Answer a host's replay from the intake's window, and from the event log for
+        what the window no longer holds (or never held: before the bridge's restart);
+        the board is not asked.
 
         The events go out on the run's host topic like the first time (hosts drop ids
-        they have); ids past `after` that the window no longer holds are one `gap` error
-        on `_b`, before them, on the same topic; a run the intake does not know is
-        `unknown_run` on `_b`, on the sender's topic. A run of another user is
-        `forbidden` unless the session is a watcher's (access.py); the device stream "_"
-        is on the device's topic, which every host of the tenant reads, so anyone's.
+        they have); ids past `after` that neither holds are a `gap` error on `_b` where
+        they are missing, on the same topic; a run neither knows is `unknown_run` on
+        `_b`, on the sender's topic. A run of another user is `forbidden` unless the
+        session is a watcher's (access.py); the device stream "_" is on the device's
+        topic, which every host of the tenant reads, so anyone's. At most
+        REPLAY_MAX_EVENTS go in one answer: past them a `replay_cut` error names the id
+        to ask again after.
         """
         self._count("host.replay")
         window = self.intake.window(record.device, run, after)
-        if window is None:
+        held_from = None
+        if window is not None:
+            held_from = window.first if window.first is not None else window.next
+        logged = None
+        if self.events is not None and (held_from is None or after + 1 < held_from):
+            logged = self.events.run(record.tenant, record.device, run)
+        if window is None and logged is None:
             msg = "the bridge holds no events of this run"
             self._refuse("unknown_run", host_topic(self.config.prefix, *_levels(t), "ctl"), msg)
             self._bridge_error(t, {"kind": "unknown_run", "r": run, "msg": msg}, session.user)
             return
         user: str | None = None
         if run != DEVICE_RUN:
-            access.check_run(session, window.usr, f"run {run}")
-            user = window.usr or UNOWNED
-        held_from = window.first if window.first is not None else window.next
-        # The answer is one unit in the tenant's lane: the gap first, then the events.
+            owner = window.usr if window is not None else None
+            if owner is None and logged is not None:
+                owner = logged.usr
+            access.check_run(session, owner, f"run {run}")
+            user = owner or UNOWNED
+        # (id, payload) in id order: the log's part below the window, then the window's.
+        found: list[tuple[int, bytes]] = []
+        if logged is not None:
+            assert self.events is not None
+            found += [(e.i, e.payload)
+                      for e in self.events.events(record.tenant, record.device, run, after)
+                      if held_from is None or e.i < held_from]  # fmt: skip
+            self._count("host.replay_logged", len(found))
+        if window is not None and window.payloads:
+            first = window.first if window.first is not None else window.next
+            found += [(max(after + 1, first) + k, p) for k, p in enumerate(window.payloads)]
+        last = window.next - 1 if window is not None else logged.last if logged else after
+        topic = host_event_topic(self.config.prefix, *_levels(t), user)
+        # The answer is one unit in the tenant's lane: each gap where it is, the events.
         out: list[tuple[str, bytes]] = []
-        if after + 1 < held_from:
-            lo, hi = after + 1, held_from - 1
+        expect = after + 1
+        for i, payload in found[:REPLAY_MAX_EVENTS]:
+            if i > expect:
+                out.append(self._replay_gap(t, run, expect, i - 1, user))
+            out.append((topic, payload))
+            expect = i + 1
+        if len(found) > REPLAY_MAX_EVENTS:
             out.append(self._bridge_event(
                 t,
-                {"kind": "gap", "r": run, "from": lo, "to": hi,
-                 "msg": f"events {lo}..{hi} are no longer held by the bridge"},
+                {"kind": "replay_cut", "r": run, "after": expect - 1,
+                 "msg": f"the replay stopped after id {expect - 1}: ask again after it"},
                 "error",
                 user,
             ))  # fmt: skip
-            self._count("host.replay_gap")
-        topic = host_event_topic(self.config.prefix, *_levels(t), user)
-        out += [(topic, payload) for payload in window.payloads]
+        elif expect <= last:
+            out.append(self._replay_gap(t, run, expect, last, user))
         self.outbox.host(record.tenant, out, Kind.REPLAY)
-        self._count("host.replay_events", len(window.payloads))
+        self._count("host.replay_events", min(len(found), REPLAY_MAX_EVENTS))
+
+    def _replay_gap(
+        self, t: Topic, run: str, lo: int, hi: int, user: str | None
+    ) -> tuple[str, bytes]:
+        self._count("host.replay_gap")
+        return self._bridge_event(
+            t,
+            {"kind": "gap", "r": run, "from": lo, "to": hi,
+             "msg": f"events {lo}..{hi} are no longer held by the bridge"},
+            "error",
+            user,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ publishing
 

@@ -65,6 +65,17 @@ class BridgeConfig:
     # context of the local models people run.
     model_context_chars: int = 32_000
     keepalive_s: int = 30
+    # The durable event log's retention per tenant (server_bridge/eventlog; `wren bridge
+    # --event-log-days`, `--event-log-mib`): whole segments older than this, and the
+    # oldest past this many bytes, are dropped (checked each minute). 30 days and
+    # 1 GiB: at 159 bytes an event (bench_eventlog), 6.7 million events a tenant.
+    event_log_max_age_s: float = 30 * 86400.0
+    event_log_max_bytes: int = 1 << 30
+    # A conversation's earlier turns in a follow-up's model calls (conversations/:
+    # `--history-turns`, `--history-chars`): at most this many earlier runs and
+    # characters, within what the model's context leaves. 0 turns: none.
+    history_turns: int = 8
+    history_chars: int = 8000
     # What the bridge accepts from boards and hosts. What it sends a board is sized by the
     # limits that board announced in its hello.
     limits: Limits = field(default_factory=Limits)

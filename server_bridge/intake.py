@@ -100,6 +100,7 @@ import msgpack
 
 from edge_runtime.events import MAX_ID, TERMINAL
 from server_bridge.config import BridgeConfig
+from server_bridge.eventlog import EventLog, EventLogError
 from server_bridge.lanes import OVERHEAD, Budget
 from server_bridge.registry import DeviceRecord
 from server_bridge.topics import UNOWNED, device_topic, host_event_topic, is_user_id
@@ -233,6 +234,9 @@ class _Run:
     # (PROTOCOL.md "Who sees what"). Made once per run, not per event.
     usr: str | None = None
     topic: str = ""
+    # The run's conversation, as its run.started says it: the event log groups the
+    # runs of a conversation by it (server_bridge/eventlog).
+    conv: str | None = None
     # Liveness: when the run's last event arrived (the intake's clock), and the probe in
     # progress while it stays quiet: when it was sent and the wait before the next
     # (0: none sent since the last event).
@@ -284,8 +288,12 @@ class EventIntake:
         budget: Budget | None = None,
         window_bytes: int = BridgeConfig.window_bytes,
         hello_bytes: int = BridgeConfig.hello_bytes,
+        event_log: EventLog | None = None,
     ) -> None:
         self.prefix = prefix
+        # Every event hosts are sent is appended here too, as sent (server_bridge/eventlog):
+        # what a replay reads once the window has let the run go, and after a restart.
+        self._event_log = event_log
         self._publish = publish
         self._count: Count = count or (lambda name, n: None)
         self._limits = limits
@@ -522,6 +530,9 @@ class EventIntake:
                 # A usr no topic level can hold (a board's bug) leaves the run to the
                 # watchers, never on a topic it could break out of.
                 st.usr, st.topic = usr, ""
+            conv = clean["d"].get("conv")
+            if isinstance(conv, str) and conv:
+                st.conv = conv
         topic = st.topic
         if not topic:
             user = None if st.run == DEVICE_RUN else (st.usr or UNOWNED)
@@ -537,6 +548,8 @@ class EventIntake:
         if st.blocked:
             self._unblock(st)  # taken after all (the lanes had room again)
         self._remember(st, clean["i"], payload)
+        if self._event_log is not None:
+            self._log_event(st, clean["i"], payload)
         st.expected = clean["i"] + 1
         if clean["t"] in TERMINAL:
             st.finished = True
@@ -548,6 +561,20 @@ class EventIntake:
             st.paused = False
         self._taken += 1
         return True
+
+    def _log_event(self, st: _Run, i: int, payload: bytes) -> None:
+        """Append a delivered event to the durable log. A log that cannot take it (a full
+        disk) does not hold up the live stream: the event has gone to hosts; the miss is
+        logged and counted (`eventlog.failed`), and a later replay of the run says the
+        ids it lacks as a gap, as for any event the bridge no longer holds."""
+        assert self._event_log is not None
+        try:
+            self._event_log.append(st.tenant, st.device, st.run, i, payload,
+                                   usr=st.usr, conv=st.conv)  # fmt: skip
+        except (EventLogError, OSError) as e:
+            self._count("eventlog.failed", 1)
+            log.error("event log: event %s of run %s/%s not logged: %s", i, st.device,
+                      st.run, e)  # fmt: skip
 
     def _track_row(self, st: _Run, d: dict[str, Any]) -> None:
         row = (d.get("field"), d.get("row"))

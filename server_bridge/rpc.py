@@ -91,7 +91,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from server_bridge.config import BridgeConfig
 from server_bridge.models.base import TOO_SLOW, Cancelled, Chunk, ModelError, Provider
@@ -115,6 +115,9 @@ from server_bridge.wire import (
     encode,
     is_ack,
 )
+
+if TYPE_CHECKING:
+    from server_bridge.conversations import History
 
 __all__ = [
     "BRIDGE_STOPPING",
@@ -568,13 +571,19 @@ def _check_llm_args(args: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(kb, dict):
             raise BadEnvelope("llm.complete kb must be a map")
         out["kb"] = kb
+    if args.get("sc") is not None:
+        # The run's scope ticket: whose conversation it is, for its earlier turns
+        # (conversations/calls.py verifies it at admission).
+        out["sc"] = args["sc"]
     return out
 
 
-def _llm_admit(gate: ModelGate) -> Admit:
+def _llm_admit(gate: ModelGate, history: Callable[[], History | None]) -> Admit:
     """The bridge's say over a call's cost (models/policy.py): the model it allows, the
     max_tokens within its caps, and what the call's run has left; a refusal is an `llm`
-    error with its cause, not retryable."""
+    error with its cause, not retryable. And whose conversation the call's run is in,
+    from its scope ticket (`_scope`), and whether it has earlier turns (`_earlier`: then
+    the call is not sent early, as its messages are not final until they are in)."""
 
     def admit(device: DeviceRecord, call: Call, args: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -588,7 +597,14 @@ def _llm_admit(gate: ModelGate) -> Admit:
             )
         except ModelError as e:
             raise RpcError("llm", str(e), {"cause": e.cause, "retryable": e.retryable}) from None
-        return {**args, "model": ok.model, "max_tokens": ok.max_tokens, "run_left_s": ok.run_left_s}
+        out = {**args, "model": ok.model, "max_tokens": ok.max_tokens, "run_left_s": ok.run_left_s}
+        hist = history()
+        if hist is not None and args.get("sc") is not None:
+            scope = hist.scope(device, args["sc"])
+            if scope is not None:
+                out["_scope"] = scope
+                out["_earlier"] = hist.has_earlier(device, call.r, scope)
+        return out
 
     return admit
 
@@ -601,7 +617,7 @@ def _llm_early(provider: Provider) -> StartEarly | None:
         return None
 
     def early(args: dict[str, Any]) -> Started | None:
-        if args.get("kb") is not None:
+        if args.get("kb") is not None or args.get("_earlier"):
             # Its messages are not final until the worker has retrieved the passages.
             return None
         started: Started | None = send_early(
@@ -622,12 +638,44 @@ def _tokens(final: Any) -> int:
 
 
 def _llm_complete(
-    provider: Provider, gate: ModelGate, augment: Callable[[], Augment | None]
+    provider: Provider,
+    gate: ModelGate,
+    augment: Callable[[], Augment | None],
+    history: Callable[[], History | None],
 ) -> Handler:
     def handler(ctx: CallContext, args: dict[str, Any], emit: Emit) -> Any:
         # Only a provider with send_early made ctx.early, and only its complete takes it.
         more: dict[str, Any] = {} if ctx.early is None else {"early": ctx.early}
-        messages = args["messages"]
+        messages = own_messages = args["messages"]
+        hist, scope = history(), args.get("_scope")
+        if hist is None:
+            scope = None
+        if hist is not None and scope is not None:
+            # The conversation's earlier turns, before the passages take what is left
+            # (conversations/history.py says the rule).
+            kb = args.get("kb")
+            kb_chars = 0
+            if isinstance(kb, dict):
+                # (Here, not at the top: knowledge/augment.py imports this module.)
+                from server_bridge.knowledge.augment import DEFAULT_MAX_CHARS
+
+                want = kb.get("max_chars", DEFAULT_MAX_CHARS)
+                kb_chars = want if isinstance(want, int) and want > 0 else DEFAULT_MAX_CHARS
+            messages = hist.add(ctx.device, ctx.call.r, scope, messages, args["tools"], kb_chars)
+            args = {**args, "messages": messages}
+        said: list[str] = []
+        calls: list[Any] = []
+        if scope is not None:
+            # The answer as the model gave it, for the run's turn (recorded below).
+            board_emit = emit
+
+            def emit(chunk: Chunk) -> None:
+                if isinstance(chunk.get("text"), str):
+                    said.append(chunk["text"])
+                elif isinstance(chunk.get("tool"), dict):
+                    calls.append(chunk["tool"])
+                board_emit(chunk)
+
         if args.get("kb") is not None:
             # The agent's `before` rule: the passages go into the call, the board hears
             # which (one `cite` chunk, ahead of the model's text). Its refusals and its
@@ -658,6 +706,11 @@ def _llm_complete(
                 deadline=deadline,
                 **more,
             )
+            if hist is not None and scope is not None:
+                answer: dict[str, Any] = {"role": "assistant", "content": "".join(said)}
+                if calls:
+                    answer["tools"] = calls
+                hist.record(ctx.device, ctx.call.r, scope, own_messages, answer)
             return final
         except _CallOver:
             raise
@@ -761,14 +814,17 @@ class RpcServer:
         self.models = ModelGate(own if isinstance(own, str) else None, llm_max_tokens, model_policy)
         # Knowledge before a model call (knowledge/augment.py), set by the bridge.
         self.augment: Augment | None = None
+        # A conversation's earlier turns in a model call (conversations/), set by the
+        # bridge when it keeps an event log.
+        self.history: History | None = None
         self.methods: dict[str, Method] = {
             "llm.complete": Method(
-                _llm_complete(provider, self.models, lambda: self.augment),
+                _llm_complete(provider, self.models, lambda: self.augment, lambda: self.history),
                 _check_llm_args,
                 llm_timeout_s,
                 fail_kind="llm",
                 early=_llm_early(provider),
-                admit=_llm_admit(self.models),
+                admit=_llm_admit(self.models, lambda: self.history),
             ),
         }
 

@@ -41,6 +41,7 @@ from server_bridge.registry import provision
 
 if TYPE_CHECKING:
     from server_bridge.bridge import Bridge
+    from server_bridge.eventlog import EventLog
     from server_bridge.knowledge import KnowledgeBase
     from server_bridge.memory import MemoryService
     from server_bridge.metrics_http import MetricsServer
@@ -208,6 +209,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the knowledge store boards reach by kb.retrieve, kb.add and kb.delete "
         "(default: knowledge.sqlite3 beside --registry when that file exists; without "
         "one those methods are unknown_method)",
+    )
+    p.add_argument(
+        "--event-log",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the durable event log: every event hosts are sent, for replays after the "
+        "bridge's in-memory window and its restarts (default: events/ beside --registry)",
+    )
+    p.add_argument(
+        "--no-event-log",
+        action="store_true",
+        help="keep no event log: a replay reaches only as far back as the window",
+    )
+    p.add_argument(
+        "--event-log-days",
+        type=float,
+        default=BridgeConfig.event_log_max_age_s / 86400,
+        help="drop a tenant's logged events older than this many days (default: %(default)s)",
+    )
+    p.add_argument(
+        "--event-log-mib",
+        type=int,
+        default=BridgeConfig.event_log_max_bytes >> 20,
+        help="keep at most this many MiB of logged events per tenant, oldest dropped "
+        "first (default: %(default)s)",
+    )
+    p.add_argument(
+        "--history-turns",
+        type=int,
+        default=BridgeConfig.history_turns,
+        help="earlier runs of a conversation a follow-up's model calls are given, "
+        "from the event log (0: none; default: %(default)s)",
+    )
+    p.add_argument(
+        "--history-chars",
+        type=int,
+        default=BridgeConfig.history_chars,
+        help="characters those earlier runs may take, within the model's context "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--client-id",
@@ -397,6 +438,13 @@ def bridge_config(args: argparse.Namespace) -> BridgeConfig:
         config = dataclasses.replace(config, model_context_chars=args.model_context_chars)
     if args.tenant_links is not None:
         config = dataclasses.replace(config, tenant_links=args.tenant_links)
+    config = dataclasses.replace(
+        config,
+        event_log_max_age_s=args.event_log_days * 86400,
+        event_log_max_bytes=args.event_log_mib << 20,
+        history_turns=max(args.history_turns, 0),
+        history_chars=max(args.history_chars, 0),
+    )
     if args.run_probe is not None:
         most = max(args.run_probe, config.run_probe_max_s)
         config = dataclasses.replace(config, run_probe_s=args.run_probe, run_probe_max_s=most)
@@ -451,6 +499,16 @@ def memory_service(args: argparse.Namespace) -> MemoryService:
     return open_memory(args.memory_dir or Path(args.registry).parent / "memory")
 
 
+def event_log(args: argparse.Namespace) -> EventLog | None:
+    """The event log at --event-log (events/ beside the registry); None with
+    --no-event-log."""
+    if args.no_event_log:
+        return None
+    from server_bridge.eventlog import EventLog
+
+    return EventLog(args.event_log or Path(args.registry).parent / "events")
+
+
 def knowledge_base(args: argparse.Namespace) -> KnowledgeBase | None:
     """The knowledge store at --knowledge, else knowledge.sqlite3 beside the registry
     when `wren kb ingest` has made one; None (no kb.* methods) otherwise."""
@@ -497,7 +555,18 @@ def run(
     try:
         provider, what = model_provider(args)
         knowledge = knowledge_base(args)
-        bridge = Bridge(config, registry, provider, memory_service(args), knowledge)
+        events = event_log(args)
+        turns = None
+        if events is not None:
+            from server_bridge.conversations import Turns
+            from server_bridge.eventlog import EventLog
+
+            # Beside the events, in a directory no tenant's name can be.
+            turns = Turns(EventLog(events.root / "_turns"), config.history_turns,
+                          config.history_chars)  # fmt: skip
+        bridge = Bridge(
+            config, registry, provider, memory_service(args), knowledge, events, turns
+        )
         # The allow-list and the per-run caps; the model timeout and the token cap came
         # with the config, the idle timeout and temperature with the provider.
         bridge.rpc.set_model_policy(model_policy(args))
@@ -547,6 +616,10 @@ def run(
                         metrics.stop()
                     if knowledge is not None:
                         knowledge.close()
+                    if events is not None:
+                        events.close()
+                    if turns is not None:
+                        turns.log.close()
     finally:
         registry.close()
 

@@ -129,6 +129,7 @@ class World:
         provider: Any,
         memory: Any = None,
         knowledge: Any = None,
+        events: Any = None,
         **config: Any,
     ) -> None:
         self.p = f"wren-test-{uuid.uuid4().hex[:8]}/v1"
@@ -151,7 +152,7 @@ class World:
             prefix=self.p,
             **config,
         )
-        self.bridge = Bridge(cfg, self.registry, provider, memory, knowledge)
+        self.bridge = Bridge(cfg, self.registry, provider, memory, knowledge, events)
         self.bridge.start()
         p = self.p
         self.board = Peer(broker, [f"{p}/d/dev1/rpc/res", f"{p}/d/dev1/req", f"{p}/d/dev1/ctl"])

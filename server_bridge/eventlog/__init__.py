@@ -1,7 +1,8 @@
 """The durable event log: every event hosts receive, appended per tenant to segmented
 files, so a run can be replayed after the bridge's in-memory window has let it go
-(issue "Hosts over HTTP"; DESIGN.md "Events"). [partly built: the log itself, tested
-in tests/test_eventlog.py; the bridge does not append to it yet]"""
+(issue "Hosts over HTTP"; DESIGN.md "Events"). The bridge appends every event it
+sends hosts (intake.py) and answers a host's replay from it where its in-memory window
+no longer holds the run (bridge.py)."""
 
 from .log import (
     DEFAULT_SEGMENT_BYTES,
@@ -10,6 +11,7 @@ from .log import (
     EventLog,
     EventLogError,
     LoggedEvent,
+    LoggedRun,
     RecordTooLarge,
 )
 
@@ -20,5 +22,6 @@ __all__ = [
     "EventLog",
     "EventLogError",
     "LoggedEvent",
+    "LoggedRun",
     "RecordTooLarge",
 ]

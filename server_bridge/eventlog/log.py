@@ -45,6 +45,7 @@ __all__ = [
     "EventLog",
     "EventLogError",
     "LoggedEvent",
+    "LoggedRun",
     "RecordTooLarge",
 ]
 
@@ -79,6 +80,18 @@ class LoggedEvent:
     payload: bytes
 
 
+@dataclass(frozen=True)
+class LoggedRun:
+    """What the index knows of one run: its user and conversation (from its records;
+    None when none named one), and the ids the log holds, lowest and highest."""
+
+    usr: str | None
+    conv: str | None
+    first: int
+    last: int
+    count: int
+
+
 @dataclass
 class _Segment:
     n: int
@@ -95,6 +108,8 @@ class _Tenant:
     runs: dict[tuple[str, str], list[tuple[int, int, int]]] = field(default_factory=dict)
     # conv -> (device, run) in the order their first events came (dict as ordered set).
     convs: dict[str, dict[tuple[str, str], None]] = field(default_factory=dict)
+    # (device, run) -> [usr, conv], the first each of its records named.
+    named: dict[tuple[str, str], list[str | None]] = field(default_factory=dict)
     dirty: bool = False
 
 
@@ -122,8 +137,11 @@ class EventLog:
         self._tenants: dict[str, _Tenant] = {}
         self.syncs = 0  # fsync rounds that found something to sync (for tests, stats)
         self.truncated = 0  # bytes of torn records cut at open
+        self._closed = False
+        # A directory whose name no tenant can have ("_turns") is not the log's.
         for d in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            self._open_tenant(d.name)
+            if not d.name.startswith("_"):
+                self._open_tenant(d.name)
         self._stop = threading.Event()
         self._syncer = threading.Thread(target=self._sync_loop, name="wren-eventlog-sync",
                                         daemon=True)  # fmt: skip
@@ -154,6 +172,8 @@ class EventLog:
             )
         frame = _FRAME.pack(len(body), zlib.crc32(body)) + body
         with self._lock:
+            if self._closed:
+                raise EventLogError("the event log is closed")
             ten = self._tenants.get(tenant) or self._open_tenant(tenant)
             seg = ten.segments[-1]
             if seg.size and seg.size + len(frame) > self.segment_bytes:
@@ -169,7 +189,7 @@ class EventLog:
             seg.size += len(frame)
             seg.last_ts_ms = max(seg.last_ts_ms, ts)
             ten.dirty = True
-            self._index(ten, seg.n, offset, device, run, i, conv)
+            self._index(ten, seg.n, offset, device, run, i, usr, conv)
 
     # ------------------------------------------------------------------ reading
 
@@ -196,12 +216,28 @@ class EventLog:
                 f.close()
         return out
 
+    def run(self, tenant: str, device: str, run: str) -> LoggedRun | None:
+        """What the log holds of a run, or None when it holds none of its events."""
+        _check_tenant(tenant)
+        with self._lock:
+            ten = self._tenants.get(tenant)
+            entries = ten.runs.get((device, run)) if ten is not None else None
+            if not entries or ten is None:
+                return None
+            usr, conv = ten.named.get((device, run), (None, None))
+            ids = [e[2] for e in entries]
+            return LoggedRun(usr, conv, min(ids), max(ids), len(ids))
+
     def runs_of(self, tenant: str, conv: str) -> list[tuple[str, str]]:
         """The (device, run) of a conversation, in the order their first events came."""
         _check_tenant(tenant)
         with self._lock:
             ten = self._tenants.get(tenant)
             return list(ten.convs.get(conv, ())) if ten is not None else []
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return list(self._tenants)
 
     def tenant_bytes(self, tenant: str) -> int:
         with self._lock:
@@ -240,6 +276,7 @@ class EventLog:
                     ten.runs[key] = kept
                 else:
                     del ten.runs[key]
+                    ten.named.pop(key, None)
             for conv in list(ten.convs):
                 left = {k: None for k in ten.convs[conv] if k in ten.runs}
                 if left:
@@ -271,6 +308,7 @@ class EventLog:
         self._syncer.join(timeout=5)
         self.sync()
         with self._lock:
+            self._closed = True
             for ten in self._tenants.values():
                 if ten.fd is not None:
                     os.close(ten.fd)
@@ -330,11 +368,11 @@ class EventLog:
             if length > MAX_RECORD_BYTES or end > len(data) or zlib.crc32(body) != crc:
                 break
             try:
-                ts, device, run, i, _usr, conv, _payload = msgpack.unpackb(body, raw=False)
+                ts, device, run, i, usr, conv, _payload = msgpack.unpackb(body, raw=False)
             except (ValueError, TypeError, msgpack.ExtraData):
                 break
             seg.last_ts_ms = max(seg.last_ts_ms, ts)
-            self._index(ten, seg.n, at, device, run, i, conv)
+            self._index(ten, seg.n, at, device, run, i, usr, conv)
             at = end
         if at < len(data):
             # A torn or damaged tail: cut back to the last whole record.
@@ -347,14 +385,23 @@ class EventLog:
 
     @staticmethod
     def _index(
-        ten: _Tenant, n: int, offset: int, device: str, run: str, i: int, conv: str | None
-    ) -> None:
+        ten: _Tenant, n: int, offset: int, device: str, run: str, i: int,
+        usr: str | None, conv: str | None,
+    ) -> None:  # fmt: skip
         key = (device, run)
         entries = ten.runs.get(key)
         if entries is None:
             entries = ten.runs[key] = []
-            if conv is not None:
-                ten.convs.setdefault(conv, {})[key] = None
+        named = ten.named.get(key)
+        if named is None:
+            named = ten.named[key] = [None, None]
+        if named[0] is None and usr is not None:
+            named[0] = usr
+        if named[1] is None and conv is not None:
+            # A run joins its conversation with the first record that names it (its
+            # run.started, usually its first).
+            named[1] = conv
+            ten.convs.setdefault(conv, {})[key] = None
         entries.append((n, offset, i))
 
 

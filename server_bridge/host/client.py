@@ -664,6 +664,7 @@ class HostClient:
         for event in events:
             # (event, copy of its run's snapshot as of it) for each event applied.
             views: list[tuple[dict[str, Any], RunSnapshot]] = []
+            again: tuple[str, str, int] | None = None
             with self._cond:
                 refusal = _refusal(event)
                 if refusal is not None:
@@ -686,7 +687,7 @@ class HostClient:
                 if event["r"] == BRIDGE_RUN and event["t"] == "error":
                     # Read on arrival, not through the reducer's repeat check: the
                     # bridge's stream starts again at 1 when it restarts.
-                    self._bridge_answer(topic.device, reducer, event["d"], on_apply)
+                    again = self._bridge_answer(topic.device, reducer, event["d"], on_apply)
                 if self._waiting and (snap.req in self._waiting or event["r"] in STREAMS):
                     # What a wait reads is its own run's snapshot and its refusals, which
                     # come on the streams (as do the bridge's gap answers, which may end
@@ -695,6 +696,8 @@ class HostClient:
                     # serves more than this client (the benchmark's model server) is
                     # what that work waited for.
                     self._cond.notify_all()
+            if again is not None:
+                self._ask_replay(*again)  # the rest of a replay cut short (replay_cut)
             for applied, view in views:
                 callback = self.on_event
                 if callback is None:
@@ -708,14 +711,19 @@ class HostClient:
 
     def _bridge_answer(
         self, device: str, reducer: Reducer, d: dict[str, Any], on_apply: OnApply | None
-    ) -> None:
+    ) -> tuple[str, str, int] | None:
         """The bridge's answer to a replay, on its stream `_b`: ids it no longer holds
-        (`gap`), or a run it does not know (`unknown_run`). Called under the lock."""
+        (`gap`), a run it does not know (`unknown_run`), or a replay it cut at its cap
+        (`replay_cut`: returned, the replay to ask for next, after the lock is let go).
+        Called under the lock."""
         run = d.get("r")
         if not isinstance(run, str) or run in STREAMS:
-            return
+            return None
         kind = d.get("kind")
         snap = reducer.get(run)
+        after = d.get("after")
+        if kind == "replay_cut" and isinstance(after, int) and after >= 0:
+            return (device, run, after)
         if kind == "gap":
             # from/to are ints 1 <= from <= to: decode_events checked the gap report.
             reducer.mark_lost(run, d["from"], d["to"], on_apply)
@@ -723,9 +731,10 @@ class HostClient:
             # Nothing will ever fill the hole below what this run holds.
             reducer.mark_lost(run, snap.last_id + 1, snap.held[-1] - 1, on_apply)
         else:
-            return
+            return None
         if snap is not None:
             self._track(device, snap)
+        return None
 
     # --- replay -------------------------------------------------------------------
 
@@ -775,6 +784,15 @@ class HostClient:
             for ask in asks:
                 self._ask_replay(*ask)
             self._stop.wait(min(max(due - time.monotonic(), 0.01), tick))
+
+    def replay(self, device: str, run: str, after: int = 0) -> None:
+        """Ask the bridge for a run's events past `after`: from its window, or from its
+        event log for a run it no longer holds in memory (an hour ago, before its
+        restart). They come like live ones and fold into the run's snapshot; wait for
+        it with wait_for / wait_run (by the run's request id) or read runs(). A reply
+        the bridge cut at its cap is asked on by itself. Not waited for: sent when
+        connected (with the device's token, set_token), else not sent and logged."""
+        self._ask_replay(device, run, after)
 
     def _ask_replay(self, device: str, run: str, after: int) -> None:
         """Publish a replay request for `run` past `after`. Never under the lock, and

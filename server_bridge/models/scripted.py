@@ -200,7 +200,10 @@ class ScriptedProvider:
         *,
         deadline: float | None = None,
     ) -> Final:
-        msgs = [m for m in messages if isinstance(m, Mapping)]
+        # The conversation's earlier turns the bridge put in (`hist`) are read by the
+        # model, not by the script, which answers the run's own request.
+        everything = [m for m in messages if isinstance(m, Mapping)]
+        msgs = [m for m in everything if not m.get("hist")]
         script = self._dialogue(msgs)
         turn = sum(1 for m in msgs if m.get("role") == "assistant")
         if turn >= len(script):
@@ -218,7 +221,7 @@ class ScriptedProvider:
                 content = m.get("content")
                 last_tool = content if isinstance(content, str) else json.dumps(content)
 
-        usage_in = sum(_tokens(str(m.get("content") or "")) for m in msgs)
+        usage_in = sum(_tokens(str(m.get("content") or "")) for m in everything)
         usage_in += sum(_tokens(json.dumps(t, default=str)) for t in tools)
         out = reason = 0
         called = False
