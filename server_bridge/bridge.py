@@ -78,6 +78,9 @@ from server_bridge.brokerconf import LINKS
 from server_bridge.config import BridgeConfig
 from server_bridge.conversations import History, Turns
 from server_bridge.eventlog import EventLog
+from server_bridge.host.reducer import Reducer, RunSnapshot
+from server_bridge.http.hub import EventHub
+from server_bridge.http.views import event_json, snapshot_json
 from server_bridge.intake import EventIntake
 from server_bridge.knowledge import KnowledgeBase
 from server_bridge.knowledge import calls as knowledge_calls
@@ -102,6 +105,7 @@ from server_bridge.topics import (
     device_topic,
     host_event_topic,
     host_topic,
+    is_id,
     parse,
 )
 from server_bridge.wire import (
@@ -225,6 +229,15 @@ class LoginRefused(BridgeError):
 class RivalBridge(BridgeError):
     """Another bridge process is online on the same broker and prefix: one bridge process
     per prefix (PROTOCOL.md "Bridge presence"); the message says which, in one line."""
+
+
+class RunEvents(NamedTuple):
+    """What the bridge holds of a run past some id (Bridge.run_events)."""
+
+    found: list[tuple[int, bytes]]  # (id, the event as hosts were sent it), in id order
+    last: int  # the highest id the run is known to have reached
+    usr: str | None  # the run's user, when known
+    cut: bool  # more than `found` is held: ask again after its last id
 
 
 class Refusal(NamedTuple):
@@ -391,6 +404,9 @@ class Bridge:
             budget=self.outbox.budget,
         )
         self.intake.on_ids_lost = self._ids_lost
+        # The HTTP streams that follow runs live (http/hub.py); idle without followers.
+        self.hub = EventHub()
+        self.intake.on_delivered = self.hub.publish
         self.rpc = RpcServer(
             provider,
             send=self._send_rpc,
@@ -1741,47 +1757,26 @@ class Bridge:
         to ask again after.
         """
         self._count("host.replay")
-        window = self.intake.window(record.device, run, after)
-        held_from = None
-        if window is not None:
-            held_from = window.first if window.first is not None else window.next
-        logged = None
-        if self.events is not None and (held_from is None or after + 1 < held_from):
-            logged = self.events.run(record.tenant, record.device, run)
-        if window is None and logged is None:
+        known = self.run_events(record.tenant, record.device, run, after)
+        if known is None:
             msg = "the bridge holds no events of this run"
             self._refuse("unknown_run", host_topic(self.config.prefix, *_levels(t), "ctl"), msg)
             self._bridge_error(t, {"kind": "unknown_run", "r": run, "msg": msg}, session.user)
             return
         user: str | None = None
         if run != DEVICE_RUN:
-            owner = window.usr if window is not None else None
-            if owner is None and logged is not None:
-                owner = logged.usr
-            access.check_run(session, owner, f"run {run}")
-            user = owner or UNOWNED
-        # (id, payload) in id order: the log's part below the window, then the window's.
-        found: list[tuple[int, bytes]] = []
-        if logged is not None:
-            assert self.events is not None
-            found += [(e.i, e.payload)
-                      for e in self.events.events(record.tenant, record.device, run, after)
-                      if held_from is None or e.i < held_from]  # fmt: skip
-            self._count("host.replay_logged", len(found))
-        if window is not None and window.payloads:
-            first = window.first if window.first is not None else window.next
-            found += [(max(after + 1, first) + k, p) for k, p in enumerate(window.payloads)]
-        last = window.next - 1 if window is not None else logged.last if logged else after
+            access.check_run(session, known.usr, f"run {run}")
+            user = known.usr or UNOWNED
         topic = host_event_topic(self.config.prefix, *_levels(t), user)
         # The answer is one unit in the tenant's lane: each gap where it is, the events.
         out: list[tuple[str, bytes]] = []
         expect = after + 1
-        for i, payload in found[:REPLAY_MAX_EVENTS]:
+        for i, payload in known.found:
             if i > expect:
                 out.append(self._replay_gap(t, run, expect, i - 1, user))
             out.append((topic, payload))
             expect = i + 1
-        if len(found) > REPLAY_MAX_EVENTS:
+        if known.cut:
             out.append(self._bridge_event(
                 t,
                 {"kind": "replay_cut", "r": run, "after": expect - 1,
@@ -1789,10 +1784,179 @@ class Bridge:
                 "error",
                 user,
             ))  # fmt: skip
-        elif expect <= last:
-            out.append(self._replay_gap(t, run, expect, last, user))
+        elif expect <= known.last:
+            out.append(self._replay_gap(t, run, expect, known.last, user))
         self.outbox.host(record.tenant, out, Kind.REPLAY)
-        self._count("host.replay_events", min(len(found), REPLAY_MAX_EVENTS))
+        self._count("host.replay_events", len(known.found))
+
+    # ------------------------------------------------------------------ hosts over HTTP
+
+    def session_of(self, token: object) -> tokens.Session:
+        """The session a host's token proves, for the HTTP API (http/): the tenant named
+        in its claims, verified with that tenant's secret. TokenError when it proves
+        nothing (malformed, forged, expired, or a tenant the registry does not know);
+        the message does not say which."""
+        claims = tokens.peek(token)
+        tenant = claims.get("ten") if claims is not None else None
+        secret = None
+        if is_id(tenant):
+            assert isinstance(tenant, str)
+            secret = self.registry.tenant_secret(tenant)
+        if secret is None or not isinstance(tenant, str):
+            raise TokenError("the session token proves no session")
+        return self._tokens.verify(secret, token, tenant)
+
+    def device_of(self, session: tokens.Session, device: str) -> DeviceRecord:
+        """A device of the session's tenant; UnknownDevice for any other id, one of
+        another tenant included, in the same words (nothing says which it was)."""
+        record = self.registry.device(device) if is_id(device) else None
+        if record is None or record.tenant != session.tenant:
+            raise UnknownDevice(f"no device {device[:64]!r}")
+        return record
+
+    def devices_of(
+        self, session: tokens.Session
+    ) -> list[tuple[DeviceRecord, dict[str, Any] | None]]:
+        """The session's tenant's devices with their presence (None: never seen)."""
+        return [
+            (r, self.intake.presence(r.device))
+            for r in self.registry.devices()
+            if r.tenant == session.tenant
+        ]
+
+    def http_request(self, token: str, device: str, body: dict[str, Any]) -> str:
+        """Send a host's request to `device` as the MQTT path does (the same checks,
+        admission and limits: _host_req), for the HTTP API; returns the req id. Raises
+        the refusal (REFUSALS, with its `kind`), counted like any."""
+        session = self.session_of(token)
+        record = self.device_of(session, device)
+        t = Topic("h", record.device, "req", session.tenant)
+        obj = {**body, "tok": token}
+        obj.setdefault("req", uuid.uuid4().hex)
+        try:
+            self.outbox.admit_host(session.tenant)
+            self._host_req(t, obj, [session])
+        except REFUSALS as e:
+            self._refuse(getattr(e, "kind", "bad_envelope"), "http request", str(e))
+            raise
+        return str(obj["req"])
+
+    def http_control(self, token: str, device: str, body: dict[str, Any]) -> None:
+        """A host's cancel, tool answer or approval, as the MQTT path acts on it
+        (_host_ctl: only the run's user or a watcher); for the HTTP API."""
+        session = self.session_of(token)
+        record = self.device_of(session, device)
+        if body.get("op") == "replay":
+            raise BadEnvelope("a replay over HTTP is a GET of the run's events")
+        t = Topic("h", record.device, "ctl", session.tenant)
+        topic = host_topic(self.config.prefix, session.tenant, record.device, "ctl")
+        try:
+            self.outbox.admit_host(session.tenant)
+            self._host_ctl(t, topic, {**body, "tok": token}, [session])
+        except REFUSALS as e:
+            self._refuse(getattr(e, "kind", "bad_envelope"), "http control", str(e))
+            raise
+
+    def request_owner(self, device: str, req: str) -> str | None:
+        """The user who sent a recent request (None: not known here)."""
+        return self._req_owners.owner(device, req)
+
+    def conversations_of(
+        self, tenant: str, user: str, device: str | None = None
+    ) -> list[dict[str, Any]]:
+        """A user's conversations from the event log, the most recently active first:
+        each with its device, runs (oldest first), and its last run's agent and status
+        (read from that run's events). [] without a log."""
+        if self.events is None:
+            return []
+        out = []
+        for conv, runs in self.events.conversations(tenant, user):
+            if device is not None:
+                runs = [k for k in runs if k[0] == device]
+            if not runs:
+                continue
+            last_device, last_run = runs[-1]
+            snap = self._fold_run(tenant, last_device, last_run)
+            out.append({
+                "conv": conv,
+                "device": last_device,
+                "runs": [run for _, run in runs],
+                "agent": snap.agent if snap is not None else None,
+                "status": snap.status if snap is not None else None,
+            })  # fmt: skip
+        return out
+
+    def conversation_rows(
+        self, tenant: str, user: str, conv: str
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+        """A conversation as rows, every run's in order (each row with its `run`), and
+        its runs (id, device, status, tables); None when the log holds none of the
+        user's runs in it."""
+        if self.events is None:
+            return None
+        runs = [k for c, ks in self.events.conversations(tenant, user) if c == conv for k in ks]
+        if not runs:
+            return None
+        rows: list[dict[str, Any]] = []
+        about: list[dict[str, Any]] = []
+        for dev, run in runs:
+            snap = self._fold_run(tenant, dev, run)
+            if snap is None:
+                continue
+            view = snapshot_json(snap)
+            rows += [{**row, "run": run} for row in view["rows"]]
+            about.append({"run": run, "device": dev, "status": view["status"],
+                          "tables": view["tables"], "error": view["error"]})  # fmt: skip
+        return rows, about
+
+    def _fold_run(self, tenant: str, device: str, run: str) -> RunSnapshot | None:
+        """A run's snapshot, folded from every event the bridge holds of it."""
+        reducer = Reducer(device)
+        snap = None
+        after = 0
+        while True:
+            held = self.run_events(tenant, device, run, after)
+            if held is None:
+                return snap
+            for _, payload in held.found:
+                snap = reducer.apply(event_json(payload))
+            if not held.cut or not held.found:
+                return snap
+            after = held.found[-1][0]
+
+    def run_events(
+        self, tenant: str, device: str, run: str, after: int = 0, limit: int | None = None
+    ) -> RunEvents | None:
+        """A run's events past `after` as hosts were sent them, from the intake's window
+        and, below it, from the event log (at most `limit`, REPLAY_MAX_EVENTS by
+        default); None when neither knows the run. Reads files: not on a thread that
+        must not wait."""
+        cap = REPLAY_MAX_EVENTS if limit is None else limit
+        window = self.intake.window(device, run, after)
+        held_from = None
+        if window is not None:
+            held_from = window.first if window.first is not None else window.next
+        logged = None
+        if self.events is not None and (held_from is None or after + 1 < held_from):
+            logged = self.events.run(tenant, device, run)
+        if window is None and logged is None:
+            return None
+        owner = window.usr if window is not None else None
+        if owner is None and logged is not None:
+            owner = logged.usr
+        # (id, payload) in id order: the log's part below the window, then the window's.
+        found: list[tuple[int, bytes]] = []
+        if logged is not None:
+            assert self.events is not None
+            found += [(e.i, e.payload)
+                      for e in self.events.events(tenant, device, run, after)
+                      if held_from is None or e.i < held_from]  # fmt: skip
+            self._count("host.replay_logged", len(found))
+        if window is not None and window.payloads:
+            first = window.first if window.first is not None else window.next
+            found += [(max(after + 1, first) + k, p) for k, p in enumerate(window.payloads)]
+        last = window.next - 1 if window is not None else logged.last if logged else after
+        return RunEvents(found[:cap], max(last, after), owner, len(found) > cap)
 
     def _replay_gap(
         self, t: Topic, run: str, lo: int, hi: int, user: str | None

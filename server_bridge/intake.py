@@ -158,6 +158,8 @@ _STREAMS = (DEVICE_RUN, BRIDGE_RUN)
 _STATUS_KEYS = ("fw", "agent", "ver", "heap", "boot", "reset")
 # The events that name their run's user (PROTOCOL.md "Event types").
 _NAMES_USER = ("run.started", "run.paused")
+# Requests whose run the intake remembers (run_of_request), the oldest forgotten first.
+_REQ_RUNS = 65_536
 # A paused run's probes are at most this many times run_probe_max_s apart (_first_wait).
 _PAUSED_PROBE_FACTOR = 10
 # The `run.failed` messages of runs the bridge ends (customer-safe, PROTOCOL.md).
@@ -294,6 +296,10 @@ class EventIntake:
         # Every event hosts are sent is appended here too, as sent (server_bridge/eventlog):
         # what a replay reads once the window has let the run go, and after a restart.
         self._event_log = event_log
+        # Told of every event handed to hosts (device, run, id, payload), under the lock.
+        self.on_delivered: Callable[[str, str, str, int, bytes], None] | None = None
+        # The run each recent request started, by (device, req), from run.started.
+        self._req_runs: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._publish = publish
         self._count: Count = count or (lambda name, n: None)
         self._limits = limits
@@ -550,6 +556,16 @@ class EventIntake:
         self._remember(st, clean["i"], payload)
         if self._event_log is not None:
             self._log_event(st, clean["i"], payload)
+        if self.on_delivered is not None:
+            # The HTTP streams that follow the run (http/hub.py: never waits).
+            self.on_delivered(st.tenant, st.device, st.run, clean["i"], payload)
+        if clean["t"] == "run.started":
+            req = clean["d"].get("req")
+            if isinstance(req, str):
+                self._req_runs[(st.device, req)] = st.run
+                self._req_runs.move_to_end((st.device, req))
+                while len(self._req_runs) > _REQ_RUNS:
+                    self._req_runs.popitem(last=False)
         st.expected = clean["i"] + 1
         if clean["t"] in TERMINAL:
             st.finished = True
@@ -961,6 +977,11 @@ class EventIntake:
             payloads = [p for i, p in st.recent if i > after]
             first = st.recent[0][0] if st.recent else None
             return Window(payloads, first, st.expected, st.usr)
+
+    def run_of_request(self, device: str, req: str) -> str | None:
+        """The run a recent request started, once its run.started went to hosts."""
+        with self._lock:
+            return self._req_runs.get((device, req))
 
     def owner(self, device: str, run: str) -> str | None:
         """The user of a run, as its run.started or run.paused said; None when the run or

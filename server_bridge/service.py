@@ -42,6 +42,7 @@ from server_bridge.registry import provision
 if TYPE_CHECKING:
     from server_bridge.bridge import Bridge
     from server_bridge.eventlog import EventLog
+    from server_bridge.http.server import HttpServer
     from server_bridge.knowledge import KnowledgeBase
     from server_bridge.memory import MemoryService
     from server_bridge.metrics_http import MetricsServer
@@ -402,6 +403,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="serve the counters at http://HOST:PORT/metrics for Prometheus (default: off; "
         f"HOST defaults to {METRICS_HOST}, 0.0.0.0 is every interface; port 0 picks one)",
     )
+    p.add_argument(
+        "--http",
+        type=metrics_address,
+        metavar="HOST:PORT",
+        help="serve the hosts' HTTP API (devices, requests, runs and their events as SSE, "
+        f"conversations) at HOST:PORT (default: off; HOST defaults to {METRICS_HOST}; "
+        "port 0 picks one); needs the `http` extra (starlette, uvicorn)",
+    )
+    p.add_argument("--http-cert", default=None, metavar="PEM",
+                   help="serve --http over TLS with this certificate chain")  # fmt: skip
+    p.add_argument("--http-key", default=None, metavar="PEM",
+                   help="the private key of --http-cert")  # fmt: skip
 
 
 def build_parser(prog: str = "python -m server_bridge") -> argparse.ArgumentParser:
@@ -571,6 +584,7 @@ def run(
         # with the config, the idle timeout and temperature with the provider.
         bridge.rpc.set_model_policy(model_policy(args))
         metrics: MetricsServer | None = None
+        http: HttpServer | None = None
         # stop() also after a start that failed or was interrupted: it shuts down the
         # RPC pool the bridge made, and is a no-op for the connection it never had.
         try:
@@ -588,9 +602,12 @@ def run(
                 ) from e
             # One write, line and newline together: unbuffered (PYTHONUNBUFFERED), print()
             # writes the newline apart, and a log line on stderr may land in between.
+            if args.http is not None:
+                http = _serve_http(bridge, args)
             out.write(
                 f"bridge: {config.host}:{config.port}, registry {args.registry}, {what};"
                 " Ctrl-C stops\n" + (f"metrics at {metrics.url}\n" if metrics else "")
+                + (f"http at {http.url}\n" if http else "")
             )
             out.flush()
             # In one-second waits rather than one endless one, so that Ctrl-C (and
@@ -607,6 +624,8 @@ def run(
             # (a couple of seconds) and what makes the boards' calls end by name.
             with _signals_held():
                 try:
+                    if http is not None:
+                        http.stop()
                     bridge.stop()
                     # The last counters, after the stop: what a restart starts again
                     # from zero.
@@ -650,6 +669,23 @@ def _serve_metrics(bridge: Bridge, host: str, port: int) -> MetricsServer:
             f"could not serve the metrics at {host}:{port}: {e.strerror or e}"
         ) from e
     server.start()
+    return server
+
+
+def _serve_http(bridge: Bridge, args: argparse.Namespace) -> HttpServer:
+    """--http: the hosts' HTTP API, served from now on."""
+    try:
+        from server_bridge.http import server as http_server
+    except ImportError as e:
+        raise ServiceError(f"--http needs the `http` extra (pip install 'wren[http]'): {e}") from e
+    if (args.http_cert is None) != (args.http_key is None):
+        raise ServiceError("--http-cert and --http-key go together")
+    host, port = args.http
+    try:
+        server = http_server.HttpServer(bridge, host, port, args.http_cert, args.http_key)
+        server.start()
+    except (OSError, ImportError) as e:
+        raise ServiceError(f"could not serve HTTP at {host}:{port}: {e}") from e
     return server
 
 

@@ -45,6 +45,11 @@ def check_id(value: str, what: str = "id") -> str:
     return value
 
 
+def is_id(value: object) -> bool:
+    """Whether `value` may be a device or tenant id (a topic level)."""
+    return isinstance(value, str) and _ID.match(value) is not None
+
+
 def is_user_id(value: object) -> bool:
     """Whether `value` may be an end user's id, so a level of a host topic."""
     return isinstance(value, str) and _USR.match(value) is not None

@@ -110,6 +110,9 @@ class _Tenant:
     convs: dict[str, dict[tuple[str, str], None]] = field(default_factory=dict)
     # (device, run) -> [usr, conv], the first each of its records named.
     named: dict[tuple[str, str], list[str | None]] = field(default_factory=dict)
+    # conv -> where its latest record is (segment n, offset): the most recently active
+    # conversations first (conversations()).
+    conv_last: dict[str, tuple[int, int]] = field(default_factory=dict)
     dirty: bool = False
 
 
@@ -138,6 +141,9 @@ class EventLog:
         self.syncs = 0  # fsync rounds that found something to sync (for tests, stats)
         self.truncated = 0  # bytes of torn records cut at open
         self._closed = False
+        # Descriptors of segments that were current until a new one started: the sync
+        # thread fsyncs and closes them.
+        self._retired: list[int] = []
         # A directory whose name no tenant can have ("_turns") is not the log's.
         for d in sorted(p for p in self.root.iterdir() if p.is_dir()):
             if not d.name.startswith("_"):
@@ -228,6 +234,27 @@ class EventLog:
             ids = [e[2] for e in entries]
             return LoggedRun(usr, conv, min(ids), max(ids), len(ids))
 
+    def conversations(
+        self, tenant: str, usr: str | None = None
+    ) -> list[tuple[str, list[tuple[str, str]]]]:
+        """The tenant's conversations, the most recently active first, each with its
+        (device, run) in the order they began; with `usr`, only that user's runs (and
+        conversations with any)."""
+        _check_tenant(tenant)
+        with self._lock:
+            ten = self._tenants.get(tenant)
+            if ten is None:
+                return []
+            order = sorted(ten.conv_last, key=lambda c: ten.conv_last[c], reverse=True)
+            out = []
+            for conv in order:
+                runs = [k for k in ten.convs.get(conv, ()) if k in ten.runs]
+                if usr is not None:
+                    runs = [k for k in runs if ten.named.get(k, [None])[0] == usr]
+                if runs:
+                    out.append((conv, runs))
+            return out
+
     def runs_of(self, tenant: str, conv: str) -> list[tuple[str, str]]:
         """The (device, run) of a conversation, in the order their first events came."""
         _check_tenant(tenant)
@@ -283,6 +310,7 @@ class EventLog:
                     ten.convs[conv] = left
                 else:
                     del ten.convs[conv]
+                    ten.conv_last.pop(conv, None)
             for seg in gone:
                 seg.path.unlink(missing_ok=True)
         log.info("event log of tenant %s: dropped %d segment(s)", tenant, len(gone))
@@ -292,16 +320,23 @@ class EventLog:
 
     def sync(self) -> None:
         """fsync every segment written to since the last sync."""
+        # Duplicates of the descriptors, taken under the lock and synced outside it: an
+        # fsync takes milliseconds (tens on a busy disk), and appends, which the bridge
+        # makes on its network thread, must not wait for it. A segment closed meanwhile
+        # (rotation: fsynced as it closes) keeps its duplicate valid until synced.
         with self._lock:
-            fds = []
+            fds, self._retired = self._retired, []
             for ten in self._tenants.values():
                 if ten.dirty and ten.fd is not None:
-                    fds.append(ten.fd)
+                    fds.append(os.dup(ten.fd))
                     ten.dirty = False
             if fds:
                 self.syncs += 1
-            for fd in fds:
+        for fd in fds:
+            try:
                 os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         self._stop.set()
@@ -351,8 +386,8 @@ class EventLog:
         n = ten.segments[-1].n + 1 if ten.segments else 1
         path = self.root / tenant / f"{n:010d}{_SUFFIX}"
         if ten.fd is not None:
-            os.fsync(ten.fd)
-            os.close(ten.fd)
+            # Synced and closed by the sync thread, not here: this runs in an append.
+            self._retired.append(ten.fd)
         ten.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         seg = _Segment(n, path)
         ten.segments.append(seg)
@@ -403,6 +438,8 @@ class EventLog:
             named[1] = conv
             ten.convs.setdefault(conv, {})[key] = None
         entries.append((n, offset, i))
+        if named[1] is not None:
+            ten.conv_last[named[1]] = (n, offset)
 
 
 def _check_tenant(tenant: str) -> None:

@@ -1,0 +1,374 @@
+"""The hosts' HTTP API as a Starlette app over a running Bridge (PROTOCOL.md "HTTP").
+
+Every call but /v1/health and /openapi.json carries the session token the MQTT path
+uses, as `Authorization: Bearer <token>` (or `?access_token=`, for a browser's
+EventSource, which cannot set headers): the tenant and the user are the verified
+token's, never a field of the call. A token that proves nothing is 401 with the same
+words whatever was wrong with it, and a device of another tenant is the same 404 as one
+that does not exist. What the bridge refuses over MQTT it refuses here, by the same
+checks (Bridge.http_request, http_control), with the refusal's kind in the body.
+
+A run's events stream as SSE (`text/event-stream`): one frame per event, `id:
+<run>:<event id>`, the envelope as JSON; `Last-Event-ID` (or `?after=`) resumes just
+after it, from the bridge's window and its event log, so a stream picks up after a
+bridge restart too; ids neither holds come as one `gap` frame where they are missing.
+A stream ends after its run's terminal event; an idle one gets a comment every
+`heartbeat_s`; one whose reader falls QUEUE_EVENTS behind is cut with an `error` frame
+(hub.py) and resumes with Last-Event-ID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edge_runtime.events import TERMINAL
+from server_bridge import access, tokens
+from server_bridge.host.reducer import Reducer
+from server_bridge.wire import REFUSALS, UnknownDevice
+
+from .openapi import document
+from .views import STATUS, event_json, snapshot_json, sse_comment, sse_frame
+
+if TYPE_CHECKING:
+    from server_bridge.bridge import Bridge
+
+__all__ = ["build_app"]
+
+log = logging.getLogger("wren.bridge.http")
+
+#: Seconds between heartbeats on an idle stream.
+HEARTBEAT_S = 15.0
+# The largest JSON body a call may send (a request's text is at most a board's payload).
+_MAX_BODY = 64 << 10
+_UNAUTHORIZED = "a valid session token is needed (Authorization: Bearer <token>)"
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, kind: str, msg: str) -> None:
+        super().__init__(msg)
+        self.status, self.kind, self.msg = status, kind, msg
+
+
+def _error(status: int, kind: str, msg: str) -> JSONResponse:
+    return JSONResponse({"error": kind, "message": msg}, status_code=status)
+
+
+def _refusal(e: Exception) -> _Refused:
+    kind = getattr(e, "kind", "bad_envelope")
+    if kind == "bad_token":
+        return _Refused(401, kind, _UNAUTHORIZED)
+    return _Refused(STATUS.get(kind, 400), kind, str(e)[:300])
+
+
+def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
+    def token_of(request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            return auth[7:].strip()
+        return request.query_params.get("access_token", "")
+
+    def session(request: Request) -> tuple[str, tokens.Session]:
+        tok = token_of(request)
+        try:
+            return tok, bridge.session_of(tok)
+        except tokens.TokenError:
+            raise _Refused(401, "bad_token", _UNAUTHORIZED) from None
+
+    def device(request: Request, sess: tokens.Session) -> str:
+        try:
+            return bridge.device_of(sess, request.path_params["device"]).device
+        except UnknownDevice as e:
+            raise _Refused(404, "unknown_device", str(e)) from None
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > _MAX_BODY:
+            raise _Refused(413, "too_large", f"a body over {_MAX_BODY} bytes")
+        if not raw:
+            return {}
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            raise _Refused(400, "bad_envelope", "the body is not JSON") from None
+        if not isinstance(obj, dict):
+            raise _Refused(400, "bad_envelope", "the body is a JSON object")
+        return obj
+
+    def owned(sess: tokens.Session, owner: str | None, what: str) -> None:
+        try:
+            access.check_run(sess, owner, what)
+        except access.Forbidden as e:
+            raise _Refused(403, "forbidden", str(e)) from None
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"bridge": "online" if bridge.connected else "connecting"})
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document())
+
+    async def devices(request: Request) -> Response:
+        _, sess = session(request)
+        out = []
+        for record, presence in bridge.devices_of(sess):
+            out.append({"device": record.device, "agent": record.agent,
+                        "presence": presence})  # fmt: skip
+        return JSONResponse({"devices": out})
+
+    async def start_request(request: Request) -> Response:
+        tok, sess = session(request)
+        dev = device(request, sess)
+        body = await body_of(request)
+        fields: dict[str, Any] = {k: body[k] for k in ("input", "conv", "req", "ttl") if k in body}
+        try:
+            req = await run_in_threadpool(bridge.http_request, tok, dev, fields)
+        except REFUSALS as e:
+            raise _refusal(e) from None
+        return JSONResponse({"req": req, "device": dev}, status_code=202)
+
+    async def request_status(request: Request) -> Response:
+        _, sess = session(request)
+        dev = device(request, sess)
+        req = request.path_params["req"]
+        owned(sess, bridge.request_owner(dev, req), f"request {req}")
+        return JSONResponse({"req": req, "run": bridge.intake.run_of_request(dev, req)})
+
+    def _control(op: str, keys: tuple[str, ...]) -> Any:
+        async def act(request: Request) -> Response:
+            tok, sess = session(request)
+            dev = device(request, sess)
+            body = await body_of(request)
+            fields = {k: body[k] for k in keys if k in body}
+            fields.update(op=op, r=request.path_params["run"])
+            try:
+                await run_in_threadpool(bridge.http_control, tok, dev, fields)
+            except REFUSALS as e:
+                raise _refusal(e) from None
+            return JSONResponse({"sent": op}, status_code=202)
+
+        return act
+
+    async def run_snapshot(request: Request) -> Response:
+        _, sess = session(request)
+        dev = device(request, sess)
+        run = request.path_params["run"]
+        events, usr = await run_in_threadpool(_all_events, bridge, sess.tenant, dev, run)
+        if events is None:
+            raise _Refused(404, "unknown_run", f"no run {run[:64]!r} is held")
+        owned(sess, usr, f"run {run}")
+        reducer = Reducer(dev)
+        snap = None
+        for env in events:
+            snap = reducer.apply(env)
+        if snap is None:
+            raise _Refused(404, "unknown_run", f"no run {run[:64]!r} is held")
+        return JSONResponse(snapshot_json(snap))
+
+    async def run_stream(request: Request) -> Response:
+        _, sess = session(request)
+        dev = device(request, sess)
+        run = request.path_params["run"]
+        after = _resume_point(request, run)
+        follower = bridge.hub.follow(sess.tenant, dev, run)
+        try:
+            held = await run_in_threadpool(bridge.run_events, sess.tenant, dev, run, after)
+            if held is None:
+                raise _Refused(404, "unknown_run", f"no run {run[:64]!r} is held")
+            owned(sess, held.usr, f"run {run}")
+        except BaseException:
+            bridge.hub.leave(follower)
+            raise
+        stream = _run_frames(bridge, sess.tenant, dev, run, after, held, follower, heartbeat_s)
+        return StreamingResponse(
+            stream,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    async def conversations(request: Request) -> Response:
+        _, sess = session(request)
+        q = request.query_params
+        limit = _int_param(q.get("limit"), 20, 1, 200)
+        offset = _int_param(q.get("offset"), 0, 0, 1 << 30)
+        only = q.get("device")
+        user = sess.user
+        if q.get("user") and q.get("user") != sess.user:
+            if not sess.watch:
+                raise _Refused(403, "forbidden", "only a watcher may list another user's")
+            user = q["user"]
+        items = await run_in_threadpool(bridge.conversations_of, sess.tenant, user, only)
+        page = items[offset : offset + limit]
+        return JSONResponse({"conversations": page, "total": len(items)})
+
+    async def conversation(request: Request) -> Response:
+        _, sess = session(request)
+        conv = request.path_params["conv"]
+        q = request.query_params
+        limit = _int_param(q.get("limit"), 50, 1, 500)
+        before = _int_param(q.get("before"), -1, -1, 1 << 30)
+        user = sess.user
+        if q.get("user") and q.get("user") != sess.user:
+            if not sess.watch:
+                raise _Refused(403, "forbidden", "only a watcher may read another user's")
+            user = q["user"]
+        view = await run_in_threadpool(bridge.conversation_rows, sess.tenant, user, conv)
+        if view is None:
+            raise _Refused(404, "unknown_conversation", f"no conversation {conv[:64]!r}")
+        rows, runs = view
+        end = len(rows) if before < 0 else min(before, len(rows))
+        start = max(0, end - limit)
+        return JSONResponse({
+            "conv": conv,
+            "runs": runs,
+            "rows": rows[start:end],
+            "from": start,
+            "hasEarlier": start > 0,
+        })  # fmt: skip
+
+    routes = [
+        Route("/v1/health", health),
+        Route("/openapi.json", openapi),
+        Route("/v1/devices", devices),
+        Route("/v1/devices/{device}/requests", start_request, methods=["POST"]),
+        Route("/v1/devices/{device}/requests/{req}", request_status),
+        Route("/v1/devices/{device}/runs/{run}", run_snapshot),
+        Route("/v1/devices/{device}/runs/{run}/events", run_stream),
+        Route("/v1/devices/{device}/runs/{run}/cancel", _control("cancel", ("reason",)),
+              methods=["POST"]),  # fmt: skip
+        Route("/v1/devices/{device}/runs/{run}/tool", _control("tool", ("call", "output",
+              "failed")), methods=["POST"]),  # fmt: skip
+        Route("/v1/devices/{device}/runs/{run}/approve", _control("approve", ("call", "ok")),
+              methods=["POST"]),  # fmt: skip
+        Route("/v1/conversations", conversations),
+        Route("/v1/conversations/{conv}", conversation),
+    ]
+
+    async def refused(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, _Refused)
+        return _error(exc.status, exc.kind, exc.msg)
+
+    async def failed(request: Request, exc: Exception) -> Response:
+        # A bug: logged with its traceback here, never sent (it may hold internals).
+        log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, "internal", "the bridge hit an internal error")
+
+    return Starlette(
+        routes=routes,
+        exception_handlers={_Refused: refused, Exception: failed},
+    )
+
+
+def _int_param(raw: str | None, default: int, lo: int, hi: int) -> int:
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _Refused(400, "bad_envelope", f"not an integer: {raw[:32]!r}") from None
+    if not lo <= value <= hi:
+        raise _Refused(400, "bad_envelope", f"{value} is outside {lo}..{hi}")
+    return value
+
+
+def _resume_point(request: Request, run: str) -> int:
+    """The id to resume after: Last-Event-ID `<run>:<id>` (an id of another run, or
+    none, is 0: from the start), else `?after=`."""
+    last = request.headers.get("last-event-id")
+    if last:
+        head, _, tail = last.rpartition(":")
+        if head == run and tail.isdigit() and len(tail) < 10:
+            return int(tail)
+        return 0
+    return _int_param(request.query_params.get("after"), 0, 0, (1 << 31) - 1)
+
+
+def _all_events(
+    bridge: Bridge, tenant: str, device: str, run: str
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Every event the bridge holds of a run, decoded, and its user; (None, None) for a
+    run it does not know. In steps of the replay cap."""
+    out: list[dict[str, Any]] = []
+    after, usr = 0, None
+    while True:
+        held = bridge.run_events(tenant, device, run, after)
+        if held is None:
+            return (None, None) if not out else (out, usr)
+        usr = usr or held.usr
+        out += [event_json(p) for _, p in held.found]
+        if not held.cut or not held.found:
+            return out, usr
+        after = held.found[-1][0]
+
+
+async def _run_frames(
+    bridge: Bridge,
+    tenant: str,
+    device: str,
+    run: str,
+    after: int,
+    held: Any,
+    follower: Any,
+    heartbeat_s: float,
+) -> AsyncIterator[bytes]:
+    last = after
+    try:
+        # What the bridge holds first (window and log), then what comes live: the
+        # follower was made before the read, so nothing falls between the two; ids
+        # already sent are skipped.
+        while True:
+            for i, payload in held.found:
+                if i <= last:
+                    continue
+                if i > last + 1:
+                    yield _gap(run, last + 1, i - 1)
+                env = event_json(payload)
+                yield sse_frame(run, env)
+                last = i
+                if env.get("t") in TERMINAL:
+                    return
+            if not held.cut:
+                break
+            held = await run_in_threadpool(bridge.run_events, tenant, device, run, last)
+            if held is None:
+                break
+        if held is not None and not held.cut and held.last > last:
+            # The run went on past what the bridge still holds of it.
+            yield _gap(run, last + 1, held.last)
+            last = held.last
+        while True:
+            if not await follower.wait(heartbeat_s):
+                yield sse_comment("heartbeat")
+                continue
+            for _, i, payload in follower.take():
+                if i <= last:
+                    continue
+                if i > last + 1:
+                    yield _gap(run, last + 1, i - 1)
+                env = event_json(payload)
+                yield sse_frame(run, env)
+                last = i
+                if env.get("t") in TERMINAL:
+                    return
+            if follower.cut:
+                yield sse_frame(run, {"kind": "too_slow", "r": run, "after": last,
+                                      "msg": follower.cut}, "error")  # fmt: skip
+                return
+    except asyncio.CancelledError:
+        raise
+    finally:
+        bridge.hub.leave(follower)
+
+
+def _gap(run: str, lo: int, hi: int) -> bytes:
+    return sse_frame(run, {"kind": "gap", "r": run, "from": lo, "to": hi,
+                           "msg": f"events {lo}..{hi} are no longer held by the bridge"},
+                     "gap")  # fmt: skip
