@@ -188,7 +188,7 @@ def document() -> dict[str, Any]:
                                   "properties": {"rows": {"type": "array"},
                                                  "hasEarlier": {"type": "boolean"}}},
                                  "rows, oldest first"),
-                    **_errors(400, 401, 404),
+                    **_errors(400, 401, 403, 404),
                 },
             }},
         },
