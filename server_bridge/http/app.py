@@ -19,7 +19,6 @@ A stream ends after its run's terminal event; an idle one gets a comment every
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -36,6 +35,7 @@ from server_bridge import access, tokens
 from server_bridge.host.reducer import Reducer
 from server_bridge.wire import REFUSALS, UnknownDevice
 
+from . import agui as agui_module
 from .openapi import document
 from .views import STATUS, event_json, snapshot_json, sse_comment, sse_frame
 
@@ -104,11 +104,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
             raise _Refused(400, "bad_envelope", "the body is a JSON object")
         return obj
 
-    def owned(sess: tokens.Session, owner: str | None, what: str) -> None:
-        try:
-            access.check_run(sess, owner, what)
-        except access.Forbidden as e:
-            raise _Refused(403, "forbidden", str(e)) from None
+    owned = _owned
 
     async def health(request: Request) -> Response:
         return JSONResponse({"bridge": "online" if bridge.connected else "connecting"})
@@ -187,9 +183,128 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         except BaseException:
             bridge.hub.leave(follower)
             raise
-        stream = _run_frames(bridge, sess.tenant, dev, run, after, held, follower, heartbeat_s)
+        items = _run_items(bridge, sess.tenant, dev, run, after, held, follower, heartbeat_s)
         return StreamingResponse(
-            stream,
+            _run_frames(items, run),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    async def request_stream(request: Request) -> Response:
+        # The events of the run a request started, as run_stream sends them, waiting
+        # for its run.started first (or the board's refusal of it): what a host that
+        # knows only its request id follows (curl, after its POST).
+        _, sess = session(request)
+        dev = device(request, sess)
+        req = request.path_params["req"]
+        owner = bridge.request_owner(dev, req)
+        if owner is None and bridge.intake.run_of_request(dev, req) is None:
+            # Not one the bridge sent (or remembers): nothing to wait for.
+            raise _Refused(404, "unknown_request", f"no request {req[:64]!r} is known")
+        owned(sess, owner, f"request {req}")
+        after = _int_param(request.query_params.get("after"), 0, 0, (1 << 31) - 1)
+        follower = bridge.hub.follow(sess.tenant, dev, "")
+
+        async def frames() -> AsyncIterator[bytes]:
+            run = None
+            while run is None:
+                found = await _agui_await_run(bridge, follower, dev, req, heartbeat_s)
+                if found is None:
+                    yield sse_comment("heartbeat")
+                elif isinstance(found, dict):
+                    bridge.hub.leave(follower)
+                    yield sse_frame("_", {**found, "req": req}, "error")
+                    return
+                else:
+                    run = found
+            last = request.headers.get("last-event-id")
+            start = after
+            if last:
+                head, _, tail = last.rpartition(":")
+                start = int(tail) if head == run and tail.isdigit() and len(tail) < 10 else 0
+            held = await run_in_threadpool(bridge.run_events, sess.tenant, dev, run, start)
+            if held is None:
+                bridge.hub.leave(follower)
+                return
+            items = _run_items(bridge, sess.tenant, dev, run, start, held, follower, heartbeat_s)
+            async for frame in _run_frames(items, run):
+                yield frame
+
+        return StreamingResponse(
+            frames(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    async def agui(request: Request) -> Response:
+        # AG-UI (agui.py): a RunAgentInput in, the run as AG-UI events out.
+        tok, sess = session(request)
+        dev = device(request, sess)
+        body = await body_of(request)
+        thread, client_run = body.get("threadId"), body.get("runId")
+        for name, value in (("threadId", thread), ("runId", client_run)):
+            if not isinstance(value, str) or not 0 < len(value) <= 64:
+                raise _Refused(400, "bad_envelope", f"{name} must be a str of 1..64 chars")
+        assert isinstance(thread, str) and isinstance(client_run, str)
+        mapper = agui_module.Mapper(thread, client_run,
+                                    announce=not request.headers.get("last-event-id"))
+        follower = bridge.hub.follow(sess.tenant, dev, "")
+        held: Any = None
+        try:
+            run, after = await _agui_start(bridge, request, tok, sess, dev, body, client_run)
+            if run is not None:
+                held = await run_in_threadpool(bridge.run_events, sess.tenant, dev, run, after)
+                if held is None:
+                    raise _Refused(404, "unknown_run", f"no run {run[:64]!r} is held")
+                owned(sess, held.usr, f"run {run}")
+        except BaseException:
+            bridge.hub.leave(follower)
+            raise
+
+        async def frames() -> AsyncIterator[bytes]:
+            nonlocal run, held
+            if run is None:
+                # Its run.started has not come yet: wait for it (or for the board's
+                # refusal of the request, on the device's stream), beating meanwhile.
+                while run is None:
+                    found = await _agui_await_run(bridge, follower, dev, client_run, heartbeat_s)
+                    if found is None:
+                        yield sse_comment("heartbeat")
+                    elif isinstance(found, dict):
+                        bridge.hub.leave(follower)
+                        for e in ({"type": "RUN_STARTED", "threadId": thread,
+                                   "runId": client_run},
+                                  {"type": "RUN_ERROR", "code": str(found.get("kind")),
+                                   "message": str(found.get("msg"))}):  # fmt: skip
+                            yield _agui_frame(e)
+                        return
+                    else:
+                        run = found
+                held = await run_in_threadpool(bridge.run_events, sess.tenant, dev, run, 0)
+                if held is None:  # cannot be: its run.started was just delivered
+                    bridge.hub.leave(follower)
+                    return
+            items = _run_items(bridge, sess.tenant, dev, run, after, held, follower, heartbeat_s)
+            async for item in items:
+                if item[0] == "event":
+                    events = mapper.map(item[2])
+                    for k, e in enumerate(events):
+                        last = k == len(events) - 1
+                        yield _agui_frame(e, f"{run}:{item[1]}" if last else None)
+                    if mapper.ended:
+                        return
+                elif item[0] == "gap":
+                    yield _agui_frame({"type": "CUSTOM", "name": "gap",
+                                       "value": {"from": item[1], "to": item[2]}})  # fmt: skip
+                elif item[0] == "beat":
+                    yield sse_comment("heartbeat")
+                else:
+                    yield _agui_frame({"type": "RUN_ERROR", "code": "too_slow",
+                                       "message": str(item[2])})  # fmt: skip
+                    return
+
+        return StreamingResponse(
+            frames(),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
@@ -240,6 +355,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         Route("/v1/devices", devices),
         Route("/v1/devices/{device}/requests", start_request, methods=["POST"]),
         Route("/v1/devices/{device}/requests/{req}", request_status),
+        Route("/v1/devices/{device}/requests/{req}/events", request_stream),
         Route("/v1/devices/{device}/runs/{run}", run_snapshot),
         Route("/v1/devices/{device}/runs/{run}/events", run_stream),
         Route("/v1/devices/{device}/runs/{run}/cancel", _control("cancel", ("reason",)),
@@ -248,6 +364,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
               "failed")), methods=["POST"]),  # fmt: skip
         Route("/v1/devices/{device}/runs/{run}/approve", _control("approve", ("call", "ok")),
               methods=["POST"]),  # fmt: skip
+        Route("/v1/devices/{device}/agui", agui, methods=["POST"]),
         Route("/v1/conversations", conversations),
         Route("/v1/conversations/{conv}", conversation),
     ]
@@ -265,6 +382,14 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         routes=routes,
         exception_handlers={_Refused: refused, Exception: failed},
     )
+
+
+def _owned(sess: tokens.Session, owner: str | None, what: str) -> None:
+    """Only the run's (or request's) user, or a watcher (access.py): else 403."""
+    try:
+        access.check_run(sess, owner, what)
+    except access.Forbidden as e:
+        raise _Refused(403, "forbidden", str(e)) from None
 
 
 def _int_param(raw: str | None, default: int, lo: int, hi: int) -> int:
@@ -309,7 +434,7 @@ def _all_events(
         after = held.found[-1][0]
 
 
-async def _run_frames(
+async def _run_items(
     bridge: Bridge,
     tenant: str,
     device: str,
@@ -318,20 +443,22 @@ async def _run_frames(
     held: Any,
     follower: Any,
     heartbeat_s: float,
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[tuple[Any, ...]]:
+    """A run's events after `after`, as ("event", id, envelope), ("gap", lo, hi),
+    ("beat",) on an idle stretch, and ("cut", last id, why) when the follower fell
+    behind; ends after the run's terminal event. What the bridge holds first (window
+    and log), then what comes live: the follower was made before `held` was read, so
+    nothing falls between the two; ids already given are skipped."""
     last = after
     try:
-        # What the bridge holds first (window and log), then what comes live: the
-        # follower was made before the read, so nothing falls between the two; ids
-        # already sent are skipped.
         while True:
             for i, payload in held.found:
                 if i <= last:
                     continue
                 if i > last + 1:
-                    yield _gap(run, last + 1, i - 1)
+                    yield ("gap", last + 1, i - 1)
                 env = event_json(payload)
-                yield sse_frame(run, env)
+                yield ("event", i, env)
                 last = i
                 if env.get("t") in TERMINAL:
                     return
@@ -342,30 +469,169 @@ async def _run_frames(
                 break
         if held is not None and not held.cut and held.last > last:
             # The run went on past what the bridge still holds of it.
-            yield _gap(run, last + 1, held.last)
+            yield ("gap", last + 1, held.last)
             last = held.last
         while True:
             if not await follower.wait(heartbeat_s):
-                yield sse_comment("heartbeat")
+                yield ("beat",)
                 continue
-            for _, i, payload in follower.take():
-                if i <= last:
+            for r, i, payload in follower.take():
+                if r != run or i <= last:
                     continue
                 if i > last + 1:
-                    yield _gap(run, last + 1, i - 1)
+                    yield ("gap", last + 1, i - 1)
                 env = event_json(payload)
-                yield sse_frame(run, env)
+                yield ("event", i, env)
                 last = i
                 if env.get("t") in TERMINAL:
                     return
             if follower.cut:
-                yield sse_frame(run, {"kind": "too_slow", "r": run, "after": last,
-                                      "msg": follower.cut}, "error")  # fmt: skip
+                yield ("cut", last, follower.cut)
                 return
-    except asyncio.CancelledError:
-        raise
     finally:
         bridge.hub.leave(follower)
+
+
+async def _run_frames(items: AsyncIterator[tuple[Any, ...]], run: str) -> AsyncIterator[bytes]:
+    """Native SSE: one frame per event (module docstring)."""
+    async for item in items:
+        if item[0] == "event":
+            yield sse_frame(run, item[2])
+        elif item[0] == "gap":
+            yield _gap(run, item[1], item[2])
+        elif item[0] == "beat":
+            yield sse_comment("heartbeat")
+        else:
+            yield sse_frame(run, {"kind": "too_slow", "r": run, "after": item[1],
+                                  "msg": item[2]}, "error")  # fmt: skip
+
+
+def _agui_frame(event: dict[str, Any], event_id: str | None = None) -> bytes:
+    # LF-only `data:` frames of camelCase JSON, as AG-UI's HttpAgent parses them.
+    head = f"id: {event_id}\n" if event_id else ""
+    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False, default=str)
+    return f"{head}data: {data}\n\n".encode()
+
+
+def _user_text(messages: Any) -> str | None:
+    """The text of the last user message of an AG-UI input (a str, or text parts)."""
+    if not isinstance(messages, list):
+        return None
+    for m in reversed(messages):
+        if isinstance(m, dict) and m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                parts = [str(p["text"]) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str)]  # fmt: skip
+                return "".join(parts) if parts else None
+    return None
+
+
+async def _agui_start(
+    bridge: Bridge,
+    request: Request,
+    tok: str,
+    sess: tokens.Session,
+    dev: str,
+    body: dict[str, Any],
+    client_run: str,
+) -> tuple[str | None, int]:
+    """Where an AG-UI POST's stream starts: (the Wren run, the id to go on after), or
+    (None, 0) for a request just sent whose run has not started. A `resume` answers
+    the interrupts it names (tool results, approvals) and goes on with their run after
+    what the client has; Last-Event-ID `<run>:<id>` goes on after that id; a runId the
+    bridge has seen start a run is that run (a repeat POST starts nothing new)."""
+    resume = body.get("resume")
+    if resume is not None:
+        if not isinstance(resume, list) or not resume:
+            raise _Refused(400, "bad_envelope", "resume must be a non-empty list")
+        targets = []
+        for entry in resume:
+            target = agui_module.parse_interrupt_id(
+                entry.get("interruptId", "") if isinstance(entry, dict) else "")
+            if target is None:
+                raise _Refused(400, "bad_envelope", "resume names an interrupt that is not ours")
+            targets.append((target, entry))
+        run = targets[0][0][0]
+        # Where the answered run goes on from: read before the answers go, so its
+        # run.resumed and what follows are all in this stream.
+        held = await run_in_threadpool(bridge.run_events, sess.tenant, dev, run, 0)
+        if held is None:
+            raise _Refused(404, "unknown_run", f"no run {run[:64]!r} is held")
+        _owned(sess, held.usr, f"run {run}")
+        for (target_run, call), entry in targets:
+            await run_in_threadpool(_answer_interrupt, bridge, tok, sess, dev, target_run,
+                                    call, entry)  # fmt: skip
+        return run, held.last
+    last = request.headers.get("last-event-id")
+    if last:
+        run, _, tail = last.rpartition(":")
+        if run and tail.isdigit() and len(tail) < 10:
+            return run, int(tail)
+        raise _Refused(400, "bad_envelope", "Last-Event-ID is <run>:<event id>")
+    known = bridge.intake.run_of_request(dev, client_run)
+    if known is not None:
+        return known, 0
+    text = _user_text(body.get("messages"))
+    if text is None:
+        raise _Refused(400, "bad_envelope", "messages hold no user message with text")
+    fields = {"input": text, "conv": body["threadId"], "req": client_run}
+    try:
+        await run_in_threadpool(bridge.http_request, tok, dev, fields)
+    except REFUSALS as e:
+        raise _refusal(e) from None
+    return None, 0
+
+
+def _answer_interrupt(
+    bridge: Bridge, tok: str, sess: tokens.Session, dev: str, run: str, call: str,
+    entry: dict[str, Any],
+) -> None:  # fmt: skip
+    """Answer what the run waits on: a client tool's result (payload; `cancelled`: a
+    failed call) or an approval (resolved with a payload that is not false: granted)."""
+    held = bridge.run_events(sess.tenant, dev, run, 0)
+    approval = False
+    for _, event in held.found if held is not None else ():
+        env = event_json(event)
+        if env.get("t") == "approval.request" and (env.get("d") or {}).get("call") == call:
+            approval = True
+    resolved = entry.get("status") == "resolved"
+    payload = entry.get("payload")
+    try:
+        if approval:
+            ok = resolved and payload is not False and payload != {"approved": False}
+            bridge.http_control(tok, dev, {"op": "approve", "r": run, "call": call, "ok": ok})
+        else:
+            output = payload if isinstance(payload, str) else json.dumps(payload)
+            bridge.http_control(tok, dev, {"op": "tool", "r": run, "call": call,
+                                           "output": output, "failed": not resolved})  # fmt: skip
+    except REFUSALS as e:
+        raise _refusal(e) from None
+
+
+async def _agui_await_run(
+    bridge: Bridge, follower: Any, dev: str, req: str, heartbeat_s: float
+) -> str | dict[str, Any] | None:
+    """The run request `req` started (a str), the board's refusal of it (its `error`
+    map), or None after `heartbeat_s` of neither. What the follower took here is let
+    go: the run's stream reads its events from the window from its first on."""
+    known = bridge.intake.run_of_request(dev, req)
+    if known is not None:
+        return known
+    if not await follower.wait(heartbeat_s):
+        return None
+    taken = follower.take()
+    found: str | dict[str, Any] | None = None
+    for run, _, payload in taken:
+        env = event_json(payload)
+        d = env.get("d") or {}
+        if env.get("t") == "run.started" and d.get("req") == req:
+            found = run
+        elif env.get("t") == "error" and d.get("req") == req and found is None:
+            found = d
+    return found
 
 
 def _gap(run: str, lo: int, hi: int) -> bytes:

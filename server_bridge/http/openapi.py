@@ -129,6 +129,18 @@ def document() -> dict[str, Any]:
                     **_errors(401, 403, 404),
                 },
             }},
+            "/v1/devices/{device}/requests/{req}/events": {"get": {
+                "summary": "The events of the run a request started, as SSE, once it starts",
+                "operationId": "requestEvents",
+                "parameters": [_device_param(), _path_param("req"),
+                               _query("after", {"type": "integer", "minimum": 0}),
+                               {"name": "Last-Event-ID", "in": "header", "required": False,
+                                "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the events, one SSE frame each",
+                                      "content": {"text/event-stream": {
+                                          "schema": {"type": "string"}}}},
+                              **_errors(400, 401, 403, 404)},
+            }},
             "/v1/devices/{device}/runs/{run}": {"get": {
                 "summary": "A run's snapshot, from the window and the event log",
                 "operationId": "runSnapshot",
@@ -160,6 +172,25 @@ def document() -> dict[str, Any]:
                 "approve", {"type": "object", "required": ["call", "ok"], "properties": {
                     "call": _HOST_ID, "ok": {"type": "boolean"}}},
                 "Approve or deny a tool call the run waits on"),
+            "/v1/devices/{device}/agui": {"post": {
+                "summary": "Run the device's agent as an AG-UI agent: a RunAgentInput in, "
+                "AG-UI events out as SSE (`resume` answers interrupts; Last-Event-ID resumes)",
+                "operationId": "agui",
+                "parameters": [_device_param(),
+                               {"name": "Last-Event-ID", "in": "header", "required": False,
+                                "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["threadId", "runId", "messages"],
+                    "properties": {"threadId": _HOST_ID, "runId": _HOST_ID,
+                                   "messages": {"type": "array", "items": {"type": "object"}},
+                                   "state": {}, "tools": {"type": "array"},
+                                   "context": {"type": "array"}, "forwardedProps": {},
+                                   "resume": {"type": "array", "items": {"type": "object"}}}}}}},
+                "responses": {"200": {"description": "AG-UI events, one `data:` frame each",
+                                      "content": {"text/event-stream": {
+                                          "schema": {"type": "string"}}}},
+                              **_errors(400, 401, 403, 404, 409, 413, 429, 503)},
+            }},
             "/v1/conversations": {"get": {
                 "summary": "The user's conversations, the most recently active first",
                 "operationId": "conversations",
