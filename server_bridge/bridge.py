@@ -182,14 +182,16 @@ class _PahoLog(logging.LoggerAdapter):
     the disconnect closed the socket and log "Client is not connected" or "failed to
     receive on socket" at ERROR, the expected state of an orderly stop. Before the stop
     a real error is still an ERROR. (Detaching paho's logger at the stop instead raced
-    paho's own check of it.)"""
+    paho's own check of it.) The same while a start that failed is undone (`undoing`:
+    another bridge serves the prefix, say), whose one line must stand alone."""
 
-    def __init__(self, stopping: threading.Event) -> None:
+    def __init__(self, stopping: threading.Event, undoing: threading.Event) -> None:
         super().__init__(logging.getLogger("wren.bridge.paho"), {})
         self._stopping = stopping
+        self._undoing = undoing
 
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
-        if level >= logging.WARNING and self._stopping.is_set():
+        if level >= logging.WARNING and (self._stopping.is_set() or self._undoing.is_set()):
             level = logging.DEBUG
         super().log(level, msg, *args, **kwargs)
 
@@ -294,6 +296,8 @@ class Bridge:
         # caller opened it and closes it, after stop().
         self.events = events
         self._retained_at = 0.0
+        # Set while a failed start is undone (_abort): paho's errors then are expected.
+        self._undoing = threading.Event()
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._refusals: deque[Refusal] = deque(maxlen=config.refusals_kept)
@@ -689,7 +693,7 @@ class Bridge:
             clean_session=False,
         )
         # paho only calls the logger's log(); an adapter that knows about the stop.
-        client.enable_logger(cast(logging.Logger, _PahoLog(self._stopping)))
+        client.enable_logger(cast(logging.Logger, _PahoLog(self._stopping, self._undoing)))
         # The outbox hands paho at most max_inflight_messages unacknowledged messages,
         # all of which paho may have on the wire at once; paho's own bound is the
         # safety net above that (and what the few direct publishes, the presence, use).
@@ -706,6 +710,7 @@ class Bridge:
     def _abort(self) -> None:
         """Undo a start that failed: a clean DISCONNECT of each connection (no will, so
         another bridge's presence stands) and no forwarders."""
+        self._undoing.set()
         self.outbox.stop(drain_s=0)
         for client in (*self._links, self._client):
             if client is not None:
@@ -713,6 +718,7 @@ class Bridge:
                 client.loop_stop()
         self._client = None
         self._links = [None] * len(self._links)
+        self._undoing.clear()
 
     def start(self) -> None:
         """Connect, subscribe and return once subscribed; raise BridgeError if not in time."""

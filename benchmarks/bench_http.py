@@ -1,0 +1,256 @@
+"""The hosts' HTTP side (server_bridge/http/), measured against baselines in the same run:
+
+1. Board event -> reader, one way, p50/p99: a board publishes `msg.delta` events (its
+   send time in the text) at a steady rate; an SSE client of the bridge's HTTP API reads
+   them, next to an MQTT host reading the same events through the bridge, and next to a
+   raw paho subscriber reading the board's topic straight from the broker (no bridge).
+2. Bytes per text delta: the same 8-character delta as the board's MQTT event, as a
+   native SSE frame, and as an AG-UI frame.
+3. Replay from the event log: a finished run of N events read back over HTTP (SSE, from
+   the log after a bridge restart) and by EventLog.events directly, events/s.
+
+The broker is a Mosquitto of its own; the bridge runs in this process with its HTTP
+server on a thread, as `wren bridge --http` runs it.
+
+    python benchmarks/bench_http.py [--events 2000] [--rate 500] [--replay 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import msgpack  # noqa: E402
+import paho.mqtt.client as paho  # noqa: E402
+
+from server_bridge.bridge import Bridge  # noqa: E402
+from server_bridge.config import BridgeConfig  # noqa: E402
+from server_bridge.eventlog import EventLog  # noqa: E402
+from server_bridge.http.agui import Mapper  # noqa: E402
+from server_bridge.http.server import HttpServer  # noqa: E402
+from server_bridge.http.views import sse_frame  # noqa: E402
+from server_bridge.models.scripted import ScriptedProvider  # noqa: E402
+from server_bridge.registry import Registry  # noqa: E402
+from server_bridge.tokens import sign  # noqa: E402
+from tools.broker import start_mosquitto  # noqa: E402
+
+COMMAND = "python benchmarks/bench_http.py"
+PREFIX = "benchhttp/v1"
+SECRET = b"s" * 32
+
+
+def env(run: str, i: int, t: str, d: dict[str, Any]) -> dict[str, Any]:
+    return {"r": run, "i": i, "t": t, "ts": int(time.time() * 1000), "d": d}
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+class Board:
+    """The device's MQTT client: publishes envelopes on P/d/D/evt at QoS 1."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="bench-board")
+        self.c.connect(host, port)
+        self.c.loop_start()
+
+    def send(self, envelopes: list[dict[str, Any]]) -> None:
+        self.c.publish(f"{PREFIX}/d/dev1/evt", msgpack.packb(envelopes), qos=1)
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+class Listener:
+    """A paho subscriber that notes, for each event's send stamp, when it arrived."""
+
+    def __init__(self, host: str, port: int, topic: str, name: str) -> None:
+        self.lat: list[float] = []
+        self.bytes: list[int] = []
+        self.done = threading.Event()
+        self.want = 0
+        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=name)
+        self.c.on_message = self._on
+        self.c.connect(host, port)
+        self.c.subscribe(topic, qos=1)
+        self.c.loop_start()
+
+    def _on(self, _c: Any, _u: Any, msg: paho.MQTTMessage) -> None:
+        now = time.perf_counter()
+        obj = msgpack.unpackb(msg.payload, raw=False)
+        for e in obj if isinstance(obj, list) else [obj]:
+            text = e.get("d", {}).get("text", "")
+            if text.startswith("@"):
+                self.lat.append(now - float(text[1:]))
+                self.bytes.append(len(msg.payload))
+        if len(self.lat) >= self.want:
+            self.done.set()
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+def sse_reader(url: str, tok: str, want: int, out: list[float], ready: threading.Event) -> None:
+    with httpx.stream("GET", url, headers={"Authorization": f"Bearer {tok}"}, timeout=120) as r:
+        ready.set()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                now = time.perf_counter()
+                e = json.loads(line[6:])
+                text = e.get("d", {}).get("text", "")
+                if text.startswith("@"):
+                    out.append(now - float(text[1:]))
+                if e.get("t") == "run.done" or len(out) >= want:
+                    return
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=2000, help="figure 1 events (default 2000)")
+    ap.add_argument("--rate", type=int, default=500, help="figure 1 events/s (default 500)")
+    ap.add_argument("--replay", type=int, default=20000, help="figure 3 run length")
+    args = ap.parse_args()
+    print(f"# {COMMAND} {' '.join(sys.argv[1:])}".rstrip())
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        broker = start_mosquitto(root / "broker")
+        registry = Registry(root / "registry.json")
+        registry.add_tenant("acme", SECRET)
+        registry.add_device("dev1", "acme", "thermostat")
+        config = BridgeConfig(host=broker.host, port=broker.port, username=None,
+                              password=None, prefix=PREFIX, client_id="bench-bridge",
+                              offline_grace_s=0)  # fmt: skip
+        log = EventLog(root / "events")
+        bridge = Bridge(config, registry, ScriptedProvider(), None, None, log)
+        bridge.start()
+        http = HttpServer(bridge, "127.0.0.1", 0)
+        http.start()
+        tok = sign(SECRET, "acme", "alice")
+        board = Board(broker.host, broker.port)
+        try:
+            figure1(args, broker, bridge, http, board, tok)
+            figure2()
+            figure3(args, broker, bridge, http, board, tok, config, registry, root)
+        finally:
+            board.close()
+            http.stop()
+            bridge.stop()
+            log.close()
+            registry.close()
+            broker.stop()
+
+
+def started(run: str) -> dict[str, Any]:
+    return env(run, 1, "run.started", {"agent": "thermostat", "ver": "1", "req": run,
+                                       "conv": None, "usr": "alice", "domain": "request",
+                                       "input": "hi"})  # fmt: skip
+
+
+def figure1(args: argparse.Namespace, broker: Any, bridge: Bridge, http: HttpServer,
+            board: Board, tok: str) -> None:  # fmt: skip
+    n, run = args.events, "b1.1"
+    raw = Listener(broker.host, broker.port, f"{PREFIX}/d/dev1/evt", "bench-raw")
+    host = Listener(broker.host, broker.port, f"{PREFIX}/h/acme/dev1/u/alice/evt", "bench-host")
+    raw.want = host.want = n
+    board.send([started(run)])
+    sse: list[float] = []
+    ready = threading.Event()
+    reader = threading.Thread(target=sse_reader, args=(
+        f"{http.url}/v1/devices/dev1/runs/{run}/events", tok, n, sse, ready), daemon=True)
+    deadline = time.monotonic() + 10
+    while bridge.intake.window("dev1", run) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reader.start()
+    ready.wait(10)
+    time.sleep(0.2)
+    gap = 1.0 / args.rate
+    t0 = time.perf_counter()
+    for k in range(n):
+        while time.perf_counter() < t0 + k * gap:
+            time.sleep(gap / 4)
+        board.send([env(run, k + 2, "msg.delta", {"m": 1, "text": f"@{time.perf_counter():.9f}"})])
+    board.send([env(run, n + 2, "run.done", {"usage": {}})])
+    reader.join(60)
+    raw.done.wait(30)
+    host.done.wait(30)
+    raw.close()
+    host.close()
+    print(f"\n## Figure 1: board event -> reader, one way ({n} events at {args.rate}/s)")
+    print("| reader | received | p50 ms | p99 ms | p50 / raw |")
+    print("|---|---|---|---|---|")
+    base = pct(raw.lat, 0.5)
+    for name, lat in (("raw paho, from the broker (no bridge)", raw.lat),
+                      ("MQTT host, through the bridge", host.lat),
+                      ("SSE client of the HTTP API", sse)):  # fmt: skip
+        if lat:
+            print(f"| {name} | {len(lat)} | {pct(lat, .5) * 1e3:.2f} | "
+                  f"{pct(lat, .99) * 1e3:.2f} | {pct(lat, .5) / base:.1f}x |")
+        else:
+            print(f"| {name} | 0 | - | - | - |")
+
+
+def figure2() -> None:
+    e = env("b1.1", 15, "msg.delta", {"m": 2, "text": "It is 21"})
+    mqtt = len(msgpack.packb(e))
+    native = len(sse_frame("b1.1", e))
+    mapper = Mapper("thread-1", "run-1", announce=False)
+    mapper.map(env("b1.1", 14, "msg.delta", {"m": 2, "text": "x"}))  # the message is open
+    agui = sum(len(("data: " + json.dumps(x, separators=(",", ":")) + "\n\n").encode())
+               for x in mapper.map(e)) + len("id: b1.1:15\n")  # fmt: skip
+    print("\n## Figure 2: bytes per text delta (`It is 21`, 8 characters)")
+    print("| form | bytes | / MQTT event |")
+    print("|---|---|---|")
+    for name, size in (("MQTT event (msgpack envelope)", mqtt), ("native SSE frame", native),
+                       ("AG-UI SSE frame", agui)):  # fmt: skip
+        print(f"| {name} | {size} | {size / mqtt:.1f}x |")
+
+
+def figure3(args: argparse.Namespace, broker: Any, bridge: Bridge, http: HttpServer,
+            board: Board, tok: str, config: BridgeConfig, registry: Registry,
+            root: Path) -> None:  # fmt: skip
+    n, run = args.replay, "b1.2"
+    board.send([started(run)])
+    batch = [env(run, k, "msg.delta", {"m": 1, "text": "x" * 32}) for k in range(2, n + 2)]
+    for k in range(0, len(batch), 50):
+        board.send(batch[k : k + 50])
+    board.send([env(run, n + 2, "run.done", {"usage": {}})])
+    deadline = time.monotonic() + 120
+    while bridge.intake.finished("dev1", run) is not True and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bridge.events is not None
+    bridge.events.sync()
+    t0 = time.perf_counter()
+    got = bridge.events.events("acme", "dev1", run)
+    direct = time.perf_counter() - t0
+    count = 0
+    t0 = time.perf_counter()
+    with httpx.stream("GET", f"{http.url}/v1/devices/dev1/runs/{run}/events",
+                      headers={"Authorization": f"Bearer {tok}"}, timeout=300) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                count += 1
+    over_http = time.perf_counter() - t0
+    print(f"\n## Figure 3: replaying a finished run of {n + 2} events from the event log")
+    print("| reader | events | events/s |")
+    print("|---|---|---|")
+    print(f"| EventLog.events (seeks, decode) | {len(got)} | {len(got) / direct:,.0f} |")
+    print(f"| SSE over HTTP (window + log, JSON frames) | {count} | {count / over_http:,.0f} |")
+    print(f"\nmedian event size in the log: {statistics.median(len(e.payload) for e in got)} B")
+
+
+if __name__ == "__main__":
+    main()
