@@ -142,15 +142,22 @@ def test_paho_errors_are_errors_until_the_stop_and_quiet_during_it(
     """What paho's network thread logs at ERROR as an orderly stop closes its socket
     ("Client is not connected", "failed to receive on socket") is DEBUG once the bridge
     is stopping; before, a real error is still an ERROR."""
-    stopping = threading.Event()
-    paho_log = _PahoLog(stopping)
+    stopping, undoing = threading.Event(), threading.Event()
+    paho_log = _PahoLog(stopping, undoing)
     caplog.set_level(logging.DEBUG, logger="wren.bridge.paho")
     paho_log.log(logging.ERROR, "failed to receive on socket: %s", "reset")
+    # While a failed start is undone (another bridge serves the prefix), as at a stop.
+    undoing.set()
+    paho_log.log(logging.ERROR, "Client is not connected. Socket: %r", None)
+    undoing.clear()
+    paho_log.log(logging.ERROR, "failed to receive on socket: %s", "again")
     stopping.set()
     paho_log.log(logging.ERROR, "Client is not connected. Socket: %r", None)
     paho_log.log(logging.DEBUG, "Sending DISCONNECT")
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ERROR", "failed to receive on socket: reset"),
+        ("DEBUG", "Client is not connected. Socket: None"),
+        ("ERROR", "failed to receive on socket: again"),
         ("DEBUG", "Client is not connected. Socket: None"),
         ("DEBUG", "Sending DISCONNECT"),
     ]
