@@ -225,12 +225,18 @@ def figure3(args: argparse.Namespace, broker: Any, bridge: Bridge, http: HttpSer
     n, run = args.replay, "b1.2"
     board.send([started(run)])
     batch = [env(run, k, "msg.delta", {"m": 1, "text": "x" * 32}) for k in range(2, n + 2)]
-    for k in range(0, len(batch), 50):
-        board.send(batch[k : k + 50])
+    # Paced (about 5,000 events/s) and waited for: this board does not answer the
+    # bridge's replay requests, so nothing may be deferred.
+    for k in range(0, len(batch), 25):
+        board.send(batch[k : k + 25])
+        time.sleep(0.005)
+        while (bridge.intake.expected("dev1", run) or 0) < k - 500:
+            time.sleep(0.005)
     board.send([env(run, n + 2, "run.done", {"usage": {}})])
     deadline = time.monotonic() + 120
     while bridge.intake.finished("dev1", run) is not True and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert bridge.intake.finished("dev1", run), "the run did not reach the bridge whole"
     assert bridge.events is not None
     bridge.events.sync()
     t0 = time.perf_counter()
