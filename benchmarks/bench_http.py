@@ -8,6 +8,10 @@
    native SSE frame, and as an AG-UI frame.
 3. Replay from the event log: a finished run of N events read back over HTTP (SSE, from
    the log after a bridge restart) and by EventLog.events directly, events/s.
+4. Request -> first text delta, p50/p99, with the real board (the demo thermostat on
+   the MicroPython unix port, tests/stack.py) and the scripted model: a request over
+   HTTP (POST, then the request's SSE stream) against the same request over MQTT (the
+   Python host client), alternating, in one run.
 
 The broker is a Mosquitto of its own; the bridge runs in this process with its HTTP
 server on a thread, as `wren bridge --http` runs it.
@@ -123,6 +127,7 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=2000, help="figure 1 events (default 2000)")
     ap.add_argument("--rate", type=int, default=500, help="figure 1 events/s (default 500)")
     ap.add_argument("--replay", type=int, default=20000, help="figure 3 run length")
+    ap.add_argument("--requests", type=int, default=30, help="figure 4 requests per path")
     args = ap.parse_args()
     print(f"# {COMMAND} {' '.join(sys.argv[1:])}".rstrip())
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,6 +157,7 @@ def main() -> None:
             log.close()
             registry.close()
             broker.stop()
+        figure4(args, root)
 
 
 def started(run: str) -> dict[str, Any]:
@@ -256,6 +262,50 @@ def figure3(args: argparse.Namespace, broker: Any, bridge: Bridge, http: HttpSer
     print(f"| EventLog.events (seeks, decode) | {len(got)} | {len(got) / direct:,.0f} |")
     print(f"| SSE over HTTP (window + log, JSON frames) | {count} | {count / over_http:,.0f} |")
     print(f"\nmedian event size in the log: {statistics.median(len(e.payload) for e in got)} B")
+
+
+def figure4(args: argparse.Namespace, root: Path) -> None:
+    from tests.stack import Stack
+
+    mqtt_ms: list[float] = []
+    http_ms: list[float] = []
+    with Stack(root / "stack", bridge_args=["--http", "127.0.0.1:0"]) as s:
+        import re
+
+        url = re.findall(r"^http at (\S+)$", s.bridge_log(), re.M)[-1]
+        assert s.client is not None
+        first: dict[str, float] = {}
+
+        def on_event(e: dict[str, Any], snap: Any) -> None:
+            if e.get("t") == "msg.delta" and snap.req not in first:
+                first[snap.req] = time.perf_counter()
+
+        s.client.on_event = on_event
+        auth = {"Authorization": f"Bearer {s.token}"}
+        with httpx.Client(timeout=60) as client:
+            for k in range(args.requests):
+                t0 = time.perf_counter()
+                req = s.request("How warm is it in here?")
+                s.wait_run(req)
+                mqtt_ms.append((first[req] - t0) * 1e3)
+                t0 = time.perf_counter()
+                r = client.post(f"{url}/v1/devices/{s.device}/requests", headers=auth,
+                                json={"input": "How warm is it in here?", "req": f"h{k}"})
+                assert r.status_code == 202, r.text
+                got = None
+                with client.stream("GET", f"{url}/v1/devices/{s.device}/requests/h{k}/events",
+                                   headers=auth) as sse:  # fmt: skip
+                    for line in sse.iter_lines():
+                        if got is None and line == "event: msg.delta":
+                            got = time.perf_counter()
+                assert got is not None
+                http_ms.append((got - t0) * 1e3)
+    print(f"\n## Figure 4: request -> first text delta, the real board ({args.requests} each)")
+    print("| path | p50 ms | p99 ms | p50 / MQTT |")
+    print("|---|---|---|---|")
+    for name, ms in (("MQTT (HostClient)", mqtt_ms), ("HTTP (POST, then SSE)", http_ms)):
+        print(f"| {name} | {statistics.median(ms):.1f} | {pct(ms, 0.99):.1f} | "
+              f"{statistics.median(ms) / statistics.median(mqtt_ms):.2f}x |")
 
 
 if __name__ == "__main__":
