@@ -43,17 +43,13 @@ DEFAULT_MAX_CHARS = 8000
 
 
 def turn_chars(messages: list[dict[str, Any]]) -> int:
-    """Characters of messages as knowledge/augment.py counts a call's context: text and
-    tool calls' names and inputs."""
-    n = 0
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, str):
-            n += len(content)
-        for call in m.get("tools") or ():
-            if isinstance(call, Mapping):
-                n += len(str(call.get("name") or "")) + len(str(call.get("input") or ""))
-    return n
+    """Characters of messages as a call's context counts them (knowledge/augment.py):
+    text and tool calls' names and inputs."""
+    # Here, not at the top: augment.py imports rpc.py, which this package must not
+    # need to import.
+    from server_bridge.knowledge.augment import context_chars
+
+    return context_chars(messages, [])
 
 
 class Turns:

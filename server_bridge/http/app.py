@@ -184,11 +184,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
             bridge.hub.leave(follower)
             raise
         items = _run_items(bridge, sess.tenant, dev, run, after, held, follower, heartbeat_s)
-        return StreamingResponse(
-            _run_frames(items, run),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-        )
+        return _sse(_run_frames(items, run))
 
     async def request_stream(request: Request) -> Response:
         # The events of the run a request started, as run_stream sends them, waiting
@@ -230,11 +226,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
             async for frame in _run_frames(items, run):
                 yield frame
 
-        return StreamingResponse(
-            frames(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-        )
+        return _sse(frames())
 
     async def agui(request: Request) -> Response:
         # AG-UI (agui.py): a RunAgentInput in, the run as AG-UI events out.
@@ -303,11 +295,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
                                        "message": str(item[2])})  # fmt: skip
                     return
 
-        return StreamingResponse(
-            frames(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-        )
+        return _sse(frames())
 
     async def conversations(request: Request) -> Response:
         _, sess = session(request)
@@ -381,6 +369,15 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
     return Starlette(
         routes=routes,
         exception_handlers={_Refused: refused, Exception: failed},
+    )
+
+
+def _sse(frames: AsyncIterator[bytes]) -> StreamingResponse:
+    # Not stored by a cache; not buffered by a proxy (nginx reads X-Accel-Buffering).
+    return StreamingResponse(
+        frames,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
     )
 
 

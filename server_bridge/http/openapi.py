@@ -42,6 +42,18 @@ def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": schema}
 
 
+def _sse(description: str) -> dict[str, Any]:
+    return {"description": description,
+            "content": {"text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
+
+
+def _resume_params() -> list[dict[str, Any]]:
+    # Where a stream goes on from: `?after=<id>`, or the header EventSource sends.
+    return [_query("after", {"type": "integer", "minimum": 0}),
+            {"name": "Last-Event-ID", "in": "header", "required": False,
+             "schema": {"type": "string"}}]  # fmt: skip
+
+
 def _control(op: str, body: dict[str, Any], summary: str) -> dict[str, Any]:
     return {
         "post": {
@@ -132,13 +144,8 @@ def document() -> dict[str, Any]:
             "/v1/devices/{device}/requests/{req}/events": {"get": {
                 "summary": "The events of the run a request started, as SSE, once it starts",
                 "operationId": "requestEvents",
-                "parameters": [_device_param(), _path_param("req"),
-                               _query("after", {"type": "integer", "minimum": 0}),
-                               {"name": "Last-Event-ID", "in": "header", "required": False,
-                                "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "the events, one SSE frame each",
-                                      "content": {"text/event-stream": {
-                                          "schema": {"type": "string"}}}},
+                "parameters": [_device_param(), _path_param("req"), *_resume_params()],
+                "responses": {"200": _sse("the events, one SSE frame each"),
                               **_errors(400, 401, 403, 404)},
             }},
             "/v1/devices/{device}/runs/{run}": {"get": {
@@ -152,13 +159,8 @@ def document() -> dict[str, Any]:
             "/v1/devices/{device}/runs/{run}/events": {"get": {
                 "summary": "A run's events as SSE; Last-Event-ID `<run>:<id>` resumes",
                 "operationId": "runEvents",
-                "parameters": [_device_param(), _path_param("run"),
-                               _query("after", {"type": "integer", "minimum": 0}),
-                               {"name": "Last-Event-ID", "in": "header", "required": False,
-                                "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "the events, one SSE frame each",
-                                      "content": {"text/event-stream": {
-                                          "schema": {"type": "string"}}}},
+                "parameters": [_device_param(), _path_param("run"), *_resume_params()],
+                "responses": {"200": _sse("the events, one SSE frame each"),
                               **_errors(400, 401, 403, 404)},
             }},
             "/v1/devices/{device}/runs/{run}/cancel": _control(
@@ -186,9 +188,7 @@ def document() -> dict[str, Any]:
                                    "state": {}, "tools": {"type": "array"},
                                    "context": {"type": "array"}, "forwardedProps": {},
                                    "resume": {"type": "array", "items": {"type": "object"}}}}}}},
-                "responses": {"200": {"description": "AG-UI events, one `data:` frame each",
-                                      "content": {"text/event-stream": {
-                                          "schema": {"type": "string"}}}},
+                "responses": {"200": _sse("AG-UI events, one `data:` frame each"),
                               **_errors(400, 401, 403, 404, 409, 413, 429, 503)},
             }},
             "/v1/conversations": {"get": {
