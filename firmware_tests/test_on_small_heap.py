@@ -45,7 +45,11 @@ from firmware_tests.memory_turn import turn_ok
 from tests.stack import i686_binary
 from tools.virtual_board import lay_out_flash, micropython_binary
 
-CEILING_KIB = {64: 129, 32: 92}
+# 32-bit 93: a run of a conversation now sends its scope ticket with each model call
+# (the bridge gives it the conversation's earlier turns, server_bridge/conversations/),
+# and the memory turn is one; at 92 it ran out in 1 of 4 tries here and once in CI's
+# rehearsal, at 93 it passed 8 of 8.
+CEILING_KIB = {64: 129, 32: 93}
 
 
 def test_a_memory_turn_runs_within_its_ceiling_from_mpy(broker, tmp_path: Path) -> None:
