@@ -691,17 +691,14 @@ class Runtime:
                 platform.log("run", run.id, "ran out of memory")
                 platform.print_exception(e)
                 e = None
+                # Its run.started, if it has not gone, goes without the echoed text (the
+                # large event, which found no heap: tried again as is, it left the run
+                # unended at the host); one that was not even made is made with the req
+                # and the user, so the host can match the run.failed to its request.
                 d = run.started_d
                 if d is None and not run.emitter.last_id:
-                    # It ran out before its run.started was made: one with the req and
-                    # the user all the same, or the host could not match the run.failed
-                    # to its request, nor would the bridge send it to that user.
-                    run.started_d = {"req": run.req, "conv": run.conv, "usr": run.user,
-                                     "input": "", "input_len": len(run.input)}
-                elif d is not None and d["input"]:
-                    # Its run.started has not gone yet, and it is the large event: the
-                    # echoed text found no heap (a request's first events) and, tried
-                    # again, left the run unended at the host. It goes without the echo.
+                    d = run.started_d = {"req": run.req, "conv": run.conv, "usr": run.user}
+                if d is not None:
                     d["input_len"] = len(run.input)
                     d["input"] = ""
                 d = None
