@@ -145,6 +145,8 @@ _TICK_S = 0.05
 REPLAY_MAX_EVENTS = 4096
 # How often the event log's retention runs (whole segments go; a segment is 4 MiB).
 _RETAIN_EVERY_S = 60.0
+# Ended runs' snapshots kept folded, for listing conversations (Bridge._fold_run).
+_FOLDED_RUNS = 1024
 # How long a clean stop waits for the broker to take its offline status.
 _STOP_STATUS_WAIT_S = 5.0
 # How long a stop waits, once it has answered the calls in flight `bridge_stopping`, for
@@ -296,6 +298,7 @@ class Bridge:
         # caller opened it and closes it, after stop().
         self.events = events
         self._retained_at = 0.0
+        self._folded: OrderedDict[tuple[str, str, str], tuple[int, RunSnapshot]] = OrderedDict()
         # Set while a failed start is undone (_abort): paho's errors then are expected.
         self._undoing = threading.Event()
         self._lock = threading.Lock()
@@ -1867,12 +1870,29 @@ class Bridge:
         """The user who sent a recent request (None: not known here)."""
         return self._req_owners.owner(device, req)
 
+    def conversation_runs(self, tenant: str, user: str, conv: str) -> list[tuple[str, str]]:
+        """The (device, run) of a user's conversation the log holds, in the order they
+        began; [] without a log or for a conversation it holds none of."""
+        if self.events is None:
+            return []
+        return [k for c, ks in self.events.conversations(tenant, user) if c == conv for k in ks]
+
     def conversations_of(
-        self, tenant: str, user: str, device: str | None = None
+        self,
+        tenant: str,
+        user: str,
+        device: str | None = None,
+        agent: str | None = None,
+        status: str | None = None,
+        since_ms: int | None = None,
+        until_ms: int | None = None,
     ) -> list[dict[str, Any]]:
         """A user's conversations from the event log, the most recently active first:
-        each with its device, runs (oldest first), and its last run's agent and status
-        (read from that run's events). [] without a log."""
+        each with its device, runs (oldest first), when it began and was last active
+        (Unix ms), and its last run's agent and status (read from that run's events).
+        Filters: its last run's device, agent and status; activity from `since_ms`
+        (last active at or after) to `until_ms` (began at or before). [] without a
+        log."""
         if self.events is None:
             return []
         out = []
@@ -1881,14 +1901,29 @@ class Bridge:
                 runs = [k for k in runs if k[0] == device]
             if not runs:
                 continue
+            spans = [self.events.run(tenant, d, r) for d, r in runs]
+            began = min((s.first_ms for s in spans if s is not None), default=0)
+            active = max((s.last_ms for s in spans if s is not None), default=0)
+            if since_ms is not None and active < since_ms:
+                continue
+            if until_ms is not None and began > until_ms:
+                continue
             last_device, last_run = runs[-1]
             snap = self._fold_run(tenant, last_device, last_run)
+            last_agent = snap.agent if snap is not None else None
+            last_status = snap.status if snap is not None else None
+            if agent is not None and last_agent != agent:
+                continue
+            if status is not None and last_status != status:
+                continue
             out.append({
                 "conv": conv,
                 "device": last_device,
                 "runs": [run for _, run in runs],
-                "agent": snap.agent if snap is not None else None,
-                "status": snap.status if snap is not None else None,
+                "agent": last_agent,
+                "status": last_status,
+                "started": began,
+                "updated": active,
             })  # fmt: skip
         return out
 
@@ -1898,9 +1933,7 @@ class Bridge:
         """A conversation as rows, every run's in order (each row with its `run`), and
         its runs (id, device, status, tables); None when the log holds none of the
         user's runs in it."""
-        if self.events is None:
-            return None
-        runs = [k for c, ks in self.events.conversations(tenant, user) if c == conv for k in ks]
+        runs = self.conversation_runs(tenant, user, conv)
         if not runs:
             return None
         rows: list[dict[str, Any]] = []
@@ -1916,7 +1949,25 @@ class Bridge:
         return rows, about
 
     def _fold_run(self, tenant: str, device: str, run: str) -> RunSnapshot | None:
-        """A run's snapshot, folded from every event the bridge holds of it."""
+        """A run's snapshot, folded from every event the bridge holds of it. A run that
+        has ended is folded once while the log holds the same events of it (listing a
+        user's conversations reads each one's last run; most have ended)."""
+        key = (tenant, device, run)
+        logged = self.events.run(tenant, device, run) if self.events is not None else None
+        with self._lock:
+            kept = self._folded.get(key)
+            if kept is not None and logged is not None and kept[0] == logged.count:
+                self._folded.move_to_end(key)
+                return kept[1]
+        snap = self._fold_events(tenant, device, run)
+        if snap is not None and snap.terminal and logged is not None:
+            with self._lock:
+                self._folded[key] = (logged.count, snap)
+                while len(self._folded) > _FOLDED_RUNS:
+                    self._folded.popitem(last=False)
+        return snap
+
+    def _fold_events(self, tenant: str, device: str, run: str) -> RunSnapshot | None:
         reducer = Reducer(device)
         snap = None
         after = 0

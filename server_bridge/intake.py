@@ -102,6 +102,8 @@ from edge_runtime.events import MAX_ID, TERMINAL
 from server_bridge.config import BridgeConfig
 from server_bridge.eventlog import EventLog, EventLogError
 from server_bridge.lanes import OVERHEAD, Budget
+from server_bridge.privacy import LOOKED_AT as REDACTED
+from server_bridge.privacy import Redactor
 from server_bridge.registry import DeviceRecord
 from server_bridge.topics import UNOWNED, device_topic, host_event_topic, is_user_id
 from server_bridge.wire import (
@@ -298,6 +300,9 @@ class EventIntake:
         self._event_log = event_log
         # Told of every event handed to hosts (device, run, id, payload), under the lock.
         self.on_delivered: Callable[[str, str, str, int, bytes], None] | None = None
+        # The bridge's own redaction of private fields, by each device's hello.
+        self._privacy = Redactor()
+        self._redacted_devices: set[str] = set()  # those logged once already
         # The run each recent request started, by (device, req), from run.started.
         self._req_runs: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._publish = publish
@@ -527,6 +532,17 @@ class EventIntake:
         it: then the run does not advance, and is blocked until they have room.
 
         `force` is for the events the bridge makes itself, which must go out."""
+        if clean["t"] in REDACTED:
+            shown = self._privacy.redact(st.device, clean)
+            if shown is not None:
+                # Blanked here (privacy.py): the board showed what its hello keeps private.
+                self._count(f"redacted.{clean['t']}", 1)
+                if st.device not in self._redacted_devices and len(self._redacted_devices) < 10_000:
+                    self._redacted_devices.add(st.device)
+                    log.warning("device %s showed private field data in a %s event "
+                                "(redacted; its firmware or app is at fault)", st.device,
+                                clean["t"])  # fmt: skip
+                clean, payload = shown, None
         if payload is None:
             payload = encode(clean)
         if clean["t"] in _NAMES_USER and st.usr is None:
@@ -1055,6 +1071,7 @@ class EventIntake:
             )
         with self._lock:
             self._keep_hello(device.device, bytes(payload))
+            self._privacy.declare(device.device, obj.get("fields"))
             self._device_limits[device.device] = limits
             if obj.get("fields"):
                 self._with_fields.add(device.device)

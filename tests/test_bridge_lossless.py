@@ -454,6 +454,10 @@ def test_rows_left_building_by_a_board_that_went_offline_are_shown_failed(
     w = World(broker, tmp_path, ScriptedProvider())
     try:
         row = "row"
+        # The table is declared (public, streamed), or the bridge would show none of it.
+        shop = {"name": "shop", "vis": "public", "kind": "collection", "stream": True}
+        w.board.send(w.d("hello"), {"agent": "thermostat", "boot": OLD_BOOT, "fields": [shop]})
+        wait_for(lambda: w.bridge.hello("dev1"), "the hello")
         w.board.send(w.d("status"), {"st": "online", "boot": OLD_BOOT})
         w.board.send(
             w.d("evt"),

@@ -234,6 +234,86 @@ def test_conversations_list_and_read_as_a_window_from_the_tail(stack: Stack) -> 
     assert earlier["rows"] == whole["rows"][tail["from"] - 2 : tail["from"]]
     assert [r["run"] for r in whole["runs"]] == conv["runs"]
 
+    # Filters: the last run's device, agent and status; activity in a time range.
+    def listed_with(query: str) -> int:
+        got = httpx.get(f"{base}/v1/conversations?{query}", headers=bearer(alice))
+        assert got.status_code == 200, got.text
+        return got.json()["total"]  # type: ignore[no-any-return]
+
+    assert conv["started"] <= conv["updated"] <= time.time() * 1000
+    assert listed_with("device=thermo1&agent=thermostat&status=done") == 1
+    assert listed_with("agent=greeter") == 0 and listed_with("status=running") == 0
+    assert listed_with(f"since={conv['updated']}&until={conv['started']}") == 1
+    assert listed_with(f"since={conv['updated'] + 1}") == 0
+    assert listed_with(f"until={conv['started'] - 1}") == 0
+    bad = httpx.get(f"{base}/v1/conversations?status=asleep", headers=bearer(alice))
+    assert bad.status_code == 400 and bad.json()["error"] == "bad_envelope"
+
+
+def conversation_frames(
+    url: str, tok: str, until_done: int, last: str | None = None,
+    into: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """A conversation's SSE stream (it never ends by itself) until `until_done` runs
+    have ended in it; each frame is added to `into` as it comes."""
+    headers = bearer(tok) | ({"Last-Event-ID": last} if last else {})
+    got: list[dict[str, Any]] = [] if into is None else into
+    with httpx.stream("GET", url, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for f in frames(r.iter_lines()):
+            if "comment" in f:
+                continue
+            got.append(f)
+            if sum(g["event"] in ("run.done", "run.failed") for g in got) == until_done:
+                return got
+    raise AssertionError(f"the stream ended after {len(got)} frames")
+
+
+def test_a_conversation_streams_its_runs_in_order_then_new_ones_live_and_resumes(
+    stack: Stack,
+) -> None:
+    import threading
+
+    base, alice = http_url(stack), token(stack, "alice")
+    runs = []
+    for text in ("How warm is it in here?", "And now?"):
+        _, run = start(base, alice, text, conv="kitchen")
+        stream(f"{base}/v1/devices/thermo1/runs/{run}/events", alice)
+        runs.append(run)
+    _, other = start(base, alice, "What about the hall?", conv="hall")
+    stream(f"{base}/v1/devices/thermo1/runs/{other}/events", alice)
+    url = f"{base}/v1/conversations/kitchen/events"
+
+    # Opened now, it gives both runs from the log, then a third as it happens.
+    live: list[dict[str, Any]] = []
+    reader = threading.Thread(target=conversation_frames, args=(url, alice, 3, None, live))
+    reader.start()
+    wait_for(lambda: sum(f["event"] == "run.done" for f in live) == 2, "the logged runs", 30)
+    _, third = start(base, alice, "And in an hour?", conv="kitchen")
+    runs.append(third)
+    reader.join(90)
+    assert not reader.is_alive()
+    by_run = [f["id"].rsplit(":", 1)[0] for f in live]
+    assert list(dict.fromkeys(by_run)) == runs  # in the order they began; not "hall"
+    for run in runs:
+        ids = [int(f["id"].rsplit(":", 1)[1]) for f in live if f["id"].startswith(run + ":")]
+        assert ids == list(range(1, len(ids) + 1)), (run, ids)
+    assert live[-1]["event"] == "run.done" and live[-1]["data"]["r"] == third
+
+    # Resumed from the middle of the first run: the rest, exactly, and nothing else.
+    k = by_run.index(runs[1]) // 2
+    rest = conversation_frames(url, alice, 3, live[k]["id"])
+    assert [f["id"] for f in rest] == [f["id"] for f in live[k + 1 :]]
+    assert [f["data"] for f in rest] == [f["data"] for f in live[k + 1 :]]
+
+    # Bob has no such conversation; a watcher may follow alice's by name.
+    bob = token(stack, "bob")
+    assert httpx.get(url, headers=bearer(bob)).status_code == 404
+    assert httpx.get(url + "?user=alice", headers=bearer(bob)).status_code == 403
+    watcher = token(stack, "ops", watch=True)
+    seen = conversation_frames(url + "?user=alice", watcher, 3)
+    assert [f["id"] for f in seen] == [f["id"] for f in live]
+
 
 def test_the_openapi_document_names_exactly_the_apps_routes() -> None:
     app = build_app(object())  # type: ignore[arg-type]

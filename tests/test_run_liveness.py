@@ -80,6 +80,9 @@ def test_a_run_its_board_no_longer_holds_ends_failed_with_its_rows() -> None:
     sink = Sink()
     it = intake(sink, run_probe_s=PROBE_S)
     it.handle_status(DEV, status("online"))
+    # A streamed public table: the rows hosts may see (server_bridge/privacy.py).
+    notes = {"name": "notes", "vis": "public", "kind": "collection", "stream": True}
+    it.handle_hello(DEV, msgpack.packb({"agent": "thermostat", "fields": [notes]}))
     row = {"field": "notes", "row": "k1", "status": "building"}
     it.accept(DEV, [ev(1, "run.started", req="q1"), ev(2, "row", **row)])
     sink.now = PROBE_S

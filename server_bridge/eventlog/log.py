@@ -90,6 +90,9 @@ class LoggedRun:
     first: int
     last: int
     count: int
+    # When its first and latest records the log holds were appended (Unix ms).
+    first_ms: int = 0
+    last_ms: int = 0
 
 
 @dataclass
@@ -110,6 +113,8 @@ class _Tenant:
     convs: dict[str, dict[tuple[str, str], None]] = field(default_factory=dict)
     # (device, run) -> [usr, conv], the first each of its records named.
     named: dict[tuple[str, str], list[str | None]] = field(default_factory=dict)
+    # (device, run) -> [first, latest] append time of its records (Unix ms).
+    times: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     # conv -> where its latest record is (segment n, offset): the most recently active
     # conversations first (conversations()).
     conv_last: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -195,7 +200,7 @@ class EventLog:
             seg.size += len(frame)
             seg.last_ts_ms = max(seg.last_ts_ms, ts)
             ten.dirty = True
-            self._index(ten, seg.n, offset, device, run, i, usr, conv)
+            self._index(ten, seg.n, offset, device, run, i, usr, conv, ts)
 
     # ------------------------------------------------------------------ reading
 
@@ -231,8 +236,9 @@ class EventLog:
             if not entries or ten is None:
                 return None
             usr, conv = ten.named.get((device, run), (None, None))
+            first_ms, last_ms = ten.times.get((device, run), (0, 0))
             ids = [e[2] for e in entries]
-            return LoggedRun(usr, conv, min(ids), max(ids), len(ids))
+            return LoggedRun(usr, conv, min(ids), max(ids), len(ids), first_ms, last_ms)
 
     def conversations(
         self, tenant: str, usr: str | None = None
@@ -304,6 +310,7 @@ class EventLog:
                 else:
                     del ten.runs[key]
                     ten.named.pop(key, None)
+                    ten.times.pop(key, None)
             for conv in list(ten.convs):
                 left = {k: None for k in ten.convs[conv] if k in ten.runs}
                 if left:
@@ -407,7 +414,7 @@ class EventLog:
             except (ValueError, TypeError, msgpack.ExtraData):
                 break
             seg.last_ts_ms = max(seg.last_ts_ms, ts)
-            self._index(ten, seg.n, at, device, run, i, usr, conv)
+            self._index(ten, seg.n, at, device, run, i, usr, conv, ts)
             at = end
         if at < len(data):
             # A torn or damaged tail: cut back to the last whole record.
@@ -421,9 +428,14 @@ class EventLog:
     @staticmethod
     def _index(
         ten: _Tenant, n: int, offset: int, device: str, run: str, i: int,
-        usr: str | None, conv: str | None,
+        usr: str | None, conv: str | None, ts_ms: int,
     ) -> None:  # fmt: skip
         key = (device, run)
+        span = ten.times.get(key)
+        if span is None:
+            ten.times[key] = [ts_ms, ts_ms]
+        else:
+            span[0], span[1] = min(span[0], ts_ms), max(span[1], ts_ms)
         entries = ten.runs.get(key)
         if entries is None:
             entries = ten.runs[key] = []

@@ -48,8 +48,11 @@ log = logging.getLogger("wren.bridge.http")
 
 #: Seconds between heartbeats on an idle stream.
 HEARTBEAT_S = 15.0
+# Held events (window and log) sent in one write.
+_BATCH = 256
 # The largest JSON body a call may send (a request's text is at most a board's payload).
 _MAX_BODY = 64 << 10
+_RUN_STATUSES = ("running", "paused", "done", "failed", "cancelled")
 _UNAUTHORIZED = "a valid session token is needed (Authorization: Bearer <token>)"
 
 
@@ -277,7 +280,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
                     bridge.hub.leave(follower)
                     return
             items = _run_items(bridge, sess.tenant, dev, run, after, held, follower, heartbeat_s)
-            async for item in items:
+            async for item in _single(items):
                 if item[0] == "event":
                     events = mapper.map(item[2])
                     for k, e in enumerate(events):
@@ -297,18 +300,30 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
 
         return _sse(frames())
 
+    def subject(request: Request, sess: tokens.Session, what: str) -> str:
+        # Whose conversations: the token's user, or (a watcher only) the one named.
+        named = request.query_params.get("user")
+        if named and named != sess.user:
+            if not sess.watch:
+                raise _Refused(403, "forbidden", f"only a watcher may {what} another user's")
+            return named
+        return sess.user
+
     async def conversations(request: Request) -> Response:
         _, sess = session(request)
         q = request.query_params
         limit = _int_param(q.get("limit"), 20, 1, 200)
         offset = _int_param(q.get("offset"), 0, 0, 1 << 30)
-        only = q.get("device")
-        user = sess.user
-        if q.get("user") and q.get("user") != sess.user:
-            if not sess.watch:
-                raise _Refused(403, "forbidden", "only a watcher may list another user's")
-            user = q["user"]
-        items = await run_in_threadpool(bridge.conversations_of, sess.tenant, user, only)
+        status = q.get("status")
+        if status is not None and status not in _RUN_STATUSES:
+            raise _Refused(400, "bad_envelope", f"status is one of {', '.join(_RUN_STATUSES)}")
+        since = _int_param(q.get("since"), -1, 0, 1 << 62) if "since" in q else None
+        until = _int_param(q.get("until"), -1, 0, 1 << 62) if "until" in q else None
+        user = subject(request, sess, "list")
+        items = await run_in_threadpool(
+            bridge.conversations_of, sess.tenant, user, q.get("device"), q.get("agent"),
+            status, since, until,
+        )  # fmt: skip
         page = items[offset : offset + limit]
         return JSONResponse({"conversations": page, "total": len(items)})
 
@@ -318,11 +333,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         q = request.query_params
         limit = _int_param(q.get("limit"), 50, 1, 500)
         before = _int_param(q.get("before"), -1, -1, 1 << 30)
-        user = sess.user
-        if q.get("user") and q.get("user") != sess.user:
-            if not sess.watch:
-                raise _Refused(403, "forbidden", "only a watcher may read another user's")
-            user = q["user"]
+        user = subject(request, sess, "read")
         view = await run_in_threadpool(bridge.conversation_rows, sess.tenant, user, conv)
         if view is None:
             raise _Refused(404, "unknown_conversation", f"no conversation {conv[:64]!r}")
@@ -336,6 +347,28 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
             "from": start,
             "hasEarlier": start > 0,
         })  # fmt: skip
+
+    async def conversation_stream(request: Request) -> Response:
+        # Every event of a conversation's runs, oldest run first, then its new runs
+        # live: one stream a chat view keeps open (_conversation_items).
+        _, sess = session(request)
+        conv = request.path_params["conv"]
+        user = subject(request, sess, "follow")
+        runs = await run_in_threadpool(bridge.conversation_runs, sess.tenant, user, conv)
+        if not runs:
+            raise _Refused(404, "unknown_conversation", f"no conversation {conv[:64]!r}")
+        # Followed before the runs are read again, so no run starts unseen between.
+        dev = runs[-1][0]
+        follower = bridge.hub.follow(sess.tenant, dev, "")
+        try:
+            runs = await run_in_threadpool(bridge.conversation_runs, sess.tenant, user, conv)
+        except BaseException:
+            bridge.hub.leave(follower)
+            raise
+        resume = _conversation_resume(request.headers.get("last-event-id"), runs)
+        items = _conversation_items(bridge, sess.tenant, user, conv, dev, runs, resume,
+                                    follower, heartbeat_s)  # fmt: skip
+        return _sse(_conversation_frames(items))
 
     routes = [
         Route("/v1/health", health),
@@ -355,6 +388,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         Route("/v1/devices/{device}/agui", agui, methods=["POST"]),
         Route("/v1/conversations", conversations),
         Route("/v1/conversations/{conv}", conversation),
+        Route("/v1/conversations/{conv}/events", conversation_stream),
     ]
 
     async def refused(request: Request, exc: Exception) -> Response:
@@ -445,20 +479,32 @@ async def _run_items(
     ("beat",) on an idle stretch, and ("cut", last id, why) when the follower fell
     behind; ends after the run's terminal event. What the bridge holds first (window
     and log), then what comes live: the follower was made before `held` was read, so
-    nothing falls between the two; ids already given are skipped."""
+    nothing falls between the two; ids already given are skipped. What is held comes
+    in ("many", [event and gap items]) of up to _BATCH: one write for many frames,
+    where a replay from the log is bound by the writes, not the reading."""
     last = after
     try:
         while True:
+            batch: list[tuple[Any, ...]] = []
+            ended = False
             for i, payload in held.found:
                 if i <= last:
                     continue
                 if i > last + 1:
-                    yield ("gap", last + 1, i - 1)
+                    batch.append(("gap", last + 1, i - 1))
                 env = event_json(payload)
-                yield ("event", i, env)
+                batch.append(("event", i, env))
                 last = i
                 if env.get("t") in TERMINAL:
-                    return
+                    ended = True
+                    break
+                if len(batch) >= _BATCH:
+                    yield ("many", batch)
+                    batch = []
+            if batch:
+                yield ("many", batch)
+            if ended:
+                return
             if not held.cut:
                 break
             held = await run_in_threadpool(bridge.run_events, tenant, device, run, last)
@@ -489,18 +535,34 @@ async def _run_items(
         bridge.hub.leave(follower)
 
 
-async def _run_frames(items: AsyncIterator[tuple[Any, ...]], run: str) -> AsyncIterator[bytes]:
-    """Native SSE: one frame per event (module docstring)."""
+async def _single(items: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
+    """`_run_items` with its batches taken apart, for readers that map event by event."""
     async for item in items:
-        if item[0] == "event":
-            yield sse_frame(run, item[2])
-        elif item[0] == "gap":
-            yield _gap(run, item[1], item[2])
-        elif item[0] == "beat":
-            yield sse_comment("heartbeat")
+        if item[0] == "many":
+            for one in item[1]:
+                yield one
         else:
-            yield sse_frame(run, {"kind": "too_slow", "r": run, "after": item[1],
-                                  "msg": item[2]}, "error")  # fmt: skip
+            yield item
+
+
+def _run_frame(item: tuple[Any, ...], run: str) -> bytes:
+    if item[0] == "event":
+        return sse_frame(run, item[2])
+    if item[0] == "gap":
+        return _gap(run, item[1], item[2])
+    if item[0] == "beat":
+        return sse_comment("heartbeat")
+    return sse_frame(run, {"kind": "too_slow", "r": run, "after": item[1], "msg": item[2]},
+                     "error")  # fmt: skip
+
+
+async def _run_frames(items: AsyncIterator[tuple[Any, ...]], run: str) -> AsyncIterator[bytes]:
+    """Native SSE: one frame per event (module docstring); a batch in one write."""
+    async for item in items:
+        if item[0] == "many":
+            yield b"".join(_run_frame(one, run) for one in item[1])
+        else:
+            yield _run_frame(item, run)
 
 
 def _agui_frame(event: dict[str, Any], event_id: str | None = None) -> bytes:
@@ -629,6 +691,98 @@ async def _agui_await_run(
         elif env.get("t") == "error" and d.get("req") == req and found is None:
             found = d
     return found
+
+
+def _conversation_resume(last: str | None, runs: list[tuple[str, str]]) -> tuple[int, int]:
+    """Where a conversation stream resumes: (index of the run in `runs`, id after
+    which); Last-Event-ID `<run>:<id>` of a run not in it, or none, is (0, 0)."""
+    if last:
+        head, _, tail = last.rpartition(":")
+        if tail.isdigit() and len(tail) < 10:
+            for k, (_, run) in enumerate(runs):
+                if run == head:
+                    return k, int(tail)
+    return 0, 0
+
+
+async def _conversation_items(
+    bridge: Bridge,
+    tenant: str,
+    user: str,
+    conv: str,
+    device: str,
+    runs: list[tuple[str, str]],
+    resume: tuple[int, int],
+    follower: Any,
+    heartbeat_s: float,
+) -> AsyncIterator[tuple[Any, ...]]:
+    """A conversation's events as ("event", run, id, envelope), ("gap", run, lo, hi),
+    ("beat",) and ("cut", run, id, why): what the bridge holds of each run from the
+    resume point on, in the order the runs began, then live events of those runs and
+    of runs of the conversation that start later on its device (a run joins when its
+    run.started names the conversation and the user). Never ends by itself: a
+    conversation can always have one more run."""
+    last: dict[str, int] = {}
+    try:
+        for k, (dev, run) in enumerate(runs):
+            if k < resume[0]:
+                continue
+            at = resume[1] if k == resume[0] else 0
+            while True:
+                held = await run_in_threadpool(bridge.run_events, tenant, dev, run, at)
+                if held is None:
+                    break
+                for i, payload in held.found:
+                    if i <= at:
+                        continue
+                    if i > at + 1:
+                        yield ("gap", run, at + 1, i - 1)
+                    yield ("event", run, i, event_json(payload))
+                    at = i
+                if not held.cut or not held.found:
+                    break
+            if dev == device:
+                last[run] = at
+        given = ("", 0)  # the last event sent live: where a cut stream resumes
+        while True:
+            if not await follower.wait(heartbeat_s):
+                yield ("beat",)
+                continue
+            for run, i, payload in follower.take():
+                seen = last.get(run)
+                env = None
+                if seen is None:
+                    env = event_json(payload)
+                    d = env.get("d") or {}
+                    joins = d.get("conv") == conv and d.get("usr") == user
+                    if env.get("t") != "run.started" or not joins:
+                        continue
+                    seen = 0
+                elif i <= seen:
+                    continue
+                if i > seen + 1:
+                    yield ("gap", run, seen + 1, i - 1)
+                yield ("event", run, i, env if env is not None else event_json(payload))
+                last[run] = i
+                given = (run, i)
+            if follower.cut:
+                yield ("cut", given[0], given[1], follower.cut)
+                return
+    finally:
+        bridge.hub.leave(follower)
+
+
+async def _conversation_frames(items: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator[bytes]:
+    async for item in items:
+        if item[0] == "event":
+            yield sse_frame(item[1], item[3])
+        elif item[0] == "gap":
+            yield _gap(item[1], item[2], item[3])
+        elif item[0] == "beat":
+            yield sse_comment("heartbeat")
+        else:
+            yield sse_frame(item[1], {"kind": "too_slow", "r": item[1], "after": item[2],
+                                      "msg": item[3]}, "error")  # fmt: skip
 
 
 def _gap(run: str, lo: int, hi: int) -> bytes:

@@ -195,6 +195,11 @@ def document() -> dict[str, Any]:
                 "summary": "The user's conversations, the most recently active first",
                 "operationId": "conversations",
                 "parameters": [_query("device", _ID),
+                               _query("agent", _HOST_ID),
+                               _query("status", {"enum": ["running", "paused", "done",
+                                                          "failed", "cancelled"]}),
+                               _query("since", {"type": "integer", "minimum": 0}),
+                               _query("until", {"type": "integer", "minimum": 0}),
                                _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
                                _query("offset", {"type": "integer", "minimum": 0}),
                                _query("user", _HOST_ID)],
@@ -221,6 +226,16 @@ def document() -> dict[str, Any]:
                                  "rows, oldest first"),
                     **_errors(400, 401, 403, 404),
                 },
+            }},
+            "/v1/conversations/{conv}/events": {"get": {
+                "summary": "A conversation's events as SSE, its runs in order, then new "
+                           "runs live; Last-Event-ID `<run>:<id>` resumes",
+                "operationId": "conversationEvents",
+                "parameters": [_path_param("conv"), _query("user", _HOST_ID),
+                               {"name": "Last-Event-ID", "in": "header", "required": False,
+                                "schema": {"type": "string"}}],
+                "responses": {"200": _sse("the events, one SSE frame each"),
+                              **_errors(400, 401, 403, 404)},
             }},
         },
     }
