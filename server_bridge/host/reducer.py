@@ -37,10 +37,55 @@ JavaScript folds by the same rules):
   `edges` how often each edge was taken, `budgets` the latest `budget` event per kind:
   what a dashboard draws as the run's graph and meters. A terminal event ends the
   nodes still open with the run (done: completed; failed; cancelled).
+* Where each row happened: events between a node's start and its end that carry no
+  `n` happen in it, so a row takes the innermost activation open when it is made
+  (`Row.node`, `Row.act`); a tool result takes its call's, because two waiting calls
+  may be open at once and are answered in any order. A hole ends that knowledge: a
+  node.end may be among the lost events, so the rows after a `missing` row, and the
+  activations started after it, belong to no node until one starts after the hole
+  (and its rows, and its children, are known again).
+* Nesting is by path: an activation is within the innermost open activation whose
+  path is an ancestor of its own (`/plan/search` within `/plan`), and at the top when
+  none is; two calls waiting for a person are open at once side by side, not one in
+  the other. An activation's rows are its own and those of the activations within it.
+* Composite rows (`composites`) are derived from that evidence, never stored; each has
+  a stable key, and lists its rows as indexes into `rows`:
+  - a fan-out: an activation with activations of at least two distinct direct child
+    paths within it (`/plan` -> `/plan/search`, `/plan/rank`); a track per branch path,
+    with the status of that branch's latest activation. Key `fanout:<path>#<a>`.
+  - a subagent: an activation whose node.start `kind` is `agent` or `subagent` (the
+    app's word for a step that runs an agent of its own: PROTOCOL.md "Nodes" leaves
+    kinds other than model and tool to the app); its rows, with how many are running,
+    done and failed (a tool call and its result count once, as the call; in a run that
+    has ended, a row left running counts as the run ended: done, or failed). Key
+    `subagent:<path>#<a>`.
+  - a repeat: activations that carry an iteration `k`, in one enclosing activation (or
+    at the top): an activation whose `k` differs from the iteration open at its level
+    opens a new one, headed by its path, and one with the same `k` joins it (so the
+    model loop's `/model` and `/tool/<name>` of one step make one track). The
+    iterations with the same head make a repeat, a track per iteration, from its
+    first. Key `repeat:<head path>`, or `repeat:<enclosing path>#<a>><head path>`.
+  Nothing is grouped by guess: with no node events, in an activation without `a`, or
+  after a hole outside any activation started after it, the rows stay flat, and an
+  activation whose parent is not known is in no fan-out and no repeat.
+* Tool delivery (`Row.delivery`): a call a host answers (a client tool, a call waiting
+  for approval) shows how its answer is getting to the board. It starts `pending`; the
+  host client says `submitting`, `submitted` or `failed` (`Reducer.set_delivery`); the
+  board's answer (its tool.result, approval.granted or denied) makes it `submitted`,
+  but the result the board gives each waiting call when its run is cancelled (failed,
+  output `cancelled`) makes a `pending` or `submitting` one `cancelled`, as the run's
+  end does. Once the board has
+  answered, or the run has ended, it no longer changes: the board's word outranks the
+  host's.
+* Windows: `window_rows` reads a snapshot's rows (its JSON) from the tail, `{rows,
+  from, hasEarlier}`, as the HTTP API reads a conversation.
+* The dashboard's twin: server_bridge/host/reducer.mjs folds by the same rules in plain
+  JavaScript, and tests/test_reducer_fixtures.py holds both to the recorded streams in
+  tests/fixtures/streams/ (the same snapshot JSON, byte for byte once canonical).
 * Bounded: a Reducer keeps at most `max_runs` snapshots (finished runs are forgotten
   first), a snapshot at most the last MAX_ERRORS errors, MAX_HELD held events and
   MAX_HELD lost ranges ahead of what it applied, MAX_NODES node paths and MAX_NODES
-  edges.
+  edges, MAX_ACTS activations with what opened them (past it, rows stay flat).
 """
 
 from __future__ import annotations
@@ -64,6 +109,9 @@ __all__ = [
     "MAX_HELD",
     "MAX_NODES",
     "STREAMS",
+    "DELIVERY_STATES",
+    "MAX_ACTS",
+    "SUBAGENT_KINDS",
     "BadEnvelope",
     "Budget",
     "NodeState",
@@ -73,7 +121,9 @@ __all__ = [
     "RunSnapshot",
     "Usage",
     "apply_event",
+    "composites",
     "safe_error",
+    "window_rows",
 ]
 
 Status = Literal["running", "paused", "done", "failed", "cancelled"]
@@ -158,6 +208,35 @@ _NODE_STATUSES = frozenset({"completed", "failed", "cancelled"})
 _BUDGET_LEVELS = frozenset({"warn", "exceeded"})
 # What the open nodes of a run become when the run ends.
 _END_OF_RUN = {"done": "completed", "failed": "failed", "cancelled": "cancelled"}
+# Activations kept per snapshot with what opened them (for composites and each row's
+# node): a model loop of 20 steps with tools starts a hundred; past it, rows stay flat.
+MAX_ACTS = 1024
+# What is open after a hole (a node.end may have been lost), or in an activation not
+# recorded (no `a`, or past MAX_ACTS): rows made there, and the activations started
+# there, belong to no known node. Not a key: a key begins with a path's "/".
+_UNKNOWN = "?"
+# Node kinds read as a subagent (see the module docstring).
+SUBAGENT_KINDS = frozenset({"agent", "subagent"})
+# How a host's answer to a waiting call is getting to the board (Row.delivery).
+DELIVERY_STATES = ("pending", "submitting", "submitted", "failed", "cancelled")
+# A delivery the run's end turns `cancelled`: nothing reached the board and now nothing will.
+_UNDELIVERED = frozenset({"pending", "submitting"})
+# The output the board gives each call still waiting when its run is cancelled.
+_CANCELLED = "cancelled"
+# A call row's statuses while it waits for a host: past them, the board has answered.
+_WAITING = frozenset({"pending", "approval"})
+# Row statuses as a subagent rolls them up.
+_ROLLUP = {
+    "streaming": "running",
+    "building": "running",
+    "pending": "running",
+    "running": "running",
+    "approval": "running",
+    "done": "done",
+    "final": "done",
+    "failed": "failed",
+    "denied": "failed",
+}
 
 
 @dataclass
@@ -193,6 +272,19 @@ class NodeState:
     open: set[int] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class _Act:
+    """One node activation as it started: its path, `a`, iteration `k`, `kind`, and
+    `parent`, the key of the activation it is within (None at the top, _UNKNOWN when
+    that is not known; see _parent). Never changed, so snapshot copies share it."""
+
+    path: str
+    a: int
+    k: int | None
+    kind: str | None
+    parent: str | None
+
+
 @dataclass
 class Budget:
     """The latest `budget` event of one kind (steps, tokens, wall_s, reads)."""
@@ -217,7 +309,8 @@ class Row:
     needs approval (`text` then says who decided). table_row (in `tables`, not `rows`):
     `name` the field, `key` the row, `output` its value, `links`, `ver`, `status`
     `building`/`final`/`failed` (`failed` with `error`), `stored` when it was shown as
-    stored before the run.
+    stored before the run. `delivery`: see the module docstring; `node`, `act`: the node
+    activation the row happened in, when known.
     """
 
     kind: RowKind
@@ -242,6 +335,11 @@ class Row:
     # A table's order: this run's writes (positive, latest highest) before the stored
     # rows shown at run start (negative, in the order shown: newest first).
     order: int = 0
+    # A call a host answers: how its answer is getting to the board (DELIVERY_STATES).
+    delivery: str | None = None
+    # The node activation the row happened in (path, a); None when not known.
+    node: str | None = None
+    act: int | None = None
 
 
 @dataclass
@@ -287,6 +385,12 @@ class RunSnapshot:
     _messages: dict[str, Row] = field(default_factory=dict, repr=False)
     _calls: dict[str, Row] = field(default_factory=dict, repr=False)
     _outputs: dict[str, Row] = field(default_factory=dict, repr=False)
+    # Activations by key `<path>#<a>`, in the order they started (what composites are
+    # derived from); each one's status (running, completed, failed, cancelled); the
+    # keys open now, innermost last (_UNKNOWN for what is not known).
+    _acts: dict[str, _Act] = field(default_factory=dict, repr=False)
+    _act_status: dict[str, str] = field(default_factory=dict, repr=False)
+    _open: list[str] = field(default_factory=list, repr=False)
     # Tables: field -> row key -> its table_row (read them with `table`).
     tables: dict[str, dict[str, Row]] = field(default_factory=dict)
     _table_events: int = field(default=0, repr=False)
@@ -362,6 +466,9 @@ class RunSnapshot:
         out.nodes = {k: _copy_node(n) for k, n in self.nodes.items()}
         out.edges = dict(self.edges)
         out.budgets = {k: _shallow(b) for k, b in self.budgets.items()}
+        out._acts = dict(self._acts)  # the _Act records are never changed: shared
+        out._act_status = dict(self._act_status)
+        out._open = list(self._open)
         return out
 
 
@@ -420,16 +527,31 @@ def _set_status(snap: RunSnapshot, status: Status) -> None:
 
 
 def _end_open_nodes(snap: RunSnapshot) -> None:
-    # The run ended: a node it left open ended with it.
+    # The run ended: a node it left open ended with it, and an answer that had not
+    # reached the board never will.
     end = _END_OF_RUN[snap.status]
     for node in snap.nodes.values():
         if node.open:
             node.open.clear()
             if node.status == "running":
                 node.status = end
+    for key, status in snap._act_status.items():
+        if status == "running":
+            snap._act_status[key] = end
+    snap._open.clear()
+    for row in snap._calls.values():
+        if row.delivery in _UNDELIVERED:
+            row.delivery = "cancelled"
 
 
-def _row(snap: RunSnapshot, row: Row) -> Row:
+def _row(snap: RunSnapshot, row: Row, at: Row | None = None) -> Row:
+    # A row happens in the innermost activation open (see the module docstring), or
+    # where `at` happened (a tool result: where its call did).
+    if at is not None:
+        row.node, row.act = at.node, at.act
+    elif row.kind != "missing" and snap._open and snap._open[-1] != _UNKNOWN:
+        act = snap._acts[snap._open[-1]]
+        row.node, row.act = act.path, act.a
     snap.rows.append(row)
     return row
 
@@ -541,6 +663,7 @@ def _tool_call(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
             input=_str(d.get("input")) or "{}",
             client=client,
             status="pending" if client else "running",
+            delivery="pending" if client else None,
         ),
     )
     if call is not None:
@@ -555,6 +678,12 @@ def _tool_result(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
     call_row = snap._calls.get(call) if call is not None else None
     if call_row is not None:
         call_row.status = "failed" if failed else "done"
+        if call_row.delivery in _UNDELIVERED and failed and d.get("output") == _CANCELLED:
+            # The board's own result for a call its run's cancel ended (edge_runtime/
+            # pause.py): no answer got there.
+            call_row.delivery = "cancelled"
+        elif call_row.delivery is not None:
+            call_row.delivery = "submitted"  # the board has the answer
     if call is not None:
         snap.pending.pop(call, None)
     _row(
@@ -567,6 +696,7 @@ def _tool_result(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
             failed=failed,
             status="failed" if failed else "done",
         ),
+        at=call_row,
     )
 
 
@@ -578,8 +708,12 @@ def _approval(snap: RunSnapshot, d: Mapping[str, Any], status: str) -> None:
     row.status = status
     if status == "approval":
         snap.pending[call] = row  # a host answers it (approve), like a client tool
+        if row.delivery is None:
+            row.delivery = "pending"
     else:
         snap.pending.pop(call, None)
+        if row.delivery is not None:
+            row.delivery = "submitted"  # the board has the decision
         by = _str(d.get("by"))
         if by is not None:
             row.text = f"{'approved' if status == 'running' else 'denied'} by {by}"
@@ -696,6 +830,10 @@ def _on_node(snap: RunSnapshot, env: Mapping[str, Any]) -> None:
     # The node an event names (its envelope's n, a, k): node.start opens an activation,
     # node.end closes it with its status and port, usage adds to its tokens.
     path, a = env["n"], env.get("a")
+    if env["t"] == "node.start":
+        _open_act(snap, path, a, env.get("k"), _str(env["d"].get("kind")))
+    elif env["t"] == "node.end" and a is not None:
+        _close_act(snap, f"{path}#{a}", _str(env["d"].get("status")))
     node = snap.nodes.get(path)
     if node is None:
         if len(snap.nodes) >= MAX_NODES:
@@ -719,6 +857,53 @@ def _on_node(snap: RunSnapshot, env: Mapping[str, Any]) -> None:
             node.port = _str(d.get("port"))
     elif t == "usage":
         node.usage.add(d)
+
+
+def _open_act(snap: RunSnapshot, path: str, a: int | None, k: int | None, kind: str | None) -> None:
+    # The activation's record, and it is now the innermost open. One without `a`, or
+    # past MAX_ACTS, is open all the same but unknown: what happens in it stays flat.
+    key = f"{path}#{a}"
+    if key in snap._acts:
+        return  # started twice: the first start stands
+    if a is None or len(snap._acts) >= MAX_ACTS:
+        if a is not None:
+            snap.nodes_dropped += 1
+        _push(snap, _UNKNOWN)
+        return
+    snap._acts[key] = _Act(path, a, k, kind, _parent(snap, path))
+    snap._act_status[key] = "running"
+    _push(snap, key)
+
+
+def _push(snap: RunSnapshot, key: str) -> None:
+    # At most MAX_ACTS open at once: past it (starts that never end), what is innermost
+    # is not known.
+    if len(snap._open) >= MAX_ACTS:
+        snap._open[-1] = _UNKNOWN
+    else:
+        snap._open.append(key)
+
+
+def _parent(snap: RunSnapshot, path: str) -> str | None:
+    # Within the innermost open activation whose path is an ancestor of `path`: two
+    # waiting calls are open at once side by side, not one in the other. Unknown when
+    # what is open past a hole comes first.
+    for key in reversed(snap._open):
+        if key == _UNKNOWN:
+            return _UNKNOWN
+        if path.startswith(snap._acts[key].path + "/"):
+            return key
+    return None
+
+
+def _close_act(snap: RunSnapshot, key: str, status: str | None) -> None:
+    if key in snap._act_status:
+        snap._act_status[key] = status if status in _NODE_STATUSES else "failed"
+    # Not always the innermost: two waiting calls are answered in any order.
+    for n in range(len(snap._open) - 1, -1, -1):
+        if snap._open[n] == key:
+            del snap._open[n]
+            break
 
 
 def _error(snap: RunSnapshot, d: Mapping[str, Any]) -> None:
@@ -958,11 +1143,148 @@ def _advance(snap: RunSnapshot, applied: list[dict[str, Any]], on_apply: OnApply
 def _step_over(snap: RunSnapshot, lo: int, hi: int) -> None:
     snap.last_id = hi
     snap.gaps.append((lo, hi))
+    # What is open past a hole is not known (a node.end may be among the lost ids).
+    snap._open[:] = [_UNKNOWN]
     _row(snap, Row("missing", text=f"[missing: events {lo}..{hi}]"))
     # Text of a message or an output that goes on past the hole starts a new row after
     # the marker, so the marker stands where the text is missing, not after all of it.
     snap._messages.clear()
     snap._outputs.clear()
+
+
+def composites(snap: RunSnapshot) -> list[dict[str, Any]]:
+    """The composite rows of a run, derived from its node activations (the rules are in
+    the module docstring), in the order their first activation started; a fan-out before
+    a subagent of the same activation. Each: `key` (stable while the run goes on),
+    `type` (fanout, subagent, repeat), `node` (its path, or a repeat's head), `status`
+    (running, completed, failed, cancelled), `rows` (indexes into `rows`, its own and
+    those of the activations within it); a fan-out and a subagent also `act`, a fan-out
+    `tracks` [{node, acts, status, rows}] (one per branch path), a subagent `counts`
+    {running, done, failed}, a repeat `tracks` [{k, status, nodes: [{node, act,
+    status}], rows}] (one per iteration). Recomputed from the snapshot on each call."""
+    acts, status = snap._acts, snap._act_status
+    if not acts:
+        return []
+    # Each activation's rows: those made in it and in the activations within it.
+    inner: dict[str, list[int]] = {}
+    for i, row in enumerate(snap.rows):
+        key: str | None = f"{row.node}#{row.act}" if row.node is not None else None
+        while key is not None and key in acts:
+            inner.setdefault(key, []).append(i)
+            key = acts[key].parent
+    order = {key: n for n, key in enumerate(acts)}
+    found: list[tuple[int, int, dict[str, Any]]] = []
+
+    # Fan-outs: the direct children of each activation, by path in the order first started.
+    branches: dict[str, dict[str, list[str]]] = {}
+    for key, act in acts.items():
+        parent = act.parent
+        if parent is not None and parent in acts and _child_path(acts[parent].path, act.path):
+            branches.setdefault(parent, {}).setdefault(act.path, []).append(key)
+    for key, paths in branches.items():
+        if len(paths) < 2:
+            continue
+        act = acts[key]
+        branch_tracks = [
+            {
+                "node": path,
+                "acts": [acts[k].a for k in keys],
+                "status": status[keys[-1]],
+                "rows": _union(inner, keys),
+            }
+            for path, keys in paths.items()
+        ]
+        found.append((order[key], 0, {
+            "key": f"fanout:{key}", "type": "fanout", "node": act.path, "act": act.a,
+            "status": status[key], "rows": inner.get(key, []), "tracks": branch_tracks,
+        }))  # fmt: skip
+
+    # Subagents: their rows, rolled up.
+    for key, act in acts.items():
+        if act.kind not in SUBAGENT_KINDS:
+            continue
+        counts = {"running": 0, "done": 0, "failed": 0}
+        for i in inner.get(key, []):
+            row = snap.rows[i]
+            bucket = _ROLLUP.get(row.status or "") if row.kind != "tool_result" else None
+            if bucket == "running" and snap.terminal:
+                bucket = "done" if snap.status == "done" else "failed"
+            if bucket is not None:
+                counts[bucket] += 1
+        found.append((order[key], 1, {
+            "key": f"subagent:{key}", "type": "subagent", "node": act.path, "act": act.a,
+            "status": status[key], "rows": inner.get(key, []), "counts": counts,
+        }))  # fmt: skip
+
+    # Repeats: iterations at each level (enclosing activation), grouped by their head.
+    now: dict[str | None, tuple[int, list[str]]] = {}  # level -> (k, keys) open there
+    repeats: dict[str, tuple[int, str, list[tuple[int, list[str]]]]] = {}
+    for key, act in acts.items():
+        if act.k is None or act.parent == _UNKNOWN:
+            continue
+        level = act.parent
+        it = now.get(level)
+        if it is None or it[0] != act.k:
+            name = f"repeat:{level}>{act.path}" if level is not None else f"repeat:{act.path}"
+            if name not in repeats:
+                repeats[name] = (order[key], act.path, [])
+            it = now[level] = (act.k, [])
+            repeats[name][2].append(it)
+        it[1].append(key)
+    for name, (first, head, iterations) in repeats.items():
+        tracks: list[dict[str, Any]] = [
+            {
+                "k": k,
+                "status": _rollup_status(status[x] for x in keys),
+                "nodes": [
+                    {"node": acts[x].path, "act": acts[x].a, "status": status[x]} for x in keys
+                ],
+                "rows": _union(inner, keys),
+            }
+            for k, keys in iterations
+        ]
+        found.append((first, 2, {
+            "key": name, "type": "repeat", "node": head,
+            "status": _rollup_status(t["status"] for t in tracks),
+            "rows": _union(inner, [x for _, keys in iterations for x in keys]), "tracks": tracks,
+        }))  # fmt: skip
+    found.sort(key=lambda f: (f[0], f[1]))
+    return [c for _, _, c in found]
+
+
+def _child_path(parent: str, path: str) -> bool:
+    # `/plan/search` is a direct child of `/plan`; `/plan/a/b` and `/planner` are not.
+    return path.startswith(parent + "/") and "/" not in path[len(parent) + 1 :]
+
+
+def _union(inner: Mapping[str, list[int]], keys: Iterable[str]) -> list[int]:
+    return sorted({i for key in keys for i in inner.get(key, ())})
+
+
+def _rollup_status(statuses: Iterable[str]) -> str:
+    # Running while any part runs; else failed, cancelled, completed, the worst first.
+    seen = set(statuses)
+    for status in ("running", "failed", "cancelled"):
+        if status in seen:
+            return status
+    return "completed"
+
+
+def window_rows(view: Mapping[str, Any], limit: int, before: int | None = None) -> dict[str, Any]:
+    """A window of a snapshot's rows read from the tail, as the HTTP API reads a
+    conversation (`GET /v1/conversations/C`): `view` is snapshot JSON (or any map with
+    `rows`); the last `limit` rows before index `before` (the end when None). Returns
+    `{rows, from, hasEarlier}`: `from` the index of its first row (composite row
+    indexes are absolute: window row j is index from + j), `hasEarlier` whether rows
+    come before it (from > 0)."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError("limit must be an int >= 0")
+    if before is not None and (isinstance(before, bool) or not isinstance(before, int)):
+        raise ValueError("before must be an int or None")
+    rows = list(view.get("rows") or [])
+    end = len(rows) if before is None else min(max(before, 0), len(rows))
+    start = max(0, end - limit)
+    return {"rows": rows[start:end], "from": start, "hasEarlier": start > 0}
 
 
 class Reducer:
@@ -1028,6 +1350,22 @@ class Reducer:
         applied = mark_lost(snap, lo, hi, on_apply)
         self._note(snap)
         return applied
+
+    def set_delivery(self, run: str, call: str, state: str) -> bool:
+        """Say how a host's answer to call `call` of `run` is getting to the board: one
+        of DELIVERY_STATES (ValueError for another). False when this reducer does not
+        hold the run, or the call is not one a host answers (a client tool, a call
+        waiting for approval). A call the board has answered, or of a run that ended,
+        keeps its delivery (see the module docstring) and this is still True."""
+        if state not in DELIVERY_STATES:
+            raise ValueError(f"a delivery state is one of {', '.join(DELIVERY_STATES)}")
+        snap = self._runs.get(run)
+        row = snap._calls.get(call) if snap is not None else None
+        if snap is None or row is None or row.delivery is None:
+            return False
+        if not snap.terminal and row.status in _WAITING:
+            row.delivery = state
+        return True
 
     def _note(self, snap: RunSnapshot) -> None:
         if snap.terminal and snap.run not in self._finished:

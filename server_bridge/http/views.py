@@ -9,7 +9,7 @@ from typing import Any
 
 import msgpack
 
-from server_bridge.host.reducer import Row, RunSnapshot
+from server_bridge.host.reducer import Row, RunSnapshot, composites
 
 __all__ = ["STATUS", "event_json", "sse_comment", "sse_frame", "snapshot_json"]
 
@@ -66,13 +66,17 @@ def sse_comment(text: str) -> bytes:
 
 
 def _row(row: Row) -> dict[str, Any]:
+    # A field left at its empty value is left out (so `delivery`, `node` and `act` only
+    # where known); host/reducer.mjs writes rows by the same rule.
     d = {k: v for k, v in dataclasses.asdict(row).items() if v not in (None, "", [], False, 0)}
     d["kind"] = row.kind
     return _plain(d)
 
 
 def snapshot_json(snap: RunSnapshot) -> dict[str, Any]:
-    """A run's snapshot as a UI renders it (public fields of host/reducer.py)."""
+    """A run's snapshot as a UI renders it (public fields of host/reducer.py), with its
+    composite rows (`composites`, derived, never stored). host/reducer.mjs
+    `snapshotJson` gives the same, byte for byte once canonical (tests/test_reducer_fixtures.py)."""
     return _plain({
         "run": snap.run,
         "device": snap.device,
@@ -96,4 +100,5 @@ def snapshot_json(snap: RunSnapshot) -> dict[str, Any]:
         "edges": [{"from": a, "port": p, "to": b, "taken": n}
                   for (a, p, b), n in snap.edges.items()],  # fmt: skip
         "budgets": {k: dataclasses.asdict(b) for k, b in snap.budgets.items()},
+        "composites": composites(snap),
     })
