@@ -114,6 +114,8 @@ def test_a_run_started_over_http_streams_to_done_and_resumes_after_any_id(
         rest = stream(events_url, alice, last=ids[k - 1])
         assert [f["id"] for f in rest] == ids[k:]
         assert [f["data"] for f in rest] == [f["data"] for f in whole[k:]]
+    # Resumed after its terminal event, the stream ends at once, with nothing.
+    assert stream(events_url, alice, last=ids[-1]) == []
     # ?after= does the same for a client that cannot set headers.
     assert [f["id"] for f in stream(events_url + "?after=2", alice)] == ids[2:]
 

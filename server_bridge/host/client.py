@@ -44,10 +44,19 @@ lost with Reducer.mark_lost) or `{kind:"unknown_run", r}` (then a hole below hel
 can never fill, and is declared lost). A replay needs a session token: the one last used
 in request() for that device, else the one given to the constructor or set_token().
 
+Client tools (server_bridge/host/tools.py): given `tools` (a ToolHandlers) or handlers
+added with on_tool(), the client answers each pending call of a handled tool as its
+run's snapshot shows it, once per call, on the runner's worker threads (never on paho's
+network thread), with the device's session token (see set_token); deliveries() says how
+each answer is getting to the board, and the run's snapshot says the same
+(Row.delivery, Reducer.set_delivery).
+
 Threading: paho's network thread delivers messages; one repair thread (started by
 connect, stopped by close) asks for replays; every piece of shared state is guarded by
 one condition variable, and what is handed to callers (snapshots, events) is a copy, so
-a caller never sees a snapshot change under it. Nothing is published while holding it.
+a caller never sees a snapshot change under it. Nothing is published while holding it,
+and the tool runner is called only without it (the runner's workers take it to mirror
+a delivery into the reducer).
 """
 
 from __future__ import annotations
@@ -73,6 +82,14 @@ from server_bridge.host.reducer import (
     Presence,
     Reducer,
     RunSnapshot,
+)
+from server_bridge.host.tools import (
+    Delivery,
+    Handler,
+    ToolHandlers,
+    ToolOffer,
+    ToolRunner,
+    offer_of,
 )
 from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.tcp import no_delay
@@ -239,6 +256,8 @@ class HostClient:
     user's token runs, but its events come on that user's topic, which this client
     reads only as a watcher.
 
+    `tools` answers client tools by name (module docstring; on_tool adds one).
+
     A broker configured by server_bridge/brokerconf.py replaces `client_id` with the
     user name (client ids bound to users, PROTOCOL.md "Identity"): each HostClient that
     runs alongside another needs a host user of its own, or the two knock each other
@@ -262,6 +281,7 @@ class HostClient:
         max_replay_wait_s: float = MAX_REPLAY_WAIT_S,
         user: str | None = None,
         watch: bool | None = None,
+        tools: ToolHandlers | None = None,
     ) -> None:
         if not 0 < replay_after_s <= max_replay_wait_s:
             raise ValueError("need 0 < replay_after_s <= max_replay_wait_s")
@@ -336,6 +356,10 @@ class HostClient:
         ]
         self._status_topic = bridge_topic(prefix)
         self._started = False
+        self.tools: ToolHandlers | None = None
+        self._runner: ToolRunner | None = None
+        if tools is not None:
+            self._use_tools(tools)
 
     # --- connection ---------------------------------------------------------------
 
@@ -344,6 +368,8 @@ class HostClient:
         event published after this returns is missed, and the bridge's retained status
         (if any) has been read (bridge_presence()). Raises HostConnectError."""
         deadline = time.monotonic() + timeout
+        if self._runner is not None:
+            self._runner.reopen()  # closed by an earlier close()
         self._client.connect_timeout = timeout
         try:
             self._client.connect(self.host, self.port, keepalive=30)
@@ -378,6 +404,9 @@ class HostClient:
 
     def close(self) -> None:
         self._stop.set()
+        if self._runner is not None:
+            # First, while the connection is up: an answer being sent gets its try.
+            self._runner.close()
         repairer, self._repairer = self._repairer, None
         if repairer is not None:
             repairer.join(timeout=5)
@@ -580,6 +609,92 @@ class HostClient:
             self._ctl(device, token, body, left)
         return self.wait_run(req, max(deadline - time.monotonic(), 0))
 
+    # --- client tools -------------------------------------------------------------
+
+    def on_tool(self, name: str, fn: Handler) -> None:
+        """Answer the client tool `name` with `fn` (sync or async; see tools.py): each
+        of its pending calls, in the runs this client sees, from now on."""
+        if self.tools is None:
+            self._use_tools(ToolHandlers())
+        assert self.tools is not None
+        self.tools.add(name, fn)
+        # Calls already waiting are offered now, not at their run's next event (a
+        # paused run has none until it is answered).
+        with self._cond:
+            offers = [
+                offer
+                for device, reducer in self._reducers.items()
+                for snap in reducer.runs()
+                if (offer := offer_of(device, snap, self.tools)) is not None and not offer.ended
+            ]
+        for offer in offers:
+            self._take(offer)
+
+    def deliveries(self, run: str, device: str | None = None) -> dict[str, Delivery]:
+        """How the answers of this client's tool handlers to `run`'s calls are getting
+        to the board: call id -> pending, submitting, submitted, failed or cancelled
+        (tools.py). Calls of tools it has no handler for are not in it: they wait for
+        whoever answers them (answer())."""
+        if self._runner is None:
+            return {}
+        for dev, r in self._runner.runs():
+            if r == run and (device is None or dev == device):
+                return self._runner.deliveries(dev, run)
+        return {}
+
+    def _use_tools(self, tools: ToolHandlers) -> None:
+        self.tools = tools
+        self._runner = ToolRunner(
+            tools,
+            self._send_answer,
+            retryable=lambda e: isinstance(e, (NotConnected, Unacknowledged)),
+            on_state=self._mirror_delivery,
+            name="wren-host-tool",
+        )
+
+    def _tool_offers(
+        self, device: str, reducer: Reducer, event: dict[str, Any], snap: RunSnapshot
+    ) -> list[ToolOffer]:
+        """What the runner is to see of an event: its run's snapshot, and the run a
+        bridge's answer on `_b` names (a gap it declared may end that run). Every time,
+        a repeat included: the runner takes a call once, and takes again one it refused
+        for want of room. Called under the lock."""
+        assert self.tools is not None
+        snaps = [snap]
+        named = event["d"].get("r")
+        if event["r"] == BRIDGE_RUN and isinstance(named, str):
+            other = reducer.get(named)
+            if other is not None:
+                snaps.append(other)
+        return [o for s in snaps if (o := offer_of(device, s, self.tools)) is not None]
+
+    def _take(self, offer: ToolOffer) -> None:
+        if self._runner is not None:
+            self._runner.take(offer)  # never waits: the handlers run elsewhere
+
+    def _send_answer(self, device: str, run: str, call: str, output: str, failed: bool) -> None:
+        """A tool handler's answer, on a runner's worker: with the device's session
+        token (the last used in request() for it, else the constructor's)."""
+        with self._cond:
+            token = self._tokens.get(device, self._token)
+        if token is None:
+            raise ValueError(f"no session token for device {device}: give one with set_token")
+        self.answer(device, token, run, call, output, failed)
+
+    def _mirror_delivery(self, device: str, run: str, call: str) -> None:
+        """The runner's word on a call into its run's snapshot (Row.delivery). Reads the
+        state now, under the lock, so whichever thread mirrors last mirrors the latest."""
+        runner = self._runner
+        if runner is None:
+            return
+        with self._cond:
+            state = runner.state(device, run, call)
+            reducer = self._reducers.get(device)
+            if state is not None and reducer is not None:
+                reducer.set_delivery(run, call, state)
+                if self._waiting:
+                    self._cond.notify_all()  # a wait_for may be waiting on the delivery
+
     def _ctl(self, device: str, token: str, body: dict[str, Any], timeout: float) -> None:
         topic = host_topic(self.prefix, self.tenant, device, "ctl")
         self._publish(topic, {**body, "tok": token}, f"ctl {body['op']}", timeout)
@@ -665,6 +780,7 @@ class HostClient:
             # (event, copy of its run's snapshot as of it) for each event applied.
             views: list[tuple[dict[str, Any], RunSnapshot]] = []
             again: tuple[str, str, int] | None = None
+            offers: list[ToolOffer] = []
             with self._cond:
                 refusal = _refusal(event)
                 if refusal is not None:
@@ -688,6 +804,8 @@ class HostClient:
                     # Read on arrival, not through the reducer's repeat check: the
                     # bridge's stream starts again at 1 when it restarts.
                     again = self._bridge_answer(topic.device, reducer, event["d"], on_apply)
+                if self.tools is not None:
+                    offers = self._tool_offers(topic.device, reducer, event, snap)
                 if self._waiting and (snap.req in self._waiting or event["r"] in STREAMS):
                     # What a wait reads is its own run's snapshot and its refusals, which
                     # come on the streams (as do the bridge's gap answers, which may end
@@ -698,6 +816,8 @@ class HostClient:
                     self._cond.notify_all()
             if again is not None:
                 self._ask_replay(*again)  # the rest of a replay cut short (replay_cut)
+            for offer in offers:
+                self._take(offer)
             for applied, view in views:
                 callback = self.on_event
                 if callback is None:

@@ -514,6 +514,10 @@ async def _run_items(
             # The run went on past what the bridge still holds of it.
             yield ("gap", last + 1, held.last)
             last = held.last
+        if last == after and after > 0 and await run_in_threadpool(
+            _ended_at, bridge, tenant, device, run, after
+        ):
+            return  # resumed after the run's terminal event: nothing more will come
         while True:
             if not await follower.wait(heartbeat_s):
                 yield ("beat",)
@@ -533,6 +537,14 @@ async def _run_items(
                 return
     finally:
         bridge.hub.leave(follower)
+
+
+def _ended_at(bridge: Bridge, tenant: str, device: str, run: str, i: int) -> bool:
+    """Whether event `i` of the run, as the bridge holds it, is its terminal one."""
+    held = bridge.run_events(tenant, device, run, i - 1, limit=1)
+    if held is None or not held.found or held.found[0][0] != i:
+        return False
+    return event_json(held.found[0][1]).get("t") in TERMINAL
 
 
 async def _single(items: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
