@@ -59,6 +59,8 @@ from server_bridge.brokerconf import (
 )
 from server_bridge.memory.grants import (
     ALL_FIELDS,
+    KNOWLEDGE_FIELD,
+    KNOWLEDGE_PREFIX,
     NO_GRANTS,
     WRITE,
     Grants,
@@ -72,7 +74,7 @@ from server_bridge.store import (
     parse_document,
     settled,
 )
-from server_bridge.topics import check_id, check_user_id
+from server_bridge.topics import check_id, check_user_id, is_user_id
 
 __all__ = [
     "BRIDGE",
@@ -84,6 +86,7 @@ __all__ = [
     "DeviceRecord",
     "Grant",
     "Registry",
+    "UserGrant",
     "RegistryError",
     "host_user",
     "provision",
@@ -139,6 +142,19 @@ class Grant:
     access: str
 
 
+@dataclass(frozen=True)
+class UserGrant:
+    """End user `usr` of tenant `tenant` (a session token's user, PROTOCOL "Identity")
+    may read (`read`) or read and write (`write`: ingest and delete) knowledge
+    collection `field` (`kb:<collection>`) over the hosts' HTTP API. Knowledge only: a
+    host never reaches memory fields."""
+
+    tenant: str
+    usr: str
+    field: str
+    access: str
+
+
 def host_user(tenant: str) -> str:
     """The host user `wren tenant add` makes for a tenant (the name the demo uses too)."""
     return f"host-{check_id(tenant, 'tenant')}"
@@ -186,6 +202,9 @@ class _Snapshot:
     # grants built once per version of the file: a memory call's lookup is a dict get.
     grant_docs: tuple[dict[str, Any], ...] = ()
     grants_by: dict[tuple[str, str], Grants] = field(default_factory=dict)
+    # End users' grants of knowledge collections, (tenant, usr) -> Grants, the same way.
+    user_grant_docs: tuple[dict[str, Any], ...] = ()
+    user_grants_by: dict[tuple[str, str], Grants] = field(default_factory=dict)
 
 
 _EMPTY = _Snapshot(None, b"", True, (), (), {}, {})
@@ -207,17 +226,21 @@ def _index(docs: tuple[dict[str, Any], ...], key: str) -> dict[str, dict[str, An
     return index
 
 
-def _grants_index(docs: tuple[dict[str, Any], ...]) -> dict[tuple[str, str], Grants]:
-    """Each agent's grants. A malformed record grants nothing (and `Registry.grants`
-    names it), rather than failing every lookup of the file; two records of one grant
-    (a hand edit) give the lesser access."""
+def _grants_index(
+    docs: tuple[dict[str, Any], ...],
+    read: Callable[[dict[str, Any]], Grant | UserGrant] | None = None,
+) -> dict[tuple[str, str], Grants]:
+    """Each agent's grants (each end user's, with `read` _user_grant). A malformed
+    record grants nothing (and `Registry.grants` names it), rather than failing every
+    lookup of the file; two records of one grant (a hand edit) give the lesser access."""
     by: dict[tuple[str, str], dict[str, str]] = {}
     for d in docs:
         try:
-            g = _grant(d)
+            g = (read or _grant)(d)
         except RegistryError:
             continue
-        fields = by.setdefault((g.tenant, g.agent), {})
+        who = g.agent if isinstance(g, Grant) else g.usr
+        fields = by.setdefault((g.tenant, who), {})
         old = fields.get(g.field)
         fields[g.field] = g.access if old is None else lesser(old, g.access)
     return {who: Grants(fields) for who, fields in by.items()}
@@ -231,6 +254,7 @@ def _parse(version: FileVersion, data: bytes, seen_at_ns: int, path: object) -> 
     device_docs = _table_docs(doc, "devices", path)
     user_docs = _table_docs(doc, "users", path)
     grant_docs = _table_docs(doc, "grants", path)
+    user_grant_docs = _table_docs(doc, "user_grants", path)
     return _Snapshot(
         version,
         data,
@@ -243,6 +267,8 @@ def _parse(version: FileVersion, data: bytes, seen_at_ns: int, path: object) -> 
         _index(user_docs, "user"),
         grant_docs,
         _grants_index(grant_docs),
+        user_grant_docs,
+        _grants_index(user_grant_docs, _user_grant),
     )
 
 
@@ -311,6 +337,7 @@ class Registry:
         self._devices = self._db.table("devices", cache_size=0)
         self._users = self._db.table("users", cache_size=0)
         self._grants = self._db.table("grants", cache_size=0)
+        self._user_grants = self._db.table("user_grants", cache_size=0)
         storage = self._db.storage
         if not isinstance(storage, _OneWriteStorage):
             raise TypeError("the registry needs its file on its own storage")
@@ -662,6 +689,49 @@ class Registry:
         with self._lock:
             return self._current().grants_by.get((tenant, agent), NO_GRANTS)
 
+    # ------------------------------------------------------------------ end users' grants
+
+    def add_user_grant(self, tenant: str, usr: str, field: str, access: str = WRITE) -> UserGrant:
+        """Let end user `usr` of an existing tenant read (`read`) or also ingest into and
+        delete from (`write`) knowledge collection `field` (`kb:<collection>`) over
+        HTTP; an existing grant gets the new access."""
+        grant = _checked_user_grant(tenant, usr, field, access)
+        q = Query()
+        with self._writing():
+            if self._tenants.get(q.tenant == tenant) is None:
+                raise RegistryError(f"unknown tenant {tenant!r}")
+            self._user_grants.upsert(
+                {"tenant": tenant, "usr": usr, "field": field, "access": access},
+                (q.tenant == tenant) & (q.usr == usr) & (q.field == field),
+            )
+        return grant
+
+    def remove_user_grant(self, tenant: str, usr: str, field: str) -> bool:
+        """Take back `usr`'s grant of `field`; False when there was none."""
+        _checked_user_grant(tenant, usr, field, WRITE)
+        q = Query()
+        which = (q.tenant == tenant) & (q.usr == usr) & (q.field == field)
+        with self._writing():
+            if not self._user_grants.contains(which):
+                return False
+            self._user_grants.remove(which)
+            return True
+
+    def user_grants(self, tenant: str | None = None) -> list[UserGrant]:
+        """Every end user's grant (of one tenant), by tenant, user and field."""
+        if tenant is not None:
+            check_id(tenant, "tenant")
+        with self._lock:
+            docs = self._current().user_grant_docs
+        got = [_user_grant(d) for d in docs if tenant is None or d.get("tenant") == tenant]
+        return sorted(got, key=lambda g: (g.tenant, g.usr, g.field))
+
+    def user_grants_of(self, tenant: str, usr: str) -> Grants:
+        """What end user `usr` of `tenant` may do with the tenant's knowledge (the HTTP
+        API asks on every knowledge call: one dict lookup in the parsed snapshot)."""
+        with self._lock:
+            return self._current().user_grants_by.get((tenant, usr), NO_GRANTS)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -712,6 +782,28 @@ def _checked_grant(tenant: str, agent: str, field: str, access: str) -> Grant:
         return Grant(tenant, agent, check_grant_field(field), check_access(access))
     except ValueError as e:
         raise RegistryError(str(e)) from None
+
+
+def _checked_user_grant(tenant: str, usr: str, field: str, access: str) -> UserGrant:
+    check_id(tenant, "tenant")
+    if not is_user_id(usr):
+        raise RegistryError(f"a user id is 1-64 characters a topic level can hold, not {usr!r}")
+    if not isinstance(field, str) or not KNOWLEDGE_FIELD.match(field):
+        raise RegistryError(
+            f"an end user is granted a knowledge collection ({KNOWLEDGE_PREFIX}<collection>), "
+            f"not {field!r}"
+        )
+    try:
+        return UserGrant(tenant, usr, field, check_access(access))
+    except ValueError as e:
+        raise RegistryError(str(e)) from None
+
+
+def _user_grant(doc: dict[str, Any]) -> UserGrant:
+    try:
+        return _checked_user_grant(doc["tenant"], doc["usr"], doc["field"], doc["access"])
+    except (KeyError, ValueError) as e:
+        raise RegistryError(f"a malformed user grant in the registry: {doc!r} ({e})") from None
 
 
 def _grant(doc: dict[str, Any]) -> Grant:

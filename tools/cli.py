@@ -11,6 +11,9 @@ wren bridge-user add NAME          a bridge's broker user, and NAME.ctl (passwor
 wren host-user add NAME --tenant T another host user of a tenant (password printed once)
 wren grant add --tenant T --agent A [--field F] [--read-only]
                                    let an agent use the tenant's tenant-scoped memory
+wren grant add --tenant T --user-id U --field kb:C [--read-only]
+                                   let an end user search (and put and delete) a knowledge
+                                   collection over HTTP
 wren grant list | remove           the registry's grants
 wren broker-files [--access dynsec] Mosquitto's password file, ACL and config from the registry
 wren kb ingest|search|list|delete  document knowledge (tools/kb.py)
@@ -250,7 +253,13 @@ def _rotate_option(p: argparse._ActionsContainer, what: str) -> None:
 
 def _grant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant", required=True)
-    p.add_argument("--agent", required=True, help="the agent its devices run (`device list`)")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--agent", help="the agent its devices run (`device list`)")
+    who.add_argument(
+        "--user-id",
+        help="an end user (a session token's user): a knowledge collection over the HTTP "
+        "API (--field kb:COLLECTION)",
+    )
     p.add_argument(
         "--field",
         default=ALL_FIELDS,
@@ -542,6 +551,17 @@ def _fields_named(field: str) -> str:
 
 def _grant_add(args: argparse.Namespace, out: TextIO) -> None:
     access = READ if args.read_only else WRITE
+    if args.user_id is not None:
+        with _open(args.registry) as reg:
+            before = {(g.usr, g.field): g.access for g in reg.user_grants(args.tenant)}
+            ug = reg.add_user_grant(args.tenant, args.user_id, args.field, access)
+        may = "search" if access == READ else "search, put documents into and delete from"
+        was = before.get((ug.usr, ug.field))
+        said = "" if was is None or was == access else f" (was {_ACCESS_SHOWN[was]})"
+        print(f"grant: user {ug.usr} of tenant {ug.tenant} may {may} "
+              f"{_fields_named(ug.field)} over HTTP{said}", file=out)  # fmt: skip
+        print(GRANT_APPLIES, file=out)
+        return
     with _open(args.registry) as reg:
         before = {(g.agent, g.field): g.access for g in reg.grants(args.tenant)}
         grant = reg.add_grant(args.tenant, args.agent, args.field, access)
@@ -566,6 +586,17 @@ def _grant_add(args: argparse.Namespace, out: TextIO) -> None:
 
 
 def _grant_remove(args: argparse.Namespace, out: TextIO) -> None:
+    if args.user_id is not None:
+        with _open(args.registry) as reg:
+            if reg.tenant_secret(args.tenant) is None:
+                raise CommandError(f"unknown tenant {args.tenant!r}")
+            if not reg.remove_user_grant(args.tenant, args.user_id, args.field):
+                raise CommandError(f"user {args.user_id!r} of tenant {args.tenant!r} has no "
+                                   f"grant of {_fields_named(args.field)}")  # fmt: skip
+        print(f"grant: user {args.user_id} of tenant {args.tenant} no longer has "
+              f"{_fields_named(args.field)}", file=out)  # fmt: skip
+        print(GRANT_APPLIES, file=out)
+        return
     with _open(args.registry) as reg:
         if reg.tenant_secret(args.tenant) is None:
             raise CommandError(f"unknown tenant {args.tenant!r}")
@@ -590,13 +621,23 @@ def _grant_remove(args: argparse.Namespace, out: TextIO) -> None:
 def _grant_list(args: argparse.Namespace, out: TextIO) -> None:
     with _open(args.registry) as reg:
         grants = reg.grants(args.tenant)
+        users = reg.user_grants(args.tenant)
     rows = [("TENANT", "AGENT", "FIELD", "ACCESS")] + [
         (g.tenant, g.agent, g.field, _ACCESS_SHOWN[g.access]) for g in grants
     ]
+    _table(rows, out)
+    if users:
+        # End users' grants (knowledge over HTTP), in a table of their own.
+        print(file=out)
+        _table([("TENANT", "USER", "FIELD", "ACCESS")] + [
+            (g.tenant, g.usr, g.field, _ACCESS_SHOWN[g.access]) for g in users], out)  # fmt: skip
+
+
+def _table(rows: list[tuple[str, str, str, str]], out: TextIO) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    for tenant, agent, field, access in rows:
+    for tenant, who, field, access in rows:
         print(
-            f"{tenant:<{widths[0]}}  {agent:<{widths[1]}}  {field:<{widths[2]}}  {access}",
+            f"{tenant:<{widths[0]}}  {who:<{widths[1]}}  {field:<{widths[2]}}  {access}",
             file=out,
         )
 

@@ -36,6 +36,8 @@ from server_bridge.host.reducer import Reducer
 from server_bridge.wire import REFUSALS, UnknownDevice
 
 from . import agui as agui_module
+from . import knowledge as knowledge_module
+from .errors import Refused as _Refused
 from .openapi import document
 from .views import STATUS, event_json, snapshot_json, sse_comment, sse_frame
 
@@ -56,10 +58,6 @@ _RUN_STATUSES = ("running", "paused", "done", "failed", "cancelled")
 _UNAUTHORIZED = "a valid session token is needed (Authorization: Bearer <token>)"
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, kind: str, msg: str) -> None:
-        super().__init__(msg)
-        self.status, self.kind, self.msg = status, kind, msg
 
 
 def _error(status: int, kind: str, msg: str) -> JSONResponse:
@@ -93,10 +91,15 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         except UnknownDevice as e:
             raise _Refused(404, "unknown_device", str(e)) from None
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > _MAX_BODY:
-            raise _Refused(413, "too_large", f"a body over {_MAX_BODY} bytes")
+    async def body_of(request: Request, limit: int = _MAX_BODY) -> dict[str, Any]:
+        # Read up to the limit and no further: a body is refused before it is all held.
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise _Refused(413, "too_large", f"a body over {limit:,} bytes")
+            parts.append(part)
+        raw = b"".join(parts)
         if not raw:
             return {}
         try:
@@ -389,6 +392,7 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         Route("/v1/conversations", conversations),
         Route("/v1/conversations/{conv}", conversation),
         Route("/v1/conversations/{conv}/events", conversation_stream),
+        *knowledge_module.routes(bridge, session, body_of),
     ]
 
     async def refused(request: Request, exc: Exception) -> Response:
@@ -400,9 +404,22 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
         return _error(500, "internal", "the bridge hit an internal error")
 
+    async def unrouted(request: Request, exc: Exception) -> Response:
+        # A path no route takes (a source id with a line break in it, say), or a method
+        # a path does not take: the API's JSON refusal, as for everything else.
+        code = getattr(exc, "status_code", 404)
+        try:
+            bridge.session_of(token_of(request))
+        except tokens.TokenError:
+            # Without a valid token every path is the same 401: nothing is told apart.
+            return _error(401, "bad_token", _UNAUTHORIZED)
+        if code == 405:
+            return _error(405, "bad_envelope", f"{request.method} is not served here")
+        return _error(404, "not_found", "no such path")
+
     return Starlette(
         routes=routes,
-        exception_handlers={_Refused: refused, Exception: failed},
+        exception_handlers={_Refused: refused, 404: unrouted, 405: unrouted, Exception: failed},
     )
 
 

@@ -227,6 +227,74 @@ def document() -> dict[str, Any]:
                     **_errors(400, 401, 403, 404),
                 },
             }},
+            "/v1/knowledge": {"get": {
+                "summary": "The knowledge collections the token's user holds a grant of",
+                "operationId": "knowledgeCollections",
+                "responses": {"200": _json({"type": "object", "required": ["collections"],
+                                            "properties": {"collections": {"type": "array"}}},
+                                           "collections with their access and sizes"),
+                              **_errors(401, 404)},
+            }},
+            "/v1/knowledge/search": {"post": {
+                "summary": "Search the collections the user may read (or those named)",
+                "operationId": "knowledgeSearch",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["query"], "properties": {
+                        "query": {"type": "string"},
+                        "collections": {"type": "array", "items": {"type": "string"}},
+                        "k": {"type": "integer"}, "mode": {"type": "string"},
+                        "max_chars": {"type": "integer"}, "max_age_s": {"type": "number"},
+                        "tags": {"type": "array", "items": {"type": "string"}},
+                        "sources": {"type": "array", "items": {"type": "string"}}}}}}},
+                "responses": {"200": _json({"type": "object", "required": ["hits", "mode"],
+                                            "properties": {"hits": {"type": "array"},
+                                                           "mode": {"type": "string"}}},
+                                           "hits with provenance, best first"),
+                              **_errors(400, 401, 403, 404, 413)},
+            }},
+            "/v1/knowledge/{collection}": {"delete": {
+                "summary": "Delete a collection and every source in it (write grant)",
+                "operationId": "knowledgeDeleteCollection",
+                "parameters": [_path_param("collection")],
+                "responses": {"200": _json({"type": "object", "required": ["collection",
+                                                                           "chunks"]},
+                                           "how many chunks went"),
+                              **_errors(400, 401, 403, 404)},
+            }},
+            "/v1/knowledge/{collection}/sources": {"get": {
+                "summary": "A collection's sources (read grant)",
+                "operationId": "knowledgeSources",
+                "parameters": [_path_param("collection")],
+                "responses": {"200": _json({"type": "object", "required": ["collection",
+                                                                           "sources"]},
+                                           "sources with version, chunks, tags"),
+                              **_errors(400, 401, 404)},
+            }},
+            "/v1/knowledge/{collection}/sources/{src}": {
+                "put": {
+                    "summary": "Put a document: ingested, or replaced when its text changed "
+                               "(write grant)",
+                    "operationId": "knowledgePut",
+                    "parameters": [_path_param("collection"), _path_param("src")],
+                    "requestBody": {"required": True, "content": {"application/json": {
+                        "schema": {"type": "object", "required": ["text"], "properties": {
+                            "text": {"type": "string"},
+                            "kind": {"enum": ["txt", "md", "html"]},
+                            "tags": {"type": "array", "items": {"type": "string"}}}}}}},
+                    "responses": {"200": _json({"type": "object", "required": [
+                        "src", "ver", "status", "chunks"]}, "new, changed or unchanged"),
+                        **_errors(400, 401, 403, 404, 413, 503)},
+                },
+                "delete": {
+                    "summary": "Delete a source (write grant)",
+                    "operationId": "knowledgeDeleteSource",
+                    "parameters": [_path_param("collection"), _path_param("src")],
+                    "responses": {"200": _json({"type": "object", "required": ["src",
+                                                                               "chunks"]},
+                                               "how many chunks went"),
+                                  **_errors(400, 401, 403, 404)},
+                },
+            },
             "/v1/conversations/{conv}/events": {"get": {
                 "summary": "A conversation's events as SSE, its runs in order, then new "
                            "runs live; Last-Event-ID `<run>:<id>` resumes",

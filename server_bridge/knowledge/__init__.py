@@ -37,6 +37,7 @@ from .sources import (
     Item,
     Query,
     Record,
+    Records,
     Skipped,
 )
 
@@ -66,6 +67,7 @@ __all__ = [
     "Query",
     "QueryTooLarge",
     "Record",
+    "Records",
     "Retrieval",
     "SkipFile",
     "Skipped",

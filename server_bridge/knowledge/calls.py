@@ -38,8 +38,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from server_bridge.memory.grants import READ, WRITE
@@ -49,7 +48,7 @@ from server_bridge.wire import BOARD_DEFAULTS, Limits, encode
 
 from .errors import InvalidK, InvalidName, InvalidOption, KnowledgeError, NotFound, QueryTooLarge
 from .service import DEFAULT_MAX_CHARS, KnowledgeBase, Mode, Retrieval, _check_name
-from .sources import Record
+from .sources import Record, Records
 
 __all__ = [
     "MAX_TEXT_BYTES",
@@ -129,15 +128,6 @@ class DeviceBudget:
             b[1] -= nbytes
             return 0.0
 
-
-@dataclass(frozen=True)
-class _One:
-    """A connector of one document in hand."""
-
-    record: Record
-
-    def items(self) -> Iterator[Record]:
-        yield self.record
 
 
 def register(
@@ -315,7 +305,7 @@ class _Handlers:
         tags = [*tags, f"dev:{ctx.device.device}"]
         try:
             summary = self.kb.ingest(
-                _One(Record(source, text, _KINDS[kind])),
+                Records([Record(source, text, _KINDS[kind])]),
                 tenant=ctx.device.tenant,
                 collection=collection,
                 tags=tags,

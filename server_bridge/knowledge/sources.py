@@ -30,6 +30,7 @@ __all__ = [
     "Item",
     "Query",
     "Record",
+    "Records",
     "Skipped",
     "read_limited",
 ]
@@ -160,6 +161,16 @@ class Folder:
                     yield Skipped(rel, "not a regular file")
                     continue
                 yield Item(rel, target)
+
+
+@dataclass(frozen=True)
+class Records:
+    """Documents whose text is in hand: a board's `kb.add`, a host's put over HTTP."""
+
+    records: Sequence[Record]
+
+    def items(self) -> Iterator[Record]:
+        yield from self.records
 
 
 class FileList:
