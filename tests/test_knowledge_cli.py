@@ -83,6 +83,17 @@ def test_ingest_search_list_delete_a_folder(tmp_path: Path) -> None:
         "guide/kiosk.md", "kiosk.md", "sheet.pdf"
     ]
 
+    shown = wren(tmp_path, "kb", "show", "--tenant", "acme", "--collection", "manuals",
+                 "--source", "guide/kiosk.md", "--full")  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    head, *chunks = shown.stdout.splitlines()
+    assert head.startswith("guide/kiosk.md in manuals: version ") and "1 chunks" in head
+    assert "tags v1" in head
+    assert chunks[0] == "[0] Kiosk > Reset"
+    assert "Hold the power button for ten seconds." in chunks[1]
+    none = wren(tmp_path, "kb", "show", "--tenant", "acme", "--collection", "manuals",
+                "--source", "nope.md")  # fmt: skip
+    assert none.returncode == 1 and "no source 'nope.md'" in none.stderr
     bad_k = wren(tmp_path, "kb", "search", "reset", "--tenant", "acme", "--k", "0")
     assert bad_k.returncode == 1
     assert bad_k.stderr.strip() == "wren kb search: k 0 is outside 1..100"

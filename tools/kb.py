@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
     """Register `wren kb` and its actions on the `wren` subparsers."""
     from server_bridge.knowledge import DEFAULT_MAX_CHARS, DEFAULT_MAX_FILE_BYTES, MAX_K
 
-    kb = sub.add_parser("kb", help="document knowledge: ingest, search, list, delete")
+    kb = sub.add_parser("kb", help="document knowledge: ingest, search, list, show, delete")
     ksub = kb.add_subparsers(dest="action", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -111,6 +111,12 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
     li = ksub.add_parser("list", help="the tenant's collections, or one collection's sources")
     common(li)
     li.add_argument("--collection", help="list this collection's sources")
+
+    sh = ksub.add_parser("show", help="one source as stored: its version, tags and chunks")
+    common(sh)
+    sh.add_argument("--collection", required=True)
+    sh.add_argument("--source", required=True, help="its id as `wren kb list` shows it")
+    sh.add_argument("--full", action="store_true", help="each chunk's whole text")
 
     d = ksub.add_parser("delete", help="delete a collection, or one source of it")
     common(d)
@@ -182,6 +188,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             return _search(args, out)
         if args.action == "list":
             return _list(args, out)
+        if args.action == "show":
+            return _show(args, out)
         if args.action == "delete":
             return _delete(args, out)
     except KnowledgeError as e:
@@ -331,6 +339,27 @@ def _list(args: argparse.Namespace, out: TextIO) -> int:
                 f"{'embedded' if s.embedder else 'keyword only'}\ttags {tags}\n"
             )
     return 0
+
+
+def _show(args: argparse.Namespace, out: TextIO) -> int:
+    # What a retrieval can return of the source: each chunk with the heading path it was
+    # embedded and indexed with.
+    with _open(args) as kb:
+        row, chunks = kb.show(args.tenant, args.collection, args.source)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.ingested))
+    out.write(f"{row.source} in {row.collection}: version {row.version}, {row.bytes} bytes, "
+              f"{row.chunks} chunks, ingested {when}, "
+              f"{'embedded by ' + row.embedder if row.embedder else 'keyword only'}, "
+              f"tags {','.join(row.tags) or '-'}\n")  # fmt: skip
+    for c in chunks:
+        text = c.text if args.full else _preview(c.text)
+        out.write(f"[{c.index}] {' > '.join(c.headings) or '-'}\n    {text}\n")
+    return 0
+
+
+def _preview(text: str, limit: int = 160) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def _delete(args: argparse.Namespace, out: TextIO) -> int:

@@ -39,7 +39,7 @@ from .errors import InvalidK, InvalidName, InvalidOption, NotFound, QueryTooLarg
 from .extract import extract
 from .index import VectorCache, resolve_embedder
 from .sources import Connector, Document, Skipped
-from .store import ChunkRow, SourceRow, Store
+from .store import ChunkRow, HitRow, SourceRow, Store
 
 if TYPE_CHECKING:
     import numpy as np
@@ -485,6 +485,18 @@ class KnowledgeBase:
             _check_name("collection", collection)
         with self._lock, self._store.transaction():
             return self._store.sources(tenant, collection)
+
+    def show(self, tenant: str, collection: str, source: str) -> tuple[SourceRow, list[HitRow]]:
+        """A source as stored: its row (version, tags, chunks, when) and its chunks in
+        order, each with its heading path and text. NotFound if absent."""
+        _check_name("tenant", tenant)
+        _check_name("collection", collection)
+        with self._lock, self._store.transaction():
+            cid = self._store.collection_id(tenant, collection)
+            row = self._store.source(cid, source) if cid is not None else None
+            if row is None:
+                raise NotFound(f"no source {source!r} in collection {collection!r}")
+            return row, self._store.source_chunks(row.id)
 
     def retrieve(
         self,

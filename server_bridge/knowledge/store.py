@@ -279,6 +279,12 @@ class Store:
             for r in rows
         }
 
+    def source_chunks(self, source_id: int) -> list[HitRow]:
+        """A source's chunks as stored, in order."""
+        ids = self._chunk_ids("source_id = ? ORDER BY idx", (source_id,))
+        got = self.hits(ids)
+        return [got[i] for i in ids if i in got]
+
     def stats(self) -> tuple[int, int]:
         """(sources, chunks) in the whole file."""
         s = self.db.execute("SELECT count(*) FROM sources").fetchone()[0]
