@@ -22,12 +22,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import (
+    FileResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from edge_runtime.events import TERMINAL
@@ -417,10 +424,49 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
             return _error(405, "bad_envelope", f"{request.method} is not served here")
         return _error(404, "not_found", "no such path")
 
+    routes += _dashboard_routes()
     return Starlette(
         routes=routes,
         exception_handlers={_Refused: refused, 404: unrouted, 405: unrouted, Exception: failed},
     )
+
+
+#: The dashboard's files (HTML, CSS, ES modules; no build step), served as they are.
+STATIC = Path(__file__).resolve().parent / "static"
+_REDUCER = Path(__file__).resolve().parent.parent / "host" / "reducer.mjs"
+# The page loads nothing but its own files, and talks to this bridge alone.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+    "style-src 'self'; script-src 'self'; connect-src 'self'; frame-ancestors 'none'; "
+    "base-uri 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
+          ".js": "text/javascript; charset=utf-8", ".mjs": "text/javascript; charset=utf-8",
+          ".svg": "image/svg+xml", ".png": "image/png", ".json": "application/json"}  # fmt: skip
+
+
+def _dashboard_routes() -> list[Route]:
+    """The dashboard (docs/DESIGN.md "Host"): `/` leads to `/ui/`, and `/ui/<file>` is a
+    file of `static/` (the snapshot reducer at `/ui/reducer.mjs`, shared with the
+    host client's rules). The files are code, not data: no token is needed to load
+    them; everything they show comes from the API, which asks for one."""
+    files = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES} if STATIC.is_dir() else {}
+    files["reducer.mjs"] = _REDUCER
+
+    async def home(request: Request) -> Response:
+        return RedirectResponse("/ui/", status_code=307)
+
+    async def page(request: Request) -> Response:
+        name = request.path_params.get("name") or "index.html"
+        path = files.get(name)
+        if path is None:
+            return _error(404, "not_found", "no such file")
+        return FileResponse(path, media_type=_TYPES[path.suffix], headers=_PAGE_HEADERS)
+
+    return [Route("/", home), Route("/ui/", page), Route("/ui/{name}", page)]
 
 
 def _sse(frames: AsyncIterator[bytes]) -> StreamingResponse:
