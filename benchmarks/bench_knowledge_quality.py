@@ -18,6 +18,14 @@ larger chunk hands it more). DESIGN "Knowledge" chose the library's defaults fro
 
     python benchmarks/bench_knowledge_quality.py
 
+A second set, of other kinds of text, is chosen with `--set manuals`
+(benchmarks/data/knowledge_manuals/): eight of Mosquitto's manual pages and the 2.0
+series of its changelog (EPL-2.0 OR BSD-3-Clause), and a week of a greenhouse board's
+log made up for it, 16 documents, with 197 questions in the same format, scored the
+same way:
+
+    python benchmarks/bench_knowledge_quality.py --set manuals
+
 Takes about two minutes on 2 cores (embedding the chunks of four chunkings is most
 of it; a question's embedding is made once per run and reused across chunkings).
 """
@@ -53,7 +61,11 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 COMMAND = "python benchmarks/bench_knowledge_quality.py"
-DATA = Path(__file__).resolve().parent / "data" / "knowledge"
+_DATA = Path(__file__).resolve().parent / "data"
+#: The evaluation sets by name, each a folder of docs/ and questions.jsonl.
+SETS = {"micropython": _DATA / "knowledge", "manuals": _DATA / "knowledge_manuals"}
+DEFAULT_SET = "micropython"
+DATA = SETS[DEFAULT_SET]
 DOCS = DATA / "docs"
 QUESTIONS = DATA / "questions.jsonl"
 SETTINGS = "600/100,1000/150,1500/200,2000/250"
@@ -163,6 +175,7 @@ def within_budget(question: Question, hits: list[Hit], budget: int = DEFAULT_MAX
 
 
 def evaluate(
+    docs: Path,
     size: int,
     overlap: int,
     embedder: Embedder | None,
@@ -176,8 +189,8 @@ def evaluate(
             Path(tmp) / "kb.sqlite3", embedder=embedder, chunk_size=size, overlap=overlap
         )
         with kb:
-            steps(f"{size}/{overlap}: ingesting {DOCS.name}/")
-            summary = kb.ingest(Folder(DOCS), tenant=TENANT, collection=COLLECTION)
+            steps(f"{size}/{overlap}: ingesting {docs.name}/")
+            summary = kb.ingest(Folder(docs), tenant=TENANT, collection=COLLECTION)
             if summary.failed:
                 raise SystemExit(f"ingest failed: {summary.failed}")
             steps(
@@ -205,6 +218,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
+        "--set",
+        choices=sorted(SETS),
+        default=DEFAULT_SET,
+        help=f"the evaluation set (default {DEFAULT_SET}: benchmarks/data/knowledge/)",
+    )
+    parser.add_argument(
         "--settings",
         default=SETTINGS,
         help=f"chunk size/overlap pairs, comma-separated (default {SETTINGS})",
@@ -226,9 +245,11 @@ def main() -> None:
     print(f"# {COMMAND} {' '.join(sys.argv[1:])}".rstrip())
     print(f"# {platform.python_implementation()} {platform.python_version()}, {platform.machine()}")
     steps = Steps("bench_knowledge_quality")
-    questions = load_questions()
-    docs = sorted(p.name for p in DOCS.iterdir() if p.is_file())
-    print(f"# evaluation set: {len(docs)} documents, {len(questions)} questions; k {K}")
+    data = SETS[args.set]
+    questions = load_questions(data / "questions.jsonl")
+    docs = sorted(p.name for p in (data / "docs").iterdir() if p.is_file())
+    name = "" if args.set == DEFAULT_SET else f" {args.set}"
+    print(f"# evaluation set{name}: {len(docs)} documents, {len(questions)} questions; k {K}")
     embedder: Embedder | None = None
     if not args.no_embedding:
         steps("loading the embedding model")
@@ -249,7 +270,9 @@ def main() -> None:
     all_missed: dict[tuple[int, int], dict[Mode, list[Question]]] = {}
     start = time.monotonic()
     for size, overlap in settings:
-        chunks, seconds, scores, missed = evaluate(size, overlap, embedder, questions, modes, steps)
+        chunks, seconds, scores, missed = evaluate(
+            data / "docs", size, overlap, embedder, questions, modes, steps
+        )
         all_missed[(size, overlap)] = missed
         mark = " *" if (size, overlap) == default else ""
         for i, mode in enumerate(modes):
