@@ -90,6 +90,7 @@ from server_bridge.links import LinkPlan, batches
 from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
 from server_bridge.metrics import prometheus_text
+from server_bridge.mirror import JsonMirror, both
 from server_bridge.models.base import Provider
 from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.redact import MASK, scrub
@@ -414,6 +415,13 @@ class Bridge:
         # The HTTP streams that follow runs live (http/hub.py); idle without followers.
         self.hub = EventHub()
         self.intake.on_delivered = self.hub.publish
+        # The JSON mirror of the tenants that opted in (server_bridge/mirror/, `--json-mirror`):
+        # its hooks only queue, its thread writes through the lanes. Its owner (service.py)
+        # starts it before start() and stops it before stop().
+        self.mirror: JsonMirror | None = None
+        if config.json_mirror:
+            self.mirror = JsonMirror.for_config(config, self.outbox, self._count)
+            self.intake.on_delivered = both(self.hub.publish, self.mirror.delivered)
         self.rpc = RpcServer(
             provider,
             send=self._send_rpc,
@@ -538,6 +546,8 @@ class Bridge:
         d = {"st": st, "since": int(presence["since"] * 1000)}
         self._device_notice(record.tenant, device, d, "presence")
         self._count(f"host.presence_{st}")
+        if self.mirror is not None:
+            self.mirror.presence(record.tenant, device, d)
 
     def _device_notice(
         self, tenant: str, device: str, d: dict[str, Any], type_: str, user: str | None = None
@@ -1467,6 +1477,8 @@ class Bridge:
         else:
             presence = self.intake.handle_status(record, payload)
             self._count("status")
+            if presence is not None and self.mirror is not None:
+                self.mirror.status(record.tenant, t.device, presence)
             if presence is not None and presence["st"] == "online":
                 self._tell_presence(t.device, "online")
 

@@ -12,12 +12,16 @@ The access rules (docs/PROTOCOL.md, "Broker ACL"), with P the topic prefix:
   `P/d/<id>/req`, `P/d/<id>/ctl` and `P/d/<id>/rpc/res` and writes only its own
   `P/d/<id>/status`, `hello`, `evt` and `rpc` (so only the bridge can publish the
   requests, control messages and RPC answers a board acts on);
-- a tenant's host users read its device topics `P/h/<tenant>/+/evt` and write
-  `P/h/<tenant>/+/req` and `P/h/<tenant>/+/ctl`, for that tenant only; a tenant may have
-  several host users, one per host connection (see below). Each is either a watcher,
-  which also reads every user's runs, `P/h/<tenant>/+/u/+/evt`, or bound to one end user
-  (`bound`), which reads that user's runs only, `P/h/<tenant>/+/u/<usr>/evt` (PROTOCOL.md
-  "Who sees what"). No host user reads `req` or `ctl`: they carry other users' tokens;
+- a tenant's host users read its device topics `P/h/<tenant>/+/evt` and their JSON
+  mirror `P/h/<tenant>/+/json/#` and write `P/h/<tenant>/+/req` and `P/h/<tenant>/+/ctl`,
+  for that tenant only; a tenant may have several host users, one per host connection
+  (see below). Each is either a watcher, which also reads every user's runs,
+  `P/h/<tenant>/+/u/+/evt` and `.../u/+/json/#`, or bound to one end user (`bound`),
+  which reads that user's runs only, `P/h/<tenant>/+/u/<usr>/evt` and
+  `.../u/<usr>/json/#` (PROTOCOL.md "Who sees what"; the JSON mirror,
+  server_bridge/mirror/, publishes only for the tenants that opt in, but the rights are
+  the same for every tenant, so turning it on needs no new broker files). No host user
+  reads `req` or `ctl`: they carry other users' tokens;
 - devices and host users read `P/b/status`, the bridge's presence (a board fails its
   waiting RPC calls when the bridge goes offline); only the bridge writes it.
 
@@ -86,6 +90,7 @@ __all__ = [
     "DYNSEC_PLUGIN_ENV",
     "HOST_READ",
     "HOST_WRITE",
+    "USER_READ",
     "acl_text",
     "check_entry",
     "check_password",
@@ -131,16 +136,21 @@ SIBLING_SUFFIXES = (CONTROL_SUFFIX, *(f"{LINK_SUFFIX}{i}" for i in range(1, LINK
 
 DEVICE_READ = ("req", "ctl", "rpc/res")
 DEVICE_WRITE = ("status", "hello", "evt", "rpc")
-HOST_READ = ("evt",)
+# What a host user reads of each device of its tenant, and of the end users' runs its
+# role lets it read: the events (msgpack) and their JSON mirror (server_bridge/mirror/:
+# `json` itself and the retained `json/presence`, `json/status`, `json/answer` below
+# it; `#` matches its parent level too).
+HOST_READ = ("evt", "json/#")
+USER_READ = HOST_READ
 HOST_WRITE = ("req", "ctl")
 # What every user topic a watcher reads looks like (its user level a wildcard).
 ALL_USERS = "+"
 
 
-def _user_events(prefix: str, tenant: str, usr: str) -> str:
+def _user_topics(prefix: str, tenant: str, usr: str) -> list[str]:
     """The host topics of one end user's runs on any device of `tenant` (usr a user id,
     or ALL_USERS: every user's, the watchers')."""
-    return f"{prefix}/h/{tenant}/+/u/{usr}/evt"
+    return [f"{prefix}/h/{tenant}/+/u/{usr}/{leaf}" for leaf in USER_READ]
 
 
 # --- passwords --------------------------------------------------------------------------
@@ -340,7 +350,7 @@ def acl_text(
             who = f"bound to user {usr}" if usr is not None else "a watcher"
             out += ["", f"# Hosts of tenant {tenant}: {who}.", f"user {user}"]
             out += [f"topic read {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_READ]
-            out.append(f"topic read {_user_events(prefix, tenant, usr or ALL_USERS)}")
+            out += [f"topic read {t}" for t in _user_topics(prefix, tenant, usr or ALL_USERS)]
             out += [f"topic write {prefix}/h/{tenant}/+/{leaf}" for leaf in HOST_WRITE]
     return "\n".join(out) + "\n"
 
@@ -438,7 +448,9 @@ def dynsec_config(
         for user in users:  # a host user of two tenants (the ACL allows it) has both
             usr = bound.get(user)
             sees = f"user-{tenant}-{usr}" if usr is not None else f"watch-{tenant}"
-            roles[sees] = _reads(_user_events(prefix, tenant, usr or ALL_USERS))
+            roles[sees] = [
+                acl for t in _user_topics(prefix, tenant, usr or ALL_USERS) for acl in _reads(t)
+            ]
             own = part.setdefault(user, [_PRESENCE_ROLE])
             own[-1:-1] = [f"tenant-{tenant}", sees]
     clients = []

@@ -6,13 +6,16 @@ import os
 from dataclasses import dataclass, field
 
 from server_bridge.brokerconf import CONTROL_SUFFIX, LINK_SUFFIX, LINKS, control_user, link_user
-from server_bridge.topics import DEFAULT_PREFIX
+from server_bridge.topics import DEFAULT_PREFIX, is_id
 from server_bridge.wire import Limits
 
-__all__ = ["DEFAULT_CLIENT_ID", "BridgeConfig"]
+__all__ = ["DEFAULT_CLIENT_ID", "EVERY_TENANT", "BridgeConfig"]
 
 # The bridge's client id when it has no MQTT user to take it from.
 DEFAULT_CLIENT_ID = "wren-bridge"
+# `json_mirror`'s word for every tenant (no tenant id can be it: `*` is not in the
+# alphabet).
+EVERY_TENANT = "*"
 
 
 def _env(name: str) -> str | None:
@@ -185,6 +188,10 @@ class BridgeConfig:
     # Messages of the bridge's own to boards waiting to go out (RPC answers, replay and
     # cancel requests) past which an RPC worker waits before queueing more.
     board_lane: int = 1024
+    # The tenants whose runs, device presence and status the bridge also publishes as
+    # JSON under their host topics (server_bridge/mirror/, `wren bridge --json-mirror`):
+    # tenant ids, or EVERY_TENANT ("*") for all. Empty, the default: no mirror.
+    json_mirror: frozenset[str] = frozenset()
 
     def link_login(self, link: int) -> tuple[str, str | None, str | None]:
         """Client id, user and password of link `link` (0 is the event connection's:
@@ -256,6 +263,10 @@ class BridgeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.host_rate <= 0:
             raise ValueError("host_rate must be > 0")
+        self.json_mirror = frozenset(self.json_mirror)
+        for tenant in self.json_mirror:
+            if tenant != EVERY_TENANT and not is_id(tenant):
+                raise ValueError(f"json_mirror: {tenant!r} is neither a tenant id nor '*'")
         if self.max_queued_messages <= self.max_inflight_messages:
             # paho's bound must leave room above what the lanes hand it.
             raise ValueError("max_queued_messages must be > max_inflight_messages")

@@ -32,12 +32,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from server_bridge.brokerconf import LINKS
-from server_bridge.config import DEFAULT_CLIENT_ID, BridgeConfig
+from server_bridge.config import DEFAULT_CLIENT_ID, EVERY_TENANT, BridgeConfig
 from server_bridge.metrics import write_text_file
 from server_bridge.models.base import Provider, check_base_url
 from server_bridge.models.policy import ModelPolicy, merge_allowed, parse_allow
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
+from server_bridge.topics import is_id
 
 if TYPE_CHECKING:
     from server_bridge.bridge import Bridge
@@ -170,6 +171,15 @@ def temperature(text: str) -> float:
     if not 0 <= value <= 2:  # `not` also refuses nan
         raise argparse.ArgumentTypeError(f"expected a temperature from 0 to 2, got {text!r}")
     return value
+
+
+def mirror_tenant(text: str) -> str:
+    """A tenant id, or `*` (every tenant); an argparse type."""
+    if text != EVERY_TENANT and not is_id(text):
+        raise argparse.ArgumentTypeError(
+            f"expected a tenant id ([a-z0-9][a-z0-9_-]*) or * for every tenant, got {text!r}"
+        )
+    return text
 
 
 def allow_model(text: str) -> tuple[str, frozenset[str]]:
@@ -411,6 +421,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"conversations) at HOST:PORT (default: off; HOST defaults to {METRICS_HOST}; "
         "port 0 picks one); needs the `http` extra (starlette, uvicorn)",
     )
+    p.add_argument(
+        "--json-mirror",
+        type=mirror_tenant,
+        action="append",
+        default=[],
+        metavar="TENANT",
+        help="also publish TENANT's run events, its devices' presence and status, and each "
+        "user's last answer as JSON under its host topics (P/h/TENANT/D/json..., the same "
+        "rights as its events; PROTOCOL.md \"JSON mirror\"), for dashboards such as "
+        "Node-RED and Home Assistant. Repeatable; * for every tenant (default: none)",
+    )
     p.add_argument("--http-cert", default=None, metavar="PEM",
                    help="serve --http over TLS with this certificate chain")  # fmt: skip
     p.add_argument("--http-key", default=None, metavar="PEM",
@@ -457,6 +478,7 @@ def bridge_config(args: argparse.Namespace) -> BridgeConfig:
         event_log_max_bytes=args.event_log_mib << 20,
         history_turns=max(args.history_turns, 0),
         history_chars=max(args.history_chars, 0),
+        json_mirror=frozenset(args.json_mirror),
     )
     if args.run_probe is not None:
         most = max(args.run_probe, config.run_probe_max_s)
@@ -591,6 +613,9 @@ def run(
             # Before connecting: a port in use is said at once, whatever the broker does.
             if args.metrics is not None:
                 metrics = _serve_metrics(bridge, *args.metrics)
+            # Before the bridge connects: the retained statuses it reads first are mirrored.
+            if bridge.mirror is not None:
+                bridge.mirror.start()
             try:
                 bridge.start()
             except (RivalBridge, LoginRefused) as e:
@@ -608,6 +633,7 @@ def run(
                 f"bridge: {config.host}:{config.port}, registry {args.registry}, {what};"
                 " Ctrl-C stops\n" + (f"metrics at {metrics.url}\n" if metrics else "")
                 + (f"http at {http.url}\n" if http else "")
+                + (f"json mirror: {_mirrored(config)}\n" if config.json_mirror else "")
             )
             out.flush()
             # In one-second waits rather than one endless one, so that Ctrl-C (and
@@ -626,6 +652,10 @@ def run(
                 try:
                     if http is not None:
                         http.stop()
+                    if bridge.mirror is not None:
+                        # First: what it holds goes to the lanes, which the bridge's stop
+                        # hands to the broker (server_bridge/mirror/mirror.py).
+                        bridge.mirror.stop()
                     bridge.stop()
                     # The last counters, after the stop: what a restart starts again
                     # from zero.
@@ -641,6 +671,13 @@ def run(
                         turns.log.close()
     finally:
         registry.close()
+
+
+def _mirrored(config: BridgeConfig) -> str:
+    """Which tenants the JSON mirror publishes, for the start lines."""
+    if EVERY_TENANT in config.json_mirror:
+        return "every tenant"
+    return "tenant " + ", ".join(sorted(config.json_mirror))
 
 
 @contextlib.contextmanager

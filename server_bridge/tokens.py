@@ -280,3 +280,10 @@ class TokenCache:
             while len(self._tickets) > self._max:
                 self._tickets.popitem(last=False)
         return ticket
+
+
+def dashboard_link(base_url: str, token: str) -> str:
+    """The dashboard of the bridge at `base_url` (its --http address), signed in with
+    `token`: the token rides in the URL's fragment, which a browser never sends to a
+    server (no access log keeps it), and the page takes it out of the address bar."""
+    return f"{base_url.rstrip('/')}/ui/#token={token}"

@@ -199,7 +199,9 @@ def test_acl_text_is_exactly_the_wren_rules() -> None:
         "# Hosts of tenant acme: a watcher.\n"
         "user host-acme\n"
         "topic read wren/v1/h/acme/+/evt\n"
+        "topic read wren/v1/h/acme/+/json/#\n"
         "topic read wren/v1/h/acme/+/u/+/evt\n"
+        "topic read wren/v1/h/acme/+/u/+/json/#\n"
         "topic write wren/v1/h/acme/+/req\n"
         "topic write wren/v1/h/acme/+/ctl\n"
     )
@@ -236,12 +238,16 @@ def test_acl_text_takes_a_user_per_connection() -> None:
         *(f"# The bridge.\nuser bridge{x}\ntopic readwrite wren/v1/#" for x in LINK_USERS),
         "# Hosts of tenant acme: a watcher.\nuser host-acme\n"
         "topic read wren/v1/h/acme/+/evt\n"
+        "topic read wren/v1/h/acme/+/json/#\n"
         "topic read wren/v1/h/acme/+/u/+/evt\n"
+        "topic read wren/v1/h/acme/+/u/+/json/#\n"
         "topic write wren/v1/h/acme/+/req\n"
         "topic write wren/v1/h/acme/+/ctl",
         "# Hosts of tenant acme: bound to user bob.b@example.com.\nuser host-acme-2\n"
         "topic read wren/v1/h/acme/+/evt\n"
+        "topic read wren/v1/h/acme/+/json/#\n"
         "topic read wren/v1/h/acme/+/u/bob.b@example.com/evt\n"
+        "topic read wren/v1/h/acme/+/u/bob.b@example.com/json/#\n"
         "topic write wren/v1/h/acme/+/req\n"
         "topic write wren/v1/h/acme/+/ctl\n",
     ]
@@ -323,11 +329,14 @@ def test_dynsec_config_is_exactly_the_wren_rules() -> None:
     ]
     assert _acls(doc, "tenant-acme") == [
         *_reads("wren/v1/h/acme/+/evt", "Pattern"),
+        *_reads("wren/v1/h/acme/+/json/#", "Pattern"),
         ("publishClientSend", "wren/v1/h/acme/+/req"),
         ("publishClientSend", "wren/v1/h/acme/+/ctl"),
     ]
-    assert _acls(doc, "watch-acme") == _reads("wren/v1/h/acme/+/u/+/evt", "Pattern")
-    assert _acls(doc, "user-acme-bob") == _reads("wren/v1/h/acme/+/u/bob/evt", "Pattern")
+    assert _acls(doc, "watch-acme") == [*_reads("wren/v1/h/acme/+/u/+/evt", "Pattern"),
+                                        *_reads("wren/v1/h/acme/+/u/+/json/#", "Pattern")]
+    assert _acls(doc, "user-acme-bob") == [*_reads("wren/v1/h/acme/+/u/bob/evt", "Pattern"),
+                                           *_reads("wren/v1/h/acme/+/u/bob/json/#", "Pattern")]
     assert _acls(doc, "presence") == _reads("wren/v1/b/status")
     # Each password as the registry stored it, in the plugin's fields.
     for client in doc["clients"]:

