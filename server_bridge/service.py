@@ -581,6 +581,12 @@ def run(
     # message in hand waited up to the default 5 ms for it behind a link busy with a
     # neighbour's flood, at each hop (SWITCH_INTERVAL_S).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # numpy's BLAS on one thread, set before anything imports numpy (recall and
+    # knowledge import it lazily): a search's matrix-vector product is memory-bound, and
+    # OpenBLAS's second thread only adds a hand-off, 8 ms on a 10k product that takes
+    # 0.3 ms on one (bench_knowledge: dense p50 13.2 -> 6.6 ms at 10k, 32 -> 22.5 at 100k).
+    # An operator's own setting wins.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     config = bridge_config(args)
     # Imported here, not with this module: every `wren` command builds its parser from
     # this module, and the bridge (paho and all) is most of a command's start-up time.
