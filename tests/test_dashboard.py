@@ -352,6 +352,50 @@ def test_a_phone_reads_the_run_and_the_fleet(dash: Dash) -> None:
         page.set_viewport_size({"width": 1280, "height": 800})
 
 
+def test_a_long_conversation_loads_its_earlier_rows(dash: Dash) -> None:
+    # More rows than one window (30): the page shows the tail, and "Load earlier" the
+    # rows before it, in order, each once.
+    from tests.test_http_api import start, stream
+
+    asked = [f"Question {k:02d} about the basil." for k in range(18)]
+    for text in asked:
+        dash.server.override_next(Turn(text=f"Answer to {text[:11]}."))
+        _, run = start(dash.base, dash.alice, text, conv="long-chat")
+        stream(f"{dash.base}/v1/devices/thermo1/runs/{run}/events", dash.alice)
+    page = dash.page
+    page.evaluate("() => { location.hash = '#/conv/long-chat'; }")
+    page.wait_for_selector(".conversation .k-user:has-text('Question 17')")
+    shown = page.inner_text(".conversation .transcript")
+    assert "Question 00" not in shown
+    earlier = page.locator(".conversation button:text('Load earlier')")
+    while earlier.is_visible():
+        earlier.click()
+        page.wait_for_timeout(100)
+    page.wait_for_selector(".conversation .k-user:has-text('Question 00')")
+    users = page.eval_on_selector_all(
+        ".conversation .transcript .k-user",
+        "els => els.map(e => (e.querySelector('.text') || e).textContent.trim())",
+    )
+    assert [u for u in users if u.startswith("Question")] == asked
+    check_axe(page, "a long conversation")
+
+
+def test_a_device_that_goes_offline_is_said_on_its_run(dash: Dash) -> None:
+    page, s = dash.page, dash.stack
+    page.evaluate("run => { location.hash = '#/run/thermo1/' + run; }", dash.runs["approval"])
+    wait_status(page, "Done")
+    s.kill_board()
+    try:
+        # The board's will, the bridge's grace (5 s), the page's next look at the fleet.
+        page.wait_for_selector("text=Device thermo1 is offline", timeout=60_000)
+        page.evaluate("() => { location.hash = '#/'; }")
+        page.wait_for_selector(".fleet-table tbody tr:has-text('thermo1'):has-text('offline')")
+    finally:
+        s.start_board()
+    page.wait_for_selector(".fleet-table tbody tr:has-text('thermo1'):has-text('online')",
+                           timeout=60_000)  # fmt: skip
+
+
 def test_another_tenants_token_sees_nothing_of_the_first(dash: Dash) -> None:
     registry = Registry(dash.stack.registry_path)
     secret = secrets.token_bytes(32)
