@@ -39,8 +39,11 @@ async def handle(run):
         await run.event("output", {"name": "summary", "status": "final", "format": "markdown",
                                    "value": "## Beds\\n\\n- **basil**: 3 pots\\n- mint"})
         for k in range(n):
+            near = {"label": "grows_near", "to_field": "plants", "to_key": "p1"}
+            links = [near] if k == 0 else []
             await run.event("row", {"field": "plants", "row": "p%d" % k, "status": "final",
-                                    "value": {"name": "plant %d" % k, "water": k % 7}, "ver": 1})
+                                    "value": {"name": "plant %d" % k, "water": k % 7}, "ver": 1,
+                                    "links": links})
         await run.event("citation", {"n": 1, "col": "manuals", "src": "greenhouse.md",
                                      "h": "Watering > Basil", "score": 0.5})
         fill.port = "done"

@@ -281,6 +281,8 @@ def test_a_table_an_output_and_citations_render(dash: Dash) -> None:
     assert page.locator("section.table tbody tr").count() == 200
     # Most recent first; the Markdown output as a list; the source cited.
     assert page.inner_text("section.table tbody tr >> nth=0").startswith("p199")
+    # The oldest row carries a forward link, shown on it.
+    assert "grows_near → plants/p1" in page.inner_text("section.table tbody tr >> nth=199")
     assert page.inner_text(".k-output .md li >> nth=0") == "basil: 3 pots"
     assert "greenhouse.md" in page.inner_text(".citations")
     assert "/fill" in page.inner_text(".nodes")

@@ -183,6 +183,15 @@ function tableSig(row) {
   return [row.status, row.output, row.ver, (row.links || []).length, row.stored, row.error];
 }
 
+// A row's forward links (PROTOCOL.md "mem.link": {label, to_field, to_key}), one line
+// each: "label → field/key". Backlinks are the other row's, never shown twice.
+function linkList(links) {
+  if (!Array.isArray(links) || !links.length) return "";
+  return h("ul", { class: "plain" }, links.map((l) => h("li", null,
+    l && typeof l === "object" && l.to_key !== undefined
+      ? `${l.label ?? ""} → ${l.to_field ?? ""}/${l.to_key}` : JSON.stringify(l))));
+}
+
 function cellValue(v) {
   if (v === null || v === undefined) return "";
   return typeof v === "string" ? v : JSON.stringify(v);
@@ -212,7 +221,8 @@ export class TableView {
         h("table", null,
           h("thead", null, h("tr", null,
             h("th", { scope: "col" }, "Row"), h("th", { scope: "col" }, "Value"),
-            h("th", { scope: "col" }, "Status"), h("th", { scope: "col" }, "Version"))),
+            h("th", { scope: "col" }, "Status"), h("th", { scope: "col" }, "Version"),
+            h("th", { scope: "col" }, "Links"))),
           this.body)),
       this.more);
   }
@@ -237,7 +247,8 @@ export class TableView {
           h("th", { scope: "row" }, h("code", null, row.key)),
           h("td", { class: "value" }, cellValue(row.output)),
           h("td", null, badge(row.status), row.stored ? h("span", { class: "muted" }, " stored") : null, err),
-          h("td", null, row.ver ?? ""));
+          h("td", null, row.ver ?? ""),
+          h("td", { class: "links" }, linkList(row.links)));
       }
       if (at === entry.tr) at = at.nextSibling;
       else this.body.insertBefore(entry.tr, at);
