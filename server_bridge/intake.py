@@ -351,6 +351,8 @@ class EventIntake:
         # bridge reads a hello's tools and fields only on request, capabilities()). Its
         # limits, which every answer to the board is sized by, are kept apart, small.
         self._hello: OrderedDict[str, bytes] = OrderedDict()
+        # Each device's hello tools, parsed once per hello (tools()): (its payload, them).
+        self._tools: dict[str, tuple[bytes, list[dict[str, Any]]]] = {}
         self._hello_bytes = hello_bytes
         self._hello_used = 0
         self._device_limits: dict[str, Limits] = {}
@@ -1229,14 +1231,34 @@ class EventIntake:
             payload = self._hello.get(device)
         return None if payload is None else cast(dict[str, Any], decode(payload, self._limits))
 
+    def tools(self, device: str) -> list[dict[str, Any]]:
+        """The tools of the device's last hello (name, description, args, client,
+        approval), read once per hello: the HTTP device list asks for every device of a
+        tenant on each poll of a dashboard."""
+        with self._lock:
+            payload = self._hello.get(device)
+            kept = self._tools.get(device)
+            if kept is not None and kept[0] is payload:
+                return kept[1]
+        hello = {} if payload is None else decode(payload, self._limits)
+        listed = hello.get("tools") if isinstance(hello, dict) else None
+        tools = [{k: t[k] for k in ("name", "description", "args", "client", "approval") if k in t}
+                 for t in listed or () if isinstance(t, dict)]  # fmt: skip
+        with self._lock:
+            if payload is not None and self._hello.get(device) is payload:
+                self._tools[device] = (payload, tools)
+        return tools
+
     def _keep_hello(self, device: str, payload: bytes) -> None:
+        self._tools.pop(device, None)
         old = self._hello.pop(device, None)
         if old is not None:
             self._hello_used -= len(old)
         self._hello[device] = payload
         self._hello_used += len(payload)
         while self._hello_used > self._hello_bytes and len(self._hello) > 1:
-            _, gone = self._hello.popitem(last=False)
+            gone_device, gone = self._hello.popitem(last=False)
+            self._tools.pop(gone_device, None)
             self._hello_used -= len(gone)
             self._count("hello.evicted", 1)
 

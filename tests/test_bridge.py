@@ -1457,3 +1457,17 @@ def test_a_status_keeps_only_what_presence_is() -> None:
     assert presence is not None
     assert set(presence) == {"st", "seen", "since", "fw", "heap", "boot"}
     assert presence["fw"] == "f" * 64 and presence["heap"] == 90000
+
+
+def test_a_devices_tools_are_read_from_its_latest_hello() -> None:
+    # What the HTTP device list gives the dashboard's forms: parsed once per hello.
+    it = intake(Sink())
+    assert it.tools("dev1") == []
+    first = {"name": "open_valve", "description": "d", "args": {"type": "object"},
+             "client": False, "approval": True, "extra": 1}  # fmt: skip
+    it.handle_hello(DEV, msgpack.packb({"agent": "thermostat", "tools": [first, "junk"]}))
+    got = it.tools("dev1")
+    assert got == [{k: v for k, v in first.items() if k != "extra"}]
+    assert it.tools("dev1") is got  # the same hello is not read again
+    it.handle_hello(DEV, msgpack.packb({"agent": "thermostat", "tools": []}))
+    assert it.tools("dev1") == []

@@ -133,19 +133,20 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         # a tool.call carries no schema. Read-only; what the bridge already holds.
         _, sess = session(request)
         intake = bridge.intake
-        out = []
-        for record, presence in bridge.devices_of(sess):
-            dev = record.device
-            runs = [r for r in intake.runs(dev)
-                    if r not in STREAMS and intake.finished(dev, r) is False
-                    and (sess.watch or intake.owner(dev, r) == sess.user)]  # fmt: skip
-            hello = bridge.hello(dev) or {}
-            tools = [{k: t[k] for k in ("name", "description", "args", "client", "approval")
-                      if k in t}
-                     for t in hello.get("tools") or () if isinstance(t, dict)]  # fmt: skip
-            out.append({"device": dev, "agent": record.agent, "presence": presence,
-                        "runs": runs, "tools": tools})  # fmt: skip
-        return JSONResponse({"devices": out})
+
+        def listed() -> list[dict[str, Any]]:
+            # On a worker: a tenant may have a thousand devices.
+            out = []
+            for record, presence in bridge.devices_of(sess):
+                dev = record.device
+                runs = [r for r in intake.runs(dev)
+                        if r not in STREAMS and intake.finished(dev, r) is False
+                        and (sess.watch or intake.owner(dev, r) == sess.user)]  # fmt: skip
+                out.append({"device": dev, "agent": record.agent, "presence": presence,
+                            "runs": runs, "tools": intake.tools(dev)})  # fmt: skip
+            return out
+
+        return JSONResponse({"devices": await run_in_threadpool(listed)})
 
     async def start_request(request: Request) -> Response:
         tok, sess = session(request)
