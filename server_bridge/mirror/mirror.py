@@ -35,9 +35,10 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from server_bridge.config import EVERY_TENANT, BridgeConfig
+from server_bridge.lanes import Outbox
 from server_bridge.mirror import payloads
 from server_bridge.mirror.runs import Runs
 from server_bridge.mirror.topics import (
@@ -57,7 +58,6 @@ __all__ = [
     "STATE_TOPICS",
     "Delivered",
     "JsonMirror",
-    "MirrorLanes",
     "both",
 ]
 
@@ -92,32 +92,6 @@ _IDLE_S = 0.5
 _DRAIN_S = 2.0
 
 
-class MirrorLanes(Protocol):
-    """What the mirror needs of the bridge's outbox (lanes.Outbox)."""
-
-    def offer_event(
-        self,
-        tenant: str,
-        device: str,
-        topic: str,
-        payload: bytes,
-        force: bool = False,
-        kind: str = ...,
-    ) -> str | None: ...
-
-    def has_room(self, tenant: str, device: str) -> bool: ...
-
-    def board(
-        self,
-        topic: str,
-        payload: bytes,
-        wait_until: float | None = None,
-        retain: bool = False,
-        tenant: str | None = None,
-        refusable: bool = False,
-    ) -> bool: ...
-
-
 def both(first: Delivered, then: Delivered) -> Delivered:
     """One intake hook that calls `first`, then `then`."""
 
@@ -140,7 +114,7 @@ class JsonMirror:
         self,
         prefix: str,
         tenants: Collection[str],
-        lanes: MirrorLanes,
+        lanes: Outbox,
         count: Count,
         *,
         max_runs: int = BridgeConfig.max_runs,
@@ -179,7 +153,7 @@ class JsonMirror:
         self._runs = Runs(max_runs)
 
     @classmethod
-    def for_config(cls, config: BridgeConfig, lanes: MirrorLanes, count: Count) -> JsonMirror:
+    def for_config(cls, config: BridgeConfig, lanes: Outbox, count: Count) -> JsonMirror:
         """The mirror of `config.json_mirror`'s tenants."""
         return cls(config.prefix, config.json_mirror, lanes, count, max_runs=config.max_runs)
 
