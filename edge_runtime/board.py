@@ -1,5 +1,6 @@
-# Boot a board: read settings from flash, join the network, wire the runtime to the
-# link and hand control to the link's supervisor for the life of the board.
+# Boot a board: read settings from flash, start the watchdog and join the network
+# (wifi.py), wire the runtime to the link and hand control to the link's supervisor for
+# the life of the board.
 from edge_runtime import platform
 
 # The link, a collection, then the runtime: from source, the compiler's peak is the
@@ -20,23 +21,36 @@ async def run_board(agent, settings):
     # board's heap too low to take a request (Runtime._call_room).
     device = settings["device"]
     runtime = Runtime(agent, device, settings)
+    # TLS (tls.py) when the settings name a CA: MQTT's TLS port unless told otherwise.
+    tls = settings.get("tls")
+    port = settings.get("port", 8883 if tls else 1883)
     # A stable client id and a persistent session: what the bridge sends while the
     # board is away waits for it at the broker.
     link = Link(
         settings.get("client_id", device),
         settings.get("host", "127.0.0.1"),
-        settings.get("port", 1883),
+        port,
         user=settings.get("user", device),
         password=settings.get("password"),
         keepalive=settings.get("keepalive", 30),
         outbox_size=settings.get("outbox", 16),
         inflight=settings.get("inflight", 8),
+        tls=tls,
         **runtime.link_settings()
     )
     runtime.attach(link)
+    # The watchdog and Wi-Fi, for a board whose settings name either (wifi.py, loaded
+    # only then), once the runtime's and the link's buffers are made in a whole heap (a
+    # join's garbage before them left no block for the link's at 128K): the network is
+    # joined before the link dials, and again by the link before a dial that finds it
+    # gone (wifi.start sets Link.wifi).
+    if settings.get("wifi") or settings.get("wdt_ms"):
+        from edge_runtime import wifi
+        await wifi.start(settings, link)
     platform.collect_often()
-    platform.log("board", device, "agent", agent.name, agent.version, "broker",
-                 settings.get("host", "127.0.0.1"), settings.get("port", 1883))
+    # One string, not words: "broker" alone would be a name in the board's pool.
+    platform.log("board %s agent %s %s broker %s:%s" % (
+        device, agent.name, agent.version, settings.get("host", "127.0.0.1"), port))
     try:
         await link.run()
     except MemoryError:
@@ -53,9 +67,6 @@ def start(agent, settings=None):
     if "device" not in settings:
         platform.log("settings.json has no device id; nothing to start")
         return
-    if settings.get("wifi"):
-        from edge_runtime import wifi
-        wifi.connect(settings)
     # Made before the heap can run out: raising it then must not need the heap.
     # Its status, 75, is how a virtual board (the unix port, or CPython) that reset
     # itself ends: tools/virtual_board.py's EXIT_RESET, which `wren board --virtual`,

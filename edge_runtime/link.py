@@ -93,10 +93,12 @@ class Link:
                  will=None, outbox_size=16, max_packet=20000, rx_size=_RX_SIZE,
                  on_message=None, on_connect=None, on_refused=None, on_room=None,
                  backoff_ms=(250, 8000), clean_session=True, inflight=8,
-                 ack_timeout_ms=10000):
+                 ack_timeout_ms=10000, tls=None):
         self.client_id = client_id
         self.host = host
         self.port = port
+        # The settings' `tls` entry (tls.py, imported only when it is set), or None.
+        self.tls = tls
         self.keepalive = keepalive
         self.max_packet = max_packet  # the largest packet we send
         # on_message(topic, payload): payload is a memoryview into the receive buffer,
@@ -255,6 +257,11 @@ class Link:
 
     # --- supervisor -----------------------------------------------------------------
 
+    # Awaited before each dial when set: wifi.py's connect (wifi.start sets it), which
+    # joins the board's Wi-Fi again when it is gone, so the link never dials over no
+    # network. A name the board's qstr pool holds already (board.py's "wifi").
+    wifi = None
+
     async def run(self):
         # Returns on stop(). Raises MemoryError when four connections in a row found no
         # heap (`short`): to connect, or in one of their tasks, a collection before each:
@@ -267,6 +274,8 @@ class Link:
                 try:
                     try:
                         self.stats["ended_short"] = 0
+                        if self.wifi:
+                            await self.wifi()
                         await self._open()
                         fails = 0
                         await self._down.wait()  # the connection's life: to reconnect()/stop()
@@ -331,7 +340,11 @@ class Link:
         # leaves its socket open (the unix port's sockets have no finaliser), one per
         # timed-out attempt until the board runs out. A late attempt is left to end on
         # its own (the OS bounds a TCP connect) and its stream is closed then.
-        t = asyncio.create_task(asyncio.open_connection(self.host, self.port))
+        if self.tls:
+            from edge_runtime import tls
+            t = asyncio.create_task(tls.open(self))
+        else:
+            t = asyncio.create_task(asyncio.open_connection(self.host, self.port))
         waited = 0
         while not t.done():
             if waited >= _OPEN_MS or self._stopping:
@@ -352,7 +365,8 @@ class Link:
         # a board's status). Inline, not a function: each name counts against the
         # board's qstr pool (test_on_small_heap).
         try:
-            sock = w.s if hasattr(w, "s") else w.get_extra_info("socket")
+            # (Over TLS, tls.py's stream names its TCP socket as CPython's does.)
+            sock = w.s if hasattr(w, "s") and not self.tls else w.get_extra_info("socket")
             sock.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
             self.stats["nodelay"] = 1
         except (OSError, AttributeError, TypeError, KeyError) as e:

@@ -126,7 +126,11 @@ async def read_some(stream, mv):
     # once; CPython's have no readinto, so there a read's bytes are copied in (CPython
     # is the simulation, not where the heap is small).
     if IS_MICROPYTHON:
-        k = await stream.readinto(mv)
+        # None, though the socket was readable: a TLS record not all here yet (tls.py);
+        # 0 is the end of the stream.
+        k = None
+        while k is None:
+            k = await stream.readinto(mv)
     else:
         data = await stream.read(len(mv))
         k = len(data)

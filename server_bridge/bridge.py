@@ -714,6 +714,8 @@ class Bridge:
         client.max_queued_messages_set(cfg.max_queued_messages)
         if username is not None:
             client.username_pw_set(username, password)
+        if cfg.tls is not None:
+            cfg.tls.apply(client)
         client.connect_timeout = cfg.connect_timeout_s
         client.reconnect_delay_set(1, 30)
         client.on_socket_open = no_delay
@@ -937,6 +939,8 @@ class Bridge:
             )
             if user is not None:
                 c.username_pw_set(user, password)
+            if cfg.tls is not None:
+                cfg.tls.apply(c)
             done = threading.Event()
             c.on_connect = lambda *a, done=done: done.set()
             try:

@@ -74,9 +74,11 @@ import re
 import secrets
 import sysconfig
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from server_bridge.tls import TLS_PORT
 from server_bridge.topics import bridge_topic, check_id, check_user_id
 
 __all__ = [
@@ -91,6 +93,7 @@ __all__ = [
     "HOST_READ",
     "HOST_WRITE",
     "USER_READ",
+    "TLSListener",
     "acl_text",
     "check_entry",
     "check_password",
@@ -574,6 +577,41 @@ def _bound(lines: list[str]) -> str:
     return "\n".join(lines) + "\n" + BROKER_QUEUES
 
 
+@dataclass(frozen=True)
+class TLSListener:
+    """A TLS listener of Wren's broker, besides its plain one (`mosquitto_conf`'s `tls`):
+    the broker's certificate and key, and the CA its clients' certificates are checked
+    against when `require_certificate` (a client must then show one it signed, besides
+    its user and password). PEM files, named by absolute path in the configuration;
+    Mosquitto reads them again on SIGHUP (a renewed certificate needs no restart)."""
+
+    certfile: Path
+    keyfile: Path
+    cafile: Path | None = None
+    port: int = TLS_PORT
+    bind: str | None = None
+    require_certificate: bool = False
+
+    def lines(self) -> str:
+        """The listener's lines, ValueError naming a file that is missing."""
+        if self.require_certificate and self.cafile is None:
+            raise ValueError("require_certificate needs the CA of the clients' certificates")
+        head = _check_listener(self.port, self.bind)
+        out = [head]
+        for option, path in (("certfile", self.certfile), ("keyfile", self.keyfile),
+                             ("cafile", self.cafile)):  # fmt: skip
+            if path is None:
+                continue
+            if not Path(path).is_file():
+                raise ValueError(f"TLS listener: no {option} at {path}")
+            out.append(f"{option} {Path(path).resolve()}")
+        if self.require_certificate:
+            out.append("require_certificate true")
+        # Client ids bound to users is a listener's option (_bound): on this one too.
+        out.append("use_username_as_clientid true")
+        return "\n".join(out) + "\n"
+
+
 def _check_listener(port: int, bind: str | None) -> str:
     if not 0 < port < 65536:
         raise ValueError(f"bad port {port}")
@@ -588,17 +626,20 @@ def mosquitto_conf(
     acl: str,
     port: int = 1883,
     bind: str | None = None,
+    tls: TLSListener | None = None,
 ) -> Path:
     """Write a complete Mosquitto configuration into `directory`: `passwords` (from
     entries already hashed), `acl` and `mosquitto.conf`, which listens on `port` (on
-    `bind`, or every interface), authenticates every client and uses the other two.
-    Returns the path of `mosquitto.conf`, for `mosquitto -c`.
+    `bind`, or every interface), and over TLS as `tls` says too, authenticates every
+    client and uses the other two. Returns the path of `mosquitto.conf`, for
+    `mosquitto -c`.
 
     Written again with other users, the files are replaced whole (each by a rename), so
     a broker sent SIGHUP reloads either the old or the new ones, never half of each.
     """
     listener = _check_listener(port, bind)
-    lines = write_broker_files(directory, entries, acl)
+    more = tls.lines() if tls is not None else ""
+    lines = write_broker_files(directory, entries, acl) + more
     return _whole_conf(Path(directory), listener, lines, "then send Mosquitto SIGHUP to reload")
 
 
@@ -608,6 +649,7 @@ def dynsec_mosquitto_conf(
     port: int = 1883,
     bind: str | None = None,
     plugin: Path | str | None = None,
+    tls: TLSListener | None = None,
 ) -> Path:
     """`mosquitto_conf` with the dynamic security plugin instead of the password file and
     the ACL: `dynsec.json` (dynsec_config's `document`) and `mosquitto.conf` in
@@ -615,7 +657,8 @@ def dynsec_mosquitto_conf(
     with the persistence this config turns on, sessions and what waits in them survive it.
     """
     listener = _check_listener(port, bind)
-    lines = write_dynsec_files(directory, document, plugin)
+    more = tls.lines() if tls is not None else ""
+    lines = write_dynsec_files(directory, document, plugin) + more
     return _whole_conf(Path(directory), listener, lines, "then restart Mosquitto")
 
 

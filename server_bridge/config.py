@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from server_bridge.brokerconf import CONTROL_SUFFIX, LINK_SUFFIX, LINKS, control_user, link_user
+from server_bridge.tls import BrokerTLS
 from server_bridge.topics import DEFAULT_PREFIX, is_id
 from server_bridge.wire import Limits
 
@@ -192,6 +193,9 @@ class BridgeConfig:
     # JSON under their host topics (server_bridge/mirror/, `wren bridge --json-mirror`):
     # tenant ids, or EVERY_TENANT ("*") for all. Empty, the default: no mirror.
     json_mirror: frozenset[str] = frozenset()
+    # TLS to the broker (server_bridge/tls.py: a CA, a client certificate and key), on
+    # every connection of the process; None: plain TCP.
+    tls: BrokerTLS | None = None
 
     def link_login(self, link: int) -> tuple[str, str | None, str | None]:
         """Client id, user and password of link `link` (0 is the event connection's:

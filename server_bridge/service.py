@@ -38,6 +38,7 @@ from server_bridge.models.base import Provider, check_base_url
 from server_bridge.models.policy import ModelPolicy, merge_allowed, parse_allow
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import provision
+from server_bridge.tls import TLS_PORT, BrokerTLS, TLSConfigError
 from server_bridge.topics import is_id
 
 if TYPE_CHECKING:
@@ -55,8 +56,10 @@ __all__ = [
     "ServiceError",
     "add_arguments",
     "add_broker_arguments",
+    "add_tls_arguments",
     "bridge_config",
     "broker_address",
+    "broker_tls",
     "build_parser",
     "main",
     "metrics_address",
@@ -202,9 +205,47 @@ def add_broker_arguments(p: argparse.ArgumentParser, user_env: str, password_env
     )
 
 
+def add_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """--broker-tls, --broker-ca, --broker-cert and --broker-key: TLS to the broker
+    (server_bridge/tls.py; `broker_tls` reads them)."""
+    p.add_argument(
+        "--broker-tls",
+        action="store_true",
+        help="connect to the broker over TLS, checked against the system's CAs unless "
+        f"--broker-ca names one (port {TLS_PORT} unless --broker says)",
+    )
+    p.add_argument(
+        "--broker-ca",
+        type=Path,
+        metavar="PEM",
+        help="the CA the broker's certificate is checked against (implies TLS)",
+    )
+    p.add_argument(
+        "--broker-cert",
+        type=Path,
+        metavar="PEM",
+        help="a client certificate, for a broker that asks for one (implies TLS)",
+    )
+    p.add_argument(
+        "--broker-key", type=Path, metavar="PEM", help="the key of --broker-cert, if not in it"
+    )
+
+
+def broker_tls(args: argparse.Namespace) -> BrokerTLS | None:
+    """The BrokerTLS of add_tls_arguments' options, None when none asks for TLS; a file
+    that cannot be used is a ServiceError naming it."""
+    if not (args.broker_tls or args.broker_ca or args.broker_cert or args.broker_key):
+        return None
+    try:
+        return BrokerTLS(args.broker_ca, args.broker_cert, args.broker_key)
+    except TLSConfigError as e:
+        raise ServiceError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every option of the bridge service, on `p`."""
     add_broker_arguments(p, "WREN_BRIDGE_USER", "WREN_BRIDGE_PASSWORD")
+    add_tls_arguments(p)
     p.add_argument("--registry", type=Path, default=Path(".wren/registry.json"))
     p.add_argument(
         "--memory-dir",
@@ -452,13 +493,15 @@ def build_parser(prog: str = "python -m server_bridge") -> argparse.ArgumentPars
 
 def bridge_config(args: argparse.Namespace) -> BridgeConfig:
     """The BridgeConfig these parsed options describe."""
-    host, port = args.broker or DEFAULT_BROKER
+    tls = broker_tls(args)
+    host, port = args.broker or (DEFAULT_BROKER[0], TLS_PORT if tls else DEFAULT_BROKER[1])
     config = BridgeConfig(
         host=host,
         port=port,
         username=args.user,
         password=args.password,
         client_id=args.client_id,
+        tls=tls,
     )
     # Only an option given overrides the config's own default, so that default is
     # written once (BridgeConfig; the --merge-ms help reads it from there too).

@@ -93,6 +93,7 @@ from server_bridge.host.tools import (
 )
 from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.tcp import no_delay
+from server_bridge.tls import BrokerTLS
 from server_bridge.tokens import WATCH, peek
 from server_bridge.topics import (
     DEFAULT_PREFIX,
@@ -258,6 +259,9 @@ class HostClient:
 
     `tools` answers client tools by name (module docstring; on_tool adds one).
 
+    `tls` connects over TLS (server_bridge/tls.py: a CA, and a client certificate and key
+    for a broker that asks for one).
+
     A broker configured by server_bridge/brokerconf.py replaces `client_id` with the
     user name (client ids bound to users, PROTOCOL.md "Identity"): each HostClient that
     runs alongside another needs a host user of its own, or the two knock each other
@@ -282,6 +286,7 @@ class HostClient:
         user: str | None = None,
         watch: bool | None = None,
         tools: ToolHandlers | None = None,
+        tls: BrokerTLS | None = None,
     ) -> None:
         if not 0 < replay_after_s <= max_replay_wait_s:
             raise ValueError("need 0 < replay_after_s <= max_replay_wait_s")
@@ -339,6 +344,8 @@ class HostClient:
         self._username = username
         if username is not None:
             self._client.username_pw_set(username, password)
+        if tls is not None:
+            tls.apply(self._client)
         self._client.on_socket_open = no_delay
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
