@@ -246,6 +246,13 @@ def main() -> None:
         help="a MicroPython binary to measure (repeatable; default: the unix port, and "
         f"the 32-bit build ({I686 or 'none found'}) when present)",
     )
+    parser.add_argument(
+        "--frozen",
+        action="store_true",
+        help="also measure unix ports with edge_runtime frozen in (64-bit, and 32-bit where "
+        "the kit is), built by the kit as tests/stack.py frozen_binary() builds them: the "
+        "frozen modules come first on the board's path, so their code is in the binary",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
     figures = ["import"] if args.import_only else [f for f in args.figures.split(",") if f]
@@ -264,6 +271,16 @@ def main() -> None:
         # Once only: with the 32-bit kit first on PATH, the "unix port" found is that build.
         if I686 is not None and os.path.realpath(I686) != os.path.realpath(unix):
             binaries.append(I686)
+    frozen: set[str] = set()
+    if args.frozen:
+        from tests.stack import frozen_binary
+
+        for arch in ("x64", "i686"):
+            progress(f"frozen: building (or finding) the {arch} unix port with edge_runtime frozen")
+            exe = frozen_binary(arch)
+            if exe is not None:
+                binaries.append(exe)
+                frozen.add(exe)
     command = "python benchmarks/bench_heap.py"
     if args.import_only:
         command += " --import-only"
@@ -271,10 +288,12 @@ def main() -> None:
         command += f" --figures {','.join(figures)}"
     for b in args.micropython or ():
         command += f" --micropython {b}"
+    if args.frozen:
+        command += " --frozen"
     print(f"command: {command}")
     words = {exe: bits(exe) for exe in binaries}
     for n, exe in enumerate(binaries, 1):
-        print(f"binary {n}: {exe} ({words[exe]}-bit)")
+        print(f"binary {n}: {exe} ({words[exe]}-bit{', runtime frozen' if exe in frozen else ''})")
 
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wren-bench-heap-") as tmp:
@@ -286,7 +305,7 @@ def main() -> None:
                 for mpy in (False, True)
             }
             for n, exe in enumerate(binaries, 1):
-                label = f"{n}: {words[exe]}-bit"
+                label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
                 for mpy in (False, True):
                     kind = ".mpy" if mpy else ".py"
                     name = f"import runtime ({kind})"
@@ -301,7 +320,7 @@ def main() -> None:
             rig = TurnRig(work / "turn", ScriptedProvider(DEMO_SCRIPT))
             try:
                 for n, exe in enumerate(binaries, 1):
-                    label = f"{n}: {words[exe]}-bit"
+                    label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
                     for mpy in (False, True):
                         kind = ".mpy" if mpy else ".py"
                         name = f"one demo turn ({kind})"
@@ -327,7 +346,7 @@ def main() -> None:
                 rig = TurnRig(work / "long", provider)
                 try:
                     for n, exe in enumerate(binaries, 1):
-                        label = f"{n}: {words[exe]}-bit"
+                        label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
                         name = "long answer (.mpy)"
 
                         def longs(k: int, e: str = exe) -> bool:
@@ -352,7 +371,7 @@ def main() -> None:
             try:
                 trials = [0]
                 for n, exe in enumerate(binaries, 1):
-                    label = f"{n}: {words[exe]}-bit"
+                    label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
                     name = "memory turn (.mpy)"
 
                     def memories(k: int, e: str = exe) -> bool:
@@ -378,7 +397,7 @@ def main() -> None:
             main_py = (KIOSK / "main.py").read_text()
             try:
                 for n, exe in enumerate(binaries, 1):
-                    label = f"{n}: {words[exe]}-bit"
+                    label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
                     name = "kiosk turn (.mpy)"
 
                     def kiosks(k: int, e: str = exe) -> bool:

@@ -109,12 +109,11 @@ def i686_binary() -> str | None:
 
 
 def build_kit() -> Path | None:
-    """The team's MicroPython build kit (../shared/micropython/build.sh), where there is
-    one: beside the checkout or at /work/shared."""
-    for candidate in (ROOT.parent / "shared" / "micropython", Path("/work/shared/micropython")):
-        if (candidate / "build.sh").is_file():
-            return candidate
-    return None
+    """The team's MicroPython build kit, where there is one (tools/build.py finds it for
+    `wren build --frozen-manifest` too)."""
+    from tools.build import kit_dir
+
+    return kit_dir()
 
 
 def frozen_binary(arch: str = "x64") -> str | None:

