@@ -247,6 +247,18 @@ def test_the_entry_point_names_the_plugin() -> None:
     assert found.get("wren") == "tools.pytest_plugin"
 
 
+def test_the_board_runtime_and_the_bridge_are_imported_as_written() -> None:
+    # The plugin takes back pytest's rewrite marks on them (tools/pytest_plugin.py,
+    # _AS_WRITTEN): a board module under test is the code a board runs.
+    import importlib
+
+    from _pytest.assertion.rewrite import AssertionRewritingHook
+
+    for name in ("edge_runtime.wifi", "edge_runtime.codec", "server_bridge.bridge"):
+        loader = importlib.import_module(name).__loader__
+        assert not isinstance(loader, AssertionRewritingHook), name
+
+
 def _pytest(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     # As a user whose pytest loads no plugin by itself: `-p wren` by the entry point's
     # name. No cache or bytecode left in the example's directory.
