@@ -18,6 +18,8 @@ of ../shared/micropython (or $WREN_MICROPYTHON_I686) when it is there.
     python benchmarks/bench_heap.py                     # every figure, every binary
     python benchmarks/bench_heap.py --import-only
     python benchmarks/bench_heap.py --figures turn --micropython PATH   # that binary only
+    python benchmarks/bench_heap.py --frozen    # also unix ports with edge_runtime frozen in
+                                                # (the kit's x64 and i686), flash without it
 
 Progress goes to stderr, the table to stdout.
 """
@@ -58,6 +60,9 @@ IMPORT = (
 )
 # The 32-bit unix port of the shared MicroPython kit, where present.
 I686 = i686_binary()
+# Binaries with edge_runtime frozen in (--frozen): their boards' flash holds no copy of
+# the runtime, which would be imported before the frozen one.
+FROZEN: set[str] = set()
 # The long answer: each position checkable, so a lost or doubled piece shows.
 LONG = "".join(f"{i:04d}," for i in range(400))  # 2,000 characters
 LONG_CHUNK = 4
@@ -190,7 +195,9 @@ class TurnRig:
         self.registry.add_device(device, "bench", agent)
         settings = {"device": device, "host": self.broker.host, "port": self.broker.port}
         more = {} if main_py is None else {"main_py": main_py}
-        flash = lay_out_flash(self.workdir / "boards" / device, settings, mpy=mpy, **more)
+        flash = lay_out_flash(
+            self.workdir / "boards" / device, settings, mpy=mpy, package=exe not in FROZEN, **more
+        )
         board = VirtualBoard(flash, heap=f"{kib}K", exe=exe)
         proc = board.start()
         try:
@@ -271,7 +278,7 @@ def main() -> None:
         # Once only: with the 32-bit kit first on PATH, the "unix port" found is that build.
         if I686 is not None and os.path.realpath(I686) != os.path.realpath(unix):
             binaries.append(I686)
-    frozen: set[str] = set()
+    frozen = FROZEN
     if args.frozen:
         from tests.stack import frozen_binary
 
@@ -301,28 +308,30 @@ def main() -> None:
         if "import" in figures:
             progress("import: laying out the runtime as .py and .mpy (mpy-cross)")
             flashes = {
-                mpy: lay_out_flash(work / f"import{'.mpy' if mpy else '.py'}", {"device": "x"}, mpy)
-                for mpy in (False, True)
+                kind: lay_out_flash(
+                    work / f"import{kind}", {"device": "x"}, kind == ".mpy",
+                    package=kind != "frozen",
+                )  # fmt: skip
+                for kind in (".py", ".mpy", "frozen")
             }
             for n, exe in enumerate(binaries, 1):
                 label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                for mpy in (False, True):
-                    kind = ".mpy" if mpy else ".py"
+                for kind in ("frozen",) if exe in frozen else (".py", ".mpy"):
                     name = f"import runtime ({kind})"
 
-                    def imports(k: int, f: Path = flashes[mpy], e: str = exe) -> bool:
+                    def imports(k: int, f: Path = flashes[kind], e: str = exe) -> bool:
                         return import_ok(e, f, k)
 
                     found = bisect_kib(f"{name} [{label}]", imports, 2, 256)
-                    rows.append((name, label, found, import_alloc(exe, flashes[mpy])))
+                    rows.append((name, label, found, import_alloc(exe, flashes[kind])))
         if "turn" in figures:
             progress("turn: starting a broker and a bridge with the scripted model")
             rig = TurnRig(work / "turn", ScriptedProvider(DEMO_SCRIPT))
             try:
                 for n, exe in enumerate(binaries, 1):
                     label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                    for mpy in (False, True):
-                        kind = ".mpy" if mpy else ".py"
+                    for mpy in (True,) if exe in frozen else (False, True):
+                        kind = "frozen" if exe in frozen else ".mpy" if mpy else ".py"
                         name = f"one demo turn ({kind})"
 
                         def turns(k: int, m: bool = mpy, e: str = exe) -> bool:
@@ -347,7 +356,7 @@ def main() -> None:
                 try:
                     for n, exe in enumerate(binaries, 1):
                         label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                        name = "long answer (.mpy)"
+                        name = f"long answer ({'frozen' if exe in frozen else '.mpy'})"
 
                         def longs(k: int, e: str = exe) -> bool:
                             return rig.turn_ok(e, k, True, "Count for me", LONG, LONG_TIMEOUT_S)
@@ -372,7 +381,7 @@ def main() -> None:
                 trials = [0]
                 for n, exe in enumerate(binaries, 1):
                     label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                    name = "memory turn (.mpy)"
+                    name = f"memory turn ({'frozen' if exe in frozen else '.mpy'})"
 
                     def memories(k: int, e: str = exe) -> bool:
                         trials[0] += 1
@@ -383,6 +392,7 @@ def main() -> None:
                             (broker.host, broker.port),
                             work / "memory",
                             f"heapm{trials[0]}",
+                            package=e not in FROZEN,
                         )
 
                     found = bisect_kib(f"{name} [{label}]", memories, 8, 256)
@@ -398,7 +408,7 @@ def main() -> None:
             try:
                 for n, exe in enumerate(binaries, 1):
                     label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                    name = "kiosk turn (.mpy)"
+                    name = f"kiosk turn ({'frozen' if exe in frozen else '.mpy'})"
 
                     def kiosks(k: int, e: str = exe) -> bool:
                         return rig.turn_ok(

@@ -79,9 +79,10 @@ async def serve(device, proc, timeout_ms=20000):
             task.cancel()
 
 
-def turn_ok(exe, heap_kib, mpy, broker, workdir, device):
+def turn_ok(exe, heap_kib, mpy, broker, workdir, device, package=True):
     # One trial: a fresh flash for `device` under `workdir` (core memory starts empty, so
-    # the board also restores it with core.load), the board at heap_kib KiB.
+    # the board also restores it with core.load), the board at heap_kib KiB; without the
+    # runtime on flash (package=False) for a binary that has it frozen in.
     import asyncio
 
     from firmware_tests import support
@@ -90,7 +91,7 @@ def turn_ok(exe, heap_kib, mpy, broker, workdir, device):
     host, port = broker
     support.BROKER = (host, port)
     settings = {"device": device, "host": host, "port": port}
-    flash = lay_out_flash(workdir / device, settings, mpy=mpy, main_py=MAIN_PY)
+    flash = lay_out_flash(workdir / device, settings, mpy=mpy, main_py=MAIN_PY, package=package)
     board = VirtualBoard(flash, heap="%dK" % heap_kib, exe=exe)
     proc = board.start()
     try:

@@ -152,12 +152,21 @@ def install_package(dest: Path, mpy: bool = False) -> Path:
 
 
 def lay_out_flash(
-    flash: Path, settings: dict[str, Any], mpy: bool = True, main_py: str = MAIN_PY
+    flash: Path,
+    settings: dict[str, Any],
+    mpy: bool = True,
+    main_py: str = MAIN_PY,
+    package: bool = True,
 ) -> Path:
     """Write the board's file system: edge_runtime/ (.mpy by default, as `wren deploy`
-    puts on a board, or .py), settings.json and main.py."""
+    puts on a board, or .py), settings.json and main.py. `package=False` leaves the
+    runtime off, for a firmware that has it frozen in: a flash copy would be imported
+    before the frozen one (the board's working directory comes first on its path)."""
     flash.mkdir(parents=True, exist_ok=True)
-    install_package(flash, mpy)
+    if package:
+        install_package(flash, mpy)
+    elif (flash / "edge_runtime").exists():
+        shutil.rmtree(flash / "edge_runtime")
     (flash / "settings.json").write_text(json.dumps(settings, indent=1))
     (flash / "main.py").write_text(main_py)
     return flash
