@@ -34,7 +34,7 @@ from tools.virtual_board import install_package, micropython_binary  # noqa: E40
 
 # The order a demo turn loads them in (platform brings asyncio, frozen in the port).
 MODULES = (
-    "platform codec ring mqtt events rpc link agent runs board demo "
+    "platform codec ring mqtt events rpc link mqttopen agent runs board demo "
     "presence toolloop fields memtools state"
 ).split()
 

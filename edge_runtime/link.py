@@ -37,7 +37,7 @@ except ImportError:
     def const(x):
         return x
 
-_OPEN_MS = const(10000)  # TCP connect, CONNACK, and the SUBACK of the resubscribe
+_OPEN_MS = const(10000)  # the SUBACK of the resubscribe (mqttopen: TCP connect, CONNACK)
 _WRITE_MS = const(10000)  # one packet onto the socket
 _BYE_MS = const(1000)  # DISCONNECT and close on stop()
 _TICK_MS = const(500)  # watchdog period (shorter for tiny keepalives)
@@ -48,9 +48,6 @@ _RX_HEAD = const(128)
 # A Link's receive buffer unless told otherwise: a small client's. The board runtime
 # passes the size its hello announces (runs.Runtime.link_settings).
 _RX_SIZE = const(2048)
-# setsockopt(IPPROTO_TCP, TCP_NODELAY): the numbers of lwIP and of Linux alike.
-_IPPROTO_TCP = const(6)
-_TCP_NODELAY = const(1)
 
 # In-flight entry: [pid, topic, payload, retain, sent_at or None (not yet sent on
 # this connection), resent on this connection already]
@@ -77,15 +74,6 @@ def _unsent(w):
     if buf is not None:
         return len(buf)
     return w.transport.get_write_buffer_size()
-
-
-async def _close_late(t):
-    try:
-        w = (await t)[1]
-        w.close()
-        await w.wait_closed()
-    except Exception:  # the attempt failed after all: nothing to close
-        pass
 
 
 class Link:
@@ -143,9 +131,11 @@ class Link:
         self._ping = None  # ticks_ms of an unanswered PINGREQ
         self._skipped = None  # (topic, pid, qos, size) of the PUBLISH _read_packet read past
         self._rxn = [0, 0]  # the receive buffer's unread bytes: _rx[_rxn[0]:_rxn[1]]
-        # Built once: CONNECT is the same bytes on every attempt.
-        self._connect_pkt = mqtt.encode_connect(client_id, clean_session, keepalive, user,
-                                                password, will)
+        # Built once: CONNECT is the same bytes on every attempt (mqttopen.py, which the
+        # first connection loads anyway).
+        from edge_runtime import mqttopen
+        self._connect_pkt = mqttopen.encode_connect(client_id, clean_session, keepalive,
+                                                    user, password, will)
 
     # --- application API ------------------------------------------------------------
 
@@ -335,53 +325,14 @@ class Link:
             except Exception:  # whatever closing hit, run() ends as it was going to
                 pass
 
-    async def _dial(self):
-        # Not wait_for(open_connection(...)): on MicroPython a cancelled open_connection
-        # leaves its socket open (the unix port's sockets have no finaliser), one per
-        # timed-out attempt until the board runs out. A late attempt is left to end on
-        # its own (the OS bounds a TCP connect) and its stream is closed then.
-        if self.tls:
-            from edge_runtime import tls
-            t = asyncio.create_task(tls.open(self))
-        else:
-            t = asyncio.create_task(asyncio.open_connection(self.host, self.port))
-        waited = 0
-        while not t.done():
-            if waited >= _OPEN_MS or self._stopping:
-                asyncio.create_task(_close_late(t))
-                raise asyncio.TimeoutError()
-            await platform.sleep_ms(20)
-            waited += 20
-        return await t
-
     async def _open(self):
         self._down.clear()
-        r, w = await self._dial()
-        # Nagle off: each of the link's messages is small and waits on the one before (an
-        # ack, a chunk, an event), and with Nagle on each small write waits up to 40 ms
-        # for the broker's delayed ACK. MicroPython's stream keeps its socket in `s`;
-        # CPython's asyncio's socket is behind get_extra_info. A port without the option
-        # keeps working, slower; stats["nodelay"] says whether it is set (for tests and
-        # a board's status). Inline, not a function: each name counts against the
-        # board's qstr pool (test_on_small_heap).
-        try:
-            # (Over TLS, tls.py's stream names its TCP socket as CPython's does.)
-            sock = w.s if hasattr(w, "s") and not self.tls else w.get_extra_info("socket")
-            sock.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
-            self.stats["nodelay"] = 1
-        except (OSError, AttributeError, TypeError, KeyError) as e:
-            log("link", "TCP_NODELAY not set:", e)
-            self.stats["nodelay"] = 0
-        sock = None
-        # Everything that belongs to this connection, handed to its tasks: a task whose
-        # connection is no longer self._conn stops, whatever it was doing.
-        conn = self._conn = (r, w, asyncio.Lock())
-        self._rxn[0] = self._rxn[1] = 0  # nothing of an earlier connection's is read
-        await self._write(conn, self._connect_pkt)
-        t, _, body = await platform.wait_for_ms(self._read_packet(r), _OPEN_MS)
-        if t != mqtt.CONNACK:
-            raise mqtt.MalformedPacket("no CONNACK")
-        self.session_present = mqtt.parse_connack(body)
+        # The dial, CONNECT and CONNACK are mqttopen.py's, loaded for the opening and
+        # let go once the link is up (_connected). Out of heap for it, the attempt fails
+        # as any other does and counts as one that found no heap (run).
+        from edge_runtime import mqttopen
+        conn = await mqttopen.open(self)
+        mqttopen = None
         self.stats["connects"] += 1
         self._opened = self._rx_at = platform.ticks_ms()
         self._ping = None
@@ -398,6 +349,8 @@ class Link:
 
     def _connected(self):
         # "Up" includes the subscriptions: whoever waited for it can rely on receiving.
+        # The opening's code goes (a later subscribe() loads it again for its SUBACK).
+        platform.unload("mqttopen")
         self.connected = True
         self._up.set()
         log("link: up %s:%s as %s%s" % (self.host, self.port, self.client_id,
@@ -545,7 +498,9 @@ class Link:
                         self._sub_pid = pid
                     new = self._subs[self._nsubs:]
                     self._nsubs = len(self._subs)
-                    await self._write(conn, mqtt.encode_subscribe(pid, new))
+                    from edge_runtime import mqttopen
+                    await self._write(conn, mqttopen.encode_subscribe(pid, new))
+                    mqttopen = None
                 # A message's send time is set once it is written, on a connection
                 # still current (a new one sends it again): until then _send_now writes
                 # nothing straight to the socket, which would overtake it. The write
@@ -687,7 +642,9 @@ class Link:
                             break
                     # else: the ack of a message acked already (we resent it); ignored.
                 elif t == mqtt.SUBACK:
-                    pid, codes = mqtt.parse_suback(body)
+                    from edge_runtime import mqttopen
+                    pid, codes = mqttopen.parse_suback(body)
+                    mqttopen = None
                     if _FAIL in codes:
                         log("link: broker refused a subscription", pid)
                     if pid == self._sub_pid:

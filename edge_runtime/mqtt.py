@@ -2,7 +2,8 @@
 # body and return plain values, and one parser of fixed headers (parse_head) finds whole
 # packets in what has been read. No sockets or tasks here, so the board's Link and the board tests (which play
 # a broker's side too) share one byte layout. On a board every line and every public
-# name here is loaded into a small heap, so only what a client needs is here.
+# name here is loaded into a small heap, so only what a live client connection needs
+# is here; its opening (CONNECT, CONNACK, SUBSCRIBE, SUBACK) is mqttopen.py's.
 #
 # Errors: wire data is refused with an MqttError, never an assert and never a
 # half-built value. MqttError derives from Exception, not OSError, on purpose: a
@@ -19,7 +20,6 @@ except ImportError:
 
 
 # Packet types (the high nibble of the first byte).
-_CONNECT = const(1)
 _CONNACK = const(2)
 _PUBLISH = const(3)
 _PUBACK = const(4)
@@ -32,12 +32,6 @@ _DISCONNECT = const(14)
 
 _DUP = const(0x08)  # PUBLISH fixed-header flags
 _RETAIN = const(0x01)
-_F_USER = const(0x80)  # CONNECT flags
-_F_PASSWORD = const(0x40)
-_F_WILL_RETAIN = const(0x20)
-_F_WILL = const(0x04)
-_F_CLEAN = const(0x02)
-_LEVEL = const(4)  # protocol level of 3.1.1
 _MAX_LEN = const(268435455)  # the most four varint bytes can say
 
 # Public names for code that dispatches on parse_head's result: the packets a client
@@ -79,10 +73,6 @@ _TABLE = const(
     "reserved    -**."
 )
 
-# CONNACK return codes (3.2.2.3), index = code.
-_REFUSALS = const(("accepted", "bad protocol version", "identifier rejected",
-                   "server unavailable", "bad user name or password", "not authorized"))
-
 # Packets with no variable part are constants, never rebuilt.
 PINGREQ_PACKET = b"\xc0\x00"
 PINGRESP_PACKET = b"\xd0\x00"
@@ -104,40 +94,8 @@ class PacketTooLarge(MqttError):
     pass
 
 
-class ConnectRefused(MqttError):
-    # CONNACK with a non-zero return code, kept in .code.
-    def __init__(self, code):
-        super().__init__("refused: " + (_REFUSALS[code] if code < 6 else str(code)))
-        self.code = code
-
-
 def packet_name(t):
     return _TABLE[(t & 15) * _ROW:(t & 15) * _ROW + 12].strip()
-
-
-def encode_length(n):
-    # The remaining length: base-128 digits, low first, at most four (2.2.3).
-    if not 0 <= n <= _MAX_LEN:
-        raise ValueError("remaining length")
-    out = bytearray()
-    while n > 127:
-        out.append(n & 127 | 128)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _packet(first, body):
-    return bytes((first,)) + encode_length(len(body)) + body
-
-
-def _str(s):
-    # A length-prefixed field (1.5.3) from str or bytes.
-    if isinstance(s, str):
-        s = s.encode()
-    if len(s) > 0xFFFF:
-        raise ValueError("field over 65535 bytes")
-    return bytes((len(s) >> 8, len(s) & 255)) + s
 
 
 def read_u16(buf, off):
@@ -170,40 +128,6 @@ def check_topic(topic):
     # A topic name (what is published to) is non-empty and has no wildcard.
     if not topic or "+" in topic or "#" in topic:
         raise ValueError("bad topic name")
-
-
-def encode_connect(client_id, clean=True, keepalive=60, user=None, password=None, will=None):
-    # will = (topic, payload, qos, retain) or None.
-    flags = _F_CLEAN if clean else 0
-    tail = _str(client_id)
-    if will:
-        topic, payload, qos, retain = will
-        check_topic(topic)
-        if qos not in (0, 1, 2):
-            raise ValueError("will qos")
-        flags |= _F_WILL | qos << 3 | (_F_WILL_RETAIN if retain else 0)
-        tail += _str(topic) + _str(bytes(payload))
-    if user is not None:
-        flags |= _F_USER
-        tail += _str(user)
-    if password is not None:
-        if user is None:
-            raise ValueError("password without user")  # MQTT-3.1.2-22
-        flags |= _F_PASSWORD
-        tail += _str(password)
-    if not 0 <= keepalive <= 0xFFFF:
-        raise ValueError("keepalive")
-    head = b"\x00\x04MQTT" + bytes((_LEVEL, flags, keepalive >> 8, keepalive & 255))
-    return _packet(_CONNECT << 4, head + tail)
-
-
-def parse_connack(body):
-    # Returns session_present; a refusal raises ConnectRefused naming the code.
-    if body[0] > 1:
-        raise MalformedPacket("CONNACK flags")
-    if body[1]:
-        raise ConnectRefused(body[1])
-    return body[0] == 1
 
 
 def publish_header(topic, size, qos=0, retain=False, dup=False, pid=0):
@@ -271,26 +195,6 @@ def parse_packet_id(body):
     # PUBACK, UNSUBACK and the QoS 2 acks: the body is the packet id alone (the
     # table made parse_head check it is two bytes).
     return body[0] << 8 | body[1]
-
-
-def encode_subscribe(pid, topics):
-    # topics: (filter, qos) pairs, at least one (MQTT-3.8.3-3).
-    if not topics:
-        raise ValueError("no filters")
-    body = bytes((pid >> 8, pid & 255))
-    for topic, qos in topics:
-        body += _str(topic) + bytes((qos,))
-    return _packet(_SUBSCRIBE << 4 | 2, body)
-
-
-def parse_suback(body):
-    # Returns (pid, codes); code 0x80 refused that filter.
-    pid, off = read_u16(body, 0)
-    codes = bytes(body[off:])  # a body may be a memoryview, which has no `in` on MicroPython
-    for c in codes:
-        if c > 2 and c != 0x80:
-            raise MalformedPacket("SUBACK code")
-    return pid, codes
 
 
 def parse_head(buf, start, end, sender="b"):

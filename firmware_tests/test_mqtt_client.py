@@ -7,7 +7,7 @@
 import random
 import sys
 
-from edge_runtime import mqtt
+from edge_runtime import mqtt, mqttopen
 from edge_runtime.link import Link
 from edge_runtime.platform import asyncio, sleep_ms, wait_for_ms
 from firmware_tests.support import broker_address, client_id, read_packet, run, session_id, topic_root
@@ -169,7 +169,7 @@ class CutProxy:
                             self.cut = True
                             await self._drop(pair, other)
                             return
-                w.write(bytes((t << 4 | flags,)) + mqtt.encode_length(len(body)) + body)
+                w.write(bytes((t << 4 | flags,)) + mqttopen.encode_length(len(body)) + body)
                 await w.drain()
         except (OSError, EOFError, mqtt.MqttError):
             await self._drop(pair, other)

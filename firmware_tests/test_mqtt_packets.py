@@ -3,7 +3,7 @@
 # scripted peer. Runs under pytest on CPython and on the MicroPython unix port.
 import sys
 
-from edge_runtime import mqtt
+from edge_runtime import mqtt, mqttopen
 from edge_runtime.link import Link, _unsent
 from edge_runtime.platform import asyncio, sleep_ms, wait_for_ms
 from firmware_tests.clock import Clock
@@ -33,18 +33,18 @@ WILL = ("wren/v1/d/dev1/status", b"off", 1, True)
 
 
 def test_connect_with_will_and_credentials():
-    got = mqtt.encode_connect("wren-1", True, 30, "dev1", "s3cret", WILL)
+    got = mqttopen.encode_connect("wren-1", True, 30, "dev1", "s3cret", WILL)
     assert got == CONNECT_FULL, got.hex()
 
 
 def test_connect_minimal_and_its_flags():
     # Anonymous, clean, no will: flags 0x02; keepalive 0 disables it.
-    assert mqtt.encode_connect("c", True, 0) == H("10 0d 00 04 4d 51 54 54 04 02 00 00 00 01 63")
+    assert mqttopen.encode_connect("c", True, 0) == H("10 0d 00 04 4d 51 54 54 04 02 00 00 00 01 63")
     # Persistent session: flags 0x00; user without password: 0x80.
-    assert mqtt.encode_connect("c", False, 60, "u") == H(
+    assert mqttopen.encode_connect("c", False, 60, "u") == H(
         "10 10 00 04 4d 51 54 54 04 80 00 3c 00 01 63 00 01 75")
-    raises(ValueError, mqtt.encode_connect, "c", True, 60, None, "pw")  # MQTT-3.1.2-22
-    raises(ValueError, mqtt.encode_connect, "c", True, 60, None, None, ("a/#", b"", 0, False))
+    raises(ValueError, mqttopen.encode_connect, "c", True, 60, None, "pw")  # MQTT-3.1.2-22
+    raises(ValueError, mqttopen.encode_connect, "c", True, 60, None, None, ("a/#", b"", 0, False))
 
 
 def test_publish_qos0_qos1_dup_retain():
@@ -63,7 +63,7 @@ def test_publish_qos0_qos1_dup_retain():
 
 def test_subscribe_puback_ping_disconnect():
     # 3.8: fixed flags 0010, packet id, then (filter, requested QoS) pairs.
-    assert mqtt.encode_subscribe(1, [("a/+", 1), ("b/#", 0)]) == H(
+    assert mqttopen.encode_subscribe(1, [("a/+", 1), ("b/#", 0)]) == H(
         "82 0e 00 01 00 03 61 2f 2b 01 00 03 62 2f 23 00")
     assert mqtt.encode_puback(0x0102) == H("40 02 01 02")
     assert mqtt.PINGREQ_PACKET == H("c0 00")
@@ -76,9 +76,9 @@ def test_remaining_length_boundaries():
     cases = [(0, "00"), (127, "7f"), (128, "80 01"), (16383, "ff 7f"), (16384, "80 80 01"),
              (2097151, "ff ff 7f"), (2097152, "80 80 80 01"), (268435455, "ff ff ff 7f")]
     for n, want in cases:
-        assert mqtt.encode_length(n) == H(want), n
-    raises(ValueError, mqtt.encode_length, 268435456)
-    raises(ValueError, mqtt.encode_length, -1)
+        assert mqttopen.encode_length(n) == H(want), n
+    raises(ValueError, mqttopen.encode_length, 268435456)
+    raises(ValueError, mqttopen.encode_length, -1)
 
 
 def test_publish_header_at_each_remaining_length_width():
@@ -91,7 +91,7 @@ def test_publish_header_at_each_remaining_length_width():
         var = 2 + len(topic) + (2 if qos else 0)
         for rest in (var, 127, 128, 16383, 16384, 2097151, 2097152, 268435455):
             head = mqtt.publish_header(topic, rest - var, qos, qos == 1, False, pid)
-            want = (bytes((0x30 | qos << 1 | (1 if qos else 0),)) + mqtt.encode_length(rest)
+            want = (bytes((0x30 | qos << 1 | (1 if qos else 0),)) + mqttopen.encode_length(rest)
                     + H("00 12") + topic.encode() + H(tail))
             assert bytes(head) == want, (qos, rest)
         raises(ValueError, mqtt.publish_header, topic, 268435456 - var, qos, False, False, pid)
@@ -155,11 +155,11 @@ def test_read_packet_at_the_length_boundaries():
     # The boundaries of the remaining length's digits, read by read_head alone: a 16 KiB
     # body twice over (sent and read) does not reliably fit a board-sized test heap.
     for n in (127, 128, 16383, 16384, 2097151, 2097152):
-        header = H("30") + mqtt.encode_length(n)
+        header = H("30") + mqttopen.encode_length(n)
         r = Parts(header, b"")
         assert run(read_head(r)) == (mqtt.PUBLISH, 0, n) and r.pos == len(header), n
     for n in (127, 128):
-        header = H("30") + mqtt.encode_length(n)
+        header = H("30") + mqttopen.encode_length(n)
         body = bytearray(n)
         body[0:5] = H("00 03 61 2f 62")  # topic "a/b", then the payload
         r = Parts(header, body)
@@ -176,7 +176,7 @@ def test_read_packet_at_the_length_boundaries():
 def test_oversized_packet_is_refused_before_its_body_is_read():
     # A PUBLISH announcing 100000 bytes: only the header (1 + 3 length bytes) is read,
     # and the body never arrives in this stream, so reading it would be an EOFError.
-    e, pos = _read_error(mqtt.PacketTooLarge, H("30") + mqtt.encode_length(100000))
+    e, pos = _read_error(mqtt.PacketTooLarge, H("30") + mqttopen.encode_length(100000))
     assert pos == 4
     assert isinstance(e, mqtt.MqttError)
 
@@ -216,15 +216,15 @@ def test_parse_publish_refuses_bad_bodies():
 
 
 def test_connack_and_suback():
-    assert mqtt.parse_connack(H("00 00")) is False
-    assert mqtt.parse_connack(H("01 00")) is True
-    e = raises(mqtt.ConnectRefused, mqtt.parse_connack, H("00 05"))
+    assert mqttopen.parse_connack(H("00 00")) is False
+    assert mqttopen.parse_connack(H("01 00")) is True
+    e = raises(mqttopen.ConnectRefused, mqttopen.parse_connack, H("00 05"))
     assert e.code == 5 and "not authorized" in str(e)
-    e = raises(mqtt.ConnectRefused, mqtt.parse_connack, H("00 04"))
+    e = raises(mqttopen.ConnectRefused, mqttopen.parse_connack, H("00 04"))
     assert "bad user name or password" in str(e)
-    raises(mqtt.MalformedPacket, mqtt.parse_connack, H("02 00"))
-    assert mqtt.parse_suback(H("00 07 01 80")) == (7, H("01 80"))
-    raises(mqtt.MalformedPacket, mqtt.parse_suback, H("00 07 03"))
+    raises(mqtt.MalformedPacket, mqttopen.parse_connack, H("02 00"))
+    assert mqttopen.parse_suback(H("00 07 01 80")) == (7, H("01 80"))
+    raises(mqtt.MalformedPacket, mqttopen.parse_suback, H("00 07 03"))
 
 
 # --- the Link against a scripted peer ------------------------------------------------------

@@ -74,8 +74,8 @@ def test_a_memory_turn_runs_within_its_ceiling_on_32_bits(broker, tmp_path: Path
 # thermostat's next runs ran out of memory at 128K). These are let go between uses,
 # but their names stay interned.
 _RUNS = {
-    "demo": "demo board agent fields fieldcheck runs link toolloop memtools memcall memstart state presence control",
-    "memory-turn": "demo board agent fields fieldcheck runs link toolloop memtools memcall memstart core presence control",
+    "demo": "demo board agent fields fieldcheck runs link mqttopen toolloop memtools memcall memstart state presence control",
+    "memory-turn": "demo board agent fields fieldcheck runs link mqttopen toolloop memtools memcall memstart core presence control",
 }
 # Fresh names interned one at a time after the imports, each followed by qstr_info(),
 # until the pool count grows: how many names the runtime can still add before the
