@@ -51,6 +51,8 @@ from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 30.0
 QUESTION = "How warm is it in here?"
+# A host user of its own for `wren ask` (the harness's client is HOST_USER).
+ASK_USER = "tls-asker"
 # How long a client refused for want of a certificate waits before it gives up (module
 # test below: it is told nothing, its broker's log is what the test reads).
 NO_ANSWER_S = 3.0
@@ -342,6 +344,7 @@ def test_a_board_serves_the_demo_turn_over_tls_within_its_heap_ceiling(
         board_settings={"port": boards, "tls": {"ca": "ca.der"}},
         # A later --broker wins: the bridge's connections go to the TLS listener.
         bridge_args=["--broker", f"127.0.0.1:{services}", *client_tls],
+        extra_users={ASK_USER: TENANT},
     ) as s:
         # The harness's host client came in over plain TCP; this one over TLS.
         assert s.client is not None
@@ -364,6 +367,30 @@ def test_a_board_serves_the_demo_turn_over_tls_within_its_heap_ceiling(
         assert any(f"link: up 127.0.0.1:{boards} " in line for line in s.console), s.describe()
         assert f"bridge: 127.0.0.1:{services}," in s.bridge_log(), s.describe()
         assert not any("MemoryError" in line for line in s.console), s.describe()
+        # `wren ask`, a host of its own, takes the bridge's TLS options; without the
+        # client certificate this listener asks for, it is refused in one line.
+        asked = _wren_ask(s, services, *client_tls)
+        assert asked.returncode == 0, asked.stdout + asked.stderr + s.describe()
+        assert "assistant: It is 21.5 °C in here." in asked.stdout, asked.stdout
+        assert "status: done" in asked.stdout, asked.stdout
+        refused = _wren_ask(s, services, "--broker-ca", str(pki.ca_pem))
+        # (Under TLS 1.3 the client sees only a lost connection: paho tries again until
+        # the wait runs out, see the host client's test below.)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        last = refused.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"wren ask: cannot reach the broker at 127.0.0.1:{services}"), last
+        assert last.endswith("pass --broker-cert)"), last
+        assert "Traceback" not in refused.stderr, refused.stderr
+
+
+def _wren_ask(s: Stack, port: int, *tls: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WREN_HOST_USER=ASK_USER,
+               WREN_HOST_PASSWORD=s.users[ASK_USER])  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tools.cli", "ask", "--broker", f"127.0.0.1:{port}",
+         "--registry", str(s.registry_path), "--timeout", "60", *tls, QUESTION],
+        env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
 
 
 # --- refused, retried, and connected once the certificate is good ---------------------------

@@ -45,7 +45,12 @@ from server_bridge.registry import (
     Registry,
     host_user,
 )
-from server_bridge.service import DEFAULT_AGENT, add_broker_arguments, broker_address
+from server_bridge.service import (
+    DEFAULT_AGENT,
+    add_broker_arguments,
+    add_tls_arguments,
+    broker_address,
+)
 from server_bridge.topics import DEFAULT_PREFIX
 from tools import build as build_cli
 from tools import flash as flash_cli
@@ -211,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ask", help="send one request as a host (an MQTT user of its own) and show the run"
     )
     add_broker_arguments(a, "WREN_HOST_USER", "WREN_HOST_PASSWORD")
+    add_tls_arguments(a)
     a.add_argument("text")
     a.add_argument(
         "--registry", type=Path, default=Path(".wren/registry.json"), help="for the tenant secret"

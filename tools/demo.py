@@ -45,7 +45,8 @@ from server_bridge.host.terminal import (
 from server_bridge.memory import open_memory
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry, provision
-from server_bridge.service import DEFAULT_AGENT, STOP_EXIT_CODE
+from server_bridge.service import DEFAULT_AGENT, STOP_EXIT_CODE, ServiceError, broker_tls
+from server_bridge.tls import TLS_PORT
 from server_bridge.tokens import dashboard_link, sign
 from server_bridge.topics import DEFAULT_PREFIX
 from tools.broker import BrokerError, MosquittoMissing, start_mosquitto
@@ -466,7 +467,14 @@ def run_board(args: argparse.Namespace) -> int:
 
 
 def run_ask(args: argparse.Namespace) -> int:
-    host, port = args.broker or ("127.0.0.1", 1883)
+    # TLS as the bridge takes it (--broker-tls, --broker-ca, --broker-cert, --broker-key):
+    # a host of a cloud broker connects on its TLS port, a client certificate where the
+    # broker asks for one.
+    try:
+        tls = broker_tls(args)
+    except ServiceError as e:
+        raise DemoError(str(e)) from None
+    host, port = args.broker or ("127.0.0.1", TLS_PORT if tls else 1883)
     registry = Registry(args.registry)
     secret = registry.tenant_secret(args.tenant)
     if secret is None:
@@ -485,6 +493,7 @@ def run_ask(args: argparse.Namespace) -> int:
         password=args.password,
         prefix=PREFIX,
         token=token,
+        tls=tls,
     )
     try:
         client.connect(timeout=10)
@@ -492,7 +501,13 @@ def run_ask(args: argparse.Namespace) -> int:
         # Reached, and refused: not a broker that "cannot be reached".
         raise DemoError(f"{e} (--user/--password, or WREN_HOST_USER/WREN_HOST_PASSWORD)") from e
     except (HostConnectError, OSError, TimeoutError) as e:
-        raise DemoError(f"cannot reach the broker at {host}:{port}: {e}") from e
+        # Under TLS 1.3 a broker that wants a client certificate drops the connection
+        # after the handshake, and the client is told nothing more: said as the likely
+        # cause (the broker's log has the reason).
+        hint = ""
+        if tls is not None and tls.cert is None:
+            hint = " (over TLS: if the broker asks for a client certificate, pass --broker-cert)"
+        raise DemoError(f"cannot reach the broker at {host}:{port}: {e}{hint}") from e
     # connect() has read the bridge's retained status: with the bridge away, the request
     # would wait for it at the broker and run whenever it is back, unwatched. Not sent.
     bridge = client.bridge_presence()
