@@ -620,26 +620,26 @@ class Stack:
         # Reads the board's console; a board that reset itself (exit EXIT_RESET) while
         # it was wanted is started again, as a board boots again after its reset, and
         # its console goes on in the same list.
-        while True:
-            out = proc.stdout
-            if out is None:
-                return
-            for line in out:
-                with self._console_cond:
-                    self._console.append(line.rstrip("\n"))
-                    self._console_cond.notify_all()
-            out.close()
-            board = self.board
-            if board is None or board.proc is not proc or not board.reset_itself():
-                return
-            with self._console_cond:
-                if not self._board_wanted or self._closed:
-                    return
-                proc = board.start()
-                self.processes.append(proc)
-                self.board_resets += 1
-                self._console.append(f"[stack] the board reset itself; started again ({proc.pid})")
-                self._console_cond.notify_all()
+        board = self.board
+        assert board is not None
+        board.follow_console(proc, self._heard, self._boot_again)
+
+    def _heard(self, line: str) -> None:
+        with self._console_cond:
+            self._console.append(line)
+            self._console_cond.notify_all()
+
+    def _boot_again(self) -> subprocess.Popen[str] | None:
+        board = self.board
+        with self._console_cond:
+            if board is None or not self._board_wanted or self._closed:
+                return None
+            proc = board.start()
+            self.processes.append(proc)
+            self.board_resets += 1
+            self._console.append(f"[stack] the board reset itself; started again ({proc.pid})")
+            self._console_cond.notify_all()
+            return proc
 
     @property
     def console(self) -> list[str]:

@@ -602,20 +602,15 @@ class UnixBoard(Board):
         # The console, line by line; a board that reset itself (exit EXIT_RESET) while
         # wanted boots again, as a board does, from this thread (the process dies with
         # the thread that started it, which must outlive it).
-        while True:
-            out = proc.stdout
-            if out is None:
-                return
-            for line in out:
-                self._heard(line.rstrip("\n"))
-            out.close()
-            if self.virtual.proc is not proc or not self.virtual.reset_itself():
-                return
-            with self._cond:
-                if not self._wanted:
-                    return
-                proc = self.virtual.start()
-                self.resets += 1
+        self.virtual.follow_console(proc, self._heard, self._boot_again)
+
+    def _boot_again(self) -> subprocess.Popen[str] | None:
+        with self._cond:
+            if not self._wanted:
+                return None
+            proc = self.virtual.start()
+            self.resets += 1
+            return proc
 
     def _power_off(self) -> None:
         with self._cond:

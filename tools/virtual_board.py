@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,33 @@ class VirtualBoard:
             preexec_fn=die_with_owner(),
         )
         return self.proc
+
+    def follow_console(
+        self,
+        proc: subprocess.Popen[str],
+        heard: Callable[[str], None],
+        boot_again: Callable[[], subprocess.Popen[str] | None],
+    ) -> None:
+        """Read the console of `proc` (this board's process) to its end, each line without
+        its newline to `heard`. A board that reset itself (`reset_itself`) boots again, as a
+        board does, through `boot_again`: it starts the board and returns the new process,
+        or returns None when the board is no longer wanted; the new console goes on to
+        `heard`. Call it on a thread that lives as long as the board: the process dies
+        with the thread that started it (`start`)."""
+        while True:
+            out = proc.stdout
+            if out is None:
+                return
+            for line in out:
+                heard(line.rstrip("\n"))
+            out.close()
+            # A newer process of this board (started again by its owner) has its own reader.
+            if self.proc is not proc or not self.reset_itself():
+                return
+            again = boot_again()
+            if again is None:
+                return
+            proc = again
 
     def reset_itself(self) -> bool:
         """Whether the board's process ended by resetting itself (exit `EXIT_RESET`,
