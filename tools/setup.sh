@@ -56,6 +56,21 @@ if ! command -v socat >/dev/null 2>&1; then
     fi
 fi
 
+# nats-server: a three-node NATS cluster speaking MQTT is the broker cluster of the tests
+# of several bridges (tests/test_nats_cluster.py, tools/nats_cluster.py; DESIGN "Where
+# scale goes"). Without it those tests skip, saying why.
+if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""
+        [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+        echo "setup: installing nats-server with apt-get (for the broker cluster's tests)"
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nats-server >/dev/null \
+            || { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nats-server >/dev/null; }
+    else
+        echo "setup: nats-server not found and no apt-get: the broker cluster's tests will skip"
+    fi
+fi
+
 # Step lines: the installs below take a minute or more on a fresh machine, and a
 # silent minute looks like a hang.
 if [ ! -x .venv/bin/python ]; then
