@@ -66,7 +66,7 @@ async def _open(host, port, ctx, name):
         s = ctx.wrap_socket(sock, server_hostname=name, do_handshake_on_connect=False)
         s.setblocking(False)
     except Exception as e:
-        # Closed here: the unix port's sockets have no finaliser (link.py, _dial).
+        # Closed here: the unix port's sockets have no finaliser (mqttopen.py, _dial).
         sock.close()
         # mbedTLS's buffers come from the heap on a bare-metal port: short of it, this is
         # a connection that found no heap, which the link counts as such.
