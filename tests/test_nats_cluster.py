@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -67,8 +66,11 @@ class Fleet:
     token: str
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    # One cluster and one fleet for the module: a cluster takes 3-4 s to come up and
+    # the bridge's QoS 1 subscriptions on it seconds more (each a JetStream consumer).
+    tmp_path = tmp_path_factory.mktemp("nats-fleet")
     passwords = {name: secrets.token_hex(8) for name in (BRIDGE, DEVICE, HOST)}
     bridge_logins = [BRIDGE, control_user(BRIDGE)] + [link_user(BRIDGE, i) for i in range(1, LINKS)]
     users = [bridge_user(name, passwords[BRIDGE]) for name in bridge_logins]
