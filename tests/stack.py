@@ -56,6 +56,7 @@ from server_bridge.registry import provision
 from server_bridge.tokens import sign
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto
 from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT
+from tools.owned_process import stop_process
 from tools.virtual_board import MAIN_PY, BoardError, VirtualBoard, lay_out_flash
 
 __all__ = [
@@ -748,12 +749,9 @@ def _wait(proc: subprocess.Popen[Any], what: str) -> None:
 
 def _terminate(proc: subprocess.Popen[Any], what: str) -> None:
     """SIGTERM, then SIGKILL if it does not exit in time."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
     try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
+        killed = stop_process(proc, STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        _wait(proc, what)
-        raise StackError(f"{what}: pid {proc.pid} ignored SIGTERM and was killed") from None
+        raise StackError(f"{what}: pid {proc.pid} did not exit in {STOP_TIMEOUT_S}s") from None
+    if killed:
+        raise StackError(f"{what}: pid {proc.pid} ignored SIGTERM and was killed")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.owned_process import die_with_owner
+from tools.owned_process import die_with_owner, stop_process
 
 # The Mosquitto binary to run, when it is not `mosquitto` on PATH or in /usr/sbin.
 MOSQUITTO_ENV = "WREN_MOSQUITTO"
@@ -77,13 +77,7 @@ class MosquittoProcess:
 
     def _terminate(self) -> None:
         # SIGTERM, not SIGKILL: Mosquitto saves its persistence file on the way out.
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def stop(self) -> None:
         self._terminate()

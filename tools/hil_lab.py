@@ -64,7 +64,7 @@ from tools import board_settings
 from tools import build as build_mod
 from tools import flash as flash_mod
 from tools.broker import MosquittoProcess, start_mosquitto
-from tools.owned_process import die_with_owner
+from tools.owned_process import die_with_owner, stop_process
 from tools.virtual_board import EXIT_RESET, VirtualBoard, micropython_binary
 
 __all__ = [
@@ -1019,12 +1019,5 @@ def _tail(text: str, n: int) -> str:
 
 def _terminate(proc: subprocess.Popen[Any], what: str) -> None:
     """SIGTERM, then SIGKILL if it does not exit in time."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=STOP_TIMEOUT_S)
-        raise LabError(f"{what}: pid {proc.pid} ignored SIGTERM and was killed") from None
+    if stop_process(proc, STOP_TIMEOUT_S):
+        raise LabError(f"{what}: pid {proc.pid} ignored SIGTERM and was killed")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from edge_runtime import mqttopen
 from tools.broker import BrokerError, free_port
-from tools.owned_process import die_with_owner
+from tools.owned_process import die_with_owner, stop_process
 
 __all__ = [
     "NatsCluster",
@@ -144,17 +144,11 @@ class NatsNode:
         )
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
         if kill:
             self.proc.kill()
-        else:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 10.0)
 
 
 @dataclass

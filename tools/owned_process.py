@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 # prctl(2): the signal the kernel sends a process when the thread that started it ends.
 _PR_SET_PDEATHSIG = 1
@@ -40,3 +42,21 @@ def die_with_owner() -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 5.0) -> bool:
+    """SIGTERM `proc` (a broker then saves its state, a board's owner cleans up) and wait
+    up to `timeout_s`; one that ignores it is SIGKILLed and waited for. Returns whether it
+    had to be killed, for a caller that counts that as a fault. Nothing to do for a
+    process that has ended. subprocess.TimeoutExpired if even SIGKILL did not end it in
+    `timeout_s`."""
+    if proc.poll() is not None:
+        return False
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+        return True

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from tools.owned_process import stop_process
+
 CTRL_A, CTRL_B, CTRL_C, CTRL_D = b"\x01", b"\x02", b"\x03", b"\x04"
 RAW_BANNER = b"raw REPL; CTRL-B to exit\r\n>"
 # Real boards' USB CDC buffers are small; code goes out in pieces this size.
@@ -127,13 +129,7 @@ class PtyTransport:
         os.write(self.fd, data)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         os.close(self.fd)
 
 

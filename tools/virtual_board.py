@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import edge_runtime
-from tools.owned_process import die_with_owner
+from tools.owned_process import die_with_owner, stop_process
 
 EDGE_DIR = Path(edge_runtime.__file__).resolve().parent
 # How a virtual board that reset itself ends (edge_runtime/board.py, start(): its
@@ -282,13 +282,8 @@ class VirtualBoard:
         return out_of_heap(self.heap, sources)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 def fallback_notice() -> str | None:
