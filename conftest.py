@@ -15,6 +15,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.broker import MosquittoProcess, start_mosquitto  # noqa: E402
+from tools.pg_server import PgMissing, PgServer, start_postgres  # noqa: E402
 
 # A suite started in the background by a non-interactive shell (`sh -c '... &'`, nohup)
 # inherits SIGINT ignored, and so would every process it starts: the tests that stop
@@ -38,3 +39,31 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MosquittoProces
     else:
         os.environ["WREN_TEST_BROKER"] = old
     b.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgServer]:
+    """A PostgreSQL server of the session's own (tools/pg_server.py); the tests that
+    need one skip, saying why, on a machine without PostgreSQL."""
+    try:
+        server = start_postgres(tmp_path_factory.mktemp("postgres"))
+    except PgMissing as e:
+        pytest.skip(f"PostgreSQL store tests need a PostgreSQL server: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_dsn(pg_server: PgServer) -> Iterator[str]:
+    """A fresh, empty database on the session's server, dropped after the test."""
+    import uuid
+
+    import psycopg
+    import psycopg.conninfo
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield psycopg.conninfo.make_conninfo(pg_server.dsn, dbname=name)
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
