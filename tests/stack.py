@@ -57,7 +57,7 @@ from server_bridge.tokens import sign
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto
 from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT
 from tools.owned_process import stop_process
-from tools.virtual_board import MAIN_PY, BoardError, VirtualBoard, lay_out_flash
+from tools.virtual_board import EXIT_RESET, MAIN_PY, BoardError, VirtualBoard, lay_out_flash
 
 __all__ = [
     "DEVICE",
@@ -719,6 +719,11 @@ class Stack:
         ]
         for name, proc, wanted in parts:
             if wanted and proc is not None and proc.poll() is not None:
+                # A board that reset itself is booting again: its console's pump starts
+                # it as soon as it has read the old console to the end (_pump), which on
+                # a loaded machine is after this check.
+                if name == "board" and proc.returncode == EXIT_RESET:
+                    continue
                 raise self._error(f"{what}: the {name} exited with code {proc.returncode}")
 
     def describe(self, lines: int = TAIL_LINES) -> str:
