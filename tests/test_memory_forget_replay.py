@@ -1,11 +1,11 @@
 """Issue 25, item 4: a forgotten row stays forgotten, however late a replay comes.
 
-The per-device ledger (server_bridge/memory/ledger.py) over real TinyDB files in tmp_path.
+The per-device ledger (server_bridge/memory/ledger.py) over both stores: real TinyDB files
+in tmp_path (`[tiny]`) and PostgreSQL (`[pg]`), through test_memory_store's `stores`.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,12 @@ from server_bridge.memory import ledger as L
 from server_bridge.memory.grants import ALL_FIELDS, WRITE, Grants
 from server_bridge.memory.store import LEDGER_CAP
 from server_bridge.store import AtomicJSONStorage
+from tests import test_memory_store
+from tests.test_memory_store import Stores
+
+# The store fixtures, each test of both backends (`[tiny]`, `[pg]`).
+stores = test_memory_store.stores
+memory_db = test_memory_store.memory_db
 
 FIELDS: list[dict[str, Any]] = [
     {"name": "notes", "dur": "agent", "kind": "collection", "max": 1 << 16},
@@ -43,9 +49,9 @@ def caller(run: str = f"{BOOT}.1") -> Caller:
     )
 
 
-def service(path: Path, clock: Clock, ledger_cap: int = LEDGER_CAP) -> MemoryService:
-    store = TinyMemoryStore(path, clock, ledger_cap=ledger_cap)
-    return MemoryService(store, clock=clock, scope_limit=1 << 26)
+def service(stores: Stores, clock: Clock, ledger_cap: int = LEDGER_CAP) -> MemoryService:
+    """A service over a new store instance on `stores`' data (a restart)."""
+    return MemoryService(stores(clock, ledger_cap=ledger_cap), clock=clock, scope_limit=1 << 26)
 
 
 def remember(svc: MemoryService, run: str, seq: int, key: str, value: Any) -> dict[str, Any]:
@@ -73,13 +79,13 @@ def peek(svc: MemoryService, key: str) -> dict[str, Any] | None:
 REMEMBER = {"field": "notes", "key": "door", "value": "the code is 1234", "w": f"{BOOT}.1:1"}
 
 
-def test_a_replay_after_the_ledger_evicted_it_brings_nothing_back(tmp_path: Path) -> None:
+def test_a_replay_after_the_ledger_evicted_it_brings_nothing_back(stores: Stores) -> None:
     # The report: forget, 4,100 writes to the same collection (past the 4,096 entries a
     # file's ledger keeps), then the original remember again. The writes go to eight
     # rows, not 4,100: the ledger keeps write ids whatever rows they wrote, and a file
     # of eight rows is rewritten in a fraction of the time one of thousands is.
     clock = Clock()
-    svc = service(tmp_path / "mem", clock)
+    svc = service(stores, clock)
     me = caller()
     assert svc.handle(me, "mem.remember", REMEMBER) == {"key": "door", "ver": 1}
     forget = {"field": "notes", "key": "door", "w": f"{BOOT}.1:2"}
@@ -95,18 +101,18 @@ def test_a_replay_after_the_ledger_evicted_it_brings_nothing_back(tmp_path: Path
     assert svc.handle(me, "mem.remember", REMEMBER) == {"dup": True}
     assert peek(svc, "door") is None
     # Nor after a restart, nor with the forget replayed too.
-    again = service(tmp_path / "mem", clock)
+    again = service(stores, clock)
     assert again.handle(me, "mem.remember", REMEMBER) == {"dup": True}
     assert again.handle(me, "mem.forget", forget) == {"dup": True}
     assert peek(again, "door") is None
 
 
 def test_the_same_with_a_small_file_ledger_and_a_new_write_after_the_forget(
-    tmp_path: Path,
+    stores: Stores,
 ) -> None:
     # The same story in a few writes: each file's ledger keeps 8 entries here.
     clock = Clock()
-    svc = service(tmp_path / "mem", clock, ledger_cap=8)
+    svc = service(stores, clock, ledger_cap=8)
     me = caller()
     svc.handle(me, "mem.remember", REMEMBER)
     forget = {"field": "notes", "key": "door", "w": f"{BOOT}.1:2"}
@@ -121,15 +127,15 @@ def test_the_same_with_a_small_file_ledger_and_a_new_write_after_the_forget(
     assert remember(svc, f"{BOOT}.3", 1, "door", "the code is 9999") == {"key": "door", "ver": 2}
     assert svc.handle(me, "mem.forget", {**forget, "w": f"{BOOT}.1:3"})["forgotten"] is True
     assert remember(svc, f"{BOOT}.1", 4, "door", "the code is 4321") == {"key": "door", "ver": 3}
-    again = service(tmp_path / "mem", clock, ledger_cap=8)
+    again = service(stores, clock, ledger_cap=8)
     assert again.handle(me, "mem.remember", REMEMBER) == {"dup": True}
     row = peek(again, "door")
     assert row is not None and (row["ver"], row["value"]) == (3, "the code is 4321")
 
 
-def test_a_slot_forgotten_stays_forgotten(tmp_path: Path) -> None:
+def test_a_slot_forgotten_stays_forgotten(stores: Stores) -> None:
     clock = Clock()
-    svc = service(tmp_path / "mem", clock, ledger_cap=4)
+    svc = service(stores, clock, ledger_cap=4)
     me = caller()
     write = {"writes": [{"field": "count", "value": 5, "w": f"{BOOT}.1:1"}]}
     assert svc.handle(me, "state.commit", write)["results"][0]["ver"] == 1
@@ -141,20 +147,20 @@ def test_a_slot_forgotten_stays_forgotten(tmp_path: Path) -> None:
     assert svc.handle(me, "state.load", {"fields": ["count"]}) == {"values": {}, "vers": {}}
 
 
-def test_a_write_id_of_a_closed_run_is_refused_w_stale(tmp_path: Path) -> None:
+def test_a_write_id_of_a_closed_run_is_refused_w_stale(stores: Stores) -> None:
     # Past 7 days the run's seqs are let go, its boot's floor keeps it closed: a replay
     # then is refused (nothing can tell whether it was applied) and applies nothing.
     clock = Clock()
-    svc = service(tmp_path / "mem", clock)
+    svc = service(stores, clock)
     me = caller()
     svc.handle(me, "mem.remember", REMEMBER)
     svc.handle(me, "mem.forget", {"field": "notes", "key": "door", "w": f"{BOOT}.1:2"})
     clock.now += L.RUN_TTL_S + 60
     remember(svc, f"{BOOT}.2", 1, "other", "x")  # the write that closes run 1
-    doc = json.loads(svc.store.ledger_path("acme", "dev1").read_text())  # type: ignore[attr-defined]
+    doc = stores.device_ledger(svc.store, "acme", "dev1")
     assert list(doc["runs"]) == [f"2/{BOOT}"] and doc["boots"][BOOT]["floor"] == 1
     # Every file's ledger also let the ids go by now (7 days): the device's one decides.
-    for who in (svc, service(tmp_path / "mem", clock)):
+    for who in (svc, service(stores, clock)):
         e = fault(who, me, "mem.remember", REMEMBER)
         assert e.kind == "w_stale"
         assert peek(who, "door") is None
@@ -166,16 +172,15 @@ def test_a_write_id_of_a_closed_run_is_refused_w_stale(tmp_path: Path) -> None:
     assert remember(svc, f"{BOOT}.3", 1, "door", "new") == {"key": "door", "ver": 2}
 
 
-def test_a_boot_closes_after_the_device_booted_again(tmp_path: Path) -> None:
+def test_a_boot_closes_after_the_device_booted_again(stores: Stores) -> None:
     clock = Clock()
-    svc = service(tmp_path / "mem", clock)
+    svc = service(stores, clock)
     remember(svc, "aaaa0001.1", 1, "a", 1)
     clock.now += 60
     remember(svc, "bbbb0002.1", 1, "b", 1)  # the device booted again
     clock.now += L.RUN_TTL_S + 60
     remember(svc, "bbbb0002.2", 1, "b", 2)
-    path = svc.store.ledger_path("acme", "dev1")  # type: ignore[attr-defined]
-    doc = json.loads(path.read_text())
+    doc = stores.device_ledger(svc.store, "acme", "dev1")
     assert list(doc["closed"]) == ["aaaa0001"] and list(doc["boots"]) == ["bbbb0002"]
     for run in ("aaaa0001.1", "aaaa0001.7"):  # any run of a closed boot
         args = {"field": "notes", "key": "a", "value": 1, "w": f"{run}:1"}
@@ -187,17 +192,17 @@ def test_a_boot_closes_after_the_device_booted_again(tmp_path: Path) -> None:
 
 
 def test_an_id_the_device_ledger_missed_is_recorded_before_its_file_lets_it_go(
-    tmp_path: Path,
+    stores: Stores,
 ) -> None:
     # A crash between the shard's rename and the device ledger's leaves the id in the
     # shard's ledger only: the device ledger file is lost here the same way.
     clock = Clock()
-    svc = service(tmp_path / "mem", clock, ledger_cap=4)
+    svc = service(stores, clock, ledger_cap=4)
     me = caller()
     svc.handle(me, "mem.remember", REMEMBER)
     svc.handle(me, "mem.forget", {"field": "notes", "key": "door", "w": f"{BOOT}.1:2"})
-    svc.store.ledger_path("acme", "dev1").unlink()  # type: ignore[attr-defined]
-    svc = service(tmp_path / "mem", clock, ledger_cap=4)
+    stores.lose_device_ledger(svc.store, "acme", "dev1")
+    svc = service(stores, clock, ledger_cap=4)
     for n in range(6):
         remember(svc, f"{BOOT}.2", n + 1, f"k{n}", n)
     assert svc.handle(me, "mem.remember", REMEMBER) == {"dup": True}

@@ -15,7 +15,9 @@ from server_bridge import tokens
 from server_bridge.memory import MemoryService, TinyMemoryStore
 from server_bridge.memory.recall import RecallIndex
 from server_bridge.models.scripted import ScriptedProvider
+from tests import test_memory_store
 from tests.test_bridge import SECRET, Peer, World, token, wait_for
+from tests.test_memory_store import Stores
 from tools.broker import MosquittoProcess
 
 FIELDS = [
@@ -36,11 +38,17 @@ HELLO = {
 _ids = itertools.count(1)
 
 
+# The store fixtures: `mw_both` is the world over each backend (`[tiny]`, `[pg]`).
+stores = test_memory_store.stores
+memory_db = test_memory_store.memory_db
+
+
 class MemoryWorld(World):
-    def __init__(self, broker: MosquittoProcess, tmp: Path) -> None:
+    def __init__(self, broker: MosquittoProcess, tmp: Path, store: Any = None) -> None:
         self.broker = broker
         self.service = MemoryService(
-            TinyMemoryStore(tmp / "memory"), index=RecallIndex(embedder=None)
+            store if store is not None else TinyMemoryStore(tmp / "memory"),
+            index=RecallIndex(embedder=None),
         )
         super().__init__(broker, tmp, ScriptedProvider(), memory=self.service)
         self.board.send(self.d("hello"), HELLO)
@@ -70,6 +78,14 @@ def mw(broker: MosquittoProcess, tmp_path: Path) -> Iterator[MemoryWorld]:
     w.close()
 
 
+@pytest.fixture
+def mw_both(broker: MosquittoProcess, tmp_path: Path, stores: Stores) -> Iterator[MemoryWorld]:
+    """The world with its memory on each backend: the bridge's calls reach either alike."""
+    w = MemoryWorld(broker, tmp_path, stores())
+    yield w
+    w.close()
+
+
 def ok(answer: dict[str, Any]) -> dict[str, Any]:
     assert "ok" in answer, answer
     return dict(answer["ok"])
@@ -80,7 +96,8 @@ def kind(answer: dict[str, Any]) -> str:
     return str(answer["err"]["kind"])
 
 
-def test_a_users_durable_field_is_theirs_across_requests(mw: MemoryWorld) -> None:
+def test_a_users_durable_field_is_theirs_across_requests(mw_both: MemoryWorld) -> None:
+    mw = mw_both
     ann = mw.ticket("ann")
     got = ok(mw.rpc("state.commit", {"sc": ann, "writes": [
         {"field": "usual_celsius", "value": 22, "w": "r1:1"},
@@ -95,7 +112,8 @@ def test_a_users_durable_field_is_theirs_across_requests(mw: MemoryWorld) -> Non
     assert ok(mw.rpc("state.load", {"sc": bob, "fields": ["usual_celsius"]}))["values"] == {}
 
 
-def test_a_retried_commit_applies_once(mw: MemoryWorld) -> None:
+def test_a_retried_commit_applies_once(mw_both: MemoryWorld) -> None:
+    mw = mw_both
     ann = mw.ticket("ann")
     write = {"sc": ann, "writes": [{"field": "visits", "value": 1, "w": "r7:1"}]}
     first = ok(mw.rpc("state.commit", write))
@@ -138,7 +156,8 @@ def test_a_ticket_proves_nothing_for_another_device_or_when_forged(mw: MemoryWor
     assert got["key"]
 
 
-def test_rows_recall_and_forget_through_the_bridge(mw: MemoryWorld) -> None:
+def test_rows_recall_and_forget_through_the_bridge(mw_both: MemoryWorld) -> None:
+    mw = mw_both
     sc = mw.ticket("ann")
     for n, text in enumerate(["the radiator is loud at night", "window faces north"]):
         ok(mw.rpc("mem.remember", {"sc": sc, "field": "room_notes", "key": f"k{n}",

@@ -1,4 +1,6 @@
-"""The memory methods (server_bridge/memory/service.py) over real files in tmp_path."""
+"""The memory methods (server_bridge/memory/service.py) over a real store: TinyDB files in
+tmp_path (`[tiny]`) and a PostgreSQL database (`[pg]`), through test_memory_store's
+`stores`."""
 
 from __future__ import annotations
 
@@ -11,6 +13,12 @@ from server_bridge.memory import Caller, MemoryFault, MemoryService, TinyMemoryS
 from server_bridge.memory.grants import ALL_FIELDS, NO_GRANTS, READ, WRITE, Grants
 from server_bridge.memory.recall import RecallIndex
 from server_bridge.memory.service import FieldDecl, parse_fields
+from tests import test_memory_store
+from tests.test_memory_store import Stores
+
+# The store fixtures, each test of both backends (`[tiny]`, `[pg]`).
+stores = test_memory_store.stores
+memory_db = test_memory_store.memory_db
 
 FIELDS: list[dict[str, Any]] = [
     {"name": "visits", "dur": "agent", "merge": "sum"},
@@ -61,8 +69,8 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def svc(tmp_path: Path, clock: Clock) -> MemoryService:
-    return MemoryService(TinyMemoryStore(tmp_path / "mem", clock), clock=clock)
+def svc(stores: Stores, clock: Clock) -> MemoryService:
+    return MemoryService(stores(clock), clock=clock)
 
 
 def fault(svc: MemoryService, who: Caller, method: str, args: dict[str, Any]) -> MemoryFault:
@@ -249,11 +257,9 @@ def _refused(svc: MemoryService, who: Caller, method: str, args: dict[str, Any])
 
 
 def test_a_tenant_field_without_a_grant_is_forbidden_and_nothing_changes(
-    tmp_path: Path, clock: Clock
+    stores: Stores, clock: Clock
 ) -> None:
-    svc = MemoryService(
-        TinyMemoryStore(tmp_path / "mem", clock), index=RecallIndex(embedder=None), clock=clock
-    )
+    svc = MemoryService(stores(clock), index=RecallIndex(embedder=None), clock=clock)
     owner = caller(fields=GRANT_FIELDS)
     commit(svc, owner, "board", "the menu: soup", "o:1")
     svc.handle(owner, "mem.remember", {"field": "shared", "key": "k", "value": "menu", "w": "o:2"})
@@ -263,10 +269,10 @@ def test_a_tenant_field_without_a_grant_is_forbidden_and_nothing_changes(
         till = caller(agent="till", device="dev9", fields=GRANT_FIELDS, grants=grants)
         svc.handle(till, "mem.remember", {"field": "facts", "key": "f", "value": {"t": 2},
                                           "w": "t:0"})  # fmt: skip
-        before = files(tmp_path / "mem")
+        before = stores.stored()
         for method, args in TENANT_WRITES + TENANT_READS:
             assert _refused(svc, till, method, args) == "forbidden", (grants, method)
-        assert files(tmp_path / "mem") == before
+        assert stores.stored() == before
         # Recall over every field skips the tenant fields; the agent's own still answer.
         hits = svc.handle(till, "mem.recall", {"query": "menu", "k": 20})["hits"]
         assert hits == []
@@ -276,10 +282,8 @@ def test_a_tenant_field_without_a_grant_is_forbidden_and_nothing_changes(
     assert load(svc, owner, "board")["values"] == {"board": "the menu: stew"}
 
 
-def test_a_read_only_grant_reads_and_is_refused_every_write(tmp_path: Path, clock: Clock) -> None:
-    svc = MemoryService(
-        TinyMemoryStore(tmp_path / "mem", clock), index=RecallIndex(embedder=None), clock=clock
-    )
+def test_a_read_only_grant_reads_and_is_refused_every_write(stores: Stores, clock: Clock) -> None:
+    svc = MemoryService(stores(clock), index=RecallIndex(embedder=None), clock=clock)
     owner = caller(fields=GRANT_FIELDS)
     commit(svc, owner, "board", "o menu", "o:1")
     svc.handle(owner, "mem.remember", {"field": "shared", "key": "k", "value": "menu", "w": "o:2"})
@@ -287,10 +291,10 @@ def test_a_read_only_grant_reads_and_is_refused_every_write(tmp_path: Path, cloc
         till = caller(agent="till", device="dev9", fields=GRANT_FIELDS, grants=grants)
         svc.handle(till, "mem.remember", {"field": "facts", "key": "f", "value": {"t": 2},
                                           "w": "t:0"})  # fmt: skip
-        before = files(tmp_path / "mem")
+        before = stores.stored()
         for method, args in TENANT_WRITES:
             assert _refused(svc, till, method, args) == "forbidden", (grants, method)
-        assert files(tmp_path / "mem") == before
+        assert stores.stored() == before
         assert load(svc, till, "board")["values"] == {"board": "o menu"}
         assert [r["key"] for r in svc.handle(till, "mem.list", {"field": "shared"})["rows"]] == [
             "k"
@@ -345,14 +349,15 @@ def test_links_into_a_tenant_field_need_a_grant_to_read_it(svc: MemoryService) -
     ]
 
 
-def test_write_ids_apply_once_and_answer_the_same(svc: MemoryService) -> None:
+def test_write_ids_apply_once_and_answer_the_same(stores: Stores, svc: MemoryService) -> None:
     me = caller()
-    for i in range(1000):
+    n = 1000 if stores.kind == "tiny" else 300  # the same rule, in a quarter of the time
+    for i in range(n):
         for _ in range(2):
             assert commit(svc, me, "visits", 1, f"r:{i}")["ver"] == i + 1
             assert commit(svc, me, "seen", [i], f"s:{i}")["ver"] == i + 1
     got = load(svc, me, "visits", "seen")["values"]
-    assert got["visits"] == 1000 and got["seen"] == list(range(1000))
+    assert got["visits"] == n and got["seen"] == list(range(n))
 
 
 def test_a_reused_write_id_is_refused_and_changes_nothing(svc: MemoryService) -> None:
@@ -366,8 +371,8 @@ def test_a_reused_write_id_is_refused_and_changes_nothing(svc: MemoryService) ->
     assert svc.handle(me, "mem.list", {"field": "facts"})["rows"] == []
 
 
-def test_limits_leave_the_store_unchanged(tmp_path: Path, clock: Clock) -> None:
-    store = TinyMemoryStore(tmp_path / "mem", clock)
+def test_limits_leave_the_store_unchanged(stores: Stores, clock: Clock) -> None:
+    store = stores(clock)
     svc = MemoryService(store, clock=clock, scope_limit=2000)
     me = caller()
     assert commit(svc, me, "note", "x" * 40, "r:1")["ver"] == 1
@@ -383,16 +388,16 @@ def test_limits_leave_the_store_unchanged(tmp_path: Path, clock: Clock) -> None:
     svc.handle(me, "mem.remember", {"field": "notes", "value": {"id": "k0", "v": 1}, "w": "n:6"})
     assert len(svc.handle(me, "mem.list", {"field": "notes"})["rows"]) == 5
     # The scope's byte limit: the agent scope holds at most 2000 bytes.
-    before = sorted(p.read_bytes() for p in (tmp_path / "mem").rglob("*.json"))
+    before = stores.stored()
     big = {"field": "facts", "value": {"t": "y" * 1500}, "w": "f:1"}
     svc.handle(me, "mem.remember", big)
     e = fault(svc, me, "mem.remember", {**big, "w": "f:2"})
     assert e.kind == "over_limit"
     assert len(svc.handle(me, "mem.list", {"field": "facts"})["rows"]) == 1
     assert commit(svc, me, "status", "z" * 600, "r:3")["err"]["kind"] == "over_limit"
-    assert before != sorted(p.read_bytes() for p in (tmp_path / "mem").rglob("*.json"))
+    assert before != stores.stored()
     # A fresh store over the same files agrees.
-    again = MemoryService(TinyMemoryStore(tmp_path / "mem", clock), clock=clock)
+    again = MemoryService(stores(clock), clock=clock)
     assert len(again.handle(me, "mem.list", {"field": "facts"})["rows"]) == 1
     assert load(again, me, "status")["values"] == {}
 
@@ -499,7 +504,7 @@ def test_ttl_expires_rows_and_values(svc: MemoryService, clock: Clock) -> None:
     assert commit(svc, me, "hint", "again", "4")["ver"] == 2
 
 
-def test_forget_leaves_a_tombstone(tmp_path: Path, svc: MemoryService) -> None:
+def test_forget_leaves_a_tombstone(stores: Stores, svc: MemoryService) -> None:
     me = caller()
     put = {"field": "notes", "key": "k", "value": "remember me", "w": "1"}
     svc.handle(me, "mem.remember", put)
@@ -526,7 +531,7 @@ def test_forget_leaves_a_tombstone(tmp_path: Path, svc: MemoryService) -> None:
     assert e.kind == "conflict" and e.extra == {"ver": 2, "doc": ""}
     assert svc.handle(me, "core.load", {"scope": "agent"}) == {"ver": 2, "doc": ""}
     # Same after a restart.
-    again = MemoryService(TinyMemoryStore(tmp_path / "mem", svc.clock), clock=svc.clock)
+    again = MemoryService(stores(svc.clock), clock=svc.clock)
     assert again.handle(me, "mem.remember", put) == {"key": "k", "ver": 1}
     assert again.handle(me, "mem.peek", {"field": "notes", "key": "k"})["row"]["ver"] == 2
 
@@ -647,10 +652,10 @@ def test_recall_fallback_ranks_by_word_overlap(svc: MemoryService) -> None:
     assert fault(svc, me, "mem.recall", {"query": "tea", "k": 21}).kind == "bad_envelope"
 
 
-def test_recall_through_an_index(tmp_path: Path, clock: Clock) -> None:
+def test_recall_through_an_index(stores: Stores, clock: Clock) -> None:
     # The real index, keyword mode (the embedding model is exercised in test_recall.py).
     index = RecallIndex(embedder=None)
-    svc = MemoryService(TinyMemoryStore(tmp_path / "mem", clock), index=index, clock=clock)
+    svc = MemoryService(stores(clock), index=index, clock=clock)
     ann, bob = caller(), caller(user="bob", device="dev2")
     svc.handle(ann, "mem.remember", {"field": "notes", "key": "a/b", "value": "tea", "w": "1"})
     svc.handle(bob, "mem.remember", {"field": "notes", "key": "c", "value": "tea", "w": "1"})
@@ -699,6 +704,8 @@ def test_recall_through_an_index(tmp_path: Path, clock: Clock) -> None:
     ],
 )
 def test_refusals_name_their_kind(
-    svc: MemoryService, method: str, args: dict[str, Any], kind: str
+    tmp_path: Path, clock: Clock, method: str, args: dict[str, Any], kind: str
 ) -> None:
+    # Refused before any store is opened: one backend says it for both.
+    svc = MemoryService(TinyMemoryStore(tmp_path / "mem", clock), clock=clock)
     assert fault(svc, caller(), method, args).kind == kind
