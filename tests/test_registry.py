@@ -1,4 +1,12 @@
-"""The registry and the crash-safe TinyDB storage under it."""
+"""The registry and the crash-safe TinyDB storage under it.
+
+The registry's behaviour is tested on both backends through `backend` (ids `[file]`,
+the TinyDB file of server_bridge/registry.py, and `[pg]`, PgRegistry of
+server_bridge/pgstore/registry.py; PostgreSQL's skip, saying why, on a machine without
+it). What only a file has (torn files, versions, inodes, hand-edited documents, the
+write counts) is tested on the file alone; what only several bridges on one database
+show is in test_pg_registry.py.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,17 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tinydb import Query
 
 from server_bridge.brokerconf import hash_password
 from server_bridge.memory.grants import ALL_FIELDS, NO_GRANTS, READ, WRITE, Grants
+from server_bridge.pgstore.registry import RegistryStore
 from server_bridge.registry import (
     BRIDGE,
     DEVICE,
@@ -25,6 +36,7 @@ from server_bridge.registry import (
     Grant,
     Registry,
     RegistryError,
+    UserGrant,
     host_user,
     provision,
 )
@@ -33,9 +45,122 @@ from server_bridge.topics import BadTopic
 
 SECRET = bytes(range(32))
 
+# Every table of the PostgreSQL registry (migrations/0003_registry.sql), emptied between
+# tests; the version row is set back to 0.
+PG_TABLES = (
+    "wren_reg_grants",
+    "wren_reg_user_grants",
+    "wren_reg_users",
+    "wren_reg_devices",
+    "wren_reg_names",
+    "wren_reg_tenants",
+)
 
-def test_tenants_and_devices(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+
+@pytest.fixture(scope="session")
+def registry_db(pg_server: Any) -> Iterator[str]:
+    """A database for the `[pg]` registry tests, emptied before each test (a fresh
+    database per test, conftest's pg_dsn, costs 0.2-0.3 s; emptying, a few ms)."""
+    import uuid
+
+    import psycopg
+    import psycopg.conninfo
+
+    from server_bridge.pgstore import migrate
+
+    name = f"r_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    dsn = psycopg.conninfo.make_conninfo(pg_server.dsn, dbname=name)
+    with psycopg.connect(dsn) as conn:
+        migrate.apply(conn)
+    yield dsn
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class Backend:
+    """Registries of one backend on one store (a file, or a database): each `open()`
+    is another process's registry, as a bridge's and the CLI's are."""
+
+    def __init__(self, kind: str, path: Path, dsn: str | None):
+        self.kind = kind
+        self.path = path
+        self.dsn = dsn
+        self.opened: list[RegistryStore] = []
+
+    def open(
+        self, recheck_s: float = 0, clock: Callable[[], float] = time.monotonic
+    ) -> RegistryStore:
+        if self.dsn is None:
+            reg: RegistryStore = Registry(self.path, recheck_s=recheck_s, clock=clock)
+        else:
+            from server_bridge.pgstore.registry import PgRegistry
+
+            # A lookup that misses asks the database sooner than recheck_s
+            # (MISS_RECHECK_S): PgRegistry's own promise, tested in test_pg_registry.py.
+            # Here both backends keep to recheck_s.
+            reg = PgRegistry(self.dsn, recheck_s=recheck_s, clock=clock, miss_recheck_s=recheck_s)
+        self.opened.append(reg)
+        return reg
+
+    def provision(self, tenant: str, devices: list[tuple[str, str]]) -> RegistryStore:
+        if self.dsn is None:
+            reg: RegistryStore = provision(self.path, tenant, devices)
+        else:
+            from server_bridge.pgstore.registry import provision as pg_provision
+
+            reg = pg_provision(self.dsn, tenant, devices)
+        self.opened.append(reg)
+        return reg
+
+    def stored(self) -> object:
+        """Everything stored, to show that a refusal changed nothing (the file's bytes;
+        every row of every table and the version)."""
+        if self.dsn is None:
+            return self.path.read_bytes()
+        import psycopg
+
+        with psycopg.connect(self.dsn) as conn:
+            rows = {
+                t: conn.execute(f"SELECT * FROM {t} ORDER BY 1, 2").fetchall() for t in PG_TABLES
+            }
+            rows["ver"] = conn.execute("SELECT ver FROM wren_reg_version").fetchall()
+        return rows
+
+    def records(self, table: str) -> int:
+        """How many records a table holds (`grants`, ...)."""
+        if self.dsn is None:
+            return len(json.loads(self.path.read_text()).get(table, {}))
+        import psycopg
+
+        with psycopg.connect(self.dsn) as conn:
+            row = conn.execute(f"SELECT count(*) FROM wren_reg_{table}").fetchone()
+            assert row is not None
+            return int(row[0])
+
+    def close(self) -> None:
+        for reg in self.opened:
+            reg.close()
+
+
+@pytest.fixture(params=["file", "pg"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    dsn = None
+    if request.param == "pg":
+        import psycopg
+
+        dsn = request.getfixturevalue("registry_db")
+        with psycopg.connect(dsn) as conn:
+            conn.execute(f"TRUNCATE {', '.join(PG_TABLES)}")
+            conn.execute("UPDATE wren_reg_version SET ver = 0")
+    got = Backend(request.param, tmp_path / "reg.json", dsn)
+    yield got
+    got.close()
+
+
+def test_tenants_and_devices(backend: Backend) -> None:
+    reg = backend.open()
     assert reg.add_tenant("acme", SECRET) == SECRET.hex()
     generated = reg.add_tenant("globex")
     assert len(bytes.fromhex(generated)) == 32 and generated != SECRET.hex()
@@ -61,29 +186,27 @@ def test_secret_is_stored_as_hex(tmp_path: Path) -> None:
     assert list(data["tenants"].values()) == [{"tenant": "acme", "secret": SECRET.hex()}]
 
 
-def test_persists_across_reopen(tmp_path: Path) -> None:
-    path = tmp_path / "sub" / "reg.json"
-    with Registry(path, recheck_s=0) as reg:
+def test_persists_across_reopen(backend: Backend) -> None:
+    with backend.open() as reg:
         reg.add_tenant("acme", SECRET)
         reg.add_device("dev1", "acme", "thermostat")
-    reg2 = Registry(path, recheck_s=0)
+    reg2 = backend.open()
     assert reg2.tenant_secret("acme") == SECRET.hex()
     assert reg2.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
 
 
-def test_another_process_writing_is_seen(tmp_path: Path) -> None:
+def test_another_process_writing_is_seen(backend: Backend) -> None:
     # The provisioning CLI adds a device while the bridge runs: the bridge's open
     # registry must see it without a restart.
-    path = tmp_path / "reg.json"
-    running = Registry(path, recheck_s=0)
+    running = backend.open()
     running.add_tenant("acme", SECRET)
     assert running.device("dev9") is None
-    Registry(path, recheck_s=0).add_device("dev9", "acme", "kiosk")
+    backend.open().add_device("dev9", "acme", "kiosk")
     assert running.device("dev9") == DeviceRecord("dev9", "acme", "kiosk")
 
 
-def test_ids_are_checked(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+def test_ids_are_checked(backend: Backend) -> None:
+    reg = backend.open()
     with pytest.raises(BadTopic):
         reg.add_tenant("Acme")
     reg.add_tenant("acme", SECRET)
@@ -94,8 +217,8 @@ def test_ids_are_checked(tmp_path: Path) -> None:
         reg.device("dev+")
 
 
-def test_consistency_rules(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+def test_consistency_rules(backend: Backend) -> None:
+    reg = backend.open()
     reg.add_tenant("acme", SECRET)
     reg.add_tenant("globex", SECRET)
     with pytest.raises(RegistryError):
@@ -216,9 +339,8 @@ def _backdate(path: Path, seconds: float) -> None:
     os.utime(path, ns=(mtime_ns, mtime_ns))
 
 
-def test_two_registries_on_one_file_see_each_others_writes(tmp_path: Path) -> None:
-    path = tmp_path / "reg.json"
-    bridge, cli = Registry(path, recheck_s=0), Registry(path, recheck_s=0)
+def test_two_registries_on_one_file_see_each_others_writes(backend: Backend) -> None:
+    bridge, cli = backend.open(), backend.open()
     assert bridge.device("dev1") is None and bridge.tenants() == []
     cli.add_tenant("acme", SECRET)
     assert bridge.tenant_secret("acme") == SECRET.hex()
@@ -375,13 +497,12 @@ def test_lookups_answer_as_tinydb_queries_did(tmp_path: Path, malformed: bool) -
     assert _outcome(reg.tenants) == _outcome(tenants_before)
 
 
-def test_lookups_from_many_threads_while_another_registry_writes(tmp_path: Path) -> None:
+def test_lookups_from_many_threads_while_another_registry_writes(backend: Backend) -> None:
     # The bridge looks up from paho's network thread (and RPC threads) while the
     # provisioning CLI writes: every answer is either "not yet" or the right record.
-    path = tmp_path / "reg.json"
-    writer = Registry(path, recheck_s=0)
+    writer = backend.open()
     writer.add_tenant("acme", SECRET)
-    bridge = Registry(path, recheck_s=0)
+    bridge = backend.open()
     n = 40
     wrong: list[object] = []
     done = threading.Event()
@@ -411,9 +532,10 @@ def test_lookups_from_many_threads_while_another_registry_writes(tmp_path: Path)
     assert [r.device for r in bridge.devices_of("acme")] == sorted(f"dev{i}" for i in range(n))
 
 
-def test_provision_adds_only_what_is_missing(tmp_path: Path) -> None:
-    path = tmp_path / "new" / "dir" / "reg.json"
-    with provision(path, "acme", [("dev1", "thermostat")]) as reg:
+def test_provision_adds_only_what_is_missing(backend: Backend) -> None:
+    if backend.dsn is None:
+        backend.path = backend.path.parent / "new" / "dir" / "reg.json"
+    with backend.provision("acme", [("dev1", "thermostat")]) as reg:
         secret = reg.tenant_secret("acme")
         assert secret is not None and len(bytes.fromhex(secret)) == 32
         assert reg.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
@@ -422,13 +544,13 @@ def test_provision_adds_only_what_is_missing(tmp_path: Path) -> None:
     # Run again, as a service does at every start: the secret (and so every live session
     # token) survives, a known device keeps its agent and tenant, a new one is added.
     again = [("dev1", "kiosk"), ("dev2", "kiosk"), ("dev9", "thermostat")]
-    with provision(path, "acme", again) as reg:
+    with backend.provision("acme", again) as reg:
         assert reg.tenant_secret("acme") == secret
         assert reg.device("dev1") == DeviceRecord("dev1", "acme", "thermostat")
         assert reg.device("dev2") == DeviceRecord("dev2", "acme", "kiosk")
         assert reg.device("dev9") == DeviceRecord("dev9", "globex", "kiosk")
     with pytest.raises(BadTopic):
-        provision(path, "acme", [("no/slash", "kiosk")])
+        backend.provision("acme", [("no/slash", "kiosk")])
 
 
 # ---------------------------------------------------------------- broker users
@@ -438,8 +560,8 @@ HASH_A = hash_password("password-a", salt=b"\x01" * 12)
 HASH_B = hash_password("password-b", salt=b"\x02" * 12)
 
 
-def test_broker_users_by_role(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+def test_broker_users_by_role(backend: Backend) -> None:
+    reg = backend.open()
     reg.add_tenant("acme", SECRET, host_password_hash=HASH_A)
     assert host_user("acme") == "host-acme"
     reg.add_user("bridge", BRIDGE, None, HASH_B)
@@ -467,16 +589,16 @@ def test_broker_users_by_role(tmp_path: Path) -> None:
     assert reg.user("dev1") is None and reg.device("dev1") is None
 
 
-def test_broker_user_names_and_device_ids_share_one_name_space(tmp_path: Path) -> None:
+def test_broker_user_names_and_device_ids_share_one_name_space(backend: Backend) -> None:
     # The ACL's device rules apply to any user named like a device: a bridge or host
     # user that is also a device id would get that device's topics.
-    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+    reg = backend.open()
     reg.add_tenant("acme", SECRET, host_password_hash=HASH_A)
     reg.add_tenant("globex", SECRET)
     reg.add_user("bridge", BRIDGE, None, HASH_A)
     reg.enroll_device("dev1", "acme", "kiosk", HASH_A)
     reg.add_device("legacy", "acme", "kiosk")  # no broker user (as `wren bridge` adds one)
-    before = (tmp_path / "reg.json").read_bytes()
+    before = backend.stored()
     refusals: list[tuple[Callable[..., object], tuple[object, ...]]] = [
         (reg.enroll_device, ("dev1", "acme", "kiosk", HASH_B)),  # exists
         (reg.enroll_device, ("legacy", "acme", "kiosk", HASH_B)),  # exists, without login
@@ -501,7 +623,7 @@ def test_broker_user_names_and_device_ids_share_one_name_space(tmp_path: Path) -
     for method, args in refusals:
         with pytest.raises(ValueError):  # RegistryError, BadTopic: ValueErrors
             method(*args)
-    assert (tmp_path / "reg.json").read_bytes() == before
+    assert backend.stored() == before
     # A tenant's host user is refused with the tenant when its name is taken.
     reg.add_user("host-initech", BRIDGE, None, HASH_A)
     with pytest.raises(RegistryError):
@@ -562,27 +684,25 @@ def test_a_registry_without_the_users_table_still_loads(tmp_path: Path) -> None:
     assert data["tenants"] == doc["tenants"] and data["devices"] == doc["devices"]
 
 
-def test_another_process_adding_a_user_is_seen(tmp_path: Path) -> None:
-    path = tmp_path / "reg.json"
-    running = Registry(path, recheck_s=0)
+def test_another_process_adding_a_user_is_seen(backend: Backend) -> None:
+    running = backend.open()
     running.add_tenant("acme", SECRET)
     assert running.users() == []
-    Registry(path, recheck_s=0).enroll_device("dev9", "acme", "kiosk", HASH_A)
+    backend.open().enroll_device("dev9", "acme", "kiosk", HASH_A)
     assert running.user("dev9") == BrokerUser("dev9", DEVICE, "acme", HASH_A)
     assert running.device("dev9") == DeviceRecord("dev9", "acme", "kiosk")
 
 
 def test_another_processs_write_is_seen_within_recheck_s_and_this_ones_at_once(
-    tmp_path: Path,
+    backend: Backend,
 ) -> None:
     # The bridge looks a device up for every message; between checks of the file it
     # trusts its snapshot for recheck_s. Its own writes are seen at once.
-    path = tmp_path / "reg.json"
-    Registry(path, recheck_s=0).add_tenant("acme", SECRET)
+    backend.open().add_tenant("acme", SECRET)
     now = [100.0]
-    bridge = Registry(path, recheck_s=0.25, clock=lambda: now[0])
+    bridge = backend.open(recheck_s=0.25, clock=lambda: now[0])
     assert bridge.device("dev9") is None
-    Registry(path, recheck_s=0).add_device("dev9", "acme", "kiosk")
+    backend.open().add_device("dev9", "acme", "kiosk")
     now[0] += 0.2
     assert bridge.device("dev9") is None  # not looked at again yet
     now[0] += 0.1
@@ -594,8 +714,8 @@ def test_another_processs_write_is_seen_within_recheck_s_and_this_ones_at_once(
 # ---------------------------------------------------------------- grants
 
 
-def test_grants_say_which_agent_may_use_which_tenant_field(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+def test_grants_say_which_agent_may_use_which_tenant_field(backend: Backend) -> None:
+    reg = backend.open()
     reg.add_tenant("acme", SECRET)
     reg.add_tenant("globex", SECRET)
     assert reg.grants() == [] and reg.grants_of("acme", "kiosk") is NO_GRANTS
@@ -621,8 +741,8 @@ def test_grants_say_which_agent_may_use_which_tenant_field(tmp_path: Path) -> No
     assert reg.grants("nobody") == []
 
 
-def test_a_fields_own_grant_wins_over_the_agents_star_grant(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+def test_a_fields_own_grant_wins_over_the_agents_star_grant(backend: Backend) -> None:
+    reg = backend.open()
     reg.add_tenant("acme", SECRET)
     reg.add_grant("acme", "kiosk", ALL_FIELDS, WRITE)
     reg.add_grant("acme", "kiosk", "ledger", READ)
@@ -634,20 +754,19 @@ def test_a_fields_own_grant_wins_over_the_agents_star_grant(tmp_path: Path) -> N
 
 
 def test_adding_a_grant_again_changes_its_access_and_removing_takes_it_back(
-    tmp_path: Path,
+    backend: Backend,
 ) -> None:
-    path = tmp_path / "reg.json"
-    reg = Registry(path, recheck_s=0)
+    reg = backend.open()
     reg.add_tenant("acme", SECRET)
     reg.add_grant("acme", "kiosk", "menu", WRITE)
     reg.add_grant("acme", "kiosk", "menu", READ)
     assert reg.grants() == [Grant("acme", "kiosk", "menu", READ)]
-    assert len(json.loads(path.read_text())["grants"]) == 1  # one record, changed
+    assert backend.records("grants") == 1  # one record, changed
     reg.add_grant("acme", "kiosk")
-    before = path.read_bytes()
+    before = backend.stored()
     assert not reg.remove_grant("acme", "kiosk", "other")
     assert not reg.remove_grant("acme", "till")
-    assert path.read_bytes() == before  # nothing to remove: not written
+    assert backend.stored() == before  # nothing to remove: not written
     assert reg.remove_grant("acme", "kiosk")  # the * grant; menu's stays
     assert reg.grants() == [Grant("acme", "kiosk", "menu", READ)]
     assert reg.grants_of("acme", "kiosk").access("notes") is None
@@ -655,12 +774,11 @@ def test_adding_a_grant_again_changes_its_access_and_removing_takes_it_back(
     assert reg.grants() == [] and reg.grants_of("acme", "kiosk") is NO_GRANTS
 
 
-def test_bad_grants_are_refused_and_change_nothing(tmp_path: Path) -> None:
-    path = tmp_path / "reg.json"
-    reg = Registry(path, recheck_s=0)
+def test_bad_grants_are_refused_and_change_nothing(backend: Backend) -> None:
+    reg = backend.open()
     reg.add_tenant("acme", SECRET)
     reg.add_grant("acme", "kiosk", "menu", READ)
-    before = path.read_bytes()
+    before = backend.stored()
     refused: list[tuple[tuple[object, ...], type[Exception], str]] = [
         (("nobody", "kiosk"), RegistryError, "unknown tenant 'nobody'"),
         (("Acme", "kiosk"), BadTopic, "invalid tenant level"),
@@ -676,7 +794,7 @@ def test_bad_grants_are_refused_and_change_nothing(tmp_path: Path) -> None:
             reg.add_grant(*args)  # type: ignore[arg-type]
     with pytest.raises(RegistryError, match="field must be"):
         reg.remove_grant("acme", "kiosk", "Menu")
-    assert path.read_bytes() == before
+    assert backend.stored() == before
     assert reg.grants() == [Grant("acme", "kiosk", "menu", READ)]
 
 
@@ -714,30 +832,75 @@ def test_a_registry_without_the_grants_table_still_loads(tmp_path: Path) -> None
     assert reg.grants_of("acme", "kiosk").may_write("menu")
 
 
-def test_another_processs_grant_is_seen_within_recheck_s(tmp_path: Path) -> None:
+def test_another_processs_grant_is_seen_within_recheck_s(backend: Backend) -> None:
     # `wren grant add/remove` runs while the bridge does: the bridge's registry sees the
     # change on a lookup at most recheck_s later.
-    path = tmp_path / "reg.json"
-    Registry(path, recheck_s=0).add_tenant("acme", SECRET)
+    backend.open().add_tenant("acme", SECRET)
     now = [100.0]
-    bridge = Registry(path, recheck_s=0.25, clock=lambda: now[0])
+    bridge = backend.open(recheck_s=0.25, clock=lambda: now[0])
     assert bridge.grants_of("acme", "kiosk") is NO_GRANTS
-    Registry(path, recheck_s=0).add_grant("acme", "kiosk", "menu")
+    backend.open().add_grant("acme", "kiosk", "menu")
     now[0] += 0.2
     assert bridge.grants_of("acme", "kiosk") is NO_GRANTS  # not looked at again yet
     now[0] += 0.1
     assert bridge.grants_of("acme", "kiosk").may_write("menu")
-    Registry(path, recheck_s=0).remove_grant("acme", "kiosk", "menu")
+    backend.open().remove_grant("acme", "kiosk", "menu")
     now[0] += 0.3
     assert bridge.grants_of("acme", "kiosk") is NO_GRANTS
 
 
-def test_grants_of_is_served_from_the_snapshot(tmp_path: Path) -> None:
+def test_grants_of_is_served_from_the_snapshot(backend: Backend) -> None:
     # The bridge asks on every memory call: the same parsed object until the file changes.
-    reg = Registry(tmp_path / "reg.json", recheck_s=0)
+    reg = backend.open()
     reg.add_tenant("acme", SECRET)
     reg.add_grant("acme", "kiosk")
     first = reg.grants_of("acme", "kiosk")
     assert all(reg.grants_of("acme", "kiosk") is first for _ in range(100))
     with pytest.raises(TypeError):
         first.by_field["menu"] = READ  # type: ignore[index]
+
+
+def test_end_users_grants_of_knowledge_collections(backend: Backend) -> None:
+    reg = backend.open()
+    reg.add_tenant("acme", SECRET)
+    assert reg.user_grants() == [] and reg.user_grants_of("acme", "alice") is NO_GRANTS
+    assert reg.add_user_grant("acme", "alice", "kb:manuals") == UserGrant(
+        "acme", "alice", "kb:manuals", WRITE
+    )
+    reg.add_user_grant("acme", "alice", "kb:manuals", READ)  # changed, not added
+    reg.add_user_grant("acme", "bob@example.com", "kb:faq", READ)
+    assert reg.user_grants() == [
+        UserGrant("acme", "alice", "kb:manuals", READ),
+        UserGrant("acme", "bob@example.com", "kb:faq", READ),
+    ]
+    assert reg.user_grants_of("acme", "alice").knowledge("manuals") == READ
+    before = backend.stored()
+    for args, says in [
+        (("nobody", "alice", "kb:manuals"), "unknown tenant"),
+        (("acme", "_alice", "kb:manuals"), "a user id is"),
+        (("acme", "alice", "menu"), "an end user is granted a knowledge collection"),
+        (("acme", "alice", "kb:manuals", "admin"), "access must be one of"),
+    ]:
+        with pytest.raises(RegistryError, match=re.escape(says)):
+            reg.add_user_grant(*args)
+    assert not reg.remove_user_grant("acme", "carol", "kb:manuals")
+    assert backend.stored() == before
+    assert reg.remove_user_grant("acme", "alice", "kb:manuals")
+    assert reg.user_grants("acme") == [UserGrant("acme", "bob@example.com", "kb:faq", READ)]
+    assert reg.user_grants_of("acme", "alice") is NO_GRANTS
+
+
+def test_a_device_added_without_a_login_gets_one(backend: Backend) -> None:
+    reg = backend.open()
+    reg.add_tenant("acme", SECRET)
+    reg.add_device("legacy", "acme", "kiosk")
+    assert reg.user("legacy") is None
+    assert reg.set_device_password_hash("legacy", HASH_A) == BrokerUser(
+        "legacy", DEVICE, "acme", HASH_A
+    )
+    reg.set_device_password_hash("legacy", HASH_B)
+    assert reg.users() == [BrokerUser("legacy", DEVICE, "acme", HASH_B)]
+    reg.add_device("legacy", "acme", "panel")  # a new agent keeps the login
+    assert backend.open().user("legacy") == BrokerUser("legacy", DEVICE, "acme", HASH_B)
+    assert reg.remove_device("legacy") and reg.users() == []
+    assert not reg.remove_device("legacy")
