@@ -78,6 +78,7 @@ from server_bridge.brokerconf import LINKS
 from server_bridge.config import BridgeConfig
 from server_bridge.conversations import History, Turns
 from server_bridge.eventlog import EventLog
+from server_bridge.fleet import LeaseKeeper
 from server_bridge.host.reducer import Reducer, RunSnapshot
 from server_bridge.http.hub import EventHub
 from server_bridge.http.views import event_json, snapshot_json
@@ -86,7 +87,7 @@ from server_bridge.knowledge import KnowledgeBase
 from server_bridge.knowledge import calls as knowledge_calls
 from server_bridge.knowledge.augment import Augmenter
 from server_bridge.lanes import CONTROL, Budget, Kind, Outbox, event_channel
-from server_bridge.links import LinkPlan, batches
+from server_bridge.links import LinkPlan, PartitionLinks, PartitionPlan, batches
 from server_bridge.memory import calls as memory_calls
 from server_bridge.memory.service import MemoryService
 from server_bridge.metrics import prometheus_text
@@ -317,7 +318,8 @@ class Bridge:
         # The links that read boards (links.py), link 0 the event connection: each one's
         # client, whether it is up, its first subscription's outcome, and the SUBACKs
         # that outcome waits for.
-        n = config.tenant_links
+        # (In fleet mode the partitions are the links, below, and these stay unused.)
+        n = 1 if config.fleet else config.tenant_links
         self._plan = LinkPlan(config.prefix, n, config.shared_subscription)
         self._links: list[mqtt.Client | None] = [None] * n
         self._links_up = [False] * n
@@ -358,7 +360,8 @@ class Bridge:
         self._start_thread: threading.Thread | None = None
         self._lost_at_start = False
         self._gate = threading.Lock()
-        self._held: deque[mqtt.MQTTMessage] | None = deque()
+        # A fleet has no check for another bridge: nothing is held at start.
+        self._held: deque[mqtt.MQTTMessage] | None = None if config.fleet else deque()
         self._stopping = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._streams = _BridgeStreams()
@@ -386,7 +389,7 @@ class Bridge:
             host_rate=config.host_rate,
             host_burst=config.host_burst,
             board_lane=config.board_lane,
-            event_links=config.tenant_links,
+            event_links=1 if config.fleet else config.tenant_links,
         )
         # A tenant's events go out on the link that read them (lanes.py).
         self.outbox.link_of = self._link_of_tenant
@@ -451,6 +454,36 @@ class Bridge:
         # recorded in `turns`, a log the caller opened beside the event log.
         if turns is not None:
             self.rpc.history = History(turns, registry, config.model_context_chars, self._count)
+        # Fleet mode (config.fleet_dsn; DESIGN "Where scale goes"): the lease keeper says
+        # which partitions this bridge serves, and each one held is a link of its own
+        # (links.py, PartitionLinks). Events to hosts go out on an event connection of
+        # the bridge's own (_start_fleet says why).
+        self.keeper: LeaseKeeper | None = None
+        self._parts: PartitionLinks | None = None
+        self._fleet_events: Client | None = None
+        self._fleet_events_up = threading.Event()
+        self._fleet_events_ready = threading.Event()
+        if config.fleet:
+            assert config.fleet_dsn is not None
+            self._parts = PartitionLinks(
+                PartitionPlan(config.prefix, config.partitions),
+                self._new_partition_link,
+                self._connect_async,
+                self.registry.devices,
+                self._holds,
+                self._count,
+            )
+            # Built here, so a round or lease it refuses is refused before anything runs.
+            self.keeper = LeaseKeeper(
+                config.fleet_dsn,
+                config.prefix,
+                partitions=config.partitions,
+                name=config.client_id,
+                round_s=config.fleet_round_s,
+                lease_s=config.fleet_lease_s,
+                on_gain=self._parts.gain,
+                on_loss=self._parts.lose,
+            )
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -468,7 +501,10 @@ class Bridge:
 
     @property
     def connected(self) -> bool:
-        """Every connection is up: the control connection and each link."""
+        """Every connection is up: the control connection and each link (in a fleet, the
+        control and event connections: partitions come and go with their leases)."""
+        if self.config.fleet:
+            return self._control_up and self._fleet_events_up.is_set()
         return self._control_up and all(self._links_up)
 
     @property
@@ -477,23 +513,37 @@ class Bridge:
 
     @property
     def events_connected(self) -> bool:
-        """The event connection (link 0) is up."""
+        """The event connection (link 0; in a fleet, the bridge's own) is up."""
+        if self.config.fleet:
+            return self._fleet_events_up.is_set()
         return self._links_up[0]
 
     @property
     def _events(self) -> mqtt.Client | None:
-        """The event connection: link 0."""
+        """The event connection: link 0 (in a fleet, the bridge's own)."""
+        if self.config.fleet:
+            return self._fleet_events
         return self._links[0]
 
     def reads_device(self, device: str) -> bool:
-        """Whether a link reads `device`'s topics (always, with one link)."""
+        """Whether a link reads `device`'s topics (always, with one link; in a fleet,
+        while this bridge holds its partition and is connected as it)."""
+        if self._parts is not None:
+            return self._parts.reads(device)
         if self.config.tenant_links == 1:
             return True
         with self._links_lock:
             return device in self._linked_devices
 
+    def held_partitions(self) -> list[int]:
+        """The partitions this bridge serves now (fleet mode; [] otherwise)."""
+        return self._parts.held() if self._parts is not None else []
+
     def link_topics(self, link: int) -> list[str]:
-        """The board topics link `link` reads (links.py), sorted."""
+        """The board topics link `link` reads (links.py), sorted; in a fleet, partition
+        `link`'s."""
+        if self._parts is not None:
+            return self._parts.topics(link)
         with self._links_lock:
             return sorted(self._link_topics[link])
 
@@ -579,6 +629,9 @@ class Bridge:
             ("bridge.connected", int(self.connected), "1 while both connections are up"),
             ("bridge.connected_control", int(self._control_up), "1 while the control one is"),
         ]
+        if self._parts is not None:
+            held = len(self._parts.held())
+            gauges.append(("bridge.partitions_held", held, "fleet partitions this bridge serves"))
         return prometheus_text(self.stats, gauges)
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -693,17 +746,26 @@ class Bridge:
             bridge_topic(p),
         ]
 
-    def _new_client(self, client_id: str, username: str | None, password: str | None) -> Client:
+    def _new_client(
+        self,
+        client_id: str,
+        username: str | None,
+        password: str | None,
+        clean: bool = False,
+        reconnect: bool = True,
+    ) -> Client:
         cfg = self.config
         # A persistent session: what boards send while this bridge is away waits at the
-        # broker for its client id, and the broker keeps its subscriptions.
+        # broker for its client id, and the broker keeps its subscriptions (`clean`: a
+        # fleet bridge's own connections, which read nothing).
         # paho's client, whose queue the outbox's threads write themselves
         # (server_bridge/mqttclient.py): an RPC chunk does not wait for the network thread.
         client = Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id,
             protocol=mqtt.MQTTv311,
-            clean_session=False,
+            clean_session=clean,
+            reconnect_on_failure=reconnect,
         )
         # paho only calls the logger's log(); an adapter that knows about the stop.
         client.enable_logger(cast(logging.Logger, _PahoLog(self._stopping, self._undoing)))
@@ -726,12 +788,17 @@ class Bridge:
         """Undo a start that failed: a clean DISCONNECT of each connection (no will, so
         another bridge's presence stands) and no forwarders."""
         self._undoing.set()
+        if self.keeper is not None:
+            self.keeper.stop(release=True)
+        if self._parts is not None:
+            self._parts.close()
         self.outbox.stop(drain_s=0)
-        for client in (*self._links, self._client):
+        for client in (*self._links, self._client, self._fleet_events):
             if client is not None:
                 client.disconnect()
                 client.loop_stop()
         self._client = None
+        self._fleet_events = None
         self._links = [None] * len(self._links)
         self._undoing.clear()
 
@@ -744,6 +811,9 @@ class Bridge:
             raise BridgeError("a stopped bridge cannot be started again")
         cfg = self.config
         assert cfg.client_id is not None and cfg.control_client_id is not None
+        if cfg.fleet:
+            self._start_fleet()
+            return
         # The control connection first: the check for another bridge, the presence and
         # the will are its own (module docstring).
         client = self._new_client(cfg.control_client_id, cfg.control_username, cfg.control_password)
@@ -813,6 +883,12 @@ class Bridge:
                 )
         if cfg.tenant_links < LINKS:
             self._forget_unused_links()
+        self._begin_serving()
+
+    def _begin_serving(self) -> None:
+        """Say online and start the background work: every connection a start waits for
+        is up."""
+        cfg = self.config
         self._serving = True
         self._say_online()
         self._housekeeper = threading.Thread(
@@ -832,6 +908,105 @@ class Bridge:
             cfg.port,
             getattr(self.provider, "name", "?"),
         )
+
+    def _start_fleet(self) -> None:
+        """Start as one bridge of a fleet (config.fleet_dsn; DESIGN "Where scale goes").
+
+        Two connections of the bridge's own, then the partitions. The control connection
+        is what it is alone: RPC answers and whatever else the bridge says to boards,
+        its answers to hosts on `_b`, the presence and this bridge's will, but it reads
+        nothing (the partitions' links read boards and hosts). The event connection is
+        the outbox's one event channel: a run's events go to hosts on it whichever
+        partition read them. Not on the partition's own link: that connection ends when
+        the lease moves (on_loss), and an event read just before would wait in paho for
+        a reconnect this bridge never makes; not on the control connection either, for
+        the reason the two are apart in one process (a flood of events would queue the
+        RPC answers behind it). Both have clean sessions and ids of this process's:
+        they read nothing, and nothing in them is what another bridge needs (the
+        partitions' sessions hold that).
+
+        Then the lease keeper joins the fleet (applying the schema, learning the fleet's
+        id) and takes this bridge's share in its rounds; each partition it takes connects
+        as the partition's session (PartitionLinks.gain). No check for another bridge:
+        the others on the prefix are this fleet's.
+        """
+        cfg = self.config
+        assert self.keeper is not None and cfg.client_id is not None
+        assert cfg.control_client_id is not None
+        client = self._new_client(
+            cfg.control_client_id, cfg.control_username, cfg.control_password, clean=True
+        )
+        # This bridge's own will, not the fleet's: one bridge dying is not the fleet
+        # going offline (_say_online).
+        client.will_set(
+            self._own_status_topic(), self._status_payload("offline"), qos=1, retain=True
+        )
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_publish = self._on_publish
+        events = self._new_client(cfg.client_id, cfg.username, cfg.password, clean=True)
+        events.user_data_set(0)
+        events.on_connect = self._on_fleet_events_connect
+        events.on_disconnect = self._on_fleet_events_disconnect
+        events.on_publish = self._on_events_publish
+        self._ready.clear()
+        self._fleet_events_ready.clear()
+        self._start_error = None
+        self._login_refused = False
+        self._client = client
+        self._fleet_events = events
+        try:
+            client.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
+            events.connect(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
+        except OSError as e:
+            self._abort()
+            raise BridgeError(f"cannot reach the MQTT broker at {cfg.host}:{cfg.port}: {e}") from e
+        self.outbox.start([events], client)
+        client.loop_start()
+        events.loop_start()
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        came = self._ready.wait(cfg.connect_timeout_s) and self._fleet_events_ready.wait(
+            max(0.0, deadline - time.monotonic())
+        )
+        if not came or self._start_error is not None:
+            why = self._start_error or f"no CONNACK within {cfg.connect_timeout_s}s"
+            self._abort()
+            raise (LoginRefused if self._login_refused else BridgeError)(
+                f"bridge could not start on {cfg.host}:{cfg.port} (user "
+                f"{cfg.username or '(none)'}): {why}"
+            )
+        try:
+            self.keeper.start()
+        except Exception as e:  # PgUnavailable, PartitionCountMismatch, MigrationError ...
+            self._abort()
+            raise BridgeError(f"bridge could not join the fleet on {cfg.prefix}: {e}") from e
+        self._begin_serving()
+
+    def _own_status_topic(self) -> str:
+        """P/b/<client id>/status: a fleet bridge's own presence and last will, apart
+        from the fleet's P/b/status (boards read only that one)."""
+        return f"{self.config.prefix}/b/{self.config.client_id}/status"
+
+    def _new_partition_link(self, part: int) -> Client:
+        """Partition `part`'s connection (fleet mode): its session's client id, and
+        never reconnected by paho (PartitionLinks says why)."""
+        client_id, user, password = self.config.partition_login(part)
+        client = self._new_client(client_id, user, password, reconnect=False)
+        client.user_data_set(part)
+        client.on_connect = self._on_part_connect
+        client.on_disconnect = self._on_part_disconnect
+        client.on_subscribe = self._on_part_subscribe
+        return client
+
+    def _connect_async(self, client: mqtt.Client) -> None:
+        # Called on the lease keeper's thread: a broker slow to answer must not hold up
+        # the next renewal, so the TCP connect is the link's network thread's.
+        cfg = self.config
+        client.connect_async(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
+        client.loop_start()
+
+    def _holds(self, part: int) -> int | None:
+        return self.keeper.holds(part) if self.keeper is not None else None
 
     def _check_rivals(self, client: mqtt.Client) -> None:
         """Refuse to start while another bridge process serves this prefix (RivalBridge).
@@ -903,6 +1078,13 @@ class Bridge:
         )
 
     def _subscribe(self, client: mqtt.Client) -> None:
+        if self.config.fleet:
+            # A fleet bridge's control connection reads nothing (its partitions' links
+            # read boards and hosts), and its session is clean: connected is ready.
+            self._ready.set()
+            if self._serving:
+                self._say_online()
+            return
         rc, mid = client.subscribe([(topic, 1) for topic in self.control_subscriptions()])
         if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
             self._start_error = f"subscribe failed: {mqtt.error_string(rc)}"
@@ -985,9 +1167,16 @@ class Bridge:
             cancel()
         client, self._client = self._client, None
         links, self._links = self._links, [None] * len(self._links)
+        if client is not None and answered and self.connected:
+            self._await_runs(answered)
+        if self.keeper is not None:
+            # Once the runs' ends have come in on the partitions: each partition is
+            # stopped (its link's DISCONNECT; the session stays) and its lease given back,
+            # so the other bridges take it at their next round.
+            self.keeper.stop(release=True)
+        if self._parts is not None:
+            self._parts.close()
         if client is not None:
-            if answered and self.connected:
-                self._await_runs(answered)
             # What the lanes hold goes to paho first (bounded); paho sends it now, or
             # after the next connect of this persistent session.
             self.outbox.stop()
@@ -996,10 +1185,12 @@ class Bridge:
                 self._say_offline(client)
             client.disconnect()
             client.loop_stop()
-        for link in links:
+        for link in (*links, self._fleet_events):
             if link is not None:
                 link.disconnect()
                 link.loop_stop()
+        self._fleet_events = None
+        self._fleet_events_up.clear()
         if self._housekeeper is not None:
             self._housekeeper.join(timeout=5)
             self._housekeeper = None
@@ -1047,7 +1238,22 @@ class Bridge:
             if self.events is not None and time.monotonic() - self._retained_at >= _RETAIN_EVERY_S:
                 self._retained_at = time.monotonic()
                 self._retain_events()
-            if self.config.tenant_links > 1:
+            if self._parts is not None:
+                try:
+                    self._parts.tick(time.monotonic())
+                    # As the tenant links below: the registry's devices, by identity each
+                    # tick and in full every _LINKS_CHECK_S.
+                    token = self.registry.devices_token()
+                    now = time.monotonic()
+                    due = now - self._links_checked >= _LINKS_CHECK_S
+                    if token is not self._links_token or due:
+                        self._links_token = token
+                        self._links_checked = now
+                        self._parts.refresh()
+                except Exception:
+                    log.exception("dealing the boards to the partitions failed")
+                    self._count("links.errors")
+            elif self.config.tenant_links > 1:
                 try:
                     # Each tick the registry's device table is compared by identity (it
                     # is parsed again only when its file changed, at most every
@@ -1085,19 +1291,25 @@ class Bridge:
                     log.exception("event log retention failed for tenant %s", tenant)
                     self._count("callback_errors")
 
-    def _status_payload(self, st: str, at: int | None = None) -> bytes:
-        # `boot` is this process's: a board that sees it change knows the bridge
-        # restarted and lost every call in flight, whatever the broker did meanwhile.
-        # `at` (Unix ms) says since when, for hosts; a last will, written at connect,
-        # cannot know it.
-        status: dict[str, Any] = {"st": st, "id": self.config.client_id, "boot": self._boot}
+    def _status_payload(self, st: str, at: int | None = None, boot: str | None = None) -> bytes:
+        # `boot` is this process's (`boot`: a fleet's id, _say_online): a board that sees
+        # it change knows the bridge restarted and lost every call in flight, whatever
+        # the broker did meanwhile. `at` (Unix ms) says since when, for hosts; a last
+        # will, written at connect, cannot know it.
+        status: dict[str, Any] = {
+            "st": st,
+            "id": self.config.client_id,
+            "boot": boot or self._boot,
+        }
         if at is not None:
             status["at"] = at
         return encode(status)
 
     def _say_offline(self, client: mqtt.Client) -> None:
+        # A fleet bridge says only its own presence offline: the others serve on, and
+        # the fleet's P/b/status stays online (see _say_online).
         info = client.publish(
-            bridge_topic(self.config.prefix),
+            self._own_status_topic() if self.config.fleet else bridge_topic(self.config.prefix),
             self._status_payload("offline", at=int(time.time() * 1000)),
             qos=1,
             retain=True,
@@ -1178,6 +1390,23 @@ class Bridge:
         self._ready.set()
 
     def _say_online(self) -> None:
+        if self.keeper is not None:
+            # A fleet's presence is the fleet's: every bridge says it online with the
+            # fleet's id as `boot`, so one bridge starting or dying is no bridge restart
+            # to boards (a board fails its calls in flight when `boot` changes); what a
+            # board waits on from a dead bridge is failed by the partition's new owner
+            # (DESIGN: planned) or times out. Nothing ever says the fleet offline: a
+            # bridge cannot know it is the last one alive without asking the others, so
+            # a clean stop says only its own status offline, and so does its will,
+            # on P/b/<client id>/status. The price: with every bridge stopped, boards
+            # learn it from their calls' timeouts rather than from the presence.
+            self.outbox.board(
+                bridge_topic(self.config.prefix),
+                self._status_payload("online", boot=self.keeper.fleet_id),
+                retain=True,
+            )
+            self.outbox.board(self._own_status_topic(), self._status_payload("online"), retain=True)
+            return
         self.outbox.board(
             bridge_topic(self.config.prefix), self._status_payload("online"), retain=True
         )
@@ -1313,6 +1542,55 @@ class Bridge:
     ) -> None:
         self.outbox.on_publish(mid, event_channel(link))
 
+    # Fleet mode: the partitions' links (links.PartitionLinks), and the bridge's own
+    # event connection (_start_fleet).
+
+    @_guarded
+    def _on_part_connect(
+        self, client: mqtt.Client, part: int, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        assert self._parts is not None
+        self._parts.on_connect(client, part, flags, reason_code, properties)
+
+    @_guarded
+    def _on_part_disconnect(
+        self, client: mqtt.Client, part: int, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        assert self._parts is not None
+        self._parts.on_disconnect(client, part, flags, reason_code, properties)
+
+    @_guarded
+    def _on_part_subscribe(
+        self, client: mqtt.Client, part: int, mid: int, reason_codes: Any, properties: Any
+    ) -> None:
+        assert self._parts is not None
+        self._parts.on_subscribe(client, part, mid, reason_codes, properties)
+
+    @_guarded
+    def _on_fleet_events_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        if reason_code.is_failure:
+            self._start_error = connack_refusal(
+                f"{self.config.host}:{self.config.port}", self.config.username, reason_code
+            )
+            self._login_refused = True
+            log.error("broker refused the bridge's event connection: %s", reason_code)
+        else:
+            self._fleet_events_up.set()
+            self._count("connects")
+        self._fleet_events_ready.set()
+
+    @_guarded
+    def _on_fleet_events_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        self._fleet_events_up.clear()
+        if not self._stopping.is_set():
+            self._count("disconnects")
+            log.warning("bridge disconnected from the broker, event connection (%s); paho "
+                        "reconnects", reason_code)  # fmt: skip
+
     def _refresh_links(self, drop: bool) -> None:
         """Deal the registry's devices to the links again, if they changed, and subscribe
         each link to what it gained; with `drop`, once the broker has acknowledged those
@@ -1365,8 +1643,9 @@ class Bridge:
 
     def _ensure_linked(self, device: str) -> None:
         """Before a host's request reaches a board the links do not read yet (added to
-        the registry since the last check), subscribe to it, so its answer is read."""
-        if self.config.tenant_links == 1:
+        the registry since the last check), subscribe to it, so its answer is read. (In
+        a fleet the request came on the device's partition, which reads its board.)"""
+        if self.config.tenant_links == 1 or self.config.fleet:
             return
         with self._links_lock:
             linked = device in self._linked_devices

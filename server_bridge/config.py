@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass, field
 
 from server_bridge.brokerconf import CONTROL_SUFFIX, LINK_SUFFIX, LINKS, control_user, link_user
+from server_bridge.fleet.leases import LEASE_S, ROUND_S
+from server_bridge.fleet.partitions import (
+    DEFAULT_PARTITIONS,
+    check_partitions,
+    partition_client_id,
+)
 from server_bridge.tls import BrokerTLS
 from server_bridge.topics import DEFAULT_PREFIX, is_id
 from server_bridge.wire import Limits
@@ -196,6 +203,32 @@ class BridgeConfig:
     # TLS to the broker (server_bridge/tls.py: a CA, a client certificate and key), on
     # every connection of the process; None: plain TCP.
     tls: BrokerTLS | None = None
+    # Fleet mode (`--fleet-dsn`, DESIGN "Where scale goes"): several bridge processes
+    # share the prefix, each device served by the one that holds its partition's lease
+    # in this PostgreSQL database. None (the default): one process per prefix. The
+    # partition count is the fleet's, fixed for its life (a bridge started with another
+    # is refused); round and lease are the lease keeper's (server_bridge/fleet/leases.py:
+    # renew every round, a killed bridge's partitions taken within lease + round).
+    fleet_dsn: str | None = None
+    partitions: int = DEFAULT_PARTITIONS
+    fleet_round_s: float = ROUND_S
+    fleet_lease_s: float = LEASE_S
+
+    @property
+    def fleet(self) -> bool:
+        """Whether this bridge is one of a fleet (fleet_dsn set)."""
+        return self.fleet_dsn is not None
+
+    @property
+    def fleet_user(self) -> str:
+        """The name the fleet's partition sessions are called by: the bridge user every
+        bridge of the fleet logs its partitions in as, else DEFAULT_CLIENT_ID."""
+        return self.username or DEFAULT_CLIENT_ID
+
+    def partition_login(self, part: int) -> tuple[str, str | None, str | None]:
+        """Client id, user and password of partition `part`'s connection: the same in
+        every bridge of the fleet, so the next owner takes the session over."""
+        return partition_client_id(self.fleet_user, part), self.username, self.password
 
     def link_login(self, link: int) -> tuple[str, str | None, str | None]:
         """Client id, user and password of link `link` (0 is the event connection's:
@@ -213,6 +246,11 @@ class BridgeConfig:
             raise ValueError(f"bad topic prefix {self.prefix!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"bad broker port {self.port}")
+        if self.fleet and self.client_id is None:
+            # Each bridge of a fleet is one process among several of one user: its own
+            # connections need ids of their own (they hold no session anyone needs:
+            # bridge.py, fleet mode), and its last will a topic level of its own.
+            self.client_id = f"{self.fleet_user}-{uuid.uuid4().hex[:8]}"
         if self.client_id is None:
             self.client_id = self.username or DEFAULT_CLIENT_ID
         if not isinstance(self.client_id, str) or not self.client_id:
@@ -223,7 +261,12 @@ class BridgeConfig:
         if self.control_password is None:
             self.control_password = self.password
         if self.control_client_id is None:
-            self.control_client_id = self.control_username or self.client_id + CONTROL_SUFFIX
+            # In a fleet the control user is every bridge's: the id follows the process.
+            self.control_client_id = (
+                self.client_id + CONTROL_SUFFIX
+                if self.fleet
+                else self.control_username or self.client_id + CONTROL_SUFFIX
+            )
         if self.control_client_id == self.client_id:
             # One id for both connections: each would take the other's over, for ever.
             raise ValueError("control_client_id must differ from client_id")
@@ -271,6 +314,15 @@ class BridgeConfig:
         for tenant in self.json_mirror:
             if tenant != EVERY_TENANT and not is_id(tenant):
                 raise ValueError(f"json_mirror: {tenant!r} is neither a tenant id nor '*'")
+        if self.fleet:
+            check_partitions(self.partitions)
+            if not 0 < self.fleet_round_s < self.fleet_lease_s:
+                raise ValueError("fleet_round_s must be > 0 and < fleet_lease_s")
+            if self.shared_subscription:
+                raise ValueError("a fleet deals devices by partition: no shared_subscription")
+            if any(ch in self.client_id for ch in "/+#"):
+                # It names the topic of this bridge's last will, P/b/<client id>/status.
+                raise ValueError(f"a fleet bridge's client id {self.client_id!r} has / + or #")
         if self.max_queued_messages <= self.max_inflight_messages:
             # paho's bound must leave room above what the lanes hand it.
             raise ValueError("max_queued_messages must be > max_inflight_messages")

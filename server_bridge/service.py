@@ -176,6 +176,16 @@ def temperature(text: str) -> float:
     return value
 
 
+def partition_count(text: str) -> int:
+    """--partitions: a count a fleet can have (1 to MAX_PARTITIONS)."""
+    from server_bridge.fleet.partitions import check_partitions
+
+    try:
+        return check_partitions(int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def mirror_tenant(text: str) -> str:
     """A tenant id, or `*` (every tenant); an argparse type."""
     if text != EVERY_TENANT and not is_id(text):
@@ -473,6 +483,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "rights as its events; PROTOCOL.md \"JSON mirror\"), for dashboards such as "
         "Node-RED and Home Assistant. Repeatable; * for every tenant (default: none)",
     )
+    # Fleet mode (DESIGN "Where scale goes"): several bridges on one prefix.
+    p.add_argument(
+        "--fleet-dsn",
+        default=os.environ.get("WREN_FLEET_DSN"),
+        metavar="DSN",
+        help="run as one bridge of a fleet sharing the prefix: devices are dealt to "
+        "partitions leased in this PostgreSQL database (a libpq connection string; env "
+        "WREN_FLEET_DSN, which keeps its password off the command line), each served by "
+        "the bridge holding its lease; memory is kept there too (default: off, one "
+        "bridge process per prefix)",
+    )
+    p.add_argument(
+        "--partitions",
+        type=partition_count,
+        default=BridgeConfig.partitions,
+        metavar="P",
+        help="the fleet's partition count, fixed for its life: a bridge started with "
+        "another is refused (default %(default)s)",
+    )
+    p.add_argument(
+        "--fleet-round",
+        type=seconds,
+        default=BridgeConfig.fleet_round_s,
+        metavar="S",
+        help="how often a fleet bridge renews its leases and takes or gives back "
+        "partitions (default %(default)g)",
+    )
+    p.add_argument(
+        "--fleet-lease",
+        type=seconds,
+        default=BridgeConfig.fleet_lease_s,
+        metavar="S",
+        help="how long a renewal holds a partition: a killed bridge's devices are served "
+        "again within about this and a round (default %(default)g)",
+    )
     p.add_argument("--http-cert", default=None, metavar="PEM",
                    help="serve --http over TLS with this certificate chain")  # fmt: skip
     p.add_argument("--http-key", default=None, metavar="PEM",
@@ -502,6 +547,10 @@ def bridge_config(args: argparse.Namespace) -> BridgeConfig:
         password=args.password,
         client_id=args.client_id,
         tls=tls,
+        fleet_dsn=args.fleet_dsn or None,
+        partitions=args.partitions,
+        fleet_round_s=args.fleet_round,
+        fleet_lease_s=args.fleet_lease,
     )
     # Only an option given overrides the config's own default, so that default is
     # written once (BridgeConfig; the --merge-ms help reads it from there too).
@@ -571,7 +620,20 @@ def _devices(specs: list[str]) -> list[tuple[str, str]]:
 
 def memory_service(args: argparse.Namespace) -> MemoryService:
     """The durable memory at --memory-dir (memory/ beside the registry), with the recall
-    index (MiniLM when installed, else BM25), which the bridge rebuilds as it starts."""
+    index (MiniLM when installed, else BM25), which the bridge rebuilds as it starts.
+    In a fleet (--fleet-dsn), the memory on PostgreSQL that every bridge of it shares:
+    a device's memory must not depend on which bridge serves it this minute."""
+    if args.fleet_dsn:
+        from server_bridge.memory import MemoryService
+        from server_bridge.memory.recall import RecallIndex
+        from server_bridge.pgstore import PgUnavailable
+        from server_bridge.pgstore.memory import PgMemoryStore
+
+        try:
+            store = PgMemoryStore(args.fleet_dsn)
+        except PgUnavailable as e:
+            raise ServiceError(f"the fleet's memory store: {e}") from e
+        return MemoryService(store, index=RecallIndex("auto"))
     from server_bridge.memory import open_memory
 
     return open_memory(args.memory_dir or Path(args.registry).parent / "memory")
@@ -648,9 +710,8 @@ def run(
             # Beside the events, in a directory no tenant's name can be.
             turns = Turns(EventLog(events.root / "_turns"), config.history_turns,
                           config.history_chars)  # fmt: skip
-        bridge = Bridge(
-            config, registry, provider, memory_service(args), knowledge, events, turns
-        )
+        memory = memory_service(args)
+        bridge = Bridge(config, registry, provider, memory, knowledge, events, turns)
         # The allow-list and the per-run caps; the model timeout and the token cap came
         # with the config, the idle timeout and temperature with the provider.
         bridge.rpc.set_model_policy(model_policy(args))
@@ -718,6 +779,11 @@ def run(
                         events.close()
                     if turns is not None:
                         turns.log.close()
+                    # The fleet's store on PostgreSQL has a pool to let go (TinyDB's
+                    # files have nothing open between writes).
+                    close_store = getattr(memory.store, "close", None)
+                    if callable(close_store):
+                        close_store()
     finally:
         registry.close()
 
