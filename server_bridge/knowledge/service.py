@@ -27,10 +27,11 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from server_bridge.memory.recall import Embedder, analyze
 
@@ -55,6 +56,7 @@ __all__ = [
     "Hit",
     "IngestSummary",
     "KnowledgeBase",
+    "KnowledgeStore",
     "Mode",
     "Progress",
     "Retrieval",
@@ -194,6 +196,56 @@ class CollectionInfo:
     bytes: int
 
 
+class KnowledgeStore(Protocol):
+    """What the knowledge base asks of its store: `store.Store` (SQLite, one file) and
+    `server_bridge.pgstore.knowledge.PgKnowledgeStore` (PostgreSQL, shared by bridges).
+    Every method runs inside `transaction()`, one at a time (the service's lock); a
+    read transaction is one snapshot, and `generation()` changes with every write
+    transaction of any process, so a vector cache at that number is current."""
+
+    @property
+    def path(self) -> Path | None: ...
+    def close(self) -> None: ...
+    def transaction(self, write: bool = False) -> AbstractContextManager[None]: ...
+    def generation(self) -> int: ...
+    def collection_id(self, tenant: str, name: str) -> int | None: ...
+    def source(self, collection_id: int, source: str) -> SourceRow | None: ...
+    def sources(self, tenant: str, collection: str | None = None) -> list[SourceRow]: ...
+    def collections(self, tenant: str) -> list[tuple[str, int, int, int]]: ...
+    def allowed_sources(
+        self,
+        tenant: str,
+        collections: Sequence[str] = (),
+        sources: Sequence[str] = (),
+        tags: Sequence[str] = (),
+        since: float | None = None,
+    ) -> list[int]: ...
+    def keyword(
+        self, match: str, allowed: Sequence[int], limit: int
+    ) -> list[tuple[int, float]]: ...
+    def vectors(self, embedder: str) -> Iterator[tuple[int, int, bytes]]: ...
+    def hits(self, chunk_ids: Sequence[int]) -> dict[int, HitRow]: ...
+    def source_chunks(self, source_id: int) -> list[HitRow]: ...
+    def bump(self) -> tuple[int, int]: ...
+    def ensure_collection(self, tenant: str, name: str, now: float) -> int: ...
+    def replace_source(
+        self,
+        collection_id: int,
+        source: str,
+        *,
+        version: str,
+        recipe: str,
+        embedder: str | None,
+        tags: Sequence[str],
+        size: int,
+        chunks: Sequence[ChunkRow],
+        now: float,
+    ) -> tuple[int, list[int], list[int]]: ...
+    def set_tags(self, source_id: int, tags: Sequence[str]) -> None: ...
+    def delete_source(self, source_id: int) -> list[int]: ...
+    def delete_collection(self, collection_id: int) -> list[int]: ...
+
+
 @dataclass
 class _Pending:
     source: str
@@ -206,7 +258,9 @@ class _Pending:
 
 
 class KnowledgeBase:
-    """Documents of every tenant in one store file (`path`, ":memory:" for tests).
+    """Documents of every tenant in one store: a SQLite file (`path`, ":memory:" for
+    tests), or a store object (a `KnowledgeStore`, e.g. PostgreSQL's PgKnowledgeStore),
+    which the knowledge base then owns: `close()` closes it.
 
     `embedder`: "auto" (recall's MiniLM when installed, else BM25 only), an Embedder,
     or None for BM25 only.
@@ -214,7 +268,7 @@ class KnowledgeBase:
 
     def __init__(
         self,
-        path: Path | str,
+        path: Path | str | KnowledgeStore,
         *,
         embedder: Embedder | Literal["auto"] | None = "auto",
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
@@ -229,7 +283,9 @@ class KnowledgeBase:
         self.chunk_size = chunk_size
         self.overlap = overlap
         self._recipe = chunking.recipe(chunk_size, overlap)
-        self._store = Store(Path(path))
+        self._store: KnowledgeStore = (
+            Store(Path(path)) if isinstance(path, (str, Path)) else path
+        )
         self._lock = threading.Lock()
         self._cache: VectorCache | None = None
 
@@ -238,7 +294,8 @@ class KnowledgeBase:
         return self._embedder
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | None:
+        """The SQLite file; None for a store that is not a file (a database)."""
         return self._store.path
 
     def close(self) -> None:
