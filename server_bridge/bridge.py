@@ -79,6 +79,7 @@ from server_bridge.config import BridgeConfig
 from server_bridge.conversations import History, Turns
 from server_bridge.eventlog import EventLog
 from server_bridge.fleet import LeaseKeeper
+from server_bridge.fleet.calls import FleetCallRows, OpenCalls
 from server_bridge.host.reducer import Reducer, RunSnapshot
 from server_bridge.http.hub import EventHub
 from server_bridge.http.views import event_json, snapshot_json
@@ -96,7 +97,7 @@ from server_bridge.models.base import Provider
 from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, Registry
-from server_bridge.rpc import RpcServer
+from server_bridge.rpc import RpcServer, left_open_answer
 from server_bridge.tcp import no_delay
 from server_bridge.tokens import TokenError
 from server_bridge.topics import (
@@ -463,6 +464,7 @@ class Bridge:
         self._fleet_events: Client | None = None
         self._fleet_events_up = threading.Event()
         self._fleet_events_ready = threading.Event()
+        self._call_rows: FleetCallRows | None = None
         if config.fleet:
             assert config.fleet_dsn is not None
             self._parts = PartitionLinks(
@@ -473,6 +475,18 @@ class Bridge:
                 self._holds,
                 self._count,
             )
+            # The calls this bridge serves, as rows the next owner of their partition
+            # answers by id if this bridge dies (fleet/calls.py).
+            self._call_rows = FleetCallRows(
+                OpenCalls(config.fleet_dsn, config.prefix),
+                config.partitions,
+                self._holds,
+                self.rpc.serving,
+                lambda device, c, fail_kind: self.rpc.answer(
+                    device, left_open_answer(c, fail_kind)
+                ),
+            )
+            self.rpc.call_rows = self._call_rows
             # Built here, so a round or lease it refuses is refused before anything runs.
             self.keeper = LeaseKeeper(
                 config.fleet_dsn,
@@ -481,7 +495,7 @@ class Bridge:
                 name=config.client_id,
                 round_s=config.fleet_round_s,
                 lease_s=config.fleet_lease_s,
-                on_gain=self._parts.gain,
+                on_gain=self._partition_taken,
                 on_loss=self._parts.lose,
             )
 
@@ -1008,6 +1022,21 @@ class Bridge:
     def _holds(self, part: int) -> int | None:
         return self.keeper.holds(part) if self.keeper is not None else None
 
+    def _partition_taken(self, part: int, epoch: int) -> None:
+        """The keeper took `part` (its thread): first the calls an earlier owner left
+        open are answered by id (their boards end those runs failed, retryable), then the
+        partition's session is connected and what waited in it is read. A failure to
+        read the rows is logged and counted: the partition is served all the same, and
+        those calls end at their boards' timeouts."""
+        assert self._parts is not None and self._call_rows is not None
+        try:
+            n = self._call_rows.taken(part, epoch)
+            self._count("fleet.calls_left_open_answered", n)
+        except Exception:
+            log.exception("partition %d: the calls an earlier owner left open were not read", part)
+            self._count("fleet.calls_left_open_unread")
+        self._parts.gain(part, epoch)
+
     def _check_rivals(self, client: mqtt.Client) -> None:
         """Refuse to start while another bridge process serves this prefix (RivalBridge).
 
@@ -1197,6 +1226,10 @@ class Bridge:
         # The workers were told (their calls are done, their streams cut) and return in
         # a moment; queued calls are dropped.
         self.rpc.close(wait=False)
+        if self._call_rows is not None:
+            # A row a worker still deletes after this stays: the next owner answers
+            # that call again, and the board drops an answer to a call it has ended.
+            self._call_rows.calls.close()
         # A provider that keeps connections (the OpenAI one pools them) lets them go;
         # a call still running keeps its own and closes it when it ends.
         close = getattr(self.provider, "close", None)

@@ -158,6 +158,11 @@ _LLM_FAILED = "the model call failed"
 BRIDGE_STOPPING = "bridge_stopping"
 _STOPPING_MSG = "the bridge stopped during the call: ask again once it is back"
 _STOPPING_LLM_MSG = "the bridge stopped during the model call: ask again once it is back"
+# What a call is answered when its bridge died and another bridge of the fleet took its
+# device over (fleet mode: server_bridge/fleet/calls.py; PROTOCOL.md "Errors").
+BRIDGE_RESTARTED = "bridge_restarted"
+_RESTARTED_MSG = "the bridge serving the call stopped: ask again"
+_RESTARTED_LLM_MSG = "the bridge serving the model call stopped: ask again"
 # How long stop_calls() waits for a worker that is sending a chunk of its call before
 # it leaves that call unanswered (its board then fails it on the bridge's offline).
 _STOP_LOCK_S = 0.5
@@ -762,6 +767,28 @@ def _llm_complete(
 # --------------------------------------------------------------------------- server
 
 
+class CallRows(Protocol):
+    """Where a fleet bridge keeps the calls it is serving (fleet/calls.py), so that the
+    next owner of a device's partition can answer them if this bridge dies. Called on
+    worker threads, never on paho's network thread."""
+
+    def opened(
+        self, device: str, c: int | str, method: str, run: str | None, fail_kind: str
+    ) -> None:
+        ...
+
+    def closed(self, device: str, c: int | str) -> None: ...
+
+
+def left_open_answer(c: int | str, fail_kind: str) -> dict[str, Any]:
+    """The answer to a call another bridge left open when it died: retryable, as a
+    stopping bridge's, and without `s` (how many chunks the dead bridge sent is not
+    known; a final answer without `s` ends the call at the board whatever came)."""
+    if fail_kind == "llm":
+        return err(c, "llm", _RESTARTED_LLM_MSG, {"cause": "unavailable", "retryable": True})
+    return err(c, BRIDGE_RESTARTED, _RESTARTED_MSG, {"retryable": True})
+
+
 class RpcServer:
     """Dispatches board RPC calls to the method table and answers them."""
 
@@ -817,6 +844,8 @@ class RpcServer:
         # A conversation's earlier turns in a model call (conversations/), set by the
         # bridge when it keeps an event log.
         self.history: History | None = None
+        # A fleet bridge's rows of the calls it serves (fleet/calls.py), set by the bridge.
+        self.call_rows: CallRows | None = None
         self.methods: dict[str, Method] = {
             "llm.complete": Method(
                 _llm_complete(provider, self.models, lambda: self.augment, lambda: self.history),
@@ -857,6 +886,11 @@ class RpcServer:
     def inflight_of(self, device: str) -> int:
         with self._lock:
             return self._per_device[device]
+
+    def serving(self, device: str, c: int | str) -> bool:
+        """Whether call `c` of `device` is in flight in this process."""
+        with self._lock:
+            return (device, c) in self._calls
 
     # ------------------------------------------------------------------ intake
 
@@ -1012,6 +1046,30 @@ class RpcServer:
                 state.done = True
             self.answer(device.device, err(call.c, "busy", "the bridge is shutting down"))
 
+    def _row_opened(self, state: _Call) -> bool:
+        """The call's row, written before its handler runs (fleet mode); a failure is
+        logged and counted, and the call is served all the same."""
+        rows = self.call_rows
+        if rows is None:
+            return False
+        try:
+            rows.opened(state.device, state.c, state.method, state.run, state.fail_kind)
+        except Exception as e:
+            _log_failure(logging.WARNING, f"rpc {state.method}: the call's row not written", e)
+            self._count("rpc.call_row_failed", 1)
+            return False
+        return True
+
+    def _row_closed(self, state: _Call) -> None:
+        rows = self.call_rows
+        if rows is None:
+            return
+        try:
+            rows.closed(state.device, state.c)
+        except Exception as e:
+            _log_failure(logging.WARNING, f"rpc {state.method}: the call's row not deleted", e)
+            self._count("rpc.call_row_failed", 1)
+
     def _start_early(
         self, method: Method, call: Call, args: dict[str, Any], size: int
     ) -> Started | None:
@@ -1033,6 +1091,7 @@ class RpcServer:
     # ------------------------------------------------------------------ worker
 
     def _run(self, state: _Call, method: Method, ctx: CallContext, args: dict[str, Any]) -> None:
+        rowed = False
         try:
             if state.done:
                 return  # answered by expire(), or ended by device_gone(), while queued
@@ -1043,6 +1102,7 @@ class RpcServer:
                 self._time_out(state)
                 return
             state.started = True
+            rowed = self._row_opened(state)
             try:
                 result = method.handler(ctx, args, lambda ch: self._emit(state, ch))
             except _CallOver:
@@ -1072,6 +1132,8 @@ class RpcServer:
             if ctx.early is not None:
                 ctx.early.close()
             self._release(state)
+            if state.started and rowed:
+                self._row_closed(state)
 
     def _release(self, state: _Call, remember: bool = True) -> None:
         """Free the call's slot (if device_gone has not already) and remember its id."""

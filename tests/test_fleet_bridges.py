@@ -36,6 +36,7 @@ from server_bridge.links import PartitionPlan
 from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.service import STOP_EXIT_CODE
 from server_bridge.tokens import sign
+from tests.model_server import ModelServer, Turn
 from tests.test_cli import Proc
 from tools.broker import MosquittoProcess, start_mosquitto
 
@@ -85,6 +86,9 @@ class BoardPeer:
         self._lock = threading.Lock()
         self._runs = 0
         self._next_id: dict[str, int] = {}
+        # Every event sent, by run: a board's ring, from which it answers the bridge's
+        # replay (the bridge that takes a partition over asks for what it has not seen).
+        self._sent: dict[str, list[bytes]] = {}
         self.c = _client(device)
         self.c.on_message = self._on_message
         self.c.will_set(self._t("status"), msgpack.packb({"st": "offline", "boot": self.boot}),
@@ -104,11 +108,20 @@ class BoardPeer:
     def _evt(self, run: str, t: str, d: dict[str, Any]) -> None:
         with self._lock:
             i = self._next_id[run] = self._next_id.get(run, 0) + 1
-        env = {"r": run, "i": i, "t": t, "ts": int(time.time() * 1000), "d": d}
-        self.c.publish(self._t("evt"), msgpack.packb(env), qos=1)
+        env = msgpack.packb({"r": run, "i": i, "t": t, "ts": int(time.time() * 1000), "d": d})
+        with self._lock:
+            self._sent.setdefault(run, []).append(env)
+        self.c.publish(self._t("evt"), env, qos=1)
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
         obj = msgpack.unpackb(msg.payload, raw=False)
+        if msg.topic.endswith("/ctl"):
+            if obj.get("op") == "replay":
+                with self._lock:
+                    again = self._sent.get(obj.get("r"), [])[int(obj.get("after") or 0):]
+                for env in again:
+                    client.publish(self._t("evt"), env, qos=1)
+            return
         if msg.topic.endswith("/req"):
             req = obj["req"]
             with self._lock:
@@ -256,13 +269,15 @@ class Fleet:
         self.bridges: dict[str, Proc] = {}
         self.peers: dict[str, BoardPeer] = {}
 
-    def start_bridge(self, name: str) -> Proc:
+    def start_bridge(self, name: str, model_url: str | None = None) -> Proc:
         cwd = self.tmp / name
         cwd.mkdir(exist_ok=True)
+        model = (["--openai-base-url", model_url, "--model", "wren-test-model"]
+                 if model_url else ["--script", str(self.tmp / "script.json")])  # fmt: skip
         proc = Proc(
             [sys.executable, "-m", "server_bridge", "--broker", self.broker.address,
              "--client-id", name, "--registry", str(self.tmp / "registry.json"),
-             "--tenant", TENANT, "--script", str(self.tmp / "script.json"),
+             "--tenant", TENANT, *model,
              "--no-event-log", "--stats-file", str(cwd / "bridge.prom"),
              "--fleet-dsn", self.dsn, "--partitions", str(PARTS),
              "--fleet-round", str(ROUND_S), "--fleet-lease", str(LEASE_S)],
@@ -392,3 +407,64 @@ def test_two_bridges_share_a_prefix_and_a_killed_ones_devices_move_to_the_other(
         assert host.bridge_status[f"{P}/b/status"]["st"] == "online"
     finally:
         host.close()
+
+
+def test_a_model_call_in_flight_when_its_bridge_is_killed_ends_failed_retryable(
+    fleet: Fleet,
+) -> None:
+    """The dead bridge's open call is a row in PostgreSQL (fleet/calls.py): the bridge
+    that takes its partition answers it by id, retryable, so the board ends the run
+    `run.failed` within a lease and a few rounds instead of at its call's timeout."""
+    # A long answer at a model's pace: 600 characters, 4 at a time, 20 ms apart (3 s).
+    slow = Turn(text="warm " * 120, chunk_chars=4, delay_s=0.02)
+    with ModelServer([slow, slow, slow]) as model:
+        a = fleet.start_bridge("fleet-a", model.url)
+        fleet.start_bridge("fleet-b", model.url)
+        wait_until(lambda: shares(fleet.dsn) == [PARTS // 2, PARTS // 2], 15)
+        own = owners(fleet.dsn)
+        victims = [d for d in fleet.devices if own[partition_of(d, PARTS)] == "fleet-a"]
+        host = Host(fleet.broker, fleet.token)
+        try:
+            for d in fleet.devices:
+                fleet.peers[d] = BoardPeer(fleet.broker, d)
+            time.sleep(0.5)
+            reqs = {d: host.ask(d) for d in victims}
+            # Mid-answer: every victim's run has streamed some text.
+            wait_until(lambda: all(host.runs.get(r) and host.text.get(host.runs[r])
+                                   for r in reqs.values()), WAIT_S)  # fmt: skip
+            killed_at = time.monotonic()
+            a.proc.send_signal(signal.SIGKILL)
+            a.proc.wait(10)
+            for req in reqs.values():
+                try:
+                    wait_until(lambda req=req: req in host.ended_at, FAILOVER_BOUND_S + WAIT_S)
+                except AssertionError:
+                    b = fleet.bridges["fleet-b"]
+                    said = "\n".join([*b.seen, *list(b.lines.queue)][-40:])
+                    raise AssertionError(f"a run in flight did not end:\n{said}") from None
+            ended = max(host.ended_at[r] for r in reqs.values()) - killed_at
+            print(f"\nthe runs in flight at the kill ended {ended:.2f} s after it "
+                  f"(lease {LEASE_S} s, round {ROUND_S} s)")  # fmt: skip
+            for d, req in reqs.items():
+                key = host.runs[req]
+                # Ended honestly: failed, retryable (the board's run.failed on the
+                # bridge_restarted answer), not left running, not done with half a text.
+                assert host.ended[key] == "run.failed", (d, host.ended[key])
+                peer = fleet.peers[d]
+                assert set(peer.finals.values()) == {1}, (d, peer.finals)
+            assert ended < FAILOVER_BOUND_S + WAIT_S
+            # The new owner knows nothing of what the dead one relayed (the event log is
+            # not yet shared between bridges), so it asks each open run's board for a
+            # replay from the start: the host is sent those runs' earlier events again,
+            # and applies each once (by run and id, as every host does): what it shows
+            # is the answer's beginning, no chunk twice. No other run's event repeats.
+            cut = {host.runs[r] for r in reqs.values()}
+            assert {(d, run) for d, run, _ in host.twice()} <= cut
+            for key in cut:
+                assert (slow.text).startswith(host.text[key]) and host.text[key], key
+            # And the devices are served by the survivor afterwards.
+            for d in victims:
+                req = host.ask(d)
+                wait_until(lambda req=req: host.done(req), WAIT_S)
+        finally:
+            host.close()

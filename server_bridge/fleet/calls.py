@@ -27,12 +27,17 @@ still served, only a failover would leave it to its timeout.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from server_bridge.fleet.partitions import partition_of
 from server_bridge.pgstore import connect
 
-__all__ = ["OpenCall", "OpenCalls"]
+__all__ = ["FleetCallRows", "OpenCall", "OpenCalls"]
+
+log = logging.getLogger("wren.bridge.fleet")
 
 
 @dataclass(frozen=True)
@@ -63,14 +68,33 @@ class OpenCalls:
         import threading
 
         self.prefix = prefix
-        self._conn = connect(dsn, autocommit=True)
+        self._dsn = dsn
+        # Connected at first use and again after a failure (the database restarted):
+        # a bridge starts, and serves calls, while the database is away.
+        self._conn: Any = None
+        self._closed = False
         self._lock = threading.Lock()
+
+    def _execute(self, sql: str, params: tuple[Any, ...]) -> Any:  # under self._lock
+        if self._closed:
+            raise RuntimeError("the open-call rows are closed (the bridge stopped)")
+        if self._conn is None:
+            self._conn = connect(self._dsn, autocommit=True)
+        try:
+            return self._conn.execute(sql, params)
+        except Exception:
+            conn, self._conn = self._conn, None
+            try:
+                conn.close()
+            except Exception:
+                pass
+            raise
 
     def opened(self, part: int, epoch: int, call: OpenCall) -> None:
         """A call started under partition `part` held at `epoch`."""
         cid, is_int = _key(call.c)
         with self._lock:
-            self._conn.execute(
+            self._execute(
                 "INSERT INTO wren_open_calls (prefix, part, device, call_id, call_is_int,"
                 " method, run, fail_kind, epoch) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s)"
                 " ON CONFLICT (prefix, device, call_id, call_is_int) DO UPDATE SET"
@@ -84,7 +108,7 @@ class OpenCalls:
         """The call was answered (or ended): its row goes."""
         cid, is_int = _key(c)
         with self._lock:
-            self._conn.execute(
+            self._execute(
                 "DELETE FROM wren_open_calls WHERE prefix = %s AND device = %s"
                 " AND call_id = %s AND call_is_int = %s",
                 (self.prefix, device, cid, is_int),
@@ -95,7 +119,7 @@ class OpenCalls:
         bridges that held it before left unanswered. Taken: the rows are deleted in the
         same statement, so two takers never both answer one."""
         with self._lock:
-            rows = self._conn.execute(
+            rows = self._execute(
                 "DELETE FROM wren_open_calls WHERE prefix = %s AND part = %s AND epoch < %s"
                 " RETURNING device, call_id, call_is_int, method, run, fail_kind, epoch",
                 (self.prefix, part, epoch),
@@ -111,11 +135,70 @@ class OpenCalls:
 
     def count(self) -> int:
         with self._lock:
-            row: Any = self._conn.execute(
+            row: Any = self._execute(
                 "SELECT count(*) FROM wren_open_calls WHERE prefix = %s", (self.prefix,)
             ).fetchone()
         return int(row[0])
 
     def close(self) -> None:
         with self._lock:
-            self._conn.close()
+            self._closed = True
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+class FleetCallRows:
+    """A fleet bridge's call rows (rpc.CallRows): each call under its device's
+    partition and the epoch this bridge holds it at, and, when the bridge takes a
+    partition, the calls earlier owners left open answered by id.
+
+    `holds(part)` is the lease keeper's; `serving(device, c)` whether this process has
+    the call in flight; `answer(device, c, fail_kind)` sends the retryable answer."""
+
+    def __init__(
+        self,
+        calls: OpenCalls,
+        partitions: int,
+        holds: Callable[[int], int | None],
+        serving: Callable[[str, int | str], bool],
+        answer: Callable[[str, int | str, str], None],
+    ) -> None:
+        self.calls = calls
+        self.partitions = partitions
+        self._holds = holds
+        self._serving = serving
+        self._answer = answer
+
+    def opened(
+        self, device: str, c: int | str, method: str, run: str | None, fail_kind: str
+    ) -> None:
+        part = partition_of(device, self.partitions)
+        epoch = self._holds(part)
+        if epoch is None:
+            # Not this bridge's any more (or not yet): the call is served, but a failover
+            # will leave it to the board's timeout. Rare: a call is read on the
+            # partition's own link, which ends with the lease.
+            log.info("call %r of %s: partition %d not held, no row", c, device, part)
+            return
+        self.calls.opened(part, epoch, OpenCall(device, c, method, run, fail_kind, epoch))
+
+    def closed(self, device: str, c: int | str) -> None:
+        self.calls.closed(device, c)
+
+    def taken(self, part: int, epoch: int) -> int:
+        """Partition `part` is this bridge's at `epoch`: answer what earlier owners left
+        open; returns how many. A call this process still serves (it held the partition
+        before, lost it for a failed renewal and took it back) is not answered: its row
+        is written again under the new epoch."""
+        answered = 0
+        for call in self.calls.left_open(part, epoch):
+            if self._serving(call.device, call.c):
+                again = OpenCall(call.device, call.c, call.method, call.run, call.fail_kind, epoch)
+                self.calls.opened(part, epoch, again)
+                continue
+            self._answer(call.device, call.c, call.fail_kind)
+            answered += 1
+        if answered:
+            log.info("partition %d: answered %d call(s) an earlier owner left open", part, answered)
+        return answered
