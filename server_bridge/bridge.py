@@ -77,7 +77,7 @@ from server_bridge import access, metrics, tokens
 from server_bridge.brokerconf import LINKS
 from server_bridge.config import BridgeConfig
 from server_bridge.conversations import History, Turns
-from server_bridge.eventlog import EventLog
+from server_bridge.eventlog import EventStore
 from server_bridge.fleet import LeaseKeeper
 from server_bridge.fleet.calls import FleetCallRows, OpenCalls
 from server_bridge.host.reducer import Reducer, RunSnapshot
@@ -96,7 +96,7 @@ from server_bridge.mirror import JsonMirror, both
 from server_bridge.models.base import Provider
 from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.redact import MASK, scrub
-from server_bridge.registry import DeviceRecord, Registry
+from server_bridge.registry import DeviceRecord, RegistryStore
 from server_bridge.rpc import RpcServer, left_open_answer
 from server_bridge.tcp import no_delay
 from server_bridge.tokens import TokenError
@@ -278,11 +278,11 @@ class Bridge:
     def __init__(
         self,
         config: BridgeConfig,
-        registry: Registry,
+        registry: RegistryStore,
         provider: Provider,
         memory: MemoryService | None = None,
         knowledge: KnowledgeBase | None = None,
-        events: EventLog | None = None,
+        events: EventStore | None = None,
         turns: Turns | None = None,
     ) -> None:
         self.config = config

@@ -100,7 +100,7 @@ import msgpack
 
 from edge_runtime.events import MAX_ID, TERMINAL
 from server_bridge.config import BridgeConfig
-from server_bridge.eventlog import EventLog, EventLogError
+from server_bridge.eventlog import EventLogError, EventStore
 from server_bridge.lanes import OVERHEAD, Budget
 from server_bridge.privacy import LOOKED_AT as REDACTED
 from server_bridge.privacy import Redactor
@@ -292,7 +292,7 @@ class EventIntake:
         budget: Budget | None = None,
         window_bytes: int = BridgeConfig.window_bytes,
         hello_bytes: int = BridgeConfig.hello_bytes,
-        event_log: EventLog | None = None,
+        event_log: EventStore | None = None,
     ) -> None:
         self.prefix = prefix
         # Every event hosts are sent is appended here too, as sent (server_bridge/eventlog):

@@ -37,13 +37,14 @@ from server_bridge.metrics import write_text_file
 from server_bridge.models.base import Provider, check_base_url
 from server_bridge.models.policy import ModelPolicy, merge_allowed, parse_allow
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
-from server_bridge.registry import provision
+from server_bridge.pgstore import describe, is_dsn, location
+from server_bridge.registry import RegistryStore, provision
 from server_bridge.tls import TLS_PORT, BrokerTLS, TLSConfigError
 from server_bridge.topics import is_id
 
 if TYPE_CHECKING:
     from server_bridge.bridge import Bridge
-    from server_bridge.eventlog import EventLog
+    from server_bridge.eventlog import EventStore
     from server_bridge.http.server import HttpServer
     from server_bridge.knowledge import KnowledgeBase
     from server_bridge.memory import MemoryService
@@ -256,7 +257,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every option of the bridge service, on `p`."""
     add_broker_arguments(p, "WREN_BRIDGE_USER", "WREN_BRIDGE_PASSWORD")
     add_tls_arguments(p)
-    p.add_argument("--registry", type=Path, default=Path(".wren/registry.json"))
+    p.add_argument(
+        "--registry",
+        type=location,
+        default=Path(".wren/registry.json"),
+        help="the registry file, or a PostgreSQL URL (postgresql://...) that several bridges share",
+    )
     p.add_argument(
         "--memory-dir",
         type=Path,
@@ -265,7 +271,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--knowledge",
-        type=Path,
+        type=location,
         default=None,
         metavar="PATH",
         help="the knowledge store boards reach by kb.retrieve, kb.add and kb.delete "
@@ -636,29 +642,60 @@ def memory_service(args: argparse.Namespace) -> MemoryService:
         return MemoryService(store, index=RecallIndex("auto"))
     from server_bridge.memory import open_memory
 
-    return open_memory(args.memory_dir or Path(args.registry).parent / "memory")
+    return open_memory(args.memory_dir or _beside_registry(args) / "memory")
 
 
-def event_log(args: argparse.Namespace) -> EventLog | None:
+def _named(store: Path | str) -> str:
+    """A store for a log line: a file's path, a database's URL without its password."""
+    return describe(store) if isinstance(store, str) else str(store)
+
+
+def _beside_registry(args: argparse.Namespace) -> Path:
+    """Where the files that default to the registry's directory go: that directory, or
+    the current one when the registry is a database."""
+    return Path(".") if is_dsn(args.registry) else Path(args.registry).parent
+
+
+def event_log(args: argparse.Namespace) -> EventStore | None:
     """The event log at --event-log (events/ beside the registry); None with
-    --no-event-log."""
+    --no-event-log. In a fleet (--fleet-dsn), the log on PostgreSQL that every bridge
+    of it shares: the bridge that takes a device over replays its runs from it."""
     if args.no_event_log:
         return None
+    if args.fleet_dsn:
+        from server_bridge.pgstore import PgUnavailable
+        from server_bridge.pgstore.eventlog import PgEventLog
+
+        try:
+            return PgEventLog(args.fleet_dsn)
+        except PgUnavailable as e:
+            raise ServiceError(f"the fleet's event log: {e}") from e
     from server_bridge.eventlog import EventLog
 
-    return EventLog(args.event_log or Path(args.registry).parent / "events")
+    return EventLog(args.event_log or _beside_registry(args) / "events")
 
 
 def knowledge_base(args: argparse.Namespace) -> KnowledgeBase | None:
     """The knowledge store at --knowledge, else knowledge.sqlite3 beside the registry
     when `wren kb ingest` has made one; None (no kb.* methods) otherwise."""
-    path = args.knowledge
-    if path is None:
-        path = Path(args.registry).parent / "knowledge.sqlite3"
-        if not path.exists():
-            return None
     from server_bridge.knowledge import KnowledgeBase
 
+    path = args.knowledge
+    if path is None and args.fleet_dsn:
+        # A fleet's knowledge is its database's (`wren kb ingest --store URL`).
+        path = args.fleet_dsn
+    if is_dsn(path) or (path is not None and path == args.fleet_dsn):
+        from server_bridge.pgstore import PgUnavailable
+        from server_bridge.pgstore.knowledge import PgKnowledgeStore
+
+        try:
+            return KnowledgeBase(PgKnowledgeStore(str(path)))
+        except PgUnavailable as e:
+            raise ServiceError(f"the knowledge store: {e}") from e
+    if path is None:
+        path = _beside_registry(args) / "knowledge.sqlite3"
+        if not path.exists():
+            return None
     return KnowledgeBase(path)
 
 
@@ -697,7 +734,17 @@ def run(
     # this module, and the bridge (paho and all) is most of a command's start-up time.
     from server_bridge.bridge import Bridge, LoginRefused, RivalBridge
 
-    registry = provision(args.registry, args.tenant, _devices(args.device))
+    registry: RegistryStore
+    if is_dsn(args.registry):
+        from server_bridge.pgstore import PgUnavailable
+        from server_bridge.pgstore.registry import provision as provision_pg
+
+        try:
+            registry = provision_pg(args.registry, args.tenant, _devices(args.device))
+        except PgUnavailable as e:
+            raise ServiceError(f"the registry: {e}") from e
+    else:
+        registry = provision(args.registry, args.tenant, _devices(args.device))
     try:
         provider, what = model_provider(args)
         knowledge = knowledge_base(args)
@@ -707,8 +754,12 @@ def run(
             from server_bridge.conversations import Turns
             from server_bridge.eventlog import EventLog
 
-            # Beside the events, in a directory no tenant's name can be.
-            turns = Turns(EventLog(events.root / "_turns"), config.history_turns,
+            # Beside the events, in a directory no tenant's name can be. A fleet's
+            # bridge keeps them in files of its own (the log on PostgreSQL has no
+            # room for them yet): a follow-up served by another bridge after a
+            # failover gets no earlier turns.
+            root = args.event_log or _beside_registry(args) / "events"
+            turns = Turns(EventLog(Path(root) / "_turns"), config.history_turns,
                           config.history_chars)  # fmt: skip
         memory = memory_service(args)
         bridge = Bridge(config, registry, provider, memory, knowledge, events, turns)
@@ -740,7 +791,7 @@ def run(
             if args.http is not None:
                 http = _serve_http(bridge, args)
             out.write(
-                f"bridge: {config.host}:{config.port}, registry {args.registry}, {what};"
+                f"bridge: {config.host}:{config.port}, registry {_named(args.registry)}, {what};"
                 " Ctrl-C stops\n" + (f"metrics at {metrics.url}\n" if metrics else "")
                 + (f"http at {http.url}\n" if http else "")
                 + (f"json mirror: {_mirrored(config)}\n" if config.json_mirror else "")

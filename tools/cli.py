@@ -36,6 +36,7 @@ from typing import Any, NoReturn, TextIO
 
 from server_bridge import brokerconf, service, tokens
 from server_bridge.memory.grants import ALL_FIELDS, KNOWLEDGE_PREFIX, READ, WRITE
+from server_bridge.pgstore import location
 from server_bridge.registry import (
     BRIDGE,
     DEVICE,
@@ -43,6 +44,7 @@ from server_bridge.registry import (
     RECHECK_S,
     DeviceRecord,
     Registry,
+    RegistryStore,
     host_user,
 )
 from server_bridge.service import (
@@ -260,9 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _registry_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--registry",
-        type=Path,
+        type=location,
         default=DEFAULT_REGISTRY,
-        help="the registry file (default %(default)s, where `wren bridge` keeps it)",
+        help="the registry file (default %(default)s, where `wren bridge` keeps it), or "
+        "the PostgreSQL URL (postgresql://...) a fleet's bridges share",
     )
 
 
@@ -430,7 +433,17 @@ def _add_registry_parsers(sub: argparse._SubParsersAction[Any]) -> None:
 # --- the registry commands: thin over server_bridge.registry and brokerconf ---------------
 
 
-def _open(path: Path, create: bool = False) -> Registry:
+def _open(path: Path | str, create: bool = False) -> RegistryStore:
+    if isinstance(path, str):
+        # A fleet's registry on PostgreSQL (`--registry postgresql://...`): its schema is
+        # made on the way, as the bridges do.
+        from server_bridge.pgstore import PgUnavailable
+        from server_bridge.pgstore.registry import PgRegistry
+
+        try:
+            return PgRegistry(path)
+        except PgUnavailable as e:
+            raise CommandError(f"the registry: {e}") from None
     if not create and not path.exists():
         # Not created on the way: a mistyped path would otherwise start an empty registry.
         raise CommandError(f"no registry at {path} (`wren tenant add` creates one)")
@@ -463,7 +476,9 @@ def _tenant_add(args: argparse.Namespace, out: TextIO) -> None:
     _print_password(out, name, password, f"WREN_HOST_USER={name} WREN_HOST_PASSWORD=...")
 
 
-def _rotate_or_add(reg: Registry, name: str, role: str, tenant: str | None, entry: str) -> None:
+def _rotate_or_add(
+    reg: RegistryStore, name: str, role: str, tenant: str | None, entry: str
+) -> None:
     user = reg.user(name)
     if user is None:
         # A tenant from before users were kept (or made by `wren bridge`) has no host

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from server_bridge.pgstore import location
+
 # Beside the registry `wren tenant add` makes (.wren/registry.json), so one folder
 # holds a checkout's bridge state.
 DEFAULT_STORE = Path(".wren/knowledge.sqlite3")
@@ -50,7 +52,9 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--tenant", required=True, help="whose knowledge")
-        p.add_argument("--store", type=Path, default=DEFAULT_STORE, help="the knowledge store file")
+        p.add_argument("--store", type=location, default=DEFAULT_STORE,
+                       help="the knowledge store file, or the PostgreSQL URL "
+                       "(postgresql://...) of a fleet's")  # fmt: skip
 
     i = ksub.add_parser("ingest", help="ingest files and folders (.txt .md .html .pdf)")
     i.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files or folders")
@@ -201,9 +205,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def _open(args: argparse.Namespace, *, create: bool = False, embed: bool = True) -> Any:
     from server_bridge.knowledge import KnowledgeBase, NotFound
 
-    if not create and not args.store.exists():
+    store = args.store
+    if isinstance(store, str):
+        # A fleet's knowledge on PostgreSQL: the bridges read what this writes.
+        from server_bridge.pgstore.knowledge import PgKnowledgeStore
+
+        store = PgKnowledgeStore(store)
+    elif not create and not store.exists():
         # Not created on the way: a mistyped --store would otherwise look empty.
-        raise NotFound(f"no knowledge store at {args.store} (`wren kb ingest` makes one)")
+        raise NotFound(f"no knowledge store at {store} (`wren kb ingest` makes one)")
     kw: dict[str, Any] = {}
     if not embed:
         kw["embedder"] = None
@@ -212,7 +222,7 @@ def _open(args: argparse.Namespace, *, create: bool = False, embed: bool = True)
         kw["embedder"] = _embedder(args.threads)
     if getattr(args, "max_mb", None) is not None:
         kw["max_file_bytes"] = max(1, int(args.max_mb * 1e6))
-    return KnowledgeBase(args.store, **kw)
+    return KnowledgeBase(store, **kw)
 
 
 def be_polite(nice: int, idle: bool = False) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from server_bridge import tokens
 from server_bridge.eventlog import EventLogError
-from server_bridge.registry import DeviceRecord, Registry
+from server_bridge.registry import DeviceRecord, RegistryStore
 
 from .history import Turns, turn_chars
 
@@ -27,7 +27,7 @@ class History:
     def __init__(
         self,
         turns: Turns,
-        registry: Registry,
+        registry: RegistryStore,
         context_limit: int,
         count: Count | None = None,
     ) -> None:

@@ -14,6 +14,7 @@ from .log import (
     LoggedRun,
     RecordTooLarge,
 )
+from .store import EventStore
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "EventLog",
     "EventLogError",
+    "EventStore",
     "LoggedEvent",
     "LoggedRun",
     "RecordTooLarge",

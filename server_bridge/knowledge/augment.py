@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from server_bridge.memory.grants import READ
-from server_bridge.registry import DeviceRecord, Registry
+from server_bridge.registry import DeviceRecord, RegistryStore
 from server_bridge.rpc import RpcError
 
 from .errors import KnowledgeError
@@ -134,7 +134,7 @@ class Augmenter:
     def __init__(
         self,
         kb: KnowledgeBase | None,
-        registry: Registry,
+        registry: RegistryStore,
         context_limit: int,
         count: Callable[[str, int], None],
     ) -> None:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from server_bridge.memory.grants import READ, WRITE
-from server_bridge.registry import Registry
+from server_bridge.registry import RegistryStore
 from server_bridge.rpc import CallContext, Emit, RpcError, RpcServer
 from server_bridge.wire import BOARD_DEFAULTS, Limits, encode
 
@@ -133,7 +133,7 @@ class DeviceBudget:
 def register(
     rpc: RpcServer,
     kb: KnowledgeBase,
-    registry: Registry,
+    registry: RegistryStore,
     limits_of: LimitsOf,
     count: Count,
     budget: DeviceBudget | None = None,
@@ -181,7 +181,7 @@ class _Handlers:
     def __init__(
         self,
         kb: KnowledgeBase,
-        registry: Registry,
+        registry: RegistryStore,
         limits_of: LimitsOf,
         count: Count,
         budget: DeviceBudget,

@@ -27,7 +27,7 @@ from typing import Any
 from server_bridge import tokens
 from server_bridge.memory.errors import MemoryFault
 from server_bridge.memory.service import Caller, MemoryService
-from server_bridge.registry import DeviceRecord, Registry
+from server_bridge.registry import DeviceRecord, RegistryStore
 from server_bridge.rpc import CallContext, Emit, RpcError, RpcServer
 from server_bridge.wire import BOARD_DEFAULTS, Limits, encode
 
@@ -44,7 +44,7 @@ HELLO_WAIT_S = 2.0
 
 
 def caller_of(
-    ctx: CallContext, args: Mapping[str, Any], registry: Registry, hello_of: HelloOf
+    ctx: CallContext, args: Mapping[str, Any], registry: RegistryStore, hello_of: HelloOf
 ) -> Caller:
     """The Caller of one call; RpcError(bad_token) for a scope ticket that proves nothing."""
     record = ctx.device
@@ -77,7 +77,7 @@ def caller_of(
 
 def state_seed(
     service: MemoryService,
-    registry: Registry,
+    registry: RegistryStore,
     record: DeviceRecord,
     user: str | None,
     conv: str | None,
@@ -120,7 +120,7 @@ def _hello(hello_of: HelloOf, device: str) -> Mapping[str, Any] | None:
 def register(
     rpc: RpcServer,
     service: MemoryService,
-    registry: Registry,
+    registry: RegistryStore,
     hello_of: HelloOf,
     limits_of: LimitsOf,
 ) -> None:
@@ -132,7 +132,7 @@ def register(
 def _handler(
     service: MemoryService,
     method: str,
-    registry: Registry,
+    registry: RegistryStore,
     hello_of: HelloOf,
     limits_of: LimitsOf,
 ) -> Callable[[CallContext, dict[str, Any], Emit], Any]:

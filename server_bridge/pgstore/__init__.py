@@ -12,7 +12,34 @@ psycopg is imported here only: a bridge without PostgreSQL never loads it.
 
 from __future__ import annotations
 
-from server_bridge.pgstore.connect import PgUnavailable, connect, open_pool
+from pathlib import Path
+
+from server_bridge.pgstore.connect import PgUnavailable, connect, describe, open_pool
 from server_bridge.pgstore.migrate import MigrationError, applied, apply
 
-__all__ = ["MigrationError", "PgUnavailable", "applied", "apply", "connect", "open_pool"]
+__all__ = [
+    "MigrationError",
+    "PgUnavailable",
+    "applied",
+    "apply",
+    "connect",
+    "describe",
+    "is_dsn",
+    "location",
+    "open_pool",
+]
+
+_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_dsn(text: object) -> bool:
+    """Whether a store option names a PostgreSQL database (a `postgresql://` URL)
+    rather than a file."""
+    return isinstance(text, str) and text.startswith(_SCHEMES)
+
+
+def location(text: str) -> Path | str:
+    """An argparse type for a store option (`--registry`, `--store`): a PostgreSQL URL
+    stays the string it is (a Path would fold its `//`), anything else is a file."""
+    return text if is_dsn(text) else Path(text)
+

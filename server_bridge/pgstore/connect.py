@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PgUnavailable", "connect", "open_pool"]
+__all__ = ["PgUnavailable", "connect", "describe", "open_pool"]
 
 # A bridge's threads that touch the store at once: the network thread's seeds, the
 # RPC workers, the lease keeper. More would queue in the pool, not fail.
@@ -15,6 +15,27 @@ CONNECT_TIMEOUT_S = 5
 
 class PgUnavailable(RuntimeError):
     """psycopg is not installed, or the server cannot be reached."""
+
+
+def describe(dsn: str) -> str:
+    """A database's name for a log line or a message, without its password: a URL as
+    `postgresql://user@host:port/db`, a keyword string as `host:port/db`."""
+    if "://" in dsn:
+        from urllib.parse import urlsplit, urlunsplit
+
+        try:
+            parts = urlsplit(dsn)
+            netloc = (f"{parts.username}@" if parts.username else "") + (parts.hostname or "")
+            if parts.port:
+                netloc += f":{parts.port}"
+        except ValueError:
+            return "a PostgreSQL database"
+        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    # key=value pairs (libpq's other form); a value with spaces is quoted, which a
+    # name for a message can do without.
+    pairs = dict(p.split("=", 1) for p in dsn.split() if "=" in p)
+    where = pairs.get("host", "localhost") + (f":{pairs['port']}" if "port" in pairs else "")
+    return f"{where}/{pairs.get('dbname', '')}"
 
 
 def _psycopg() -> Any:
@@ -33,13 +54,18 @@ def connect(dsn: str, *, autocommit: bool = False) -> Any:
     try:
         return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_S)
     except psycopg.OperationalError as e:
-        raise PgUnavailable(f"cannot reach PostgreSQL ({dsn}): {e}") from e
+        # libpq's message has its hint on a line of its own: one line, for a log or a
+        # command's error.
+        why = " ".join(str(e).split())
+        raise PgUnavailable(f"cannot reach PostgreSQL ({describe(dsn)}): {why}") from None
 
 
 def open_pool(dsn: str, *, max_size: int = POOL_MAX) -> Any:
     """A psycopg_pool.ConnectionPool, open, its first connection made (so a wrong DSN
     fails here, not at the first write)."""
-    _psycopg()
+    # One connection first: a server that refuses is said at once, where the pool would
+    # retry in the background (logging each try) until its timeout.
+    connect(dsn).close()
     try:
         from psycopg_pool import ConnectionPool
     except ImportError as e:
@@ -57,5 +83,8 @@ def open_pool(dsn: str, *, max_size: int = POOL_MAX) -> Any:
         pool.open(wait=True, timeout=CONNECT_TIMEOUT_S * 2)
     except Exception as e:
         pool.close()
-        raise PgUnavailable(f"cannot reach PostgreSQL ({dsn}): {e}") from e
+        # libpq's message has its hint on a line of its own: one line, for a log or a
+        # command's error.
+        why = " ".join(str(e).split())
+        raise PgUnavailable(f"cannot reach PostgreSQL ({describe(dsn)}): {why}") from None
     return pool
