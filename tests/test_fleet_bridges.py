@@ -278,7 +278,7 @@ class Fleet:
             [sys.executable, "-m", "server_bridge", "--broker", self.broker.address,
              "--client-id", name, "--registry", str(self.tmp / "registry.json"),
              "--tenant", TENANT, *model,
-             "--no-event-log", "--stats-file", str(cwd / "bridge.prom"),
+             "--stats-file", str(cwd / "bridge.prom"),
              "--fleet-dsn", self.dsn, "--partitions", str(PARTS),
              "--fleet-round", str(ROUND_S), "--fleet-lease", str(LEASE_S)],
             cwd,
@@ -462,6 +462,17 @@ def test_a_model_call_in_flight_when_its_bridge_is_killed_ends_failed_retryable(
             assert {(d, run) for d, run, _ in host.twice()} <= cut
             for key in cut:
                 assert (slow.text).startswith(host.text[key]) and host.text[key], key
+            # The fleet's event log (PostgreSQL, both bridges wrote it) holds each cut
+            # run whole: every id from 1 to its run.failed once, none missing.
+            from server_bridge.pgstore.eventlog import PgEventLog
+
+            shared = PgEventLog(fleet.dsn)
+            try:
+                for device, run in cut:
+                    ids = [e.i for e in shared.events(TENANT, device, run)]
+                    assert ids == list(range(1, len(ids) + 1)) and len(ids) > 2, (run, ids)
+            finally:
+                shared.close()
             # And the devices are served by the survivor afterwards.
             for d in victims:
                 req = host.ask(d)
