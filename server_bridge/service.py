@@ -497,8 +497,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run as one bridge of a fleet sharing the prefix: devices are dealt to "
         "partitions leased in this PostgreSQL database (a libpq connection string; env "
         "WREN_FLEET_DSN, which keeps its password off the command line), each served by "
-        "the bridge holding its lease; memory is kept there too (default: off, one "
-        "bridge process per prefix)",
+        "the bridge holding its lease; memory, the event log and knowledge are kept "
+        "there too (default: off, one bridge process per prefix)",
     )
     p.add_argument(
         "--partitions",

@@ -50,6 +50,8 @@ SKIP = {
     "tests/test_provision.py run `wren flash` and `wren provision` against a board on a pty)",
     "cd examples/hil": "the example's tests, which tests/test_hil_plugin.py runs as a user would",
     "benchmarks/": "a benchmark takes minutes (tests/test_benchmarks.py runs them small)",
+    "WREN_FLEET_DSN": "a PostgreSQL server and a broker cluster of the reader's "
+    "(tests/test_fleet_*.py run fleets on servers of their own)",
 }
 # Commands that run until stopped: a piece of the command -> how the walk knows it is up.
 LONG = {
