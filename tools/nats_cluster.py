@@ -112,7 +112,9 @@ def device_user(prefix: str, device: str, password: str) -> NatsUser:
 
 def host_user(prefix: str, tenant: str, name: str, password: str) -> NatsUser:
     """A watching host user of a tenant (PROTOCOL.md "Who sees what"): its devices' and
-    every user's event topics, its requests and controls, and the bridge's presence."""
+    every user's event topics, its requests and controls, and the bridge's presence: the
+    fleet's (`P/b/status`) and, in fleet mode, each bridge's own (`P/b/<bridge>/status`,
+    its last will; DESIGN "Bridge presence")."""
     return NatsUser(
         name,
         password,
@@ -121,6 +123,7 @@ def host_user(prefix: str, tenant: str, name: str, password: str) -> NatsUser:
             subject(f"{prefix}/h/{tenant}/+/evt"),
             subject(f"{prefix}/h/{tenant}/+/u/+/evt"),
             subject(f"{prefix}/b/status"),
+            subject(f"{prefix}/b/+/status"),
         ),
     )
 
