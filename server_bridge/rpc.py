@@ -536,6 +536,7 @@ class _Call:
     # method's own work being too slow; before it, the call waited for a worker.
     started: bool = False
     tenant: str = ""  # the device's tenant when the call was admitted (its share)
+    rowed: bool = False  # its row is in the fleet's open calls (call_rows)
 
     @property
     def key(self) -> tuple[str, int | str]:
@@ -769,8 +770,10 @@ def _llm_complete(
 
 class CallRows(Protocol):
     """Where a fleet bridge keeps the calls it is serving (fleet/calls.py), so that the
-    next owner of a device's partition can answer them if this bridge dies. Called on
-    worker threads, never on paho's network thread."""
+    next owner of a device's partition can answer them if this bridge dies. `opened` is
+    called on paho's network thread, before the call's message is acknowledged, so it
+    must be bounded (a database that does not answer is skipped for a while); `closed`
+    on the call's worker."""
 
     def opened(
         self, device: str, c: int | str, method: str, run: str | None, fail_kind: str
@@ -1032,6 +1035,10 @@ class RpcServer:
                 log.info("rpc %s for %s (call %r): %s", call.m, device.device, call.c, e.msg)
                 self._answer_refusal(device.device, err(call.c, e.kind, e.msg, e.extra))
                 return
+        # A fleet bridge's row of the call, before paho acknowledges the message (when
+        # this returns): a call whose bridge dies from here on is answered by the next
+        # owner of its device (fleet/calls.py). On this thread, so bounded there.
+        state.rowed = self._row_opened(state)
         early = state.early = self._start_early(method, call, args, size) if worker_free else None
         ctx = CallContext(device, call, deadline=state.wait_until, early=early)
         try:
@@ -1044,10 +1051,12 @@ class RpcServer:
             self._release(state, remember=False)
             with state.flow:
                 state.done = True
+            if state.rowed:
+                self._row_closed(state)
             self.answer(device.device, err(call.c, "busy", "the bridge is shutting down"))
 
     def _row_opened(self, state: _Call) -> bool:
-        """The call's row, written before its handler runs (fleet mode); a failure is
+        """The call's row (fleet mode), written as the call is admitted; a failure is
         logged and counted, and the call is served all the same."""
         rows = self.call_rows
         if rows is None:
@@ -1091,7 +1100,6 @@ class RpcServer:
     # ------------------------------------------------------------------ worker
 
     def _run(self, state: _Call, method: Method, ctx: CallContext, args: dict[str, Any]) -> None:
-        rowed = False
         try:
             if state.done:
                 return  # answered by expire(), or ended by device_gone(), while queued
@@ -1102,7 +1110,6 @@ class RpcServer:
                 self._time_out(state)
                 return
             state.started = True
-            rowed = self._row_opened(state)
             try:
                 result = method.handler(ctx, args, lambda ch: self._emit(state, ch))
             except _CallOver:
@@ -1132,7 +1139,7 @@ class RpcServer:
             if ctx.early is not None:
                 ctx.early.close()
             self._release(state)
-            if state.started and rowed:
+            if state.rowed:
                 self._row_closed(state)
 
     def _release(self, state: _Call, remember: bool = True) -> None:

@@ -532,9 +532,14 @@ def test_runs_end_whole_through_a_bridge_killed_and_a_node_stopped(
             assert ids == list(range(1, snap.last_id + 1)), (req, ids[-5:], snap.last_id)
             if snap.status == "done":
                 assert assistant_text(snap) == ANSWER, (req, assistant_text(snap)[:80])
-        # A board was never given a request twice.
+        # A request may reach its board twice across the kill (at least once: the dead
+        # bridge may have passed it on before the broker had its acknowledgement, and
+        # the next owner reads it again from the partition's session), never more; the
+        # board starts one run per req id (PROTOCOL "Sessions, presence and duplicates"),
+        # so each request is one run of its own.
         for board in f.boards.values():
-            assert set(board.reqs.values()) <= {1}, (board.device, board.reqs)
+            assert set(board.reqs.values()) <= {1, 2}, (board.device, board.reqs)
+        assert len({snap.run for snap in snaps.values()}) == len(snaps)
         # The killed bridge's will, read by a host user; the survivor still online.
         assert wills.get(f"{P}/b/fleet-a/status") == "offline", wills
         assert wills.get(f"{P}/b/fleet-b/status") == "online", wills

@@ -5,21 +5,22 @@ model stream. If that bridge dies, the board would wait for an answer until its 
 times out (a model call: minutes), because with several bridges the fleet's presence
 (`P/b/status`, the fleet's id as boot) does not change and so tells the board nothing
 (DESIGN "Where scale goes", "Bridge presence"). So each call is a row in PostgreSQL
-from the moment a worker starts it to its final answer, one INSERT and one DELETE per
-call (a call lasts seconds; this is not on any per-chunk path), written with the
-partition's lease epoch. A bridge that takes a partition answers, by id, every row of
+from the moment it is admitted (on paho's network thread, before the message is
+acknowledged to the broker) to its final answer, one INSERT and one DELETE per call (a
+call lasts seconds; this is not on any per-chunk path), written with the partition's
+lease epoch. A bridge that takes a partition answers, by id, every row of
 an earlier epoch with a retryable error (`bridge_restarted`; a model call as kind
 `llm`, cause `unavailable`, as a stopping bridge does) and deletes it: the board ends
 the run `run.failed`, retryable, within a lease and a round of the death.
 
 The answer carries no `s`: the new owner cannot know how many chunks the dead one sent,
 and a final answer without `s` ends the call at the board whatever it received
-(PROTOCOL "RPC"). A row the dead owner had not yet written (it died between reading the
-call and its worker starting it) leaves that call to its timeout at the board; the
-call was acknowledged to the broker when it was read (paho acknowledges a QoS 1
-message when its callback returns), so it does not come again from the session.
-Acknowledging only once the row is written (paho's manual acks) would close that
-window; not built.
+(PROTOCOL "RPC"). The row is written before paho acknowledges the call's message (when
+the callback returns), so a call the broker took as delivered has its row; a bridge
+that dies before the row leaves the message unacknowledged, and the session gives it
+to the next owner. The price is a round trip to the database on the network thread
+per call (about a millisecond; a call is seconds of model work), bounded by
+STATEMENT_TIMEOUT_MS and skipped for a while after a failure.
 
 A failed write of a row is logged and counted by the caller, never fatal: the call is
 still served, only a failover would leave it to its timeout.
@@ -28,6 +29,7 @@ still served, only a failover would leave it to its timeout.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,13 @@ from server_bridge.fleet.partitions import partition_of
 from server_bridge.pgstore import connect
 
 __all__ = ["FleetCallRows", "OpenCall", "OpenCalls"]
+
+# `opened` runs on paho's network thread, which every message of the partitions waits
+# for: a statement is cut after this, a connect gives up after libpq's least (2 s), and
+# after a failure the rows are skipped (each call counted by the caller) for a while
+# rather than every call paying the wait again.
+STATEMENT_TIMEOUT_MS = 500
+SKIP_AFTER_FAILURE_S = 10.0
 
 log = logging.getLogger("wren.bridge.fleet")
 
@@ -73,21 +82,33 @@ class OpenCalls:
         # a bridge starts, and serves calls, while the database is away.
         self._conn: Any = None
         self._closed = False
+        self._down_until = 0.0
         self._lock = threading.Lock()
 
     def _execute(self, sql: str, params: tuple[Any, ...]) -> Any:  # under self._lock
         if self._closed:
             raise RuntimeError("the open-call rows are closed (the bridge stopped)")
-        if self._conn is None:
-            self._conn = connect(self._dsn, autocommit=True)
+        now = time.monotonic()
+        if now < self._down_until:
+            raise RuntimeError(
+                f"the open-call rows are skipped for {self._down_until - now:.1f} s more"
+                " after a failure"
+            )
         try:
+            if self._conn is None:
+                self._conn = connect(
+                    self._dsn, autocommit=True, timeout_s=2,
+                    options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+                )  # fmt: skip
             return self._conn.execute(sql, params)
         except Exception:
+            self._down_until = time.monotonic() + SKIP_AFTER_FAILURE_S
             conn, self._conn = self._conn, None
-            try:
-                conn.close()
-            except Exception:
-                pass
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:
+                    pass
             raise
 
     def opened(self, part: int, epoch: int, call: OpenCall) -> None:

@@ -48,11 +48,17 @@ def _psycopg() -> Any:
     return psycopg
 
 
-def connect(dsn: str, *, autocommit: bool = False) -> Any:
-    """A new connection; PgUnavailable when the server does not answer."""
+def connect(
+    dsn: str, *, autocommit: bool = False, timeout_s: float = CONNECT_TIMEOUT_S, **kw: Any
+) -> Any:
+    """A new connection; PgUnavailable when the server does not answer within
+    `timeout_s` (libpq counts whole seconds, at least 2). `kw` goes to psycopg (libpq's
+    `options`, say)."""
     psycopg = _psycopg()
     try:
-        return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_S)
+        return psycopg.connect(
+            dsn, autocommit=autocommit, connect_timeout=max(2, round(timeout_s)), **kw
+        )
     except psycopg.OperationalError as e:
         # libpq's message has its hint on a line of its own: one line, for a log or a
         # command's error.
