@@ -97,7 +97,7 @@ from server_bridge.models.base import Provider
 from server_bridge.mqttclient import Client, connack_refusal
 from server_bridge.redact import MASK, scrub
 from server_bridge.registry import DeviceRecord, RegistryStore
-from server_bridge.rpc import RpcServer, left_open_answer
+from server_bridge.rpc import RpcServer
 from server_bridge.tcp import no_delay
 from server_bridge.tokens import TokenError
 from server_bridge.topics import (
@@ -482,9 +482,7 @@ class Bridge:
                 config.partitions,
                 self._holds,
                 self.rpc.serving,
-                lambda device, c, fail_kind: self.rpc.answer(
-                    device, left_open_answer(c, fail_kind)
-                ),
+                self.rpc.answer_left_open,
             )
             self.rpc.call_rows = self._call_rows
             # Built here, so a round or lease it refuses is refused before anything runs.

@@ -1161,12 +1161,26 @@ class RpcServer:
         if self._per_tenant[state.tenant] <= 0:
             del self._per_tenant[state.tenant]
 
+    def answer_left_open(self, device: str, c: int | str, fail_kind: str) -> None:
+        """Answer a call another bridge of the fleet left open when it died
+        (fleet/calls.py), and remember its id: the dead bridge may have died before the
+        broker had its acknowledgement of the call, and the partition's session then
+        gives it to this bridge too, which must take it for the repeat it is, not run
+        it (its board has ended the call on this answer)."""
+        with self._lock:
+            self._remember_id(device, c)
+        self.answer(device, left_open_answer(c, fail_kind))
+        self._count("rpc.left_open_answered", 1)
+
     def _remember(self, state: _Call) -> None:  # under self._lock
-        ids = self._recent.pop(state.device, None)
+        self._remember_id(state.device, state.c)
+
+    def _remember_id(self, device: str, c: int | str) -> None:  # under self._lock
+        ids = self._recent.pop(device, None)
         if ids is None:
             ids = OrderedDict()
-        self._recent[state.device] = ids  # now the most recent device
-        ids[state.c] = None
+        self._recent[device] = ids  # now the most recent device
+        ids[c] = None
         while len(ids) > _RECENT_CALLS_PER_DEVICE:
             ids.popitem(last=False)
         while len(self._recent) > _RECENT_DEVICES:

@@ -410,6 +410,7 @@ def test_runs_end_whole_through_a_bridge_killed_and_a_node_stopped(
     spy.subscribe(f"{P}/b/+/status", 1)
 
     reqs: dict[str, list[str]] = {d: [] for d in devices}
+    sent_at: dict[str, float] = {}  # req -> when it was published (monotonic)
     asking = threading.Event()
     asking.set()
     errors: list[BaseException] = []
@@ -422,7 +423,10 @@ def test_runs_end_whole_through_a_bridge_killed_and_a_node_stopped(
                     last = reqs[d][-1] if reqs[d] else None
                     snap = client.find_run(last) if last else None
                     if last is None or (snap is not None and snap.terminal):
-                        reqs[d].append(client.request(d, token, "Say a long thing.", timeout=30))
+                        at = time.monotonic()
+                        req = client.request(d, token, "Say a long thing.", timeout=30)
+                        sent_at[req] = at
+                        reqs[d].append(req)
                 time.sleep(0.1)
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
@@ -480,19 +484,30 @@ def test_runs_end_whole_through_a_bridge_killed_and_a_node_stopped(
         # Every run asked for ends at the host: done, or failed retryable.
         snaps: dict[str, RunSnapshot] = {}
         slow: list[str] = []
+        # A host request the doomed bridge read and acknowledged but had not yet passed
+        # to its board when it died is lost (DESIGN "Where scale goes": not built, the
+        # forward is not tied to the acknowledgement); its host is told no run started
+        # and asks again. Allowed only for the doomed bridge's devices, for requests
+        # sent in the second before the kill, and said; any other is a failure.
+        unstarted: list[str] = []
         for d in devices:
             for req in reqs[d]:
                 try:
                     snaps[req] = client.wait_run(req, END_BOUND_S)
                 except TimeoutError as e:
-                    slow.append(f"{d} {req}: {e}")
+                    near_kill = killed_at - 1.0 <= sent_at.get(req, 0.0) <= killed_at + 0.2
+                    if d in victims and near_kill and "no run started" in str(e):
+                        unstarted.append(req)
+                    else:
+                        slow.append(f"{d} {req}: {e}")
         ended_at = time.monotonic()
         print(
             f"\nkill -> survivor holding all {taken:.2f} s; runs in flight at the kill "
             f"{sum(map(len, in_flight.values()))}, at the node's stop "
             f"{sum(map(len, in_flight_node.values()))}; requests {len(snaps)}; all ended "
             f"{ended_at - killed_at:.1f} s after the kill; boards moved "
-            f"{sum(b.moved for b in f.boards.values())}"
+            f"{sum(b.moved for b in f.boards.values())}; requests lost with the bridge "
+            f"(no run started) {len(unstarted)}"
         )
         assert not slow, f"runs not ended within {END_BOUND_S:.0f} s:\n" + "\n".join(slow)
         statuses = Counter(
