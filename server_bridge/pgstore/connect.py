@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PgUnavailable", "connect", "describe", "open_pool"]
+__all__ = ["PgUnavailable", "connect", "describe", "open_pool", "store_pool"]
 
 # A bridge's threads that touch the store at once: the network thread's seeds, the
 # RPC workers, the lease keeper. More would queue in the pool, not fail.
@@ -94,3 +94,21 @@ def open_pool(dsn: str, *, max_size: int = POOL_MAX) -> Any:
         why = " ".join(str(e).split())
         raise PgUnavailable(f"cannot reach PostgreSQL ({describe(dsn)}): {why}") from None
     return pool
+
+
+def store_pool(dsn_or_pool: str | Any, *, max_size: int) -> tuple[Any, bool]:
+    """The pool a store works on, its schema brought up to date (migrate.apply): a pool
+    of its own opened on a DSN (True: the store closes it), or a pool the caller shares
+    between stores (False: left open). A migration that fails closes what was opened."""
+    from server_bridge.pgstore import migrate
+
+    own = isinstance(dsn_or_pool, str)
+    pool: Any = open_pool(dsn_or_pool, max_size=max_size) if own else dsn_or_pool
+    try:
+        with pool.connection() as conn:
+            migrate.apply(conn)
+    except BaseException:
+        if own:
+            pool.close()
+        raise
+    return pool, own

@@ -78,8 +78,7 @@ from typing import Any
 
 from server_bridge.knowledge.errors import KnowledgeError
 from server_bridge.knowledge.store import ChunkRow, HitRow, SourceRow
-from server_bridge.pgstore import migrate
-from server_bridge.pgstore.connect import open_pool
+from server_bridge.pgstore.connect import store_pool
 from server_bridge.pgstore.memory import _dec, _enc
 
 __all__ = ["BM25_B", "BM25_K1", "PgKnowledgeStore"]
@@ -161,19 +160,8 @@ class PgKnowledgeStore:
     path: Path | None = None
 
     def __init__(self, dsn_or_pool: str | Any, *, pool_size: int = POOL_SIZE) -> None:
-        if isinstance(dsn_or_pool, str):
-            self._pool = open_pool(dsn_or_pool, max_size=pool_size)
-            self._own_pool = True
-        else:
-            self._pool = dsn_or_pool
-            self._own_pool = False
+        self._pool, self._own_pool = store_pool(dsn_or_pool, max_size=pool_size)
         self._conn: Any = None
-        try:
-            with self._pool.connection() as conn:
-                migrate.apply(conn)
-        except BaseException:
-            self.close()
-            raise
 
     def close(self) -> None:
         if self._own_pool:

@@ -81,8 +81,7 @@ from server_bridge.memory.store import (
     ScopeTxn,
     WouldWait,
 )
-from server_bridge.pgstore import migrate
-from server_bridge.pgstore.connect import POOL_MAX, open_pool
+from server_bridge.pgstore.connect import POOL_MAX, store_pool
 
 __all__ = ["PgMemoryStore"]
 
@@ -540,12 +539,7 @@ class PgMemoryStore:
         ledger_cap: int = LEDGER_CAP,
         pool_size: int = POOL_MAX,
     ):
-        if isinstance(dsn_or_pool, str):
-            self._pool = open_pool(dsn_or_pool, max_size=pool_size)
-            self._own_pool = True
-        else:
-            self._pool = dsn_or_pool
-            self._own_pool = False
+        self._pool, self._own_pool = store_pool(dsn_or_pool, max_size=pool_size)
         self.clock = clock
         self.max_scopes = max_scopes
         self.ledger_cap = ledger_cap
@@ -556,12 +550,6 @@ class PgMemoryStore:
         # (tenant, device) -> (row ver, document) of device ledgers read: at most
         # `max_scopes`, least recently used let go (the database is the truth).
         self._devices: OrderedDict[tuple[str, str], tuple[int, Json]] = OrderedDict()
-        try:
-            with self._pool.connection() as conn:
-                migrate.apply(conn)
-        except BaseException:
-            self.close()
-            raise
 
     def close(self) -> None:
         if self._own_pool:

@@ -61,8 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from server_bridge.brokerconf import SIBLING_SUFFIXES, check_entry, check_user, sibling_users
 from server_bridge.memory.grants import ALL_FIELDS, NO_GRANTS, WRITE, Grants
-from server_bridge.pgstore import migrate
-from server_bridge.pgstore.connect import PgUnavailable, _psycopg, open_pool
+from server_bridge.pgstore.connect import PgUnavailable, _psycopg, store_pool
 
 # The file registry's rules and record builders, used as they are so the two backends
 # cannot drift (private there: they would be better a small public module of rules).
@@ -211,12 +210,7 @@ class PgRegistry:
         pool_size: int = POOL_SIZE,
     ):
         self._pg = _psycopg()
-        if isinstance(dsn_or_pool, str):
-            self._pool = open_pool(dsn_or_pool, max_size=pool_size)
-            self._own_pool = True
-        else:
-            self._pool = dsn_or_pool
-            self._own_pool = False
+        self._pool, self._own_pool = store_pool(dsn_or_pool, max_size=pool_size)
         self._recheck_s = recheck_s
         self._miss_recheck_s = miss_recheck_s
         self._max_stale_s = max_stale_s
@@ -234,12 +228,6 @@ class PgRegistry:
         self._wrote_ver = 0
         self._refresh = threading.Lock()
         self._ver_lock = threading.Lock()
-        try:
-            with self._pool.connection() as conn:
-                migrate.apply(conn)
-        except BaseException:
-            self.close()
-            raise
 
     # ------------------------------------------------------------------ reads
 
