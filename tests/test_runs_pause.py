@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import time
 from pathlib import Path
 
@@ -191,7 +190,11 @@ def test_fifty_runs_with_a_pause_each_leave_nothing_behind(tmp_path: Path) -> No
         # first runs (see tests/test_streams.py); from then on it is level, but for a
         # step or two of a few hundred bytes that test explains: within one ring's byte
         # budget, which thirty runs apart still shows 52 bytes a run.
+        # The best of each window of four: a leak lowers every run's end, while what is
+        # still waiting in the ring for the link's acks at a run's end depends on how
+        # fast the bridge and broker take it (the medians moved 1.8 KiB once with the
+        # suite on three workers on two cores).
         ends = [v[1] for v in lines().values()]
-        settled, last = statistics.median(ends[16:20]), statistics.median(ends[46:50])
+        settled, last = max(ends[16:20]), max(ends[46:50])
         assert last >= settled - RING_BYTES, (settled, last, ends)
         assert len(server.requests) == 100
