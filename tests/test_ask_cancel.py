@@ -247,8 +247,16 @@ def test_ctrl_c_before_the_run_starts_says_so_and_a_second_ctrl_c_leaves_at_once
             assert bob.returncode == 130, out + said + err
             assert "Traceback" not in err, err
             if twice:
-                # Gone before the wait for the run ended: nothing said about the run.
-                assert err.strip() == "stopped", err
+                # Gone before the wait for the run ended: nothing said about the run after
+                # the second Ctrl-C. The bridge's word that the request was cancelled may
+                # come before the second Ctrl-C is read (a race on a loaded machine, seen
+                # once with the suite on three workers), and is then said first.
+                said_after = [line for line in err.strip().splitlines() if line.strip()]
+                assert said_after[-1] == "stopped", err
+                assert all(
+                    line.startswith("wren ask: the request was cancelled before its run")
+                    for line in said_after[:-1]
+                ), err
             else:
                 assert "wren ask: the request was cancelled before its run started" in err, err
             assert "kiln" not in out, out
