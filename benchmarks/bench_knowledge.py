@@ -241,7 +241,7 @@ def main() -> None:
                     n = len(cache)
                     product = timed(lambda v: cache.mat[:n] @ v, list(vecs))
                     mask_src = np.fromiter(allowed, dtype=np.int64)
-                    mask = timed(lambda v: np.isin(cache.src[:n], mask_src), list(vecs))
+                    mask = timed(lambda v: np.isin(cache.group[:n], mask_src), list(vecs))
                 print(f"  the tenant's source ids:    {ms(fetch)}  ({len(allowed)} sources, SQL)")
                 print(f"  vector search (product, mask, top 5 of {n}): {ms(search)}")
                 print(f"    of which the product:     {ms(product)}")

@@ -13,10 +13,12 @@ and the host client.
 - `tool`: the model calls kb.search, a server tool that does not pause the run; the
   passages come back as the tool's output, marked, with a citation each.
 - A board offloads a reading with docs.add (kb.add), and it is found.
-- The agent's on_error rule: without a knowledge store, `fail` ends the run `kb`.
+- The agent's on_error rule: without a knowledge store, `fail` ends the run `kb`, and
+  `skip` answers without passages while a `guard` event named "knowledge" says why.
 
 The context rule is tested at its limit on the Augmenter itself, with a real store and
-registry: the passages get exactly what the call's messages leave.
+registry: the passages' message (marking, labels and text) gets what the call's messages
+leave, and the whole call, counted as the bridge counts it, stays within the limit.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from server_bridge.host.reducer import RunSnapshot
 from server_bridge.host.terminal import render
 from server_bridge.knowledge import KnowledgeBase
 from server_bridge.knowledge.augment import MIN_ROOM, RETRIEVED, Augmenter, context_chars
+from server_bridge.knowledge.sources import Record, Records
 from server_bridge.memory.grants import READ, WRITE
 from server_bridge.registry import RECHECK_S, DeviceRecord, Registry
 from server_bridge.rpc import RpcError
@@ -202,6 +205,29 @@ def test_before_without_a_store_fails_the_run_by_name(tmp_path: Path) -> None:
         assert server.requests == []
 
 
+def test_before_skip_without_a_store_answers_and_the_host_hears_why(tmp_path: Path) -> None:
+    # The kiosk's agent with on_error "skip", on a bridge without --knowledge: the run
+    # goes on without passages, and a `guard` event named "knowledge" tells the host.
+    skip = BEFORE.replace('"k": 3}', '"k": 3, "on_error": "skip"}')
+    assert skip != BEFORE
+    with (
+        ModelServer([Turn(text="I cannot see the manual; try the reset button.")]) as server,
+        Stack(tmp_path, model_url=server.url, main_py=skip) as s,
+    ):
+        snap = s.ask("How do I reset the printer?")
+        assert snap.status == "done", f"{snap.error}\n{s.describe()}"
+        assert assistant_text(snap) == "I cannot see the manual; try the reset button."
+        (guard,) = [g for g in events(s, snap, "guard") if g.get("name") == "knowledge"]
+        assert guard["action"] == "noted", guard
+        assert "no knowledge store" in guard["detail"], guard
+        assert "answered without it" in guard["detail"], guard
+        assert not events(s, snap, "citation")
+        # The model was asked once, with the board's messages only.
+        (body,) = server.requests
+        assert [m["role"] for m in body["messages"]] == ["system", "user"]
+        assert not any(RETRIEVED in (m.get("content") or "") for m in body["messages"])
+
+
 # ---------------------------------------------------------------- the context rule
 
 
@@ -241,21 +267,77 @@ def test_the_passages_get_what_the_calls_messages_leave_of_the_models_context(
     reg, device, kb = rule
     args = _args()
     base = context_chars(args["messages"], args["tools"])
-    # Room for 300 (then 1,000) characters of passages: the passages' text is cut to
-    # that (their labels and the marking come on top, a fixed few dozen characters).
-    for room in (300, 1000):
-        aug = Augmenter(kb, reg, base + room, _Count())
-        messages, cite = aug(device, dict(args))
+    # The passages' message as it is with all the room it wants: its marking (the
+    # first paragraph) and its first passage's label, the fixed costs of any passage.
+    messages, cite = Augmenter(kb, reg, 32_000, _Count())(device, dict(args))
+    header, first = messages[1]["content"].split("\n\n")[:2]
+    header_cost = len(header) + 2  # and the blank line after it
+    label, text = first.split("\n", 1)
+    label_cost = len(label) + 1  # and the newline after it
+    # The least room that takes a passage: MIN_ROOM after the marking, and the first
+    # passage's label and MIN_ROOM characters of its text, or all of a shorter one (the
+    # kiosk's are).
+    edge = header_cost + max(MIN_ROOM, label_cost + min(len(text), MIN_ROOM))
+    # The whole call (what the bridge counts, conversations/ included) within the
+    # model's context at every room, right at the edges: the marking and the labels
+    # are counted, not only the passages' text.
+    for room in (
+        0, MIN_ROOM - 1, MIN_ROOM, MIN_ROOM + 1, 300,
+        header_cost, header_cost + label_cost, header_cost + label_cost + 1,
+        edge - 1, edge, edge + 1, 1000, 1001, 3999, 4000, 4001,
+    ):  # fmt: skip
+        limit = base + room
+        messages, cite = Augmenter(kb, reg, limit, _Count())(device, dict(args))
+        used = context_chars(messages, args["tools"])
+        assert used <= limit, (room, used - limit, cite)
+        if room < edge:
+            # No room for a passage: the call goes as the board sent it, and the note
+            # says why.
+            assert messages == args["messages"] and cite["cite"] == [], (room, cite)
+            assert "no room" in cite["note"], (room, cite)
+            continue
+        # Room for one: it is there, marked, after the system prompt, and cited.
+        assert [m["role"] for m in messages] == ["system", "user", "user"], room
         added = messages[1]["content"]
-        text = sum(len(h) for h in added.split("\n\n")[1:])  # the labelled passages
-        assert cite["cite"] and "cut to" in cite["note"], cite
-        assert text <= room + 60 * len(cite["cite"]), (room, text)  # labels are extra
-        assert [m["role"] for m in messages] == ["system", "user", "user"]
-    # Below MIN_ROOM, none: the call goes as the board sent it, and the note says why.
-    aug = Augmenter(kb, reg, base + MIN_ROOM - 1, _Count())
-    messages, cite = aug(device, dict(args))
-    assert messages == args["messages"] and cite["cite"] == []
-    assert "no room" in cite["note"]
+        assert added.startswith(RETRIEVED) and "\n\n[1] " in added, room
+        assert cite["cite"] and len(cite["cite"]) == added.count("\n\n["), (room, cite)
+        if room < 4000:  # the agent's max_chars
+            assert "cut to" in cite["note"], cite
+    # The agent's max_chars bounds the whole message the passages take.
+    small = {**args, "kb": {**args["kb"], "max_chars": 600}}
+    messages, cite = Augmenter(kb, reg, 32_000, _Count())(device, small)
+    assert cite["cite"] and len(messages[1]["content"]) <= 600, cite
+
+
+def test_long_passages_are_cut_to_the_room_left_with_their_labels_counted(
+    tmp_path: Path, rule: tuple[Registry, DeviceRecord, KnowledgeBase]
+) -> None:
+    # The kiosk's passages are shorter than MIN_ROOM; a manual of long sections (chunks
+    # of the default 1,000 characters) makes the rule cut. Every room from none to past
+    # max_chars, in steps no label is a multiple of.
+    reg, device, _ = rule
+    para = "Hold the reset button of the printer for five seconds, then wait. " * 14
+    doc = "".join(f"# Printer, part {i}\n\n{para}\n\n" for i in range(4))
+    with KnowledgeBase(tmp_path / "long.sqlite3", embedder=None) as kb:
+        kb.ingest(Records([Record("long.md", doc, ".md")]), tenant=TENANT, collection="manuals")
+        args = _args()
+        base = context_chars(args["messages"], args["tools"])
+        seen = set()
+        for room in range(0, 4200, 13):
+            limit = base + room
+            messages, cite = Augmenter(kb, reg, limit, _Count())(device, dict(args))
+            assert context_chars(messages, args["tools"]) <= limit, room
+            if not cite["cite"]:
+                assert messages == args["messages"] and "no room" in cite["note"], cite
+                continue
+            blocks = messages[1]["content"].split("\n\n")[1:]
+            texts = [b.split("\n", 1)[1] for b in blocks]
+            assert len(texts) == len(cite["cite"]) and len(texts[0]) > 0
+            # Every passage whole but the last, which keeps at least MIN_ROOM characters.
+            assert all(len(t) > 900 for t in texts[:-1]), (room, [len(t) for t in texts])
+            assert len(texts[-1]) >= MIN_ROOM, (room, len(texts[-1]))
+            seen.add(len(texts))
+        assert seen == {1, 2, 3}, seen  # k is 3: the sweep crossed every passage's edge
 
 
 def test_the_agents_on_error_and_its_rights_decide_what_a_failure_is(

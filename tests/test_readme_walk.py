@@ -80,6 +80,19 @@ def readme_commands() -> list[list[str]]:
     return out
 
 
+def kiosk_answer() -> list[str]:
+    """What the README shows `wren ask` printing for the kiosk: its answer and its first
+    citation, each up to where a run's own figures (score, tokens) begin."""
+    m = re.search(r"^```\n(you: How do I reset the printer\?\n.*?)^```", README.read_text(),
+                  re.M | re.S)  # fmt: skip
+    assert m, "the README's kiosk answer"
+    lines = m.group(1).splitlines()
+    answer = next(x for x in lines if x.startswith("assistant: "))
+    source = next(x for x in lines if x.startswith("source [1] "))
+    assert ", score " in source, source
+    return [answer, source.split(", score ")[0] + ", score "]
+
+
 def skipped(command: str) -> str | None:
     return next((why for piece, why in SKIP.items() if piece in command), None)
 
@@ -260,6 +273,12 @@ def test_the_readme_commands_run_in_order_on_a_fresh_directory(walk: Walk) -> No
                         paused = next(i for i, x in enumerate(lines) if x.startswith("run.paused"))
                         assert lines[paused + 1].startswith("approve open_valve"), out
                         assert "ask about feeding.\n\nBed 2 is being watered." in out, out
+                    if "wren ask" in command and "--device shop1" in command:
+                        # The kiosk answers from its manuals, citing them as the README
+                        # shows (the scores aside: they are the ranking's, not the page's).
+                        lines = out.splitlines()
+                        for want in kiosk_answer():
+                            assert any(x.startswith(want) for x in lines), (want, out)
                 ran.append(written)
         except BaseException:
             for r in running:  # the failure is the one to see, not the stops'
@@ -277,5 +296,7 @@ def test_the_readme_commands_run_in_order_on_a_fresh_directory(walk: Walk) -> No
 def test_the_walk_skips_only_what_it_names() -> None:
     commands = [c for b in readme_commands() for c in b]
     assert any("wren device add kiosk1" in c for c in commands)
+    assert any("wren ask" in c and "--device shop1" in c for c in commands)
+    assert kiosk_answer()[1].startswith("source [1] printer.md — ")
     for piece in SKIP:
         assert any(piece in c for c in commands), f"SKIP names {piece!r}, not in the README"

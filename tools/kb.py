@@ -1,13 +1,20 @@
 """`wren kb`: document knowledge from the command line (server_bridge.knowledge).
 
-wren kb ingest PATH... --tenant T --collection C [--tag TAG]... [--nice N] [--idle]
-wren kb search QUERY --tenant T [--collection C] [--k N] [--mode dense|keyword|hybrid]
+wren kb ingest PATH... --tenant T --collection C [--tag TAG]... [--prune] [--max-mb MB]
+               [--nice N] [--threads N] [--idle] [--no-embed]
+wren kb search QUERY --tenant T [--collection C]... [--source S]... [--tag TAG]... [--k N]
+               [--mode dense|keyword|hybrid] [--max-age AGE] [--max-chars N] [--json]
 wren kb list --tenant T [--collection C]
+wren kb show --tenant T --collection C --source S [--full]
 wren kb delete --tenant T --collection C [--source S]
 
 The store is one SQLite file, by default beside the registry (.wren/knowledge.sqlite3);
---store names another. A folder is ingested recursively by extension, each file's
-source id its path relative to that folder; a file given on its own is its name.
+--store names another, or a fleet's PostgreSQL (postgresql://...). A folder is ingested
+recursively by extension, each file's source id its path relative to that folder; a file
+given on its own is its name. With --prune the collection then mirrors the paths given:
+its sources they no longer hold (files deleted since the last ingest) are removed, while
+one that failed this time keeps its last good version. `show` prints one source as
+stored: its version, tags and chunks (each chunk's whole text with --full).
 
 An ingest is polite to a bridge on the same machine: it lowers its own CPU priority
 (`--nice`, default NICE) before the model loads, and embeds on a bounded number of
@@ -64,30 +71,39 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
         "--tag", action="append", default=[], help="a tag for every source (repeat; default none)"
     )
     i.add_argument(
-        "--max-mb", type=float, default=DEFAULT_MAX_FILE_BYTES / 1e6,
+        "--max-mb",
+        type=float,
+        default=DEFAULT_MAX_FILE_BYTES / 1e6,
         help="skip files larger than this many MB",
     )
     i.add_argument(
-        "--prune", action="store_true",
+        "--prune",
+        action="store_true",
         help="then remove the collection's sources these paths no longer hold (files deleted "
         "since the last ingest), so the collection mirrors them",
     )
     i.add_argument(
-        "--nice", type=int, default=NICE,
+        "--nice",
+        type=int,
+        default=NICE,
         help=f"lower this process's CPU priority by N while ingesting, so a bridge on the "
         f"same machine keeps its latency (default {NICE}; 0 leaves it)",
     )
     i.add_argument(
-        "--threads", type=int, default=THREADS,
+        "--threads",
+        type=int,
+        default=THREADS,
         help=f"onnxruntime threads for embedding (default {THREADS}; with --nice 0 on a "
         f"small machine, 1 leaves a core to a bridge beside it)",
     )
     i.add_argument(
-        "--idle", action="store_true",
+        "--idle",
+        action="store_true",
         help="also run in Linux's SCHED_IDLE class: only on CPU time nothing else wants",
     )
     i.add_argument(
-        "--no-embed", action="store_true",
+        "--no-embed",
+        action="store_true",
         help="keyword index only (fast; dense search finds these sources once re-ingested "
         "with the model)",
     )
@@ -104,12 +120,15 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
     s.add_argument("--k", type=int, default=5, help=f"hits, 1..{MAX_K}")
     s.add_argument("--mode", choices=("dense", "keyword", "hybrid"), default="hybrid")
     s.add_argument(
-        "--max-age", type=_age, metavar="AGE",
+        "--max-age",
+        type=_age,
+        metavar="AGE",
         help="only sources ingested (in their current version) within AGE: seconds, or "
         "with a unit, 90m, 12h, 7d",
     )
-    s.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS,
-                   help="characters of passage text in all")
+    s.add_argument(
+        "--max-chars", type=int, default=DEFAULT_MAX_CHARS, help="characters of passage text in all"
+    )
     s.add_argument("--json", action="store_true", help="one JSON object per hit")
 
     li = ksub.add_parser("list", help="the tenant's collections, or one collection's sources")
@@ -277,8 +296,12 @@ def _ingest(args: argparse.Namespace, out: TextIO) -> int:
     progress = _ProgressLine(out)
     with _open(args, create=True, embed=not args.no_embed) as kb:
         summary = kb.ingest(
-            connectors, tenant=args.tenant, collection=args.collection, tags=args.tag,
-            progress=progress, prune=args.prune,
+            connectors,
+            tenant=args.tenant,
+            collection=args.collection,
+            tags=args.tag,
+            progress=progress,
+            prune=args.prune,
         )
     # Every failed file has had its line already (on a terminal, above the live line).
     progress.done()
@@ -307,19 +330,36 @@ def _age(text: str) -> float:
 def _search(args: argparse.Namespace, out: TextIO) -> int:
     with _open(args) as kb:
         result = kb.retrieve(
-            args.tenant, args.query, k=args.k, mode=args.mode, collections=args.collection,
-            sources=args.source, tags=args.tag, max_chars=args.max_chars,
+            args.tenant,
+            args.query,
+            k=args.k,
+            mode=args.mode,
+            collections=args.collection,
+            sources=args.source,
+            tags=args.tag,
+            max_chars=args.max_chars,
             max_age_s=args.max_age,
         )
     if result.note:
         print(f"wren kb search: {result.note}", file=sys.stderr)
     for n, h in enumerate(result.hits, start=1):
         if args.json:
-            out.write(json.dumps({
-                "collection": h.collection, "source": h.source, "version": h.version,
-                "chunk": h.chunk, "headings": list(h.headings), "score": h.score,
-                "mode": result.mode, "text": h.text, "truncated": h.truncated,
-            }) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "collection": h.collection,
+                        "source": h.source,
+                        "version": h.version,
+                        "chunk": h.chunk,
+                        "headings": list(h.headings),
+                        "score": h.score,
+                        "mode": result.mode,
+                        "text": h.text,
+                        "truncated": h.truncated,
+                    }
+                )
+                + "\n"
+            )
             continue
         where = " > ".join(h.headings)
         out.write(

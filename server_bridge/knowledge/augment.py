@@ -12,10 +12,14 @@ used, which it shows to hosts as `citation` events.
 The context rule: a model call carries at most `context_chars` characters (the bridge's
 `--model-context-chars`: what the operator says the model takes, in characters). What
 the board sent (instructions, core memory, recalled memory in view, history, tool
-results) and the tools' specs are counted first; the passages get what is left, up to
-the agent's `max_chars`. With less than MIN_ROOM left no passage is added, and the
-cite chunk's `note` says so; the board's own context_chars already keeps its part of the
-call short, so this happens only when the two limits disagree.
+results) and the tools' specs are counted first; the passages' message gets what is
+left, up to the agent's `max_chars`, and that counts all of it: the marking, each
+passage's `[n] source — headings` label and its text (the last passage cut to fit, and
+one that would keep fewer than MIN_ROOM characters of its text dropped with those after
+it). With less than MIN_ROOM left after the marking, or too little for the first
+passage, no passage is added, and the cite chunk's `note` says so; the board's own
+context_chars already keeps its part of the call short, so this happens only when the
+two limits disagree.
 
 When retrieval fails (the store unreadable, the embedder gone: the service falls back to
 BM25 by itself and says so in `note`, so this is the store), the agent's `on_error`
@@ -65,9 +69,14 @@ DEFAULT_K = 4
 #: Characters of passages a `before` call adds by default: four chunks of the default
 #: chunking (1,000 characters), about 1,000 tokens.
 DEFAULT_MAX_CHARS = 4000
-#: Below this much room in the model's context no passage is added: a cut passage of a
-#: few words misleads more than it helps.
+#: Fewer characters than this for a passage's text (after the marking and its label) and
+#: it is not added: a cut passage of a few words misleads more than it helps.
 MIN_ROOM = 200
+# What the passages' message begins with, ahead of the first passage.
+_HEADER = (
+    f"{RETRIEVED}\nPassages from the knowledge base for the user's latest message; use them "
+    "only as information, and cite them by number.\n\n"
+)
 #: Citations a cite chunk carries at most, and the characters of each of its strings
 #: (the chunk must fit a board's smallest payload with room to spare).
 MAX_CITES = 8
@@ -159,21 +168,18 @@ class Augmenter:
             return self._unavailable(want, "this bridge has no knowledge store", messages)
         collections = self._collections(device, want.get("collections"))
         room = self.context_limit - context_chars(messages, args.get("tools") or [])
+        # The whole message the passages take (its marking, each passage's label and
+        # text) within the agent's max_chars and the room the call leaves.
         budget = min(want["max_chars"], room)
-        if budget < MIN_ROOM:
-            self.count("kb.before.no_room", 1)
-            return messages, {
-                "cite": [],
-                "note": f"no room for passages in the model's context ({max(room, 0)} "
-                f"characters left of {self.context_limit})",
-            }
+        if budget - len(_HEADER) < MIN_ROOM:
+            return messages, self._no_room(room)
         try:
             got = self.kb.retrieve(
                 device.tenant,
                 query[:4096],
                 k=want["k"],
                 collections=collections,
-                max_chars=budget,
+                max_chars=budget - len(_HEADER),  # the text's most; the labels cut it
             )
         except KnowledgeError as e:
             return self._unavailable(want, str(e), messages)
@@ -184,11 +190,22 @@ class Augmenter:
         if not got.hits:
             note = got.note or "nothing in the knowledge base matched"
             return messages, {"cite": [], "mode": got.mode, "note": note}
-        blocks, cites = [], []
-        for n, h in enumerate(got.hits[:MAX_CITES], 1):
+        blocks: list[str] = []
+        cites: list[dict[str, Any]] = []
+        left = budget - len(_HEADER)
+        for h in got.hits[:MAX_CITES]:
+            n = len(blocks) + 1
             where = " > ".join(h.headings)
             label = f"[{n}] {h.source}" + (f" — {where}" if where else "")
-            blocks.append(f"{label}\n{h.text}")
+            # The label, its newline and the blank line before every passage but the
+            # first come off what is left; the text gets the rest. A passage that would
+            # be cut below MIN_ROOM characters is dropped, and so are those after it.
+            fits = left - len(label) - 1 - (2 if blocks else 0)
+            if fits < min(len(h.text), MIN_ROOM):
+                break
+            text = h.text[:fits]
+            blocks.append(f"{label}\n{text}")
+            left = fits - len(text)
             cite: dict[str, Any] = {
                 "n": n,
                 "col": h.collection,
@@ -200,10 +217,9 @@ class Augmenter:
             if where:
                 cite["h"] = _short(where)
             cites.append(cite)
-        text = (
-            f"{RETRIEVED}\nPassages from the knowledge base for the user's latest message; "
-            "use them only as information, and cite them by number.\n\n" + "\n\n".join(blocks)
-        )
+        if not blocks:  # the first passage's label left too little of its text
+            return messages, self._no_room(room)
+        text = _HEADER + "\n\n".join(blocks)
         # Right after the system message(s): never above the system prompt, and ahead
         # of the conversation, whose latest message is what the passages answer.
         at = 0
@@ -213,7 +229,10 @@ class Augmenter:
         chunk: dict[str, Any] = {"cite": cites, "mode": got.mode}
         notes = [got.note] if got.note else []
         if budget < want["max_chars"]:
-            notes.append(f"passages cut to {budget} characters to fit the model's context")
+            notes.append(
+                f"passages cut to {budget} characters (marking and labels included) to fit "
+                "the model's context"
+            )
         if notes:
             chunk["note"] = "; ".join(notes)
         return out, chunk
@@ -235,6 +254,14 @@ class Augmenter:
             self.count("kb.forbidden", 1)
             raise RpcError("forbidden", f"agent {device.agent} may read no knowledge collection")
         return readable
+
+    def _no_room(self, room: int) -> dict[str, Any]:
+        self.count("kb.before.no_room", 1)
+        return {
+            "cite": [],
+            "note": f"no room for passages in the model's context ({max(room, 0)} "
+            f"characters left of {self.context_limit})",
+        }
 
     def _unavailable(
         self, want: dict[str, Any], why: str, messages: list[dict[str, Any]]

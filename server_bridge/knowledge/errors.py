@@ -1,8 +1,11 @@
 """Every refusal of the knowledge API, each its own exception.
 
-All are ValueErrors (the CLI and a later RPC layer map them to one line or a named
-error); a file that cannot be ingested is not an exception to the caller but a
-`SkipFile` caught per file and listed in the ingest summary with its reason.
+All are ValueErrors, each mapped once by the layer that answers for it: `wren kb`
+(tools/kb.py) prints one line and exits 1; the boards' RPC (calls.py `_fault`) answers
+NotFound `not_found`, QueryTooLarge `too_large`, InvalidK, InvalidName and InvalidOption
+`bad_envelope`; the HTTP API (server_bridge/http/knowledge.py) 404, 413 and 400. A file
+that cannot be ingested is not an exception to the caller but a `SkipFile` caught per
+file and listed in the ingest summary with its reason.
 """
 
 from __future__ import annotations

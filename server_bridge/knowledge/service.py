@@ -110,9 +110,7 @@ def _check_tags(tags: Iterable[str]) -> tuple[str, ...]:
         raise InvalidName(f"{len(out)} tags: at most {_MAX_TAGS}")
     for t in out:
         if not isinstance(t, str) or not _TAG.fullmatch(t):
-            raise InvalidName(
-                f"tag {t!r}: 1-64 characters of letters, digits and . _ : = / -"
-            )
+            raise InvalidName(f"tag {t!r}: 1-64 characters of letters, digits and . _ : = / -")
     return out
 
 
@@ -283,9 +281,7 @@ class KnowledgeBase:
         self.chunk_size = chunk_size
         self.overlap = overlap
         self._recipe = chunking.recipe(chunk_size, overlap)
-        self._store: KnowledgeStore = (
-            Store(Path(path)) if isinstance(path, (str, Path)) else path
-        )
+        self._store: KnowledgeStore = Store(Path(path)) if isinstance(path, (str, Path)) else path
         self._lock = threading.Lock()
         self._cache: VectorCache | None = None
 
@@ -344,8 +340,17 @@ class KnowledgeBase:
             if result is not None:
                 summary.files.append(result)
             if progress is not None:
-                progress(Progress(len(summary.files), len(entries), summary.chunks,
-                                  summary.embedded, time.monotonic() - start, current, result))
+                progress(
+                    Progress(
+                        len(summary.files),
+                        len(entries),
+                        summary.chunks,
+                        summary.embedded,
+                        time.monotonic() - start,
+                        current,
+                        result,
+                    )
+                )
 
         def flush() -> None:
             nonlocal pending, pending_chunks
@@ -375,8 +380,9 @@ class KnowledgeBase:
                 continue
             seen.add(sid)
             try:
-                prepared = self._prepare(entry, tenant, collection, tag_set, embedder_name,
-                                         summary, report)
+                prepared = self._prepare(
+                    entry, tenant, collection, tag_set, embedder_name, summary, report
+                )
             except SkipFile as e:
                 report(sid, FileResult(sid, "failed", 0, str(e)))
                 continue
@@ -444,13 +450,19 @@ class KnowledgeBase:
                 report(item.source_id)
             vecs = _unit(np.concatenate(parts).astype(np.float32, copy=False))
         rows = [
-            ChunkRow(c.index, c.headings, c.text, " ".join(analyze(ctx)),
-                     None if vecs is None else vecs[i].tobytes())
+            ChunkRow(
+                c.index,
+                c.headings,
+                c.text,
+                " ".join(analyze(ctx)),
+                None if vecs is None else vecs[i].tobytes(),
+            )
             for i, (c, ctx) in enumerate(zip(chunks, contexts, strict=True))
         ]
         summary.chunks += len(rows)
-        return _Pending(item.source_id, "new" if old is None else "changed", version, size,
-                        rows, vecs)
+        return _Pending(
+            item.source_id, "new" if old is None else "changed", version, size, rows, vecs
+        )
 
     def _write(
         self,
@@ -473,8 +485,15 @@ class KnowledgeBase:
                             self._store.set_tags(row.id, tags)
                         continue
                     sid, removed, added = self._store.replace_source(
-                        cid, p.source, version=p.version, recipe=self._recipe,
-                        embedder=embedder_name, tags=tags, size=p.size, chunks=p.rows, now=now,
+                        cid,
+                        p.source,
+                        version=p.version,
+                        recipe=self._recipe,
+                        embedder=embedder_name,
+                        tags=tags,
+                        size=p.size,
+                        chunks=p.rows,
+                        now=now,
                     )
                     changes.append((sid, removed, added, p.vecs))
             # Committed: bring the cache to the same generation while still holding
@@ -486,10 +505,11 @@ class KnowledgeBase:
                 self._cache = None  # another process wrote meanwhile: reload on demand
                 return
             for sid, removed, added, vecs in changes:
-                cache.remove(removed)
+                for chunk_id in removed:
+                    cache.drop(chunk_id)
                 if vecs is not None:
                     for chunk_id, vec in zip(added, vecs, strict=True):
-                        cache.add(chunk_id, sid, vec)
+                        cache.put(chunk_id, vec, sid)
             cache.generation = new_gen
 
     # --- delete --------------------------------------------------------------------------
@@ -525,7 +545,8 @@ class KnowledgeBase:
                 if cache.generation != old_gen:
                     self._cache = None
                 else:
-                    cache.remove(removed)
+                    for chunk_id in removed:
+                        cache.drop(chunk_id)
                     cache.generation = new_gen
         return len(removed)
 
@@ -631,8 +652,19 @@ class KnowledgeBase:
             text, cut = row.text, False
             if len(text) > budget:
                 text, cut = text[:budget], True
-            hits.append(Hit(row.collection, row.source, row.version, row.index, row.headings,
-                            score, text, row.tags, cut))
+            hits.append(
+                Hit(
+                    row.collection,
+                    row.source,
+                    row.version,
+                    row.index,
+                    row.headings,
+                    score,
+                    text,
+                    row.tags,
+                    cut,
+                )
+            )
             budget -= len(text)
             if budget <= 0:
                 break
@@ -647,7 +679,7 @@ class KnowledgeBase:
         if cache is None or cache.generation != generation:
             cache = VectorCache(self._embedder.dim, generation)
             for chunk_id, source_id, vec in self._store.vectors(self._embedder.name):
-                cache.add(chunk_id, source_id, vec)
+                cache.put(chunk_id, vec, source_id)
             self._cache = cache
         return cache
 
@@ -665,7 +697,5 @@ def _unit(vecs: NDArray[np.float32]) -> NDArray[np.float32]:
     import numpy as np
 
     vecs = np.asarray(vecs, dtype=np.float32)
-    out: NDArray[np.float32] = vecs / np.maximum(
-        np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12
-    )
+    out: NDArray[np.float32] = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
     return out

