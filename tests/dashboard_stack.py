@@ -22,7 +22,8 @@ AXE = ROOT / "tests" / "js" / "node_modules" / "axe-core" / "axe.min.js"
 # The board's agent: the model loop with a client tool and a tool that needs approval
 # (their JSON schemas are what the dashboard's forms read), and, for a request that
 # begins "table N", a handler of its own that fills a public streamed table with N
-# rows, gives a Markdown output and a citation, inside a node of its own.
+# rows, gives a Markdown output and a citation, inside a node of its own, then takes
+# an edge to a second node that gives a JSON output and reports a budget near its limit.
 MAIN_PY = """\
 from edge_runtime import board, nodes, platform
 from edge_runtime.agent import Agent
@@ -47,6 +48,11 @@ async def handle(run):
         await run.event("citation", {"n": 1, "col": "manuals", "src": "greenhouse.md",
                                      "h": "Watering > Basil", "score": 0.5})
         fill.port = "done"
+    await nodes.edge(run, "/fill", "done", "/report")
+    async with nodes.Node(run, "/report", "internal"):
+        await run.event("output", {"name": "totals", "status": "final", "format": "json",
+                                   "value": {"rows": n, "beds": ["basil", "mint"]}})
+        await run.event("budget", {"kind": "reads", "used": 4, "limit": 5, "level": "warn"})
     await run.event("msg.start", {"m": 1, "role": "assistant"})
     await run.event("msg.delta", {"m": 1, "text": "Filled %d rows." % n})
     await run.event("msg.end", {"m": 1})
@@ -55,7 +61,8 @@ async def handle(run):
 
 agent = Agent("helper", "2.1", "You help in the greenhouse.", handler=handle,
               fields=[Field("plants", vis="public", kind="collection", stream=True),
-                      Field("summary", vis="public", fmt="markdown")])
+                      Field("summary", vis="public", fmt="markdown"),
+                      Field("totals", vis="public", fmt="json")])
 
 
 @agent.tool("open_valve", "Open a valve of the water line", {"type": "object", "properties": {
@@ -92,6 +99,21 @@ def missing() -> str | None:
     except ImportError:
         return "Playwright's Python package is not installed (pip install -e '.[dev]')"
     return None
+
+
+def axe_absent() -> tuple[bool, str] | None:
+    """None where axe-core is installed; else (expected, why): `expected` where node and
+    npm run, so `sh tools/setup.sh` would have installed it (its absence is then a
+    failure, not a reason to check nothing)."""
+    if AXE.is_file():
+        return None
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        return False, "axe-core is not installed, nor node and npm to install it: no a11y check"
+    where = AXE.relative_to(ROOT)
+    return True, (
+        f"axe-core is not installed ({where} is missing) though node and npm are: "
+        "run `sh tools/setup.sh` (or `npm ci --prefix tests/js`)"
+    )
 
 
 def free_port() -> int:

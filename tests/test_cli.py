@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import queue
+import re
 import select
 import signal
 import subprocess
@@ -719,6 +720,26 @@ def test_wren_token_signs_a_users_or_a_watchers_session_token(tmp_path: Path) ->
         "acme", "bob.b@example.com", tokens.verify(secret, plain.strip(), "acme").expires
     )
     session = tokens.verify(secret, watch.strip(), "acme")
+    assert (session.user, session.watch) == ("ops", True)
+
+
+def test_wren_token_link_prints_the_dashboard_signed_in(tmp_path: Path) -> None:
+    # `--link URL`: the dashboard at the bridge's --http address, the token in the
+    # fragment (no server sees it), a token that verifies for the user it names.
+    _ok(tmp_path, "tenant", "add", "acme")
+    with Registry(tmp_path / ".wren" / "registry.json") as registry:
+        secret = bytes.fromhex(registry.tenant_secret("acme") or "")
+    for base in ("http://127.0.0.1:8080", "http://127.0.0.1:8080/"):
+        printed = _ok(tmp_path, "token", "--tenant", "acme", "--user-id", "alice",
+                      "--link", base)  # fmt: skip
+        link = re.fullmatch(r"http://127\.0\.0\.1:8080/ui/#token=([^\s#?&/]+)\n", printed)
+        assert link is not None, printed
+        session = tokens.verify(secret, link.group(1), "acme")
+        assert (session.tenant, session.user, session.watch) == ("acme", "alice", False)
+    watch = _ok(tmp_path, "token", "--tenant", "acme", "--user-id", "ops", "--watch",
+                "--link", "https://wren.example/")  # fmt: skip
+    assert watch.startswith("https://wren.example/ui/#token="), watch
+    session = tokens.verify(secret, watch.strip().split("#token=", 1)[1], "acme")
     assert (session.user, session.watch) == ("ops", True)
 
 
