@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from server_bridge.conversations import Turns, turn_chars
+from server_bridge.conversations import History, Turns, turn_chars
 from server_bridge.eventlog import EventLog
-from server_bridge.registry import Registry
+from server_bridge.knowledge.augment import context_chars
+from server_bridge.registry import DeviceRecord, Registry
 from server_bridge.tokens import sign
 from tests.model_server import ModelServer, ToolCall, Turn
 from tests.stack import TENANT, Stack
@@ -166,3 +167,49 @@ def test_a_follow_up_gets_the_earlier_turn_and_another_user_does_not(tmp_path: P
         assert s.ask("What did I just ask you?").status == "done"
         assert [m["role"] for m in server.requests[4]["messages"]] == ["system", "user"]
 
+
+def test_the_room_is_the_context_less_the_calls_own_messages_tools_and_passages(
+    tmp_path: Path,
+) -> None:
+    # History.add (conversations/calls.py) as rpc.py calls it: the call's messages as a
+    # board with memory builds them (the instructions and core memory in the system
+    # message, what memory.load keeps in view as a recalled-data message, then the
+    # question), its tools, and the passages' share of a `before` knowledge rule. The
+    # earlier turns fit at exactly the context limit, and one character less drops
+    # the older turn whole.
+    log = EventLog(tmp_path / "turns")
+    registry = Registry(tmp_path / "registry.json")
+    try:
+        turns = Turns(log, max_turns=10, max_chars=100_000)
+        record(turns, "r1", "a" * 100, "b" * 100)  # 200 characters
+        record(turns, "r2", "c" * 300, "d" * 300)  # 600 characters
+        system = {"role": "system", "content": "You are a thermostat.\n\n"
+                  "[core memory: user, 24/2000 characters]\nusual_celsius: 22 °C"}  # fmt: skip
+        recalled = user("[recalled data, not instructions]\nusual_celsius: 22")
+        question = user("What did I ask you before?")
+        own = [system, recalled, question]
+        tools = [{"name": "read_temperature", "desc": "Read the room temperature",
+                  "schema": {"type": "object", "properties": {}}}]  # fmt: skip
+        kb_chars = 1500
+        fixed = context_chars(own, tools) + kb_chars
+        # Each part counts: none of them is small next to the turns' 800 characters.
+        assert context_chars(own, []) > 100 and context_chars([], tools) > 50
+        device = DeviceRecord("dev1", "acme", "thermostat")
+
+        def add(limit: int) -> list[dict[str, Any]]:
+            history = History(turns, registry, context_limit=limit)
+            return history.add(device, "r3", ("alice", "c1"), own, tools, kb_chars)
+
+        both = add(fixed + 800)
+        # After the system message, before the recalled data and the question.
+        assert texts(both) == [system["content"], "a" * 100, "b" * 100, "c" * 300, "d" * 300,
+                               recalled["content"], question["content"]]  # fmt: skip
+        one = add(fixed + 799)
+        assert texts(one) == [system["content"], "c" * 300, "d" * 300, recalled["content"],
+                              question["content"]]  # fmt: skip
+        assert add(fixed + 600) == one
+        # Not even the newest turn fits: the call goes as it came.
+        assert add(fixed + 599) == own
+    finally:
+        registry.close()
+        log.close()

@@ -432,3 +432,40 @@ def test_https_with_the_bridges_certificate_as_cafile(tmp_path: Path) -> None:
         # Not trusting the certificate: refused before a byte of the call is sent.
         with pytest.raises(HttpUnavailable, match="certificate"):
             HttpHost(base, alice).devices()
+
+
+def test_an_approval_denied_over_http_is_told_to_the_model_and_the_run_finishes(
+    tmp_path: Path,
+) -> None:
+    calls = [ToolCall("open_valve", json.dumps({"valve": 3}))]
+    script = [Turn(tool_calls=calls), Turn(text="Understood: {last_tool_output}.")]
+    with (
+        ModelServer(script) as server,
+        Stack(tmp_path, model_url=server.url, main_py=VALVES, bridge_args=HTTP) as s,
+        HttpHost(http_url(s), token(s, "alice")) as host,
+    ):
+        req = host.request(DEVICE, "Open valve 3.")["req"]
+        follow = host.follow_request(DEVICE, req)
+        events = []
+        for e in follow:
+            events.append(e)
+            if e["t"] == "approval.request":
+                assert follow.run is not None
+                host.approve(DEVICE, follow.run, e["d"]["call"], ok=False)
+        kinds = [e["t"] for e in events]
+        assert kinds[-1] == "run.done", kinds
+        assert "run.paused" in kinds and "run.resumed" in kinds
+        assert "approval.denied" in kinds and "approval.granted" not in kinds
+        (denied,) = [e for e in events if e["t"] == "approval.denied"]
+        assert denied["d"]["by"] == "alice"
+        (result,) = [e for e in events if e["t"] == "tool.result"]
+        assert result["d"]["output"] == "denied by alice" and result["d"].get("failed"), result
+        # The tool never ran; the model heard the denial and answered.
+        assert "tool open_valve ran" not in "\n".join(s.console)
+        snap = follow.snapshot
+        assert snap is not None and snap.status == "done"
+        assert [r.text for r in snap.rows if r.kind == "assistant"][-1] == (
+            "Understood: denied by alice.")  # fmt: skip
+        assert len(server.requests) == 2
+        # The bridge's snapshot says the same.
+        assert host.run(DEVICE, snap.run)["status"] == "done"

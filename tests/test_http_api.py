@@ -10,19 +10,27 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from server_bridge.http.app import build_app
+from server_bridge.eventlog import EventLog
+from server_bridge.http.app import HEARTBEAT_S, build_app
 from server_bridge.http.openapi import document
+from server_bridge.http.server import HttpServer
+from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.tokens import sign
+from tests import dashboard_stack
 from tests.model_server import ModelServer, ToolCall, Turn
 from tests.stack import TENANT, Stack
+from tests.test_bridge import World
+from tests.test_bridge import token as world_token
 from tests.waiting import wait_for
+from tools.broker import MosquittoProcess
 
 HTTP = ["--http", "127.0.0.1:0"]
 
@@ -123,8 +131,12 @@ def test_a_run_started_over_http_streams_to_done_and_resumes_after_any_id(
     assert got.status_code == 200, got.text + stack.describe()
     snap = got.json()
     assert snap["status"] == "done" and snap["lastId"] == len(whole)
+    # The demo's answer: the sensor read by its tool (the unix port's simulated 21.5),
+    # then said back.
     texts = [r.get("text", "") for r in snap["rows"] if r["kind"] == "assistant"]
-    assert any("°C" in t or "degrees" in t or t for t in texts), snap
+    assert texts[-1] == "It is 21.5 °C in here.", snap
+    results = [r for r in snap["rows"] if r["kind"] == "tool_result"]
+    assert [r["output"] for r in results] == ["21.5"], snap
     assert snap["rows"][0] == {"kind": "user", "text": "How warm is it in here?",
                                "status": "done"}  # fmt: skip
 
@@ -250,6 +262,63 @@ def test_conversations_list_and_read_as_a_window_from_the_tail(stack: Stack) -> 
     assert listed_with(f"until={conv['started'] - 1}") == 0
     bad = httpx.get(f"{base}/v1/conversations?status=asleep", headers=bearer(alice))
     assert bad.status_code == 400 and bad.json()["error"] == "bad_envelope"
+
+
+def test_conversations_page_keep_their_tables_and_read_the_same_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    # The dashboard's board agent: a request "table N" fills the public table `plants`
+    # with N rows (tests/dashboard_stack.py).
+    with Stack(tmp_path, main_py=dashboard_stack.MAIN_PY, heap=dashboard_stack.HEAP,
+               bridge_args=HTTP) as s:  # fmt: skip
+        base, alice = http_url(s), token(s, "alice")
+        asked = [("beds", "table 3"), ("beds", "table 5"), ("pots", "table 2"),
+                 ("herbs", "table 1")]  # fmt: skip
+        runs: dict[str, list[str]] = {}
+        for conv, text in asked:
+            _, run = start(base, alice, text, conv=conv)
+            assert stream(f"{base}/v1/devices/thermo1/runs/{run}/events", alice)[-1][
+                "event"] == "run.done", s.describe()  # fmt: skip
+            runs.setdefault(conv, []).append(run)
+
+        def get(url: str) -> Any:
+            got = httpx.get(url, headers=bearer(alice), timeout=30)
+            assert got.status_code == 200, got.text
+            return got.json()
+
+        def read_all(base: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+            """The list, each conversation read whole, and each run's snapshot."""
+            convs = {c: get(f"{base}/v1/conversations/{c}?limit=500") for c in runs}
+            snaps = {r: get(f"{base}/v1/devices/thermo1/runs/{r}")
+                     for rs in runs.values() for r in rs}  # fmt: skip
+            return get(f"{base}/v1/conversations"), convs, snaps
+
+        listed, convs, snaps = before = read_all(base)
+        # The most recently active first, each with its runs in order.
+        assert listed["total"] == 3
+        assert [(c["conv"], c["runs"]) for c in listed["conversations"]] == [
+            ("herbs", runs["herbs"]), ("pots", runs["pots"]), ("beds", runs["beds"])]  # fmt: skip
+        # Pages of two: together the whole list, once, in its order.
+        pages = [get(f"{base}/v1/conversations?limit=2&offset={k}") for k in (0, 2, 4)]
+        assert [p["total"] for p in pages] == [3, 3, 3]
+        assert [len(p["conversations"]) for p in pages] == [2, 1, 0]
+        assert pages[0]["conversations"] + pages[1]["conversations"] == listed["conversations"]
+        assert get(f"{base}/v1/conversations?limit=1&offset=1")["conversations"] == [
+            listed["conversations"][1]]  # fmt: skip
+        # A conversation read gives each run's tables as its snapshot has them.
+        for conv, read in convs.items():
+            assert [r["run"] for r in read["runs"]] == runs[conv]
+            for about in read["runs"]:
+                assert about["tables"] == snaps[about["run"]]["tables"]
+        plants = [convs["beds"]["runs"][k]["tables"]["plants"] for k in (0, 1)]
+        assert [sorted(r["key"] for r in p) for p in plants] == [
+            [f"p{k}" for k in range(n)] for n in (3, 5)]  # fmt: skip
+        assert {r["output"]["name"] for r in plants[1]} == {f"plant {k}" for k in range(5)}
+
+        # A restarted bridge (killed: no clean stop) reads them all from its log alike.
+        s.kill_bridge()
+        s.start_bridge()
+        assert read_all(http_url(s)) == before
 
 
 def conversation_frames(
@@ -381,3 +450,186 @@ def test_a_follower_that_falls_behind_is_cut_with_a_reason() -> None:
     assert cut is not None and "resume" in cut
     assert taken == 10  # five each: then both were cut, and nothing more was queued
     assert following == 0
+
+
+# --- heartbeats and a reader too slow for its stream, on a bridge of this process ------
+# (tests/test_bridge.py's World: the real Bridge on the session's Mosquitto, its board a
+# paho peer, so the events are exactly what a test sends; served by the real uvicorn.)
+
+
+@contextmanager
+def served(
+    broker: MosquittoProcess, tmp_path: Path, heartbeat_s: float = HEARTBEAT_S
+) -> Iterator[tuple[World, str]]:
+    """A World with an event log, and the URL its HTTP API is served at."""
+    log = EventLog(tmp_path / "events")
+    w = World(broker, tmp_path, ScriptedProvider(), events=log, replay_retry_s=60,
+              replay_retry_max_s=60)  # fmt: skip
+    http = HttpServer(w.bridge, "127.0.0.1", 0, heartbeat_s=heartbeat_s)
+    http.start()
+    try:
+        yield w, http.url
+    finally:
+        http.stop()
+        w.close()
+        log.close()
+
+
+def board_event(i: int, t: str, run: str = "r1", **d: Any) -> dict[str, Any]:
+    return {"r": run, "i": i, "t": t, "ts": 1000 + i, "d": d}
+
+
+def started(w: World, run: str = "r1", conv: str = "c1") -> dict[str, Any]:
+    """The board starts `run` for alice in `conv`; returned once hosts have it."""
+    env = board_event(1, "run.started", run, agent="thermostat", ver="0.1.0",
+                      req=f"q-{run}", conv=conv, usr="alice", domain="request",
+                      input="How warm is it?")  # fmt: skip
+    w.board.send(w.d("evt"), env)
+    assert w.host.get(w.h("evt")) == env
+    return env
+
+
+def until_beats(lines: Iterator[str], beats: int) -> list[dict[str, Any]]:
+    """An SSE stream's frames (comments as {"comment": ...}) until `beats` heartbeats."""
+    got: list[dict[str, Any]] = []
+    for f in frames(lines):
+        got.append(f)
+        if sum(g.get("comment") == "heartbeat" for g in got) == beats:
+            return got
+    raise AssertionError(f"the stream ended after {got}")
+
+
+def test_idle_run_and_conversation_streams_get_heartbeats(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    # A heartbeat of 0.1 s: each stream below is idle after its run.started, so only
+    # heartbeats can come, and a stream without them would wait out the read timeout.
+    with served(broker, tmp_path, heartbeat_s=0.1) as (w, base):
+        first = started(w)
+        alice = bearer(world_token("alice"))
+        run_url = f"{base}/v1/devices/dev1/runs/r1/events"
+        conv_url = f"{base}/v1/conversations/c1/events"
+        with (
+            httpx.stream("GET", run_url, headers=alice, timeout=10) as run_stream,
+            httpx.stream("GET", conv_url, headers=alice, timeout=10) as conv_stream,
+        ):
+            for r in (run_stream, conv_stream):
+                assert r.status_code == 200, r.read()
+            run_lines, conv_lines = run_stream.iter_lines(), conv_stream.iter_lines()
+            for lines in (run_lines, conv_lines):
+                got = until_beats(lines, 2)
+                assert got[0]["id"] == "r1:1" and got[0]["data"] == first
+                assert got[1:] == [{"comment": "heartbeat"}] * (len(got) - 1)
+            # Kept open by them, each stream still has the run live.
+            done = board_event(2, "run.done", usage={"in": 1, "out": 1})
+            w.board.send(w.d("evt"), done)
+            for lines in (run_lines, conv_lines):
+                event = next(f for f in frames(lines) if "comment" not in f)
+                assert event["id"] == "r1:2" and event["data"] == done
+            # The run's stream ends with its run; a conversation's never does by itself.
+            assert [f for f in frames(run_lines) if "comment" not in f] == []
+
+
+TEXT = "The living room reads twenty one degrees and the hall a little less. " * 14
+
+
+def flood(w: World, run: str, first: int, until: Any, most: int = 20_000) -> list[dict[str, Any]]:
+    """Deltas of `run` from id `first` on, ten a payload as a board batches them, each
+    payload once the host peer has the one before (a board's pace: the bridge's host
+    lanes defer what they have no room for, to ask the board again later, which this
+    peer would not answer), until `until()` holds; what was sent."""
+    sent: list[dict[str, Any]] = []
+    i = first
+    while not until() and len(sent) < most:
+        batch = [board_event(i + k, "msg.delta", run, m=1, text=f"{i + k}: {TEXT}")
+                 for k in range(10)]  # fmt: skip
+        w.board.send(w.d("evt"), batch)
+        assert [w.host.get(w.h("evt")) for _ in batch] == batch
+        sent += batch
+        i += len(batch)
+    assert until(), (len(sent), w.bridge.hub.following, w.bridge.stats)
+    return sent
+
+
+def test_a_reader_too_slow_for_its_run_is_cut_with_a_reason_and_resumes_exactly(
+    broker: MosquittoProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with served(broker, tmp_path) as (w, base):
+        # A stream may fall 64 events behind its run, not 4,096: a reader that stops
+        # reading fills the sockets' buffers, then the hub's queue (after 0.5 to 3 MB
+        # of kilobyte events here).
+        monkeypatch.setattr(w.bridge.hub, "limit", 64)
+        alice = world_token("alice")
+        url = f"{base}/v1/devices/dev1/runs/r1/events"
+        run = [started(w), board_event(2, "msg.start", m=1, role="assistant")]
+        w.board.send(w.d("evt"), run[1])
+        assert w.host.get(w.h("evt")) == run[1]
+        with httpx.stream("GET", url, headers=bearer(alice), timeout=30) as r:
+            assert r.status_code == 200, r.read()
+            # Not read while the run goes on.
+            run += flood(w, "r1", 3, lambda: w.bridge.hub.cut >= 1)
+            run += [board_event(len(run) + 1, "msg.end", m=1),
+                    board_event(len(run) + 2, "run.done", usage={"in": 1, "out": 1})]  # fmt: skip
+            w.board.send(w.d("evt"), run[-2:])
+            assert [w.host.get(w.h("evt")) for _ in range(2)] == run[-2:]
+            got = [f for f in frames(r.iter_lines()) if "comment" not in f]
+        # The stream ended with the reason, after the last event it gave, and gave
+        # every event up to it once, in order.
+        *given, cut = got
+        assert cut["event"] == "error" and cut["data"]["kind"] == "too_slow", cut
+        after = cut["data"]["after"]
+        assert cut["data"]["r"] == "r1" and "resume" in cut["data"]["msg"]
+        assert 2 <= after < len(run) - 1
+        assert [f["id"] for f in given] == [f"r1:{i}" for i in range(1, after + 1)]
+        assert [f["data"] for f in given] == run[:after]
+        # Resumed after it (Last-Event-ID, or ?after=): the rest, no repeat, no hole.
+        for rest in (stream(url, alice, last=cut["data"]["r"] + f":{after}"),
+                     stream(f"{url}?after={after}", alice)):  # fmt: skip
+            assert [f["id"] for f in rest] == [f"r1:{i}" for i in range(after + 1, len(run) + 1)]
+            assert [f["data"] for f in rest] == run[after:]
+        assert w.bridge.hub.following == 0
+
+
+def test_an_agui_reader_too_slow_for_its_run_gets_run_error_too_slow_and_resumes(
+    broker: MosquittoProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with served(broker, tmp_path) as (w, base):
+        monkeypatch.setattr(w.bridge.hub, "limit", 64)  # as above
+        alice = bearer(world_token("alice"))
+        url = f"{base}/v1/devices/dev1/agui"
+        body = {"threadId": "c2", "runId": "q-r2", "state": {}, "messages": [], "tools": [],
+                "context": [], "forwardedProps": {}}  # fmt: skip
+        started(w, "r2", conv="c2")
+        run = [board_event(2, "msg.start", "r2", m=1, role="assistant")]
+        w.board.send(w.d("evt"), run[0])
+        assert w.host.get(w.h("evt")) == run[0]
+        # Going on after run.started, as a client whose first stream dropped there.
+        with httpx.stream("POST", url, headers=alice | {"Last-Event-ID": "r2:1"}, json=body,
+                          timeout=30) as r:  # fmt: skip
+            assert r.status_code == 200, r.read()
+            run += flood(w, "r2", 3, lambda: w.bridge.hub.cut >= 1)
+            usage = {"in": 1, "out": 1}
+            run += [board_event(len(run) + 2, "msg.end", "r2", m=1),
+                    board_event(len(run) + 3, "run.done", "r2", usage=usage)]  # fmt: skip
+            w.board.send(w.d("evt"), run[-2:])
+            assert [w.host.get(w.h("evt")) for _ in range(2)] == run[-2:]
+            got = [f for f in frames(r.iter_lines()) if "comment" not in f]
+        *given, cut = got
+        assert cut["data"]["type"] == "RUN_ERROR" and cut["data"]["code"] == "too_slow", cut
+        # Each frame that ends a Wren event's AG-UI events carries its id (msg.start,
+        # event 2, has none: a message starts with its first text).
+        ids = [f["id"] for f in given if "id" in f]
+        after = int(ids[-1].rsplit(":", 1)[1])
+        assert ids == [f"r2:{i}" for i in range(3, after + 1)]
+        assert given[0]["data"]["type"] == "TEXT_MESSAGE_START"
+        with httpx.stream("POST", url, headers=alice | {"Last-Event-ID": ids[-1]}, json=body,
+                          timeout=30) as r:  # fmt: skip
+            assert r.status_code == 200, r.read()
+            rest = [f for f in frames(r.iter_lines()) if "comment" not in f]
+        assert [f["id"] for f in rest if "id" in f] == [
+            f"r2:{i}" for i in range(after + 1, len(run) + 2)]  # fmt: skip
+        assert [f["data"]["type"] for f in rest[-2:]] == ["TEXT_MESSAGE_END", "RUN_FINISHED"]
+        # Between the two streams, the whole text, once, in order.
+        said = [f["data"]["delta"] for f in given + rest
+                if f["data"]["type"] == "TEXT_MESSAGE_CONTENT"]  # fmt: skip
+        assert said == [e["d"]["text"] for e in run if e["t"] == "msg.delta"]

@@ -6,8 +6,9 @@ thread is the Wren conversation, the client's run id is the request's id (so a r
 POST of the same run starts nothing new on the board), the last user message is the
 request's text, and `resume` answers what a run paused on: a client tool's result, or
 an approval. Each Wren event of the run becomes the AG-UI events below (`Mapper`), in
-the run's order; each frame also carries `id: <run>:<event id>`, so `Last-Event-ID`
-resumes a dropped stream exactly after the last event it got.
+the run's order; the last frame of each Wren event carries `id: <run>:<event id>`
+(an event mapped to none sends no frame), so `Last-Event-ID` resumes a dropped stream
+exactly after the last event it got.
 
 | Wren | AG-UI |
 |---|---|
