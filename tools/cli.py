@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=150.0,
         help="seconds without any event of the run before giving up (longer than the "
-        "bridge's 120 s model timeout, so its error comes first)",
+        "bridge's 60 s wait between a model's stream pieces, --model-idle-timeout, so its "
+        "error comes first)",
     )
     _add_registry_parsers(sub)
     kb_cli.add_parser(sub)
