@@ -530,6 +530,48 @@ def test_idle_run_and_conversation_streams_get_heartbeats(
             assert [f for f in frames(run_lines) if "comment" not in f] == []
 
 
+def to_the_end(lines: Iterator[str], beats: int = 20) -> list[dict[str, Any]]:
+    """A stream's event frames until it ends; fails after `beats` heartbeats, which a
+    stream that never ends would send for ever."""
+    got: list[dict[str, Any]] = []
+    for f in frames(lines):
+        if "comment" not in f:
+            got.append(f)
+            continue
+        beats -= 1
+        assert beats > 0, f"the stream did not end: {got}"
+    return got
+
+
+def test_a_stream_resumed_past_a_runs_end_ends_with_the_run(
+    broker: MosquittoProcess, tmp_path: Path
+) -> None:
+    # A resume point past the run's last id (a stale or made-up Last-Event-ID): the
+    # stream has nothing to give, and must end when the run has ended or once it ends,
+    # not beat for ever. Heartbeats every 0.1 s, so a stream that waits shows them.
+    with served(broker, tmp_path, heartbeat_s=0.1) as (w, base):
+        started(w)
+        alice = bearer(world_token("alice"))
+        url = f"{base}/v1/devices/dev1/runs/r1/events"
+        # Live: resumed at 9 while the run has sent only id 1; the run ends at 3.
+        with httpx.stream("GET", url, headers={**alice, "Last-Event-ID": "r1:9"},
+                          timeout=10) as live:  # fmt: skip
+            assert live.status_code == 200, live.read()
+            lines = live.iter_lines()
+            assert until_beats(lines, 1) == [{"comment": "heartbeat"}]
+            ends = [board_event(2, "msg.delta", m=1, text="It is warm."),
+                    board_event(3, "run.done", usage={"in": 1, "out": 1})]  # fmt: skip
+            w.board.send(w.d("evt"), ends)
+            assert [w.host.get(w.h("evt")) for _ in ends] == ends
+            # Nothing past 9 comes, and the stream ends with the run.
+            assert to_the_end(lines) == []
+        # Finished: resumed past its end, by header and by query, the stream ends at once.
+        for params, headers in (({"after": 4}, alice),
+                                ({}, {**alice, "Last-Event-ID": "r1:1000"})):  # fmt: skip
+            with httpx.stream("GET", url, params=params, headers=headers, timeout=10) as r:
+                assert r.status_code == 200, r.read()
+                assert to_the_end(r.iter_lines()) == []
+
 TEXT = "The living room reads twenty one degrees and the hall a little less. " * 14
 
 

@@ -601,7 +601,13 @@ async def _run_items(
                 yield ("beat",)
                 continue
             for r, i, payload in follower.take():
-                if r != run or i <= last:
+                if r != run:
+                    continue
+                if i <= last:
+                    # A reader resumed past where a live run then ended (a stale or
+                    # made-up id): its end, though not new to it, ends the stream.
+                    if event_json(payload).get("t") in TERMINAL:
+                        return
                     continue
                 if i > last + 1:
                     yield ("gap", last + 1, i - 1)
@@ -618,9 +624,17 @@ async def _run_items(
 
 
 def _ended_at(bridge: Bridge, tenant: str, device: str, run: str, i: int) -> bool:
-    """Whether event `i` of the run, as the bridge holds it, is its terminal one."""
+    """Whether the run, as the bridge holds it, ended at event `i` or before it."""
     held = bridge.run_events(tenant, device, run, i - 1, limit=1)
-    if held is None or not held.found or held.found[0][0] != i:
+    at = i
+    if held is not None and (not held.found or held.found[0][0] != i):
+        # Not held: a resume point past the run's last id (a stale or made-up one).
+        # Ended if that last event is the terminal one: else such a stream of a
+        # finished run would wait, beating, for events that never come.
+        whole = bridge.run_events(tenant, device, run, 0, limit=1)
+        at = whole.last if whole is not None else 0
+        held = bridge.run_events(tenant, device, run, at - 1, limit=1) if 0 < at < i else None
+    if held is None or not held.found or held.found[0][0] != at:
         return False
     return event_json(held.found[0][1]).get("t") in TERMINAL
 
