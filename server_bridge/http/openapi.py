@@ -1,6 +1,6 @@
 """The HTTP API's OpenAPI 3.1 document, served at /openapi.json. Written by hand, as
-the contract; tests/test_http_api.py checks that it names exactly the app's routes and
-that the answers the tests get match its schemas."""
+the contract; tests/test_http_api.py checks that it names exactly the app's routes, and
+tests/test_http_fuzz.py that every answer to calls generated from it matches its schemas."""
 
 from __future__ import annotations
 
