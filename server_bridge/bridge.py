@@ -173,6 +173,8 @@ _HELD_AT_START = 10_000
 # cleared, and they are few (nothing is published retained on these topics by contract).
 _CLEAR_ECHO_S = 10.0
 _CLEARS_KEPT = 1024
+# Early SUBACKs remembered during one deal at most (others' SUBACKs land there too).
+_DEAL_EARLY_MAX = 256
 # Refusals are logged at most once per kind and tenant this often (Bridge._refuse), and
 # that many (kind, tenant) pairs remembered, the least recent forgotten first.
 _REFUSAL_LOG_S = 1.0
@@ -337,6 +339,10 @@ class Bridge:
         self._dealt_from: tuple[tuple[str, str], ...] | None = None
         self._undropped = False  # a refresh without `drop` left topics a link lost
         self._deal_mids: set[tuple[int, int]] = set()
+        # SUBACKs read before subscribe() returned their mid to _refresh_links: the
+        # SUBSCRIBE goes out on the calling thread at once (mqttclient.py), so the
+        # broker's answer can be read first. Emptied at each deal.
+        self._deal_early: set[tuple[int, int]] = set()
         self._deal_acked = threading.Event()
         self._links_checked = 0.0
         self._links_token: object = None
@@ -1542,6 +1548,8 @@ class Bridge:
                 self._deal_mids.discard((link, mid))
                 if not self._deal_mids:
                     self._deal_acked.set()
+            elif len(self._deal_early) < _DEAL_EARLY_MAX:
+                self._deal_early.add((link, mid))
         pending = self._links_sub_mids[link]
         if mid not in pending:
             return
@@ -1641,6 +1649,7 @@ class Bridge:
             self._linked_devices = {d.device for d in devices}
             self._tenant_link = self._plan.link_of(devices)
             self._deal_mids.clear()
+            self._deal_early.clear()
             self._deal_acked.clear()
             gained = [sorted(d - o) for o, d in zip(old, deal, strict=True)]
             lost = [sorted(o - d) for o, d in zip(old, deal, strict=True)] if drop else []
@@ -1652,7 +1661,13 @@ class Bridge:
                 rc, mid = client.subscribe([(topic, 1) for topic in batch])
                 if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
                     with self._links_lock:
-                        self._deal_mids.add((link, mid))
+                        if (link, mid) in self._deal_early:
+                            self._deal_early.discard((link, mid))
+                        else:
+                            self._deal_mids.add((link, mid))
+        with self._links_lock:
+            if not self._deal_mids:
+                self._deal_acked.set()  # every SUBACK read already, or nothing to await
         if not any(lost):
             return
         with self._links_lock:
