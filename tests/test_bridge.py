@@ -466,6 +466,41 @@ def test_links_read_only_the_registrys_devices_and_new_ones_within_a_check(
     check_valid_call_works(world)
 
 
+def test_a_deal_whose_suback_is_read_before_subscribe_returns_is_acknowledged(
+    world: World, broker: MosquittoProcess
+) -> None:
+    # The link's SUBSCRIBE goes out on the refreshing thread at once, so the broker's
+    # SUBACK can be read on the link's network thread before subscribe() has returned
+    # its mid. Forced here: the real subscribe, then a wait (bounded) until the real
+    # SUBACK has been handled, and only then the mid handed back.
+    link = world.bridge._links[1]
+    assert link is not None
+    handled = threading.Event()
+    on_subscribe, subscribe = link.on_subscribe, link.subscribe
+
+    def after_on_subscribe(*args: Any) -> None:
+        on_subscribe(*args)
+        handled.set()
+
+    def subscribe_then_wait(*args: Any, **kwargs: Any) -> Any:
+        handled.clear()
+        answer = subscribe(*args, **kwargs)
+        assert handled.wait(WAIT), "the broker's SUBACK was not read"
+        return answer
+
+    link.on_subscribe = after_on_subscribe
+    link.subscribe = subscribe_then_wait  # type: ignore[method-assign]
+    try:
+        world.registry.add_device("late", "globex", "kiosk")
+        wait_for(
+            lambda: f"{world.p}/d/late/rpc" in world.bridge.link_topics(1)
+            and world.bridge._deal_acked.is_set(),
+            "the deal acknowledged with its SUBACK read first",
+        )
+    finally:
+        link.on_subscribe, link.subscribe = on_subscribe, subscribe  # type: ignore[method-assign]
+
+
 def test_payload_identity_keys_change_nothing(world: World) -> None:
     # A board writing another tenant or device into its call is still dev1 of acme.
     world.board.send(
