@@ -2104,10 +2104,19 @@ class Bridge:
         session is a watcher's (access.py); the device stream "_" is on the device's
         topic, which every host of the tenant reads, so anyone's. At most
         REPLAY_MAX_EVENTS go in one answer: past them a `replay_cut` error names the id
-        to ask again after.
+        to ask again after. A `run` the bridge holds no run of may be a request id: the
+        run that request started is answered (intake.run_of_request).
         """
         self._count("host.replay")
         known = self.run_events(record.tenant, record.device, run, after)
+        started = None if known is not None else self.intake.run_of_request(record.device, run)
+        if started is not None:
+            # `r` names a request whose run.started the bridge has passed on: a host that
+            # was away while that run started (and ended) knows no run id, only its req.
+            # Checked under the intake's lock, as the run.started was taken: a run not
+            # found here goes to hosts after this ask, which they sent subscribed.
+            run = started
+            known = self.run_events(record.tenant, record.device, run, after)
         if known is None:
             msg = "the bridge holds no events of this run"
             self._refuse("unknown_run", host_topic(self.config.prefix, *_levels(t), "ctl"), msg)

@@ -38,7 +38,10 @@ a hole for `replay_after_s` without progress, the client asks the bridge to repl
 run (`ctl {op:"replay", r, after, tok}` on P/h/T/D/ctl), again with doubling waits up
 to `max_replay_wait_s` while the hole stays; and after every (re)connect it asks the
 same for every run it tracks that is not finished, since its session is clean and what
-was published while it was away is gone. The bridge resends what its window holds and
+was published while it was away is gone; and for every request it sent whose run it
+has not seen start (nor a refusal of), by the request's id (`r` the req id: a run that
+started and went by while it was away is one it knows no id of). The bridge resends
+what its window holds and
 answers on its stream `_b` for the rest: a gap `{kind:"gap", r, from, to}` (declared
 lost with Reducer.mark_lost) or `{kind:"unknown_run", r}` (then a hole below held events
 can never fill, and is declared lost). A replay needs a session token: the one last used
@@ -122,6 +125,9 @@ MAX_REFUSALS = 1000
 # doubling waits up to MAX_REPLAY_WAIT_S (the bridge asks its boards the same way).
 REPLAY_AFTER_S = 2.0
 MAX_REPLAY_WAIT_S = 30.0
+# Requests sent whose run has not been seen to start, asked for by their id after a
+# reconnect (the newest this many: each ask is one host message for the bridge's rate).
+MAX_PENDING = 64
 # The repair thread looks at the holes at least this often.
 _REPAIR_TICK_S = 0.5
 
@@ -317,6 +323,10 @@ class HostClient:
         self._tokens: dict[str, str] = {}
         self._token = token
         self._no_token: set[str] = set()  # devices already logged as having none
+        # Requests sent whose run.started (or refusal) has not come yet: req id ->
+        # (device, its token). After a reconnect each is asked for by its id, since its
+        # run may have started, and gone by, while this client was away.
+        self._pending: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self.replay_after_s = replay_after_s
         self.max_replay_wait_s = max_replay_wait_s
         # (device, run) -> its hole's repair; at most one per run the reducers keep.
@@ -468,7 +478,7 @@ class HostClient:
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
     ) -> None:
-        asks: list[tuple[str, str, int]] = []
+        asks: list[tuple[str, str, int, str | None]] = []
         with self._cond:
             if mid != self._sub_mid:
                 return  # the bridge's status: hosts may read it (PROTOCOL "Broker ACL")
@@ -489,11 +499,17 @@ class HostClient:
                 # client was away is lost (its session is clean), so every run not yet
                 # finished is asked for again; the answers come on the subscription.
                 asks = [
-                    (device, snap.run, snap.last_id)
+                    (device, snap.run, snap.last_id, None)
                     for device, reducer in self._reducers.items()
                     for snap in reducer.runs()
                     if snap.run not in STREAMS and not snap.terminal
                 ]
+                # So is every request whose run has not been seen to start, by its id:
+                # a run that started while this client was away, and ended before it was
+                # subscribed again, is one it knows no id of (the bridge answers with
+                # the run that request started, or unknown_run before it has started,
+                # and then its events come on the subscription made now).
+                asks += [(device, req, 0, token) for req, (device, token) in self._pending.items()]
             self._cond.notify_all()
         for ask in asks:
             self._ask_replay(*ask)
@@ -548,8 +564,18 @@ class HostClient:
             # refusal of this attempt may end a wait on it.
             self._refused.pop(req_id, None)
             self._tokens[device] = token  # for replays of this device's runs
-        # Written by this thread's flush, without waking paho's network thread for it.
-        self._publish(topic, body, f"request {req_id}", timeout, req_id, quiet=True)
+            # Before it is sent: its run.started may come before the acknowledgement.
+            self._pending[req_id] = (device, token)
+            self._pending.move_to_end(req_id)
+            while len(self._pending) > MAX_PENDING:
+                self._pending.popitem(last=False)
+        try:
+            # Written by this thread's flush, without waking paho's network thread for it.
+            self._publish(topic, body, f"request {req_id}", timeout, req_id, quiet=True)
+        except HostConnectError:
+            with self._cond:  # not sent (NotConnected, paho's queue full): no run comes
+                self._pending.pop(req_id, None)
+            raise
         return req_id
 
     def answer(
@@ -792,6 +818,7 @@ class HostClient:
                 refusal = _refusal(event)
                 if refusal is not None:
                     req, kind, msg, detail = refusal
+                    self._pending.pop(req, None)
                     self._refused[req] = (kind, msg, detail)
                     self._refused.move_to_end(req)
                     while len(self._refused) > MAX_REFUSALS:
@@ -805,6 +832,8 @@ class HostClient:
                     on_apply = functools.partial(_keep_copy, views)
                 # Checked by decode_events already, so fold() cannot refuse it.
                 snap, _ = reducer.fold(event, on_apply)
+                if snap.req is not None and self._pending:
+                    self._pending.pop(snap.req, None)  # its run has started
                 self._events.append(event)
                 self._track(topic.device, snap)
                 if event["r"] == BRIDGE_RUN and event["t"] == "error":
@@ -921,11 +950,12 @@ class HostClient:
         connected (with the device's token, set_token), else not sent and logged."""
         self._ask_replay(device, run, after)
 
-    def _ask_replay(self, device: str, run: str, after: int) -> None:
-        """Publish a replay request for `run` past `after`. Never under the lock, and
-        never waits: it may run on paho's network thread."""
+    def _ask_replay(self, device: str, run: str, after: int, token: str | None = None) -> None:
+        """Publish a replay request for `run` past `after` (with `token`, else the
+        device's). Never under the lock, and never waits: it may run on paho's network
+        thread."""
         with self._cond:
-            token = self._tokens.get(device, self._token)
+            token = token or self._tokens.get(device, self._token)
             warn = token is None and device not in self._no_token
             if warn:
                 self._no_token.add(device)
