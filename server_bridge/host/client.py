@@ -47,6 +47,12 @@ lost with Reducer.mark_lost) or `{kind:"unknown_run", r}` (then a hole below hel
 can never fill, and is declared lost). A replay needs a session token: the one last used
 in request() for that device, else the one given to the constructor or set_token().
 
+A reconnect's subscription that the broker refuses (a cluster node that cannot make it
+yet) or leaves unanswered for SUBACK_WAIT_S is made again by the repair thread, after
+waits doubling from SUBSCRIBE_RETRY_S to MAX_SUBSCRIBE_RETRY_S, each refusal logged;
+until one is granted nothing is sent (NotConnected). The first subscription is
+connect()'s: refused, connect() raises and nothing is made again.
+
 Client tools (server_bridge/host/tools.py): given `tools` (a ToolHandlers) or handlers
 added with on_tool(), the client answers each pending call of a handled tool as its
 run's snapshot shows it, once per call, on the runner's worker threads (never on paho's
@@ -55,11 +61,11 @@ each answer is getting to the board, and the run's snapshot says the same
 (Row.delivery, Reducer.set_delivery).
 
 Threading: paho's network thread delivers messages; one repair thread (started by
-connect, stopped by close) asks for replays; every piece of shared state is guarded by
-one condition variable, and what is handed to callers (snapshots, events) is a copy, so
-a caller never sees a snapshot change under it. Nothing is published while holding it,
-and the tool runner is called only without it (the runner's workers take it to mirror
-a delivery into the reducer).
+connect, stopped by close) asks for replays and makes refused subscriptions again; every
+piece of shared state is guarded by one condition variable, and what is handed to
+callers (snapshots, events) is a copy, so a caller never sees a snapshot change under it.
+Nothing is published while holding it, and the tool runner is called only without it
+(the runner's workers take it to mirror a delivery into the reducer).
 """
 
 from __future__ import annotations
@@ -128,7 +134,14 @@ MAX_REPLAY_WAIT_S = 30.0
 # Requests sent whose run has not been seen to start, asked for by their id after a
 # reconnect (the newest this many: each ask is one host message for the bridge's rate).
 MAX_PENDING = 64
-# The repair thread looks at the holes at least this often.
+# After a reconnect, a subscription the broker refused (a cluster node that could not
+# make it yet, an ACL being rewritten) is made again after SUBSCRIBE_RETRY_S, then with
+# doubling waits up to MAX_SUBSCRIBE_RETRY_S, and one it has not answered within
+# SUBACK_WAIT_S is made again: a client left connected but deaf would never recover.
+SUBSCRIBE_RETRY_S = 1.0
+MAX_SUBSCRIBE_RETRY_S = 30.0
+SUBACK_WAIT_S = 10.0
+# The repair thread looks at the holes (and at the subscription) at least this often.
 _REPAIR_TICK_S = 0.5
 
 EventCallback = Callable[[dict[str, Any], RunSnapshot], None]
@@ -343,6 +356,12 @@ class HostClient:
         self._connect_refused = False
         self._subscribed = False
         self._sub_mid: int | None = None
+        # Once connect() has been subscribed, the repair thread makes the subscription of
+        # a later connection again when it is refused or unanswered (_sub_due, monotonic),
+        # with the next wait after a refusal in _sub_wait.
+        self._ever_subscribed = False
+        self._sub_due: float | None = None
+        self._sub_wait = SUBSCRIBE_RETRY_S
         # paho's client, whose queue the thread that publishes writes itself
         # (server_bridge/mqttclient.py): a request leaves when request() sends it, not
         # when paho's network thread is next woken and scheduled.
@@ -466,14 +485,20 @@ class HostClient:
         with self._cond:
             self._connected = True
         # Subscribe here, not in connect(): after an automatic reconnect the session is
-        # clean and the subscription must be made again. The bridge's status first, on
-        # its own: the broker sends a subscription's retained messages after its SUBACK
-        # and handles a client's packets in order, so by the events' SUBACK (what
-        # connect() waits for) the bridge's retained status has arrived.
+        # clean and the subscription must be made again.
+        self._subscribe(client)
+
+    def _subscribe(self, client: mqtt.Client) -> None:
+        """Make this connection's subscriptions (paho's network thread, or the repair
+        thread making a refused or unanswered one again). The bridge's status first, on
+        its own: the broker sends a subscription's retained messages after its SUBACK and
+        handles a client's packets in order, so by the events' SUBACK (what connect()
+        waits for) the bridge's retained status has arrived."""
         client.subscribe(self._status_topic, qos=1)
         _, mid = client.subscribe([(f, 1) for f in self._evt_filters])
         with self._cond:
             self._sub_mid = mid
+            self._sub_due = time.monotonic() + SUBACK_WAIT_S
 
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
@@ -482,6 +507,7 @@ class HostClient:
         with self._cond:
             if mid != self._sub_mid:
                 return  # the bridge's status: hosts may read it (PROTOCOL "Broker ACL")
+            again: float | None = None
             if any(rc.is_failure for rc in reason_codes):
                 refused = [
                     f
@@ -493,8 +519,21 @@ class HostClient:
                     "(check this user's ACL: a host user bound to one end user reads that "
                     "user's topic only; give HostClient its token or user)"
                 )
+                if self._ever_subscribed:
+                    # A reconnect's: nobody waits on connect() to say so, and without
+                    # the subscription nothing reaches this client. Made again later.
+                    again = self._sub_wait
+                    self._sub_due = time.monotonic() + again
+                    self._sub_wait = min(again * 2, MAX_SUBSCRIBE_RETRY_S)
+                else:
+                    self._sub_due = None  # connect() says it and gives up
             else:
                 self._subscribed = True
+                self._ever_subscribed = True
+                self._sub_due = None
+                self._sub_wait = SUBSCRIBE_RETRY_S
+                if not self._connect_refused:
+                    self._connect_error = None
                 # Subscribed again after a (re)connect: what was published while this
                 # client was away is lost (its session is clean), so every run not yet
                 # finished is asked for again; the answers come on the subscription.
@@ -511,6 +550,9 @@ class HostClient:
                 # and then its events come on the subscription made now).
                 asks += [(device, req, 0, token) for req, (device, token) in self._pending.items()]
             self._cond.notify_all()
+            error = self._connect_error
+        if again is not None:
+            log.warning("host client: %s; subscribing again in %.0f s", error, again)
         for ask in asks:
             self._ask_replay(*ask)
 
@@ -522,6 +564,7 @@ class HostClient:
             # Subscribed again only by the next connection's SUBACK: until then nothing
             # is published (_publish), and connect() waits for it as at the start.
             self._subscribed = False
+            self._sub_due = None
             self._cond.notify_all()
         if reason_code is not None and getattr(reason_code, "is_failure", False):
             log.warning(
@@ -926,6 +969,15 @@ class HostClient:
             asks: list[tuple[str, str, int]] = []
             with self._cond:
                 now = time.monotonic()
+                resubscribe = (
+                    self._ever_subscribed
+                    and self._connected
+                    and not self._subscribed
+                    and self._sub_due is not None
+                    and self._sub_due <= now
+                )
+                if resubscribe:
+                    self._sub_due = None  # set again by _subscribe
                 for key, repair in list(self._repairs.items()):
                     reducer = self._reducers.get(key[0])
                     snap = reducer.get(key[1]) if reducer is not None else None
@@ -937,6 +989,8 @@ class HostClient:
                         repair.due = now + repair.wait
                         repair.wait = min(repair.wait * 2, self.max_replay_wait_s)
                 due = min((r.due for r in self._repairs.values()), default=now + tick)
+            if resubscribe:
+                self._subscribe(self._client)
             for ask in asks:
                 self._ask_replay(*ask)
             self._stop.wait(min(max(due - time.monotonic(), 0.01), tick))

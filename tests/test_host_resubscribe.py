@@ -1,0 +1,195 @@
+"""A host client whose subscription is refused after a reconnect subscribes again, with
+growing waits, and hears its runs once the broker grants it (server_bridge/host/client.py,
+SUBSCRIBE_RETRY_S). Found on the NATS cluster (tests/test_fleet_cluster.py): after a
+node's death the node a host reconnected to could not make its subscription in time
+(`Unable to add JetStream consumer ... timeout`, a refused SUBACK), and the client stayed
+connected but deaf, every request refused NotConnected, for good.
+
+Mosquitto grants a subscription its ACL denies (2.0.11 filters at delivery instead), so
+the refusal is made on the wire: a proxy in front of the real broker rewrites the return
+codes of the SUBACKs it passes to 0x80 while told to, and cuts the connection to make the
+client reconnect. The client is the real HostClient, the events a real MQTT user's.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from server_bridge.host.client import HostClient, HostConnectError, NotConnected
+from tests.test_host_client import run_events
+
+PREFIX = "wren/v1"
+WAIT = 30.0  # every wait is bounded by this; none asserts on how long it took
+_SUBACK = 0x90
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not check():
+        assert time.monotonic() < deadline, f"not within {WAIT} s: {what}"
+        time.sleep(0.05)
+
+
+class SubackProxy:
+    """A TCP proxy in front of the broker that reads the broker's side as MQTT packets:
+    while `refusing`, each SUBACK goes on with every return code 0x80 (failure), and
+    `cut()` drops the connections it carries. `subacks` counts the SUBACKs it passed."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.refusing = False
+        self.subacks = 0
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                return
+            with self._lock:
+                self._socks += [client, upstream]
+            threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client), daemon=True).start()
+
+    def _up(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._shut(src, dst)
+
+    def _down(self, src: socket.socket, dst: socket.socket) -> None:
+        # The broker's packets one by one: the fixed header's type byte, the remaining
+        # length (a varint of up to four bytes), the rest.
+        reader = src.makefile("rb")
+        try:
+            while head := reader.read(1):
+                length, shift, raw = 0, 0, b""
+                while True:
+                    b = reader.read(1)
+                    if not b:
+                        return
+                    raw += b
+                    length |= (b[0] & 0x7F) << shift
+                    shift += 7
+                    if not b[0] & 0x80:
+                        break
+                body = reader.read(length)
+                if head[0] & 0xF0 == _SUBACK:
+                    with self._lock:
+                        self.subacks += 1
+                        refusing = self.refusing
+                    if refusing:  # the packet id, then each topic's code
+                        body = body[:2] + b"\x80" * (len(body) - 2)
+                dst.sendall(head + raw + body)
+        except OSError:
+            pass
+        finally:
+            reader.close()
+            self._shut(src, dst)
+
+    def _shut(self, *socks: socket.socket) -> None:
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def cut(self) -> None:
+        with self._lock:
+            socks, self._socks = self._socks, []
+        self._shut(*socks)
+
+    def close(self) -> None:
+        self._listener.close()
+        self.cut()
+
+
+def publish_run(broker: Any, tenant: str, run: str, req: str) -> None:
+    """A run's events on the host topic, as the bridge publishes them."""
+    pub = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+    pub.connect(broker.host, broker.port)
+    pub.loop_start()
+    try:
+        for event in run_events(run, req):
+            info = pub.publish(f"{PREFIX}/h/{tenant}/d1/evt", msgpack.packb(event), qos=1)
+            info.wait_for_publish(WAIT)
+            assert info.is_published()
+    finally:
+        pub.loop_stop()
+        pub.disconnect()
+
+
+def test_a_subscription_refused_after_a_reconnect_is_made_again_until_it_is_granted(
+    broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="server_bridge.host.client")
+    tenant = "t" + uuid.uuid4().hex[:10]
+    proxy = SubackProxy((broker.host, broker.port))
+    client = HostClient("127.0.0.1", proxy.port, tenant)
+    try:
+        client.connect(timeout=WAIT)
+        assert client.connected
+
+        # The reconnect's subscription refused, and again when it is made again: the
+        # client says so, subscribes again after a wait, and sends nothing meanwhile.
+        proxy.refusing = True
+        proxy.cut()
+        wait_until(lambda: caplog.text.count("subscribing again") >= 2, "two refusals logged")
+        assert "refused the subscription" in caplog.text
+        assert "subscribing again in 1 s" in caplog.text
+        assert "subscribing again in 2 s" in caplog.text  # the wait grows
+        assert not client.connected
+        with pytest.raises(NotConnected):
+            client.request("d1", "tok", "How warm is it?")
+
+        # Granted at its next try, on the same connection: it hears a run whole.
+        refused = proxy.subacks
+        proxy.refusing = False
+        wait_until(lambda: client.connected, "the host subscribed again")
+        assert proxy.subacks > refused
+        publish_run(broker, tenant, "b00t.1", "req-after")
+        snap = client.wait_run("req-after", timeout=WAIT)
+        assert snap.status == "done"
+        assert "".join(r.text for r in snap.rows if r.kind == "assistant") == "It is 21.5 °C."
+    finally:
+        client.close()
+        proxy.close()
+
+
+def test_a_subscription_refused_at_connect_is_connects_error_and_not_made_again(
+    broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The first subscription is connect()'s to report (a wrong ACL is for the user to
+    # fix): it raises, and nothing subscribes again behind the caller's back.
+    caplog.set_level(logging.WARNING, logger="server_bridge.host.client")
+    proxy = SubackProxy((broker.host, broker.port))
+    proxy.refusing = True
+    client = HostClient("127.0.0.1", proxy.port, "t" + uuid.uuid4().hex[:10])
+    try:
+        with pytest.raises(HostConnectError, match="refused the subscription"):
+            client.connect(timeout=WAIT)
+        assert not client.connected
+        assert "subscribing again" not in caplog.text
+    finally:
+        client.close()
+        proxy.close()
