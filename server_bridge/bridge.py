@@ -181,6 +181,13 @@ _REFUSAL_LOG_S = 1.0
 _REFUSAL_LOG_KEYS = 1024
 # How often the registry is read again for devices the links should read (links.py).
 _LINKS_CHECK_S = 1.0
+# A subscription the broker refuses once the bridge serves (after a reconnect: a cluster
+# node that cannot make it yet) is made again after _RESUBSCRIBE_S, then with doubling
+# waits up to _MAX_RESUBSCRIBE_S, each refusal logged: the bridge would otherwise stay
+# deaf on that connection, and offline to its boards, until the next reconnect.
+_RESUBSCRIBE_S = 1.0
+_MAX_RESUBSCRIBE_S = 30.0
+_CONTROL = -1  # the control connection's key among the links' (0..) in _resubscribe
 
 
 class _PahoLog(logging.LoggerAdapter):
@@ -352,6 +359,10 @@ class Bridge:
         # on the word "online" would find no subscription of the event connection yet.
         self._serving = False
         self._start_error: str | None = None
+        # Connections whose subscriptions the broker refused while serving: key
+        # (_CONTROL, or a link) -> (when to subscribe again, the wait after that).
+        self._resubscribe: dict[int, tuple[float, float]] = {}
+        self._resubscribe_lock = threading.Lock()
         # Whether a connection's CONNACK refused it (LoginRefused), either connection.
         self._login_refused = False
         self._sub_mid: int | None = None
@@ -1272,6 +1283,12 @@ class Bridge:
             except Exception:
                 log.exception("bridge housekeeping failed")
                 self._count("callback_errors")
+            if self._resubscribe:
+                try:
+                    self._subscribe_again(time.monotonic())
+                except Exception:
+                    log.exception("subscribing again failed")
+                    self._count("callback_errors")
             if self.events is not None and time.monotonic() - self._retained_at >= _RETAIN_EVERY_S:
                 self._retained_at = time.monotonic()
                 self._retain_events()
@@ -1308,6 +1325,45 @@ class Bridge:
                     # until it is readable again (checked again in a second).
                     log.exception("dealing the boards to the links failed")
                     self._count("links.errors")
+
+    def _refused_while_serving(self, key: int) -> str:
+        """Schedule the subscriptions of connection `key` again (a refusal once serving;
+        at start, start() reports it); what to add to the refusal's log line."""
+        if not self._serving or self._stopping.is_set():
+            return ""
+        with self._resubscribe_lock:
+            _, wait = self._resubscribe.get(key, (0.0, _RESUBSCRIBE_S))
+            self._resubscribe[key] = (time.monotonic() + wait, min(wait * 2, _MAX_RESUBSCRIBE_S))
+        self._count("resubscribes")
+        return f"; subscribing again in {wait:.0f} s"
+
+    def _resubscribed(self, key: int) -> None:
+        """Connection `key`'s subscription was granted: nothing more to make again."""
+        with self._resubscribe_lock:
+            if self._resubscribe.pop(key, None) is not None:
+                log.info("the broker granted the bridge's subscriptions again (%s)",
+                         "control connection" if key == _CONTROL else self._what(key))  # fmt: skip
+
+    def _subscribe_again(self, now: float) -> None:
+        """Housekeeping: make again the subscriptions of each connection whose refusal's
+        wait is over, if it is up (a connection that dropped subscribes at its connect)."""
+        with self._resubscribe_lock:
+            due = [k for k, (at, _) in self._resubscribe.items() if at <= now]
+            for k in due:
+                _, wait = self._resubscribe[k]
+                # Until its SUBACK says: refused again (a new wait) or granted (none).
+                self._resubscribe[k] = (now + _MAX_RESUBSCRIBE_S, wait)
+        for key in due:
+            if key == _CONTROL:
+                if self._control_up and self._client is not None:
+                    self._subscribe(self._client)
+                continue
+            client = self._links[key]
+            if client is None or not self._links_up[key]:
+                continue
+            wants, _ = self._link_wants(key)
+            for batch in batches(wants):
+                client.subscribe([(topic, 1) for topic in batch])
 
     def _retain_events(self) -> None:
         """Drop each tenant's oldest segments of the event log past the configured age
@@ -1419,8 +1475,10 @@ class Bridge:
             # The broker's ACL said no to something the bridge must read; serving on
             # half the topics would look healthy and lose messages.
             self._start_error = f"broker refused subscriptions: {', '.join(refused)}"
-            log.error("broker refused bridge subscriptions: %s", refused)
+            again = self._refused_while_serving(_CONTROL)
+            log.error("broker refused bridge subscriptions: %s%s", refused, again)
         elif self._serving:
+            self._resubscribed(_CONTROL)
             # Online once it serves, on every (re)connect: after a dropped connection the
             # will left "offline" retained until the bridge says otherwise.
             self._say_online()
@@ -1541,8 +1599,13 @@ class Bridge:
     ) -> None:
         refused = [str(rc) for rc in reason_codes if rc.is_failure]
         if refused:
-            log.error("broker refused the %s's subscriptions: %s", self._what(link), refused)
+            again = self._refused_while_serving(link)
+            log.error(
+                "broker refused the %s's subscriptions: %s%s", self._what(link), refused, again
+            )
             self._count("link.refused_subscriptions")
+        elif self._serving:
+            self._resubscribed(link)
         with self._links_lock:
             if (link, mid) in self._deal_mids:
                 self._deal_mids.discard((link, mid))

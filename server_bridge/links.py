@@ -158,12 +158,18 @@ class PartitionPlan:
 # was another bridge, the lease has moved and the next renewal says so (on_loss) well
 # within this; if not (a network blip), the partition is back in a second.
 RECONNECT_AFTER_S = 1.0
+# A partition's subscriptions that the broker refused (a cluster node that cannot make
+# them yet: NATS answers a JetStream consumer it could not create in time so) are made
+# again after RESUBSCRIBE_S, then with doubling waits up to MAX_RESUBSCRIBE_S, each
+# refusal logged: the partition's boards would otherwise go unread until a reconnect.
+RESUBSCRIBE_S = 1.0
+MAX_RESUBSCRIBE_S = 30.0
 
 
 class _Part:
     """One held partition's connection."""
 
-    __slots__ = ("client", "epoch", "up", "down_at", "subscribed")
+    __slots__ = ("client", "epoch", "up", "down_at", "subscribed", "again_at", "again_wait")
 
     def __init__(self, client: mqtt.Client, epoch: int) -> None:
         self.client = client
@@ -171,6 +177,9 @@ class _Part:
         self.up = False
         self.down_at: float | None = None  # when the broker closed it, if it did
         self.subscribed: set[str] = set()
+        # After a refused subscription: when to subscribe again, and the wait after that.
+        self.again_at: float | None = None
+        self.again_wait = RESUBSCRIBE_S
 
 
 class PartitionLinks:
@@ -288,12 +297,21 @@ class PartitionLinks:
 
     def tick(self, now: float) -> None:
         """Connect again a partition whose connection the broker closed, once
-        RECONNECT_AFTER_S has passed and the lease is still this bridge's."""
+        RECONNECT_AFTER_S has passed and the lease is still this bridge's; subscribe
+        again one whose subscriptions the broker refused, once its wait is over."""
         again: list[tuple[int, _Part]] = []
+        resubscribe: list[tuple[mqtt.Client, list[str]]] = []
         with self._lock:
             for k, p in self._parts.items():
                 if p.down_at is not None and now - p.down_at >= RECONNECT_AFTER_S:
                     again.append((k, p))
+                elif p.up and p.again_at is not None and p.again_at <= now:
+                    # Until its SUBACK says: refused again (a new wait) or granted.
+                    p.again_at = now + MAX_RESUBSCRIBE_S
+                    resubscribe.append((p.client, sorted(self._deal[k])))
+        for client, wants in resubscribe:
+            for batch in batches(wants):
+                client.subscribe([(topic, 1) for topic in batch])
         for k, p in again:
             if self._holds(k) != p.epoch:
                 continue  # the keeper's on_loss ends it (or has, meanwhile)
@@ -348,8 +366,21 @@ class PartitionLinks:
         self, client: mqtt.Client, part: int, mid: int, reason_codes: Any, properties: Any
     ) -> None:
         refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        with self._lock:
+            p = self._parts.get(part)
+            if p is None or p.client is not client:
+                return  # a connection no longer the partition's
+            wait = p.again_wait
+            if refused:
+                p.again_at = time.monotonic() + wait
+                p.again_wait = min(wait * 2, MAX_RESUBSCRIBE_S)
+            elif p.again_at is not None:
+                p.again_at = None
+                p.again_wait = RESUBSCRIBE_S
+                log.info("the broker granted partition %d's subscriptions again", part)
         if refused:
-            log.error("the broker refused partition %d's subscriptions: %s", part, refused)
+            log.error("the broker refused partition %d's subscriptions: %s; subscribing again "
+                      "in %.0f s", part, refused, wait)  # fmt: skip
             self._count("link.refused_subscriptions")
 
     def _dropped(self, client: mqtt.Client, part: int) -> bool:

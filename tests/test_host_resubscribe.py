@@ -6,16 +6,15 @@ node's death the node a host reconnected to could not make its subscription in t
 connected but deaf, every request refused NotConnected, for good.
 
 Mosquitto grants a subscription its ACL denies (2.0.11 filters at delivery instead), so
-the refusal is made on the wire: a proxy in front of the real broker rewrites the return
-codes of the SUBACKs it passes to 0x80 while told to, and cuts the connection to make the
-client reconnect. The client is the real HostClient, the events a real MQTT user's.
+the refusal is made on the wire: a proxy in front of the real broker (tests/mqttproxy.py)
+rewrites the return codes of the SUBACKs it passes to 0x80 while told to, and cuts the
+connection to make the client reconnect. The client is the real HostClient, the events
+a real MQTT user's.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -27,11 +26,11 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from server_bridge.host.client import HostClient, HostConnectError, NotConnected
+from tests.mqttproxy import SubackProxy
 from tests.test_host_client import run_events
 
 PREFIX = "wren/v1"
 WAIT = 30.0  # every wait is bounded by this; none asserts on how long it took
-_SUBACK = 0x90
 
 
 def wait_until(check: Callable[[], bool], what: str) -> None:
@@ -39,89 +38,6 @@ def wait_until(check: Callable[[], bool], what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, f"not within {WAIT} s: {what}"
         time.sleep(0.05)
-
-
-class SubackProxy:
-    """A TCP proxy in front of the broker that reads the broker's side as MQTT packets:
-    while `refusing`, each SUBACK goes on with every return code 0x80 (failure), and
-    `cut()` drops the connections it carries. `subacks` counts the SUBACKs it passed."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.refusing = False
-        self.subacks = 0
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                return
-            with self._lock:
-                self._socks += [client, upstream]
-            threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client), daemon=True).start()
-
-    def _up(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        self._shut(src, dst)
-
-    def _down(self, src: socket.socket, dst: socket.socket) -> None:
-        # The broker's packets one by one: the fixed header's type byte, the remaining
-        # length (a varint of up to four bytes), the rest.
-        reader = src.makefile("rb")
-        try:
-            while head := reader.read(1):
-                length, shift, raw = 0, 0, b""
-                while True:
-                    b = reader.read(1)
-                    if not b:
-                        return
-                    raw += b
-                    length |= (b[0] & 0x7F) << shift
-                    shift += 7
-                    if not b[0] & 0x80:
-                        break
-                body = reader.read(length)
-                if head[0] & 0xF0 == _SUBACK:
-                    with self._lock:
-                        self.subacks += 1
-                        refusing = self.refusing
-                    if refusing:  # the packet id, then each topic's code
-                        body = body[:2] + b"\x80" * (len(body) - 2)
-                dst.sendall(head + raw + body)
-        except OSError:
-            pass
-        finally:
-            reader.close()
-            self._shut(src, dst)
-
-    def _shut(self, *socks: socket.socket) -> None:
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def cut(self) -> None:
-        with self._lock:
-            socks, self._socks = self._socks, []
-        self._shut(*socks)
-
-    def close(self) -> None:
-        self._listener.close()
-        self.cut()
 
 
 def publish_run(broker: Any, tenant: str, run: str, req: str) -> None:
