@@ -646,7 +646,11 @@ class Link:
                     pid, codes = mqttopen.parse_suback(body)
                     mqttopen = None
                     if _FAIL in codes:
-                        log("link: broker refused a subscription", pid)
+                        # Up but deaf to a topic would look healthy and lose what comes
+                        # on it: the connection is given up, and the next one (after the
+                        # backoff) subscribes to everything again. A cluster node that
+                        # could not make the subscription yet grants it then.
+                        raise mqtt.MqttError("broker refused a subscription")
                     if pid == self._sub_pid:
                         self._sub_pid = 0
                         self._connected()

@@ -466,6 +466,39 @@ def test_refusal_and_protocol_errors_lead_to_reconnect():
     run(main())
 
 
+def test_a_refused_subscription_ends_the_connection_and_the_next_one_subscribes_again():
+    # A SUBACK with 0x80 (a cluster node that could not make the subscription yet): up
+    # on that connection, the board would look healthy and never hear that topic.
+    async def main():
+        peer = await Peer().start()
+        ups = []
+        link = Link("s", "127.0.0.1", peer.port, keepalive=0, backoff_ms=(10, 40),
+                    on_connect=lambda: ups.append(1))
+        link.subscribe("a/b", 1)
+        hello = "10 0d 00 04 4d 51 54 54 04 02 00 00 00 01 73"
+        task = asyncio.create_task(link.run())
+        try:
+            c = await peer.accept()
+            await c.expect(hello)
+            await c.send("20 02 00 00")
+            await c.expect("82 08 00 01 00 03 61 2f 62 01")   # SUBSCRIBE id 1 a/b QoS 1
+            await c.send("90 03 00 01 80")                    # SUBACK: refused
+            c = await peer.accept()                           # given up, dialled again
+            await c.expect(hello)
+            await c.send("20 02 00 00")
+            await c.expect("82 08 00 02 00 03 61 2f 62 01")   # subscribed again, id 2
+            await c.send("90 03 00 02 01")                    # granted
+            assert await link.wait_connected(WAIT_MS)
+            assert ups == [1]  # up once: never on the connection that was refused
+            assert (link.stats["connects"], link.stats["reconnects"]) == (2, 1)
+            await _stop(link, task, c)
+        finally:
+            task.cancel()
+            await peer.close()
+
+    run(main())
+
+
 def test_packets_that_come_together_or_in_pieces_are_each_read_whole():
     # The link reads what has come into its buffer and parses packets where they lie:
     # several in one segment, one cut anywhere (its length bytes too), one that must be
