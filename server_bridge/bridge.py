@@ -1356,6 +1356,10 @@ class Bridge:
         for key in due:
             if key == _CONTROL:
                 if self._control_up and self._client is not None:
+                    # From this thread its SUBACK may be read before subscribe() returns:
+                    # with no mid kept, it waits in _early_subacks (as at start).
+                    with self._rivals_cond:
+                        self._sub_mid = None
                     self._subscribe(self._client)
                 continue
             client = self._links[key]

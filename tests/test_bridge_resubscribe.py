@@ -121,6 +121,54 @@ def test_a_bridge_refused_its_subscriptions_after_a_reconnect_subscribes_again_a
         broker.stop()
 
 
+def test_a_control_subscription_made_again_whose_suback_is_read_first_says_online(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Made again from the housekeeping thread, the SUBSCRIBE goes out at once and its
+    # SUBACK may be read on the network thread before subscribe() has returned the mid.
+    # Forced: the real subscribe, then a bounded wait until that SUBACK is handled.
+    caplog.set_level(logging.INFO, logger="wren.bridge")
+    broker = start_mosquitto(tmp_path / "mosquitto")
+    registry = Registry(tmp_path / "registry.json")
+    registry.add_tenant("acme", "ab" * 16)
+    registry.add_device("dev1", "acme", "thermostat")
+    proxy = SubackProxy((broker.host, broker.port))
+    watcher = StatusWatcher(broker.host, broker.port)
+    config = BridgeConfig(host="127.0.0.1", port=proxy.port, prefix=P, offline_grace_s=0)
+    bridge = Bridge(config, registry, ScriptedProvider())
+    try:
+        bridge.start()
+        wait_until(lambda: watcher.last() == "online", "the bridge online")
+        control = bridge._client
+        assert control is not None
+        handled: set[int] = set()
+        on_subscribe, subscribe = control.on_subscribe, control.subscribe
+
+        def after_on_subscribe(c: Any, userdata: Any, mid: int, *args: Any) -> None:
+            on_subscribe(c, userdata, mid, *args)
+            handled.add(mid)
+
+        def subscribe_then_wait(*args: Any, **kwargs: Any) -> Any:
+            answer = subscribe(*args, **kwargs)
+            if threading.current_thread().name == "wren-bridge-housekeeping":
+                wait_until(lambda: answer[1] in handled, "the broker's SUBACK read")
+            return answer
+
+        control.on_subscribe = after_on_subscribe
+        control.subscribe = subscribe_then_wait  # type: ignore[method-assign]
+        proxy.refusing = True
+        proxy.cut()
+        wait_until(lambda: "refused bridge subscriptions" in caplog.text, "a refusal logged")
+        proxy.refusing = False
+        wait_until(lambda: watcher.last() == "online", "online, its SUBACK read first")
+    finally:
+        bridge.stop()
+        watcher.close()
+        proxy.close()
+        registry.close()
+        broker.stop()
+
+
 def test_a_fleet_partition_refused_its_subscriptions_subscribes_again_until_granted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

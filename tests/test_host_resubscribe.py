@@ -15,6 +15,7 @@ a real MQTT user's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -88,6 +89,48 @@ def test_a_subscription_refused_after_a_reconnect_is_made_again_until_it_is_gran
         assert snap.status == "done"
         assert "".join(r.text for r in snap.rows if r.kind == "assistant") == "It is 21.5 °C."
     finally:
+        client.close()
+        proxy.close()
+
+
+def test_a_subscription_made_again_whose_suback_is_read_before_subscribe_returns_counts(
+    broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Made again from the repair thread, the SUBSCRIBE goes out at once and the broker's
+    # SUBACK may be read on paho's network thread before subscribe() has returned its
+    # mid. Forced here on every subscription made again: the real subscribe, then a
+    # bounded wait until the real SUBACK has been handled, and only then the mid back.
+    caplog.set_level(logging.WARNING, logger="server_bridge.host.client")
+    tenant = "t" + uuid.uuid4().hex[:10]
+    proxy = SubackProxy((broker.host, broker.port))
+    client = HostClient("127.0.0.1", proxy.port, tenant)
+    paho = client._client
+    handled: set[int] = set()  # the mids whose SUBACK the client has handled
+    on_subscribe, subscribe = paho.on_subscribe, paho.subscribe
+
+    def after_on_subscribe(c: Any, userdata: Any, mid: int, *args: Any) -> None:
+        on_subscribe(c, userdata, mid, *args)
+        handled.add(mid)
+
+    def subscribe_then_wait(topic: Any, *args: Any, **kwargs: Any) -> Any:
+        answer = subscribe(topic, *args, **kwargs)
+        if isinstance(topic, list) and threading.current_thread().name == "wren-host-repair":
+            wait_until(lambda: answer[1] in handled, "the broker's SUBACK read")
+        return answer
+
+    try:
+        client.connect(timeout=WAIT)
+        proxy.refusing = True
+        proxy.cut()
+        wait_until(lambda: "subscribing again" in caplog.text, "a refusal logged")
+        paho.on_subscribe = after_on_subscribe
+        paho.subscribe = subscribe_then_wait  # type: ignore[method-assign]
+        proxy.refusing = False
+        wait_until(lambda: client.connected, "subscribed, its SUBACK read first")
+        publish_run(broker, tenant, "b00t.2", "req-early")
+        assert client.wait_run("req-early", timeout=WAIT).status == "done"
+    finally:
+        paho.on_subscribe, paho.subscribe = on_subscribe, subscribe  # type: ignore[method-assign]
         client.close()
         proxy.close()
 

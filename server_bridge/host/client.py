@@ -356,6 +356,8 @@ class HostClient:
         self._connect_refused = False
         self._subscribed = False
         self._sub_mid: int | None = None
+        # SUBACKs read while _subscribe() had not kept its mid yet: mid -> reason codes.
+        self._early_subacks: dict[int, Any] = {}
         # Once connect() has been subscribed, the repair thread makes the subscription of
         # a later connection again when it is refused or unanswered (_sub_due, monotonic),
         # with the next wait after a refusal in _sub_wait.
@@ -494,11 +496,20 @@ class HostClient:
         its own: the broker sends a subscription's retained messages after its SUBACK and
         handles a client's packets in order, so by the events' SUBACK (what connect()
         waits for) the bridge's retained status has arrived."""
+        with self._cond:
+            # Until subscribe() returns the mid: from the repair thread the SUBACK may be
+            # read first (paho writes the SUBSCRIBE at once), and then waits here.
+            self._sub_mid = None
+            self._early_subacks.clear()
         client.subscribe(self._status_topic, qos=1)
         _, mid = client.subscribe([(f, 1) for f in self._evt_filters])
         with self._cond:
             self._sub_mid = mid
             self._sub_due = time.monotonic() + SUBACK_WAIT_S
+            early = self._early_subacks.pop(mid, None) if mid is not None else None
+            self._early_subacks.clear()
+        if mid is not None and early is not None:
+            self._on_subscribe(client, None, mid, early, None)
 
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any
@@ -506,6 +517,8 @@ class HostClient:
         asks: list[tuple[str, str, int, str | None]] = []
         with self._cond:
             if mid != self._sub_mid:
+                if self._sub_mid is None and len(self._early_subacks) < 4:
+                    self._early_subacks[mid] = reason_codes  # read before its mid was kept
                 return  # the bridge's status: hosts may read it (PROTOCOL "Broker ACL")
             again: float | None = None
             if any(rc.is_failure for rc in reason_codes):
