@@ -32,6 +32,7 @@ from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.topics import bridge_topic
 from tests.mqttproxy import SubackProxy
+from tests.waiting import wait_for
 from tools.broker import mosquitto_binary, start_mosquitto
 
 P = "wren/v1"
@@ -41,10 +42,7 @@ pytestmark = pytest.mark.skipif(mosquitto_binary() is None, reason="mosquitto is
 
 
 def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not check():
-        assert time.monotonic() < deadline, f"not within {WAIT} s: {what}"
-        time.sleep(0.05)
+    wait_for(check, what, timeout=WAIT)
 
 
 class StatusWatcher:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -29,16 +28,14 @@ from paho.mqtt.enums import CallbackAPIVersion
 from server_bridge.host.client import HostClient, HostConnectError, NotConnected
 from tests.mqttproxy import SubackProxy
 from tests.test_host_client import run_events
+from tests.waiting import wait_for
 
 PREFIX = "wren/v1"
 WAIT = 30.0  # every wait is bounded by this; none asserts on how long it took
 
 
 def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not check():
-        assert time.monotonic() < deadline, f"not within {WAIT} s: {what}"
-        time.sleep(0.05)
+    wait_for(check, what, timeout=WAIT)
 
 
 def publish_run(broker: Any, tenant: str, run: str, req: str) -> None:
