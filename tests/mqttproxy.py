@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from tests.waiting import wait_for
 
 _SUBACK = 0x90
 
@@ -95,3 +101,31 @@ class SubackProxy:
     def close(self) -> None:
         self._listener.close()
         self.cut()
+
+
+def suback_read_first(client: mqtt.Client, thread: str, timeout: float) -> Callable[[], None]:
+    """Make each subscription that `client` makes on the thread named `thread` have its
+    SUBACK read, and handled, before subscribe() returns its mid: the real subscribe, then
+    a bounded wait until that SUBACK has been handled. (A subscription made again from a
+    thread of its own goes out at once, so its answer may come first.) Returns what puts
+    the client back as it was."""
+    handled: set[int] = set()
+    on_subscribe, subscribe = client.on_subscribe, client.subscribe
+
+    def after_on_subscribe(c: Any, userdata: Any, mid: int, *args: Any) -> None:
+        on_subscribe(c, userdata, mid, *args)
+        handled.add(mid)
+
+    def subscribe_then_wait(*args: Any, **kwargs: Any) -> Any:
+        answer = subscribe(*args, **kwargs)
+        if threading.current_thread().name == thread:
+            wait_for(lambda: answer[1] in handled, "the broker's SUBACK read", timeout)
+        return answer
+
+    def restore() -> None:
+        client.on_subscribe = on_subscribe
+        client.subscribe = subscribe  # type: ignore[method-assign]
+
+    client.on_subscribe = after_on_subscribe
+    client.subscribe = subscribe_then_wait  # type: ignore[method-assign]
+    return restore

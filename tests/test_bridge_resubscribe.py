@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from server_bridge.links import PartitionLinks, PartitionPlan
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.topics import bridge_topic
-from tests.mqttproxy import SubackProxy
+from tests.mqttproxy import SubackProxy, suback_read_first
 from tests.waiting import wait_for
 from tools.broker import mosquitto_binary, start_mosquitto
 
@@ -71,111 +71,102 @@ class StatusWatcher:
         self.client.disconnect()
 
 
-def test_a_bridge_refused_its_subscriptions_after_a_reconnect_subscribes_again_and_is_online(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+class Rig:
+    """A bridge started behind the proxy, online, and a watcher of its presence."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.broker = start_mosquitto(tmp_path / "mosquitto")
+        self.registry = Registry(tmp_path / "registry.json")
+        self.registry.add_tenant("acme", "ab" * 16)
+        self.registry.add_device("dev1", "acme", "thermostat")
+        self.proxy = SubackProxy((self.broker.host, self.broker.port))
+        self.watcher = StatusWatcher(self.broker.host, self.broker.port)
+        config = BridgeConfig(host="127.0.0.1", port=self.proxy.port, prefix=P,
+                              offline_grace_s=0)  # fmt: skip
+        self.bridge = Bridge(config, self.registry, ScriptedProvider())
+
+    def close(self) -> None:
+        self.bridge.stop()
+        self.watcher.close()
+        self.proxy.close()
+        self.registry.close()
+        self.broker.stop()
+
+
+@pytest.fixture
+def rig(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Rig]:
     caplog.set_level(logging.INFO, logger="wren.bridge")
-    broker = start_mosquitto(tmp_path / "mosquitto")
-    registry = Registry(tmp_path / "registry.json")
-    registry.add_tenant("acme", "ab" * 16)
-    registry.add_device("dev1", "acme", "thermostat")
-    proxy = SubackProxy((broker.host, broker.port))
-    watcher = StatusWatcher(broker.host, broker.port)
-    config = BridgeConfig(host="127.0.0.1", port=proxy.port, prefix=P, offline_grace_s=0)
-    bridge = Bridge(config, registry, ScriptedProvider())
+    r = Rig(tmp_path)
     try:
-        bridge.start()
-        wait_until(lambda: watcher.last() == "online", "the bridge online")
-        # What the bridge itself says, counted: paho may send an earlier "online" again
-        # after the cut (its PUBACK lost with the connection), behind the will.
-        said_online: list[float] = []
-        say_online = bridge._say_online
-
-        def counted() -> None:
-            said_online.append(time.monotonic())
-            say_online()
-
-        bridge._say_online = counted  # type: ignore[method-assign]
-
-        # Every connection of the bridge cut: the broker says its will (offline), and
-        # the subscriptions of each reconnect are refused, and again when made again.
-        proxy.refusing = True
-        proxy.cut()
-        wait_until(lambda: "offline" in watcher.seen, "the bridge's will")
-        wait_until(
-            lambda: "refused bridge subscriptions" in caplog.text
-            and caplog.text.count("subscribing again in 2 s") >= 2,
-            "the control connection's and a link's second refusals logged",
-        )
-        assert "subscribing again in 1 s" in caplog.text
-        assert "broker refused the event connection's subscriptions" in caplog.text
-        assert said_online == []  # not online while it reads nothing
-
-        # Granted at a next try, on the same connections: online again, every link read.
-        proxy.refusing = False
-        wait_until(lambda: said_online, "the bridge saying it is online again")
-        wait_until(lambda: watcher.last() == "online", "the bridge online again")
-        wait_until(
-            lambda: "granted the bridge's subscriptions again (control connection)"
-            in caplog.text
-            and "granted the bridge's subscriptions again (event connection)" in caplog.text,
-            "the grants logged",
-        )
-        assert bridge.stats["resubscribes"] >= 4
+        r.bridge.start()
+        wait_until(lambda: r.watcher.last() == "online", "the bridge online")
+        yield r
     finally:
-        bridge.stop()
-        watcher.close()
-        proxy.close()
-        registry.close()
-        broker.stop()
+        r.close()
+
+
+def test_a_bridge_refused_its_subscriptions_after_a_reconnect_subscribes_again_and_is_online(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    bridge, proxy, watcher = rig.bridge, rig.proxy, rig.watcher
+    # What the bridge itself says, counted: paho may send an earlier "online" again
+    # after the cut (its PUBACK lost with the connection), behind the will.
+    said_online: list[float] = []
+    say_online = bridge._say_online
+
+    def counted() -> None:
+        said_online.append(time.monotonic())
+        say_online()
+
+    bridge._say_online = counted  # type: ignore[method-assign]
+
+    # Every connection of the bridge cut: the broker says its will (offline), and
+    # the subscriptions of each reconnect are refused, and again when made again.
+    proxy.refusing = True
+    proxy.cut()
+    wait_until(lambda: "offline" in watcher.seen, "the bridge's will")
+    wait_until(
+        lambda: (
+            "refused bridge subscriptions" in caplog.text
+            and caplog.text.count("subscribing again in 2 s") >= 2
+        ),
+        "the control connection's and a link's second refusals logged",
+    )
+    assert "subscribing again in 1 s" in caplog.text
+    assert "broker refused the event connection's subscriptions" in caplog.text
+    assert said_online == []  # not online while it reads nothing
+
+    # Granted at a next try, on the same connections: online again, every link read.
+    proxy.refusing = False
+    wait_until(lambda: said_online, "the bridge saying it is online again")
+    wait_until(lambda: watcher.last() == "online", "the bridge online again")
+    wait_until(
+        lambda: (
+            "granted the bridge's subscriptions again (control connection)" in caplog.text
+            and "granted the bridge's subscriptions again (event connection)" in caplog.text
+        ),
+        "the grants logged",
+    )
+    assert bridge.stats["resubscribes"] >= 4
 
 
 def test_a_control_subscription_made_again_whose_suback_is_read_first_says_online(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Made again from the housekeeping thread, the SUBSCRIBE goes out at once and its
     # SUBACK may be read on the network thread before subscribe() has returned the mid.
     # Forced: the real subscribe, then a bounded wait until that SUBACK is handled.
-    caplog.set_level(logging.INFO, logger="wren.bridge")
-    broker = start_mosquitto(tmp_path / "mosquitto")
-    registry = Registry(tmp_path / "registry.json")
-    registry.add_tenant("acme", "ab" * 16)
-    registry.add_device("dev1", "acme", "thermostat")
-    proxy = SubackProxy((broker.host, broker.port))
-    watcher = StatusWatcher(broker.host, broker.port)
-    config = BridgeConfig(host="127.0.0.1", port=proxy.port, prefix=P, offline_grace_s=0)
-    bridge = Bridge(config, registry, ScriptedProvider())
+    control = rig.bridge._client
+    assert control is not None
+    restore = suback_read_first(control, "wren-bridge-housekeeping", WAIT)
     try:
-        bridge.start()
-        wait_until(lambda: watcher.last() == "online", "the bridge online")
-        control = bridge._client
-        assert control is not None
-        handled: set[int] = set()
-        on_subscribe, subscribe = control.on_subscribe, control.subscribe
-
-        def after_on_subscribe(c: Any, userdata: Any, mid: int, *args: Any) -> None:
-            on_subscribe(c, userdata, mid, *args)
-            handled.add(mid)
-
-        def subscribe_then_wait(*args: Any, **kwargs: Any) -> Any:
-            answer = subscribe(*args, **kwargs)
-            if threading.current_thread().name == "wren-bridge-housekeeping":
-                wait_until(lambda: answer[1] in handled, "the broker's SUBACK read")
-            return answer
-
-        control.on_subscribe = after_on_subscribe
-        control.subscribe = subscribe_then_wait  # type: ignore[method-assign]
-        proxy.refusing = True
-        proxy.cut()
+        rig.proxy.refusing = True
+        rig.proxy.cut()
         wait_until(lambda: "refused bridge subscriptions" in caplog.text, "a refusal logged")
-        proxy.refusing = False
-        wait_until(lambda: watcher.last() == "online", "online, its SUBACK read first")
+        rig.proxy.refusing = False
+        wait_until(lambda: rig.watcher.last() == "online", "online, its SUBACK read first")
     finally:
-        bridge.stop()
-        watcher.close()
-        proxy.close()
-        registry.close()
-        broker.stop()
+        restore()
 
 
 def test_a_fleet_partition_refused_its_subscriptions_subscribes_again_until_granted(

@@ -15,7 +15,6 @@ a real MQTT user's.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from server_bridge.host.client import HostClient, HostConnectError, NotConnected
-from tests.mqttproxy import SubackProxy
+from tests.mqttproxy import SubackProxy, suback_read_first
 from tests.test_host_client import run_events
 from tests.waiting import wait_for
 
@@ -101,33 +100,20 @@ def test_a_subscription_made_again_whose_suback_is_read_before_subscribe_returns
     tenant = "t" + uuid.uuid4().hex[:10]
     proxy = SubackProxy((broker.host, broker.port))
     client = HostClient("127.0.0.1", proxy.port, tenant)
-    paho = client._client
-    handled: set[int] = set()  # the mids whose SUBACK the client has handled
-    on_subscribe, subscribe = paho.on_subscribe, paho.subscribe
-
-    def after_on_subscribe(c: Any, userdata: Any, mid: int, *args: Any) -> None:
-        on_subscribe(c, userdata, mid, *args)
-        handled.add(mid)
-
-    def subscribe_then_wait(topic: Any, *args: Any, **kwargs: Any) -> Any:
-        answer = subscribe(topic, *args, **kwargs)
-        if isinstance(topic, list) and threading.current_thread().name == "wren-host-repair":
-            wait_until(lambda: answer[1] in handled, "the broker's SUBACK read")
-        return answer
-
+    restore: Callable[[], None] | None = None
     try:
         client.connect(timeout=WAIT)
         proxy.refusing = True
         proxy.cut()
         wait_until(lambda: "subscribing again" in caplog.text, "a refusal logged")
-        paho.on_subscribe = after_on_subscribe
-        paho.subscribe = subscribe_then_wait  # type: ignore[method-assign]
+        restore = suback_read_first(client._client, "wren-host-repair", WAIT)
         proxy.refusing = False
         wait_until(lambda: client.connected, "subscribed, its SUBACK read first")
         publish_run(broker, tenant, "b00t.2", "req-early")
         assert client.wait_run("req-early", timeout=WAIT).status == "done"
     finally:
-        paho.on_subscribe, paho.subscribe = on_subscribe, subscribe  # type: ignore[method-assign]
+        if restore is not None:
+            restore()
         client.close()
         proxy.close()
 
