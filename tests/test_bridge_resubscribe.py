@@ -7,7 +7,7 @@ boards and hosts saw it offline (its will) for good. Seen as a NATS node's refus
 subscription of a host after another node's death (tests/test_fleet_cluster.py); a
 bridge's link or partition on that node would have been refused the same way.
 
-The refusal is made on the wire by tests/mqttproxy.py in front of a real Mosquitto; the
+The refusal is made on the wire by tests/proxies.py in front of a real Mosquitto; the
 bridge, its links and the fleet's partition connections are the real ones.
 """
 
@@ -31,7 +31,7 @@ from server_bridge.links import PartitionLinks, PartitionPlan
 from server_bridge.models.scripted import ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.topics import bridge_topic
-from tests.mqttproxy import SubackProxy, suback_read_first
+from tests.proxies import SubackProxy, suback_read_first
 from tests.waiting import wait_for
 from tools.broker import mosquitto_binary, start_mosquitto
 

@@ -15,7 +15,6 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from itertools import cycle
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from server_bridge.host.http_client import (
 from server_bridge.host.tools import ToolHandlers
 from server_bridge.tokens import sign
 from tests.model_server import ModelServer, ToolCall, Turn
+from tests.proxies import CuttingProxy
 from tests.stack import TENANT, Stack
 from tests.test_http_api import HTTP, http_url, token
 from tests.test_runs_pause import VALVES
@@ -266,73 +266,6 @@ def test_refusals_are_named_errors(stack: Stack) -> None:
     with pytest.raises(HttpUnavailable) as u:
         gone.request(DEVICE, "hello", req="my-req-1")
     assert u.value.req == "my-req-1"
-
-
-class CuttingProxy:
-    """A TCP proxy in front of the bridge's HTTP port that drops each connection once
-    its budget of bytes has gone from the bridge to the client (the budgets taken in
-    turn): a stream cut mid-frame, mid-chunk, as a network drops it."""
-
-    def __init__(self, target: tuple[str, int], budgets: list[int]) -> None:
-        self.target = target
-        self._budgets = cycle(budgets)
-        self.cuts = 0
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._stop = False
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            with self._lock:
-                self._socks += [client, upstream]
-                budget = next(self._budgets)
-            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, budget),
-                             daemon=True).start()  # fmt: skip
-
-    def _pump(self, src: socket.socket, dst: socket.socket, budget: int | None) -> None:
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                if budget is not None and len(data) >= budget:
-                    dst.sendall(data[:budget])
-                    with self._lock:
-                        self.cuts += 1
-                    break
-                if budget is not None:
-                    budget -= len(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        self._stop = True
-        self._listener.close()
-        with self._lock:
-            socks = list(self._socks)
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
 
 
 def test_a_long_streamed_answer_followed_through_cuts_arrives_once_in_order(

@@ -6,7 +6,7 @@ node's death the node a host reconnected to could not make its subscription in t
 connected but deaf, every request refused NotConnected, for good.
 
 Mosquitto grants a subscription its ACL denies (2.0.11 filters at delivery instead), so
-the refusal is made on the wire: a proxy in front of the real broker (tests/mqttproxy.py)
+the refusal is made on the wire: a proxy in front of the real broker (tests/proxies.py)
 rewrites the return codes of the SUBACKs it passes to 0x80 while told to, and cuts the
 connection to make the client reconnect. The client is the real HostClient, the events
 a real MQTT user's.
@@ -25,7 +25,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from server_bridge.host.client import HostClient, HostConnectError, NotConnected
-from tests.mqttproxy import SubackProxy, suback_read_first
+from tests.proxies import SubackProxy, suback_read_first
 from tests.test_host_client import run_events
 from tests.waiting import wait_for
 

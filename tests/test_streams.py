@@ -16,9 +16,7 @@ running. Every wait is bounded; nothing asserts how long something took.
 from __future__ import annotations
 
 import re
-import socket
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +31,7 @@ from edge_runtime.events import RING_BYTES
 from server_bridge.host.client import HostClient, RequestRefused
 from server_bridge.host.reducer import RunSnapshot
 from tests.model_server import ModelServer, ToolCall, Turn
+from tests.proxies import TcpProxy
 from tests.stack import Stack, assistant_text, i686_binary
 from tools.demo import PREFIX, TENANT
 
@@ -315,74 +314,6 @@ def test_a_request_waiting_for_an_offline_board_survives_a_broker_restart(
         assert len(server.requests) == 1
 
 
-class HoldingProxy:
-    """A TCP proxy in front of the broker for one host client: `hold()` drops its
-    connections and closes each new one at once (the host is away: a network that
-    fails, a broker that restarts), `release()` lets them through again."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self._lock = threading.Lock()
-        self._held = False
-        self._socks: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                held = self._held
-            if held:
-                client.close()
-                continue
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._socks += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            _shut(s)
-
-    def hold(self) -> None:
-        with self._lock:
-            self._held = True
-            socks, self._socks = self._socks, []
-        for s in socks:
-            _shut(s)
-
-    def release(self) -> None:
-        with self._lock:
-            self._held = False
-
-    def close(self) -> None:
-        self._listener.close()
-        self.hold()
-
-
-def _shut(s: socket.socket) -> None:
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    s.close()
-
-
 def test_a_host_away_while_its_requests_whole_run_ran_catches_up_when_back(
     server: ModelServer, tmp_path: Path
 ) -> None:
@@ -395,7 +326,7 @@ def test_a_host_away_while_its_requests_whole_run_ran_catches_up_when_back(
     server.script[:] = [Turn(text="Good morning.")]
     away_user = f"host-{TENANT}-away"
     with Stack(tmp_path, model_url=server.url, extra_users={away_user: TENANT}) as s:
-        proxy = HoldingProxy((s.host, s.port))
+        proxy = TcpProxy((s.host, s.port))
         away = HostClient(s.host, proxy.port, TENANT, username=away_user,
                           password=s.users[away_user], prefix=PREFIX)  # fmt: skip
         try:
