@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -52,54 +52,65 @@ def publish_run(broker: Any, tenant: str, run: str, req: str) -> None:
         pub.disconnect()
 
 
-def test_a_subscription_refused_after_a_reconnect_is_made_again_until_it_is_granted(
-    broker: Any, caplog: pytest.LogCaptureFixture
-) -> None:
+class Behind:
+    """A HostClient of a tenant of its own, not connected yet, reaching the broker
+    through a SubackProxy; its warnings are captured."""
+
+    def __init__(self, broker: Any) -> None:
+        self.tenant = "t" + uuid.uuid4().hex[:10]
+        self.proxy = SubackProxy((broker.host, broker.port))
+        self.client = HostClient("127.0.0.1", self.proxy.port, self.tenant)
+
+
+@pytest.fixture
+def behind(broker: Any, caplog: pytest.LogCaptureFixture) -> Iterator[Behind]:
     caplog.set_level(logging.WARNING, logger="server_bridge.host.client")
-    tenant = "t" + uuid.uuid4().hex[:10]
-    proxy = SubackProxy((broker.host, broker.port))
-    client = HostClient("127.0.0.1", proxy.port, tenant)
+    b = Behind(broker)
     try:
-        client.connect(timeout=WAIT)
-        assert client.connected
-
-        # The reconnect's subscription refused, and again when it is made again: the
-        # client says so, subscribes again after a wait, and sends nothing meanwhile.
-        proxy.refusing = True
-        proxy.cut()
-        wait_until(lambda: caplog.text.count("subscribing again") >= 2, "two refusals logged")
-        assert "refused the subscription" in caplog.text
-        assert "subscribing again in 1 s" in caplog.text
-        assert "subscribing again in 2 s" in caplog.text  # the wait grows
-        assert not client.connected
-        with pytest.raises(NotConnected):
-            client.request("d1", "tok", "How warm is it?")
-
-        # Granted at its next try, on the same connection: it hears a run whole.
-        refused = proxy.subacks
-        proxy.refusing = False
-        wait_until(lambda: client.connected, "the host subscribed again")
-        assert proxy.subacks > refused
-        publish_run(broker, tenant, "b00t.1", "req-after")
-        snap = client.wait_run("req-after", timeout=WAIT)
-        assert snap.status == "done"
-        assert "".join(r.text for r in snap.rows if r.kind == "assistant") == "It is 21.5 °C."
+        yield b
     finally:
-        client.close()
-        proxy.close()
+        b.client.close()
+        b.proxy.close()
+
+
+def test_a_subscription_refused_after_a_reconnect_is_made_again_until_it_is_granted(
+    broker: Any, behind: Behind, caplog: pytest.LogCaptureFixture
+) -> None:
+    tenant, proxy, client = behind.tenant, behind.proxy, behind.client
+    client.connect(timeout=WAIT)
+    assert client.connected
+
+    # The reconnect's subscription refused, and again when it is made again: the
+    # client says so, subscribes again after a wait, and sends nothing meanwhile.
+    proxy.refusing = True
+    proxy.cut()
+    wait_until(lambda: caplog.text.count("subscribing again") >= 2, "two refusals logged")
+    assert "refused the subscription" in caplog.text
+    assert "subscribing again in 1 s" in caplog.text
+    assert "subscribing again in 2 s" in caplog.text  # the wait grows
+    assert not client.connected
+    with pytest.raises(NotConnected):
+        client.request("d1", "tok", "How warm is it?")
+
+    # Granted at its next try, on the same connection: it hears a run whole.
+    refused = proxy.subacks
+    proxy.refusing = False
+    wait_until(lambda: client.connected, "the host subscribed again")
+    assert proxy.subacks > refused
+    publish_run(broker, tenant, "b00t.1", "req-after")
+    snap = client.wait_run("req-after", timeout=WAIT)
+    assert snap.status == "done"
+    assert "".join(r.text for r in snap.rows if r.kind == "assistant") == "It is 21.5 °C."
 
 
 def test_a_subscription_made_again_whose_suback_is_read_before_subscribe_returns_counts(
-    broker: Any, caplog: pytest.LogCaptureFixture
+    broker: Any, behind: Behind, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Made again from the repair thread, the SUBSCRIBE goes out at once and the broker's
     # SUBACK may be read on paho's network thread before subscribe() has returned its
     # mid. Forced here on every subscription made again: the real subscribe, then a
     # bounded wait until the real SUBACK has been handled, and only then the mid back.
-    caplog.set_level(logging.WARNING, logger="server_bridge.host.client")
-    tenant = "t" + uuid.uuid4().hex[:10]
-    proxy = SubackProxy((broker.host, broker.port))
-    client = HostClient("127.0.0.1", proxy.port, tenant)
+    tenant, proxy, client = behind.tenant, behind.proxy, behind.client
     restore: Callable[[], None] | None = None
     try:
         client.connect(timeout=WAIT)
@@ -114,24 +125,15 @@ def test_a_subscription_made_again_whose_suback_is_read_before_subscribe_returns
     finally:
         if restore is not None:
             restore()
-        client.close()
-        proxy.close()
 
 
 def test_a_subscription_refused_at_connect_is_connects_error_and_not_made_again(
-    broker: Any, caplog: pytest.LogCaptureFixture
+    behind: Behind, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The first subscription is connect()'s to report (a wrong ACL is for the user to
     # fix): it raises, and nothing subscribes again behind the caller's back.
-    caplog.set_level(logging.WARNING, logger="server_bridge.host.client")
-    proxy = SubackProxy((broker.host, broker.port))
-    proxy.refusing = True
-    client = HostClient("127.0.0.1", proxy.port, "t" + uuid.uuid4().hex[:10])
-    try:
-        with pytest.raises(HostConnectError, match="refused the subscription"):
-            client.connect(timeout=WAIT)
-        assert not client.connected
-        assert "subscribing again" not in caplog.text
-    finally:
-        client.close()
-        proxy.close()
+    behind.proxy.refusing = True
+    with pytest.raises(HostConnectError, match="refused the subscription"):
+        behind.client.connect(timeout=WAIT)
+    assert not behind.client.connected
+    assert "subscribing again" not in caplog.text
