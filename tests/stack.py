@@ -429,8 +429,8 @@ class Stack:
     def wait_clients(self, log_offset: int, console_mark: int) -> None:
         """Wait until each part that should be running is connected and subscribed since
         a point in the broker log (a byte offset) and in the board console (a line
-        index): the bridge and the host client by the broker's log, the board by its
-        console's `link: up`."""
+        index): the bridge by the broker's log, the board by its console's `link: up`,
+        the host client by the broker's log and then by its own word."""
         deadline = time.monotonic() + self.start_timeout_s
         if self._bridge_wanted:
             self._wait_subscribed("bridge", BRIDGE_USER, log_offset, deadline)
@@ -438,6 +438,14 @@ class Stack:
             self._wait_console("link: up", console_mark, deadline, "board: reconnecting")
         if self.client is not None:
             self._wait_subscribed("host", HOST_USER, log_offset, deadline)
+            # The broker logs a SUBSCRIBE when it reads it; the client takes requests only
+            # once it has read the SUBACK, a moment later on paho's thread.
+            while not self.client.connected:
+                if time.monotonic() > deadline:
+                    raise self._error(
+                        f"host: its SUBACK not read within {self.start_timeout_s}s"
+                    )
+                time.sleep(_POLL_S)
 
     def _wait_subscribed(self, what: str, user: str, offset: int, deadline: float) -> None:
         """Wait for a connection of `user` in the broker log past `offset`, then a
