@@ -50,9 +50,7 @@ _MAP32 = const(0xdf)
 _NEGFIX = const(0xe0)
 # Where the "fix" families end: the value or length fits in the header byte below these.
 _FIXINT_END = const(0x80)
-_NEGFIX_END = const(0x20)  # keyed by -1 - value: -1..-32
 _FIXSTR_END = const(0x20)
-_FIXCOUNT_END = const(0x10)  # fixarray, fixmap
 # A str of this many bytes or more is lent to encode_parts' output, not copied into it.
 _LEND = const(256)
 
@@ -120,23 +118,22 @@ _A_F32 = const(11)
 _A_F64 = const(12)
 _A_EXT = const(13)
 _A_RESERVED = const(14)
-_HEAD = bytes((
-    _K_VALUE | _A_NIL,  # 0xc0 nil
-    _K_BAD | _A_RESERVED,  # 0xc1 never used
-    _K_VALUE | _A_FALSE,  # 0xc2 false
-    _K_VALUE | _A_TRUE,  # 0xc3 true
-    _K_BIN | _A_U8, _K_BIN | _A_U16, _K_BIN | _A_U32,  # 0xc4 bin 8, 16, 32
-    _K_BAD | _A_EXT, _K_BAD | _A_EXT, _K_BAD | _A_EXT,  # 0xc7 ext 8, 16, 32
-    _K_VALUE | _A_F32, _K_VALUE | _A_F64,  # 0xca float 32, 64
-    # 0xcc uint 8, 16, 32, 64; 0xd0 int 8, 16, 32, 64
-    _K_VALUE | _A_U8, _K_VALUE | _A_U16, _K_VALUE | _A_U32, _K_VALUE | _A_U64,
-    _K_VALUE | _A_I8, _K_VALUE | _A_I16, _K_VALUE | _A_I32, _K_VALUE | _A_I64,
-    # 0xd4 fixext 1, 2, 4, 8, 16
-    _K_BAD | _A_EXT, _K_BAD | _A_EXT, _K_BAD | _A_EXT, _K_BAD | _A_EXT, _K_BAD | _A_EXT,
-    _K_STR | _A_U8, _K_STR | _A_U16, _K_STR | _A_U32,  # 0xd9 str 8, 16, 32
-    _K_ARRAY | _A_U16, _K_ARRAY | _A_U32,  # 0xdc array 16, 32
-    _K_MAP | _A_U16, _K_MAP | _A_U32,  # 0xde map 16, 32
-))
+# A bytes literal, each byte's kind and index named beside it: bytes((...)) made at import
+# kept its tuple of ints on the board heap too, in the module's constants (144 B, 32-bit).
+_HEAD = const(
+    b"\x00"  # 0xc0 nil: _K_VALUE | _A_NIL
+    b"\x5e"  # 0xc1 never used: _K_BAD | _A_RESERVED
+    b"\x01\x02"  # 0xc2 false, 0xc3 true: _K_VALUE | _A_FALSE, _A_TRUE
+    b"\x23\x24\x25"  # 0xc4 bin 8, 16, 32: _K_BIN | _A_U8, _A_U16, _A_U32
+    b"\x5d\x5d\x5d"  # 0xc7 ext 8, 16, 32: _K_BAD | _A_EXT
+    b"\x0b\x0c"  # 0xca float 32, 64: _K_VALUE | _A_F32, _A_F64
+    b"\x03\x04\x05\x06"  # 0xcc uint 8, 16, 32, 64: _K_VALUE | _A_U8 .. _A_U64
+    b"\x07\x08\x09\x0a"  # 0xd0 int 8, 16, 32, 64: _K_VALUE | _A_I8 .. _A_I64
+    b"\x5d\x5d\x5d\x5d\x5d"  # 0xd4 fixext 1, 2, 4, 8, 16: _K_BAD | _A_EXT
+    b"\x13\x14\x15"  # 0xd9 str 8, 16, 32: _K_STR | _A_U8, _A_U16, _A_U32
+    b"\x34\x35"  # 0xdc array 16, 32: _K_ARRAY | _A_U16, _A_U32
+    b"\x44\x45"  # 0xde map 16, 32: _K_MAP | _A_U16, _A_U32
+)
 
 # 0x80..0xbf by high nibble: fixmap, fixarray, fixstr (two nibbles). Their count sits in
 # the header's low bits, so they need no table row per byte.
@@ -308,47 +305,33 @@ def decode(data, max_payload=MAX_PAYLOAD, max_str=MAX_STR, max_items=MAX_ITEMS,
 
 # --------------------------------------------------------------------------- encoding
 
-# Header tables: (exclusive upper bound of the key, header byte, encoded size). The first
-# row whose bound the key is under is the smallest encoding, which is the one
-# msgpack.packb picks. A size of 1 marks a fix family: the value (or length) is OR-ed
-# into the header byte; otherwise the value follows the header byte, big-endian, in the
-# rest of the size.
-_UINT_HEADS = const((
-    (_FIXINT_END, 0, 1),
-    (0x100, _UINT8, 2),
-    (0x10000, _UINT16, 3),
-    (0x100000000, _UINT32, 5),
-    (0x10000000000000000, _UINT64, 9),
-))
-# Keyed by -1 - value, so -1 is 0 and the bounds read like the unsigned ones.
-_NINT_HEADS = const((
-    (_NEGFIX_END, _NEGFIX, 1),
-    (0x80, _INT8, 2),
-    (0x8000, _INT16, 3),
-    (0x80000000, _INT32, 5),
-    (0x8000000000000000, _INT64, 9),
-))
-_STR_HEADS = const((
-    (_FIXSTR_END, _FIXSTR, 1),
-    (0x100, _STR8, 2),
-    (0x10000, _STR16, 3),
-    (0x100000000, _STR32, 5),
-))
-_BIN_HEADS = const((
-    (0x100, _BIN8, 2),
-    (0x10000, _BIN16, 3),
-    (0x100000000, _BIN32, 5),
-))
-_ARRAY_HEADS = const((
-    (_FIXCOUNT_END, _FIXARRAY, 1),
-    (0x10000, _ARRAY16, 3),
-    (0x100000000, _ARRAY32, 5),
-))
-_MAP_HEADS = const((
-    (_FIXCOUNT_END, _FIXMAP, 1),
-    (0x10000, _MAP16, 3),
-    (0x100000000, _MAP32, 5),
-))
+# Header tables, one family after another: rows of three bytes, (bits, header byte,
+# encoded size), a key fitting a row when it is under 1 << bits; a 0 byte ends a family.
+# The first row the key fits is the smallest encoding, which is the one msgpack.packb
+# picks. A size of 1 marks a fix family: the value (or length) is OR-ed into the header
+# byte; otherwise the value follows the header byte, big-endian, in the rest of the size.
+# One bytes object: as tuples of tuples (and the ints past 30 bits they held) the same
+# tables took about 1 KB of the board heap (32-bit).
+_HEADS = const(
+    # _UINT: 0..127 fixint; uint 8, 16, 32, 64
+    b"\x07\x00\x01" b"\x08\xcc\x02" b"\x10\xcd\x03" b"\x20\xce\x05" b"\x40\xcf\x09" b"\x00"
+    # _NINT, keyed by -1 - value so -1 is 0: -1..-32 negative fixint; int 8, 16, 32, 64
+    b"\x05\xe0\x01" b"\x07\xd0\x02" b"\x0f\xd1\x03" b"\x1f\xd2\x05" b"\x3f\xd3\x09" b"\x00"
+    # _STR: fixstr; str 8, 16, 32
+    b"\x05\xa0\x01" b"\x08\xd9\x02" b"\x10\xda\x03" b"\x20\xdb\x05" b"\x00"
+    # _BIN: bin 8, 16, 32
+    b"\x08\xc4\x02" b"\x10\xc5\x03" b"\x20\xc6\x05" b"\x00"
+    # _ARRAY: fixarray; array 16, 32
+    b"\x04\x90\x01" b"\x10\xdc\x03" b"\x20\xdd\x05" b"\x00"
+    # _MAP: fixmap; map 16, 32
+    b"\x04\x80\x01" b"\x10\xde\x03" b"\x20\xdf\x05" b"\x00"
+)
+_UINT = const(0)  # where each family starts in _HEADS
+_NINT = const(16)
+_STR = const(32)
+_BIN = const(45)
+_ARRAY = const(55)
+_MAP = const(65)
 
 # The UTF-8 bytes of a str without copying them where the runtime allows: MicroPython
 # keeps str as UTF-8 and lends it out as a view, so an 8 KiB text is not duplicated on
@@ -357,14 +340,12 @@ try:
     memoryview("")
     _utf8 = memoryview
 except TypeError:
-    def _utf8(s):
-        return s.encode()
+    _utf8 = str.encode
 
-
-_NONE_TYPE = type(None)
 # Types the encoder dispatches on by identity, which is several times cheaper on
-# MicroPython than a chain of isinstance; subclasses go through _base_type once.
-_EXACT = (str, int, dict, list, tuple, float, bool, _NONE_TYPE, bytes, bytearray, memoryview)
+# MicroPython than a chain of isinstance; a subclass is dispatched as the first of them it
+# is an instance of. nil and bool are not here: only _small writes them.
+_EXACT = (str, int, dict, list, tuple, float, bytes, bytearray, memoryview)
 
 
 class Raw:
@@ -377,39 +358,31 @@ class Raw:
         self.data = data
 
 
-def _base_type(obj):
-    for base in (int, float, str, bytes, bytearray, memoryview, dict, list, tuple):
-        if isinstance(obj, base):
-            return base
-    raise BadType("cannot encode %s" % type(obj).__name__)
-
-
 class Encoder:
     # Writes payloads into one buffer in place: its own of `size` bytes, or `buf`. With
     # size None it has no buffer and only counts: the same walk as writing, so what
-    # encode_exact allocates is exactly what it then writes (size()).
+    # encode_parts allocates is exactly what it then writes (size()).
 
     def __init__(self, size=MAX_PAYLOAD, max_depth=MAX_DEPTH, buf=None):
         if buf is None and size is not None:
             buf = bytearray(size)
         self._buf = buf
-        # (offset, utf-8 view) of each long str written as its header alone: see
-        # encode_parts. None: every str is written whole.
+        # (offset, bytes) of each long str or bin written as its header alone, and of
+        # each Raw: see encode_parts. None: everything is written whole.
         self._lent = None
-        self._mv = None if buf is None else memoryview(buf)
-        self._limit = size
-        self.max_depth = max_depth
+        self.max_depth = max_depth  # _limit is set by each walk (_pack)
 
     def pack(self, obj, limit=None):
         # The view is into the buffer: valid until the next pack, copy it to keep it.
         # `limit` caps the output below the buffer size (a board's configured payload).
-        return self._mv[:self._pack(obj, len(self._buf) if limit is None else limit)]
+        return memoryview(self._buf)[:self._pack(obj, len(self._buf) if limit is None else limit)]
 
     def _pack(self, obj, limit):
         # Where obj's encoding ends: written into the buffer, or only counted. Past
         # `limit` bytes it is TooLarge, found as soon as the walk gets there.
         self._limit = limit if self._buf is None else min(limit, len(self._buf))
-        return self._put(obj, 0, self.max_depth)
+        end = self._small(obj, 0)
+        return end if end >= 0 else self._put(obj, 0, self.max_depth)
 
     def _full(self):
         return TooLarge("encoding over %d bytes" % self._limit)
@@ -422,49 +395,30 @@ class Encoder:
     # and a 128 KiB board collected about once per event. With _small and _head taking
     # the values, 1.9 KB (micropython.mem_total; test_codec keeps a ceiling).
 
-    def _head(self, pos, table, key, value):
-        # The header of the first row of `table` whose bound key is under, and the value
-        # written into it or after it. Rows by index, not unpacked by a for loop, whose
-        # iterator and four names would take the frame past 11 words.
-        row = 0
-        while key >= table[row][0]:
-            row += 1
-            if row == len(table):
+    def _head(self, pos, at, key, value):
+        # The header of the first row of the family at `at` in _HEADS that key fits, and
+        # the value written into it or after it.
+        while key >> _HEADS[at]:
+            at += 3
+            if not _HEADS[at]:
                 # Past the widest row there is no msgpack encoding at all (an int beyond
                 # 64 bits, which msgpack.packb refuses too): a type the contract cannot carry.
                 raise BadType("%d does not fit a msgpack header" % value)
-        row = table[row]
-        key = row[2]  # from here, the encoded size
+        key = _HEADS[at + 2]  # from here, the encoded size
         if pos + key > self._limit:
             raise self._full()
         if self._buf is not None:
-            self._buf[pos] = row[1] | (value & 0xff) if key == 1 else row[1]
+            self._buf[pos] = _HEADS[at + 1] | (value & 0xff) if key == 1 else _HEADS[at + 1]
             while key > 1:
                 key -= 1
                 self._buf[pos + key] = value & 0xff
                 value >>= 8
-        return pos + row[2]
-
-    def _raw(self, pos, table, data):
-        # data after its header from table; with table None, data alone (a Raw's bytes,
-        # an encoding already).
-        n = len(data)
-        if table is not None:
-            # Judged before the header so a huge str fails fast and never reaches a row.
-            if pos + n >= self._limit:
-                raise self._full()
-            pos = self._head(pos, table, n, n)
-        if pos + n > self._limit:
-            raise self._full()
-        if self._buf is not None:
-            self._buf[pos:pos + n] = data
-        return pos + n
+        return pos + _HEADS[at + 2]
 
     def _small(self, obj, pos):
         # Where obj's encoding ends if it is one of the values most of a message is made
         # of: a str under 256 bytes (not one to lend), an int, nil, true or false. -1
-        # for anything else, and for a str or fixint past the limit: _put writes those
-        # or names the error.
+        # for anything else, which _put writes.
         t = type(obj)
         if t is str:
             obj = _utf8(obj)
@@ -473,13 +427,13 @@ class Encoder:
                 return -1
             if t < _FIXSTR_END:
                 if pos + 1 + t > self._limit:
-                    return -1
+                    raise self._full()
                 if self._buf is not None:
                     self._buf[pos] = _FIXSTR | t
                     self._buf[pos + 1:pos + 1 + t] = obj
                 return pos + 1 + t
             if pos + 2 + t > self._limit:
-                return -1
+                raise self._full()
             if self._buf is not None:
                 self._buf[pos] = _STR8
                 self._buf[pos + 1] = t
@@ -487,9 +441,9 @@ class Encoder:
             return pos + 2 + t
         if t is int:
             if obj < 0:
-                return self._head(pos, _NINT_HEADS, -1 - obj, obj)
+                return self._head(pos, _NINT, -1 - obj, obj)
             if obj >= _FIXINT_END:
-                return self._head(pos, _UINT_HEADS, obj, obj)
+                return self._head(pos, _UINT, obj, obj)
         elif obj is None:
             obj = _NIL
         elif obj is True:
@@ -499,81 +453,87 @@ class Encoder:
         else:
             return -1
         if pos >= self._limit:
-            return -1
+            raise self._full()
         if self._buf is not None:
             self._buf[pos] = obj
         return pos + 1
 
     def _put(self, obj, pos, room):
-        # Recursion is bounded by `room` (levels of nesting left), which is checked
-        # before each descent, so a cyclic or hostile object stops at max_depth.
-        buf = self._buf
+        # What _small leaves: containers, floats, bins, a Raw, a str of 256 bytes or more
+        # or one to lend, and values of subclasses. Recursion is bounded by `room`
+        # (levels of nesting left), which is checked before each descent, so a cyclic or
+        # hostile object stops at max_depth.
         t = type(obj)
-        if t not in _EXACT:
-            if t is Raw:
-                if self._lent is not None:
-                    self._lent.append((pos, obj.data))
-                    return pos
-                return self._raw(pos, None, obj.data)
-            t = _base_type(obj)
-        if t is str:
-            # What _small leaves: a str of 256 bytes or more, one to lend, one past the
-            # limit (which _raw names).
-            data = _utf8(obj)
-            n = len(data)
-            if self._lent is not None and n >= self._lend:
-                pos = self._head(pos, _STR_HEADS, n, n)
-                self._lent.append((pos, data))
+        if t is Raw:
+            obj = obj.data
+            at = None  # no header: the bytes are an encoding already
+        else:
+            if t not in _EXACT:
+                for t in _EXACT:
+                    if isinstance(obj, t):
+                        break
+                else:
+                    raise BadType("cannot encode %s" % type(obj).__name__)
+            if t is dict or t is list or t is tuple:
+                if room < 1:
+                    raise TooDeep("nesting deeper than %d" % self.max_depth)
+                room -= 1
+                n = len(obj)
+                if t is dict:
+                    pos = self._head(pos, _MAP, n, n)
+                    # Keys then lookups, not items(): MicroPython builds a tuple per item.
+                    for k in obj:
+                        end = self._small(k, pos)
+                        pos = end if end >= 0 else self._put(k, pos, room)
+                        end = self._small(obj[k], pos)
+                        pos = end if end >= 0 else self._put(obj[k], pos, room)
+                else:
+                    pos = self._head(pos, _ARRAY, n, n)
+                    for item in obj:
+                        end = self._small(item, pos)
+                        pos = end if end >= 0 else self._put(item, pos, room)
                 return pos
-            return self._raw(pos, _STR_HEADS, data)
-        if t is int:
-            # What _small leaves: a fixint past the limit, an int of a subclass.
-            if obj < 0:
-                return self._head(pos, _NINT_HEADS, -1 - obj, obj)
-            return self._head(pos, _UINT_HEADS, obj, obj)
-        if t is dict or t is list or t is tuple:
-            if room < 1:
-                raise TooDeep("nesting deeper than %d" % self.max_depth)
-            room -= 1
-            n = len(obj)
-            if t is dict:
-                pos = self._head(pos, _MAP_HEADS, n, n)
-                # Keys then lookups, not items(): MicroPython builds a tuple per item.
-                for k in obj:
-                    end = self._small(k, pos)
-                    pos = end if end >= 0 else self._put(k, pos, room)
-                    end = self._small(obj[k], pos)
-                    pos = end if end >= 0 else self._put(obj[k], pos, room)
+            if t is float:
+                # Always float64, as msgpack.packb does by default: float32 loses digits.
+                if pos + 9 > self._limit:
+                    raise self._full()
+                if self._buf is not None:
+                    struct.pack_into(">Bd", self._buf, pos, _FLOAT64, obj)
+                return pos + 9
+            if t is int:
+                # An int of a subclass: _small takes int itself.
+                if obj < 0:
+                    return self._head(pos, _NINT, -1 - obj, obj)
+                return self._head(pos, _UINT, obj, obj)
+            if t is str:
+                obj = _utf8(obj)
+                at = _STR
             else:
-                pos = self._head(pos, _ARRAY_HEADS, n, n)
-                for item in obj:
-                    end = self._small(item, pos)
-                    pos = end if end >= 0 else self._put(item, pos, room)
-            return pos
-        if t is float:
-            # Always float64, as msgpack.packb does by default: float32 loses digits.
-            if pos + 9 > self._limit:
-                raise self._full()
-            if buf is not None:
-                struct.pack_into(">Bd", buf, pos, _FLOAT64, obj)
-            return pos + 9
-        if t is bool or t is _NONE_TYPE:
-            if pos >= self._limit:
-                raise self._full()
-            if buf is not None:
-                buf[pos] = _NIL if obj is None else (_TRUE if obj else _FALSE)
-            return pos + 1
-        # bytes, bytearray, memoryview. A CPython view of wider items is written as its
-        # raw bytes, as msgpack does. A long one is lent like a str (a checkpoint's ring
-        # of encoded events): its writer uses the parts before it changes them.
-        if getattr(obj, "itemsize", 1) != 1:
-            obj = bytes(obj)
+                # bytes, bytearray, memoryview. A CPython view of wider items is written
+                # as its raw bytes, as msgpack does.
+                if getattr(obj, "itemsize", 1) != 1:
+                    obj = bytes(obj)
+                at = _BIN
+        # A str, a bin or a Raw's bytes. A long str or bin is lent (see encode_parts), and
+        # so is a Raw: its writer uses the parts before it changes them (a checkpoint's
+        # ring of encoded events).
         n = len(obj)
-        if self._lent is not None and n >= self._lend:
-            pos = self._head(pos, _BIN_HEADS, n, n)
+        if self._lent is not None and (at is None or n >= self._lend):
+            if at is not None:
+                pos = self._head(pos, at, n, n)
             self._lent.append((pos, obj))
             return pos
-        return self._raw(pos, _BIN_HEADS, obj)
+        if at is not None:
+            # Judged before the header too, so a huge str fails fast and never reaches
+            # a row.
+            if pos + n >= self._limit:
+                raise self._full()
+            pos = self._head(pos, at, n, n)
+        if pos + n > self._limit:
+            raise self._full()
+        if self._buf is not None:
+            self._buf[pos:pos + n] = obj
+        return pos + n
 
 
 # A bound for a walk that only counts: past any payload, within a small int anywhere.
@@ -583,18 +543,6 @@ _UNBOUNDED = const(0x3fffffff)
 def size(obj, max_depth=MAX_DEPTH):
     # The encoded length of obj: Encoder's walk without a buffer.
     return Encoder(None, max_depth)._pack(obj, _UNBOUNDED)
-
-
-def encode_exact(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
-    # A new bytearray of exactly the encoded size, the caller's to keep. The board
-    # encodes everything it sends this way: the link keeps the payload until its
-    # PUBACK anyway, so encoding straight into that one allocation needs no buffer
-    # reserved for the largest payload and no second copy of each message.
-    enc = Encoder(None, max_depth)
-    n = enc._pack(obj, max_payload)
-    enc._buf = bytearray(n)
-    enc._pack(obj, n)
-    return enc._buf
 
 
 def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH, lend=_LEND):
@@ -607,32 +555,43 @@ def encode_parts(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH, lend=_LEND):
     # valid for as long as they are kept (a QoS 1 resend); so are a Raw's bytes.
     # `lend`: the shortest str lent. Lower, more parts and a smaller block for the
     # rest: what a fragmented heap may still have (Runtime.publish_msg's second try).
+    # None: nothing is lent, and the one part is the whole payload (encode_exact).
     enc = Encoder(None, max_depth)
-    enc._lent = []
-    enc._lend = lend
+    if lend is not None:
+        enc._lent = []
+        enc._lend = lend
     n = enc._pack(obj, max_payload)  # the buffer's bytes: lent ones are not in it
-    total = n
-    for _, data in enc._lent:
-        total += len(data)
-    if total > max_payload:
-        raise TooLarge("encoding of %d bytes over %d" % (total, max_payload))
+    if enc._lent:
+        total = n
+        for _, data in enc._lent:
+            total += len(data)
+        if total > max_payload:
+            raise TooLarge("encoding of %d bytes over %d" % (total, max_payload))
+        enc._lent = []
     # The same encoder writes what it counted, into a buffer of that size.
     enc._buf = bytearray(n)
-    enc._mv = memoryview(enc._buf)
-    enc._lent = []
     enc._pack(obj, n)
     if not enc._lent:
         return [enc._buf]
+    mv = memoryview(enc._buf)
     parts = []
     prev = 0
     for pos, data in enc._lent:
         if pos > prev:
-            parts.append(enc._mv[prev:pos])
+            parts.append(mv[prev:pos])
         parts.append(data)
         prev = pos
     if prev < n:
-        parts.append(enc._mv[prev:])
+        parts.append(mv[prev:])
     return parts
+
+
+def encode_exact(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):
+    # A new bytearray of exactly the encoded size, the caller's to keep. The board
+    # encodes everything it sends this way: the link keeps the payload until its
+    # PUBACK anyway, so encoding straight into that one allocation needs no buffer
+    # reserved for the largest payload and no second copy of each message.
+    return encode_parts(obj, max_payload, max_depth, None)[0]
 
 
 def encode(obj, max_payload=MAX_PAYLOAD, max_depth=MAX_DEPTH):

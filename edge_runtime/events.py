@@ -12,14 +12,13 @@ from edge_runtime.ring import Ring
 try:
     from micropython import const
 except ImportError:
-    def const(x):
-        return x
+    # CPython has no const(); every const() here is an int, which int() returns as is.
+    const = int
 
 # The most events, and bytes of them, one payload carries when several wait (pump).
 _BATCH_EVENTS = const(15)  # a msgpack fixarray's most
 _BATCH_BYTES = const(1024)
-# A fixarray's header for n items is byte n of this.
-_FIXARRAY_HEADS = const(b"\x90\x91\x92\x93\x94\x95\x96\x97\x98\x99\x9a\x9b\x9c\x9d\x9e\x9f")
+_FIXARRAY = const(0x90)  # a msgpack fixarray's header for n items is _FIXARRAY | n
 
 # Run id for events that belong to no run (refused input, a request that was never
 # admitted). It has its own id sequence like any run.
@@ -118,10 +117,11 @@ class Emitter:
         # has taken: an event waiting for room is never given up for a newer one.
         first = self.last_id - len(self.ring)
         while len(self.ring) and self._held + len(data) > self._ring_bytes and first < self.sent:
-            self._held -= self._size(self.ring.pop())
+            self._held -= len(self.held(0))
+            self.ring.pop()
             first += 1
         if len(self.ring) == self.ring.capacity:
-            self._held -= self._size(self.ring.at(0))
+            self._held -= len(self.held(0))
         self.ring.push(data)
         self._held += len(data)
 
@@ -132,9 +132,6 @@ class Emitter:
         if isinstance(x, int):
             return self._block[x >> 16:x & 0xffff]
         return x
-
-    def _size(self, x):
-        return (x & 0xffff) - (x >> 16) if isinstance(x, int) else len(x)
 
     def settle(self):
         # A finished run's ring outlives the run (for replays), but its events, a
@@ -190,7 +187,7 @@ class Emitter:
                     parts.append(more)
                     n += 1
                 if parts is not None:
-                    parts[0] = _FIXARRAY_HEADS[n:n + 1]
+                    parts[0] = bytes((_FIXARRAY | n,))
                     data = parts
                 if not self._send(data):
                     return False

@@ -9,18 +9,6 @@
 # live as long as the board and the rules are needed only once.
 from edge_runtime import platform
 
-try:
-    from micropython import const
-except ImportError:
-    def const(x):
-        return x
-
-# The defaults a hello leaves out. const: no name of its own in the board's qstr pool
-# (see memtools.TOOLS).
-_DEFAULTS = const((("vis", "private"), ("dur", "run"), ("merge", "replace"), ("kind", "slot"),
-                   ("fmt", None), ("stream", False), ("core", False), ("max", 4096),
-                   ("ttl", None), ("key", None)))
-
 
 class Field:
     # `max` shadows the builtin inside __init__ only: it is the contract's key name.
@@ -44,9 +32,12 @@ class Field:
 
     def describe(self):
         # The hello map: the name and what differs from the contract's defaults (a
-        # missing key means its default), so hello stays small.
+        # missing key means its default), so hello stays small. The defaults as a literal
+        # here: no name in the board's qstr pool (see memtools.TOOLS), no const import.
         d = {"name": self.name}
-        for k, default in _DEFAULTS:
+        for k, default in (("vis", "private"), ("dur", "run"), ("merge", "replace"),
+                           ("kind", "slot"), ("fmt", None), ("stream", False), ("core", False),
+                           ("max", 4096), ("ttl", None), ("key", None)):
             v = getattr(self, k)
             if v != default:
                 d[k] = v

@@ -108,8 +108,9 @@ class Link:
         self.stats = {"refused": 0, "sent": 0, "received": 0, "retransmits": 0,
                       "reconnects": 0, "connects": 0, "failures": 0, "oversized": 0,
                       "nodelay": 0, "ended_short": 0}
-        self._rx = bytearray(rx_size)
-        self._rxv = memoryview(self._rx)
+        # The receive buffer, as a view: every read and every body handed on is a slice
+        # of it, never a copy.
+        self._rxv = memoryview(bytearray(rx_size))
         self._outbox = Ring(outbox_size)
         self._inflight = []
         self._inflight_max = inflight
@@ -130,7 +131,7 @@ class Link:
         self._opened = self._rx_at = self._tx_at = 0
         self._ping = None  # ticks_ms of an unanswered PINGREQ
         self._skipped = None  # (topic, pid, qos, size) of the PUBLISH _read_packet read past
-        self._rxn = [0, 0]  # the receive buffer's unread bytes: _rx[_rxn[0]:_rxn[1]]
+        self._rxn = [0, 0]  # the receive buffer's unread bytes: _rxv[_rxn[0]:_rxn[1]]
         # Built once: CONNECT is the same bytes on every attempt (mqttopen.py, which the
         # first connection loads anyway).
         from edge_runtime import mqttopen
@@ -142,7 +143,7 @@ class Link:
     @property
     def max_payload(self):
         # The largest payload a message to us may carry and still be delivered.
-        return len(self._rx) - _RX_HEAD
+        return len(self._rxv) - _RX_HEAD
 
     def subscribe(self, topic, qos=1):
         # Recorded and re-applied on every connect; sent at once if connected. QoS is
@@ -473,17 +474,6 @@ class Link:
             else:
                 return p
 
-    def _took(self):
-        # Something left the outbox: wake whoever waits for room.
-        self._room.set()
-        if self._wanted_room:
-            self._wanted_room = False
-            if self.on_room:
-                try:
-                    self.on_room()
-                except Exception as e:  # an application bug must not take the link down
-                    log("link: on_room:", repr(e))
-
     async def _send_loop(self, conn):
         why = None
         try:
@@ -519,7 +509,16 @@ class Link:
                     e = [self._new_pid() if qos else 0, topic, payload, retain, None, False]
                     if qos:
                         self._inflight.append(e)
-                    self._took()
+                    # Something left the outbox: wake whoever waits for room. (An
+                    # application bug in on_room must not take the link down.)
+                    self._room.set()
+                    if self._wanted_room:
+                        self._wanted_room = False
+                        if self.on_room:
+                            try:
+                                self.on_room()
+                            except Exception as ex:
+                                log("link: on_room:", repr(ex))
                     await self._publish(conn, e, qos, False)
                     if conn is self._conn:
                         e[_SENT] = platform.ticks_ms()

@@ -106,24 +106,6 @@ def read_u16(buf, off):
     return buf[off] << 8 | buf[off + 1], off + 2
 
 
-def read_bytes(buf, off):
-    n, off = read_u16(buf, off)
-    if off + n > len(buf):
-        raise MalformedPacket("field past the end")
-    return buf[off:off + n], off + n
-
-
-def read_text(buf, off):
-    raw, off = read_bytes(buf, off)
-    try:
-        s = str(raw, "utf-8")  # raw may be a memoryview, which has no decode()
-    except UnicodeError:
-        raise MalformedPacket("not UTF-8")
-    if "\x00" in s:
-        raise MalformedPacket("U+0000 in a string")  # MQTT-1.5.3-2
-    return s, off
-
-
 def check_topic(topic):
     # A topic name (what is published to) is non-empty and has no wildcard.
     if not topic or "+" in topic or "#" in topic:
@@ -176,7 +158,17 @@ def parse_publish(flags, body):
     qos = flags >> 1 & 3
     if qos == 3 or flags & _DUP and not qos:  # MQTT-3.3.1-4, 3.3.1-2
         raise MalformedPacket("PUBLISH flags")
-    topic, off = read_text(body, 0)
+    # The topic: a length-prefixed UTF-8 string (1.5.3).
+    n, off = read_u16(body, 0)
+    off += n
+    if off > len(body):
+        raise MalformedPacket("field past the end")
+    try:
+        topic = str(body[2:off], "utf-8")  # body may be a memoryview, which has no decode()
+    except UnicodeError:
+        raise MalformedPacket("not UTF-8")
+    if "\x00" in topic:
+        raise MalformedPacket("U+0000 in a string")  # MQTT-1.5.3-2
     if not topic or "+" in topic or "#" in topic:
         raise MalformedPacket("PUBLISH topic")  # MQTT-3.3.2-2
     pid = 0

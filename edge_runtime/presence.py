@@ -19,16 +19,15 @@ _FW_VERSION = const("0.1.0")
 _QOS1 = const(1)
 
 
-def firmware():
-    impl = sys.implementation
-    return "wren-edge %s %s %s" % (_FW_VERSION, impl.name, ".".join(str(n) for n in impl.version[:3]))
-
-
 def connected(runtime):
     # Presence first (retained, so a dashboard that connects later sees it), then the
     # capabilities the bridge needs to serve this board.
     agent = runtime.agent
-    status = {"st": "online", "fw": firmware(), "agent": agent.name, "ver": agent.version,
+    # The firmware, said in the status and the hello: ours and the Python it runs on.
+    impl = sys.implementation
+    v = impl.version
+    fw = "wren-edge %s %s %d.%d.%d" % (_FW_VERSION, impl.name, v[0], v[1], v[2])
+    status = {"st": "online", "fw": fw, "agent": agent.name, "ver": agent.version,
               "heap": platform.free_heap(), "boot": runtime.boot}
     if runtime.paused is None:
         # A boot's first connection says why the last boot reset itself (board.py
@@ -47,7 +46,7 @@ def connected(runtime):
     if runtime.paused is not None and runtime.link.session_present:
         return
     runtime.publish_msg(runtime._base + "hello", {
-        "agent": agent.name, "ver": agent.version, "fw": firmware(), "boot": runtime.boot,
+        "agent": agent.name, "ver": agent.version, "fw": fw, "boot": runtime.boot,
         "fields": agent.describe_fields(), "tools": agent.describe(),
         "limits": runtime.limits}, _QOS1, True)
 

@@ -8,6 +8,8 @@ class Ring:
         if capacity < 1:
             raise ValueError("ring capacity must be >= 1")
         self._items = [None] * capacity
+        # A plain attribute, not a property: the size of _items, fixed for the ring's life.
+        self.capacity = capacity
         self._head = 0  # index of the oldest item
         self._len = 0
         self.dropped = 0
@@ -15,12 +17,8 @@ class Ring:
     def __len__(self):
         return self._len
 
-    @property
-    def capacity(self):
-        return len(self._items)
-
     def push(self, x):
-        cap = len(self._items)
+        cap = self.capacity
         if self._len == cap:
             # Full: overwrite the oldest slot and move the head past it.
             self._items[self._head] = x
@@ -36,7 +34,7 @@ class Ring:
             raise IndexError("pop from empty ring")
         item = self._items[self._head]
         self._items[self._head] = None
-        self._head = (self._head + 1) % len(self._items)
+        self._head = (self._head + 1) % self.capacity
         self._len -= 1
         return item
 
@@ -44,10 +42,10 @@ class Ring:
         # The k-th oldest item (0 is the oldest), without removing anything.
         if not 0 <= k < self._len:
             raise IndexError("ring index")
-        return self._items[(self._head + k) % len(self._items)]
+        return self._items[(self._head + k) % self.capacity]
 
     def __iter__(self):
         # Oldest to newest, without removing anything.
-        cap = len(self._items)
+        cap = self.capacity
         for n in range(self._len):
             yield self._items[(self._head + n) % cap]

@@ -17,8 +17,8 @@ from edge_runtime import platform
 try:
     from micropython import const
 except ImportError:
-    def const(x):
-        return x
+    # CPython has no const(); every const() here is an int, which int() returns as is.
+    const = int
 
 _QOS_CALL = const(1)
 _DEFAULT_TIMEOUT_MS = const(120000)
@@ -216,10 +216,11 @@ class RpcClient:
             call.fail(RpcError("gap", "%d of %d chunks arrived" % (call.got, s)))
             return
         err = msg.get("err")
+        if isinstance(err, dict):
+            call.fail(RpcError(err.get("kind", "internal"), err.get("msg", ""), err))
+            return
         if err is not None:
-            kind = err.get("kind", "internal") if isinstance(err, dict) else "internal"
-            text = err.get("msg", "") if isinstance(err, dict) else str(err)
-            call.fail(RpcError(kind, text, err if isinstance(err, dict) else None))
+            call.fail(RpcError("internal", str(err)))
             return
         call.result = msg.get("ok")
         call.finished = True
@@ -250,8 +251,7 @@ def random_bits(n):
     # source of them: call ids here, the boot id in runs.
     try:
         import os
-        b = os.urandom(4)
-        return ((b[0] << 24) | (b[1] << 16) | (b[2] << 8) | b[3]) >> (32 - n)
+        return int.from_bytes(os.urandom(4), "big") >> (32 - n)
     except (ImportError, AttributeError, OSError):
         import random
         return random.getrandbits(n)

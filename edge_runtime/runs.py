@@ -5,11 +5,11 @@
 # and keeps every event ring moving: an event the link could not take waits in its
 # run's ring and goes out when the link has room (pump_all).
 
-from edge_runtime import codec, platform
-from edge_runtime.events import (DEVICE_RUN, MAX_ID, PREFIX, RING, RING_BYTES,
-                                  RX_PAYLOAD, Emitter)
+# Names used once are read from their modules (events.RING): a name imported into this
+# module is one more entry in its globals for the board's life.
+from edge_runtime import codec, events, platform, rpc
+from edge_runtime.events import MAX_ID, Emitter
 from edge_runtime.ring import Ring
-from edge_runtime.rpc import CHUNK, WINDOW, RpcClient, random_bits
 from edge_runtime.agent import RunFailed
 
 try:
@@ -57,10 +57,6 @@ _SEEN_REQS = const(16)
 # dicts of bound methods: those cost a dict and an object per entry on the board heap
 # for the board's life.
 _LEAVES = const(("req", "ctl", "rpc/res"))
-# The str headers a req's id may have (on_message): fixstr (under 32 bytes), str 8.
-_FIXSTR = const(0xa0)
-_FIXSTR_END = const(0xc0)
-_STR8 = const(0xd9)
 
 
 
@@ -130,11 +126,10 @@ class Run:
         link = self.runtime.link
         if link is not None and (self.emitter.backlog or not link.room(_EVENT_SPARE)):
             await self.runtime.flow(self.emitter)
-        self.begin()
         if held:
+            self.begin()
             self.emitter.emit(*held)
-        self.emitter.emit(t, d, node)
-        self.emitter.pump()
+        self.emit(t, d, node)
 
     def w(self):
         # The next write id of the run, "<run id>:<seq>": the bridge applies each once.
@@ -152,13 +147,13 @@ class Runtime:
         self.agent = agent
         agent.runtime = self
         self.device = device
-        prefix = settings.get("prefix", PREFIX)
+        prefix = settings.get("prefix", events.PREFIX)
         self._base = "%s/d/%s/" % (prefix, device)
         # Made once: every event of every run goes to it, and a topic made per event
         # was one more allocation each among the run's, for as long as it waited.
         self.evt = self._base + "evt"
         self._bridge_status = prefix + "/b/status"
-        rx = settings.get("max_payload", RX_PAYLOAD)
+        rx = settings.get("max_payload", events.RX_PAYLOAD)
         # What the board can receive (hello `limits`): the payload its receive buffer
         # holds (the Link allocates it from this figure), and strings that leave room
         # for a request's envelope, so a request whose text is as long still arrives.
@@ -167,13 +162,13 @@ class Runtime:
             "str": min(max(rx - _REQ_ENVELOPE, rx // 2), settings.get("max_str", codec.MAX_STR)),
             "items": settings.get("max_items", codec.MAX_ITEMS),
             "depth": settings.get("max_depth", codec.MAX_DEPTH),
-            "ring": settings.get("ring", RING),
-            "window": settings.get("window", WINDOW),
-            "chunk": settings.get("chunk", CHUNK),
+            "ring": settings.get("ring", events.RING),
+            "window": settings.get("window", rpc.WINDOW),
+            "chunk": settings.get("chunk", rpc.CHUNK),
         }
         self.max_send = settings.get("max_send", _DEFAULT_TX)
         self.ring_size = self.limits["ring"]
-        self.ring_bytes = settings.get("ring_bytes", RING_BYTES)
+        self.ring_bytes = settings.get("ring_bytes", events.RING_BYTES)
         self.concurrency = settings.get("concurrency", _DEFAULT_CONCURRENCY)
         self.max_queue = settings.get("queue", _DEFAULT_QUEUE)
         self.delta_chars = max(1, settings.get("delta_chars", _DEFAULT_DELTA_CHARS))
@@ -186,10 +181,11 @@ class Runtime:
         self.commits = []
         self.resending = False
         self.link = None
-        self.rpc = RpcClient(self.publish_msg, self._base + "rpc", self._online,
-                             window=self.limits["window"], room=self._call_room)
-        self.device_stream = Emitter(DEVICE_RUN, self.encode, self.send_event, platform.time_ms,
-                                     min(self.ring_size, _DEVICE_RING), self.ring_bytes)
+        self.rpc = rpc.RpcClient(self.publish_msg, self._base + "rpc", self._online,
+                                 window=self.limits["window"], room=self._call_room)
+        self.device_stream = Emitter(events.DEVICE_RUN, self.encode, self.send_event,
+                                     platform.time_ms, min(self.ring_size, _DEVICE_RING),
+                                     self.ring_bytes)
         self.active = {}
         # Paused runs, their state on flash (pause.py): run id -> its deadline in ticks
         # (None while an answer is applied). None until the first connection, when the
@@ -198,7 +194,7 @@ class Runtime:
         self.recent = Ring(_RECENT_RUNS)
         self._seen = Ring(_SEEN_REQS)
         self._queue = []
-        self.boot = "%08x" % random_bits(32)
+        self.boot = "%08x" % rpc.random_bits(32)
         # Why this board must reset (_call_room), for board.py once the link has stopped.
         self.reset = None
         self._bridge_up = None  # the bridge's presence as last heard: None, True, False
@@ -226,11 +222,9 @@ class Runtime:
         return {"rx_size": self.limits["payload"] + 128, "max_packet": self.max_send + 128,
                 "on_message": self.on_message, "on_connect": self.on_connect,
                 "on_refused": self.on_refused, "on_room": self.pump_all,
-                "will": self.will(), "clean_session": False}
-
-    def will(self):
-        return (self._base + "status", codec.encode({"st": "offline", "boot": self.boot}),
-                _QOS1, True)
+                "will": (self._base + "status", codec.encode({"st": "offline", "boot": self.boot}),
+                         _QOS1, True),
+                "clean_session": False}
 
     def _online(self):
         return self.link is not None and self.link.connected
@@ -390,12 +384,12 @@ class Runtime:
         if topic == self._bridge_status:
             self._presence(payload)
             return
-        if not topic.startswith(self._base):
-            self.refuse("bad_topic", "not this board's topic")
-            return
         leaf = topic[len(self._base):]
-        if leaf not in _LEAVES:
-            self.refuse("bad_topic", "no such topic leaf: " + leaf)
+        if leaf not in _LEAVES or not topic.startswith(self._base):
+            # Refusals of input the board does not take are in refuse.py, imported
+            # only when some comes (why: at its top).
+            from edge_runtime import refuse
+            refuse.bad_topic(self, topic, leaf)
             return
         lim = self.limits
         try:
@@ -409,36 +403,21 @@ class Runtime:
                 msg = codec.decode(payload, lim["payload"], lim["str"], lim["items"],
                                    lim["depth"])
         except (codec.CodecError, MemoryError) as e:
-            # A req that cannot be decoded is still refused by its id: the bridge writes
-            # it first (PROTOCOL "Requests and control"), so it is the str after a map
-            # header and "req" (a fixstr of 3 bytes), decoded alone (a fixstr or a str 8 header, then its
-            # bytes). The host waiting on it then ends at once, rather than at its
-            # timeout. No heap even for that leaves the refusal without it.
-            req = None
-            if leaf == "req" and len(payload) > 6 and payload[1:5] == b"\xa3req":
-                head = payload[5]
-                end = (6 + head - _FIXSTR if _FIXSTR <= head < _FIXSTR_END
-                       else 7 + payload[6] if head == _STR8 else 0)
-                try:
-                    req = codec.decode(payload[5:end], end, MAX_ID) if end else None
-                except (codec.CodecError, MemoryError):
-                    pass
-                if not is_id(req):
-                    req = None
-            if isinstance(e, codec.CodecError):
-                self.refuse(e.kind, "%s on %s" % (e, leaf), {"req": req} if req else None)
-                return
-            e = None
-            self.refuse("no_memory", "no free heap to decode %d bytes on %s" % (len(payload), leaf),
-                        {"req": req} if req else None)
-            if leaf == "rpc/res":
-                # An answer lost: whichever call it was for cannot finish whole. Fail the
-                # calls now (their runs end retryable and give their memory back) rather
-                # than let them wait for a chunk that will never come.
-                self.rpc.fail_all("no_memory", "the board had no memory for an answer")
+            # An answer lost for want of heap also fails the calls in flight, even if
+            # the refusal found no heap for its import: whichever call it was for
+            # cannot finish whole, and their runs end retryable and give their memory
+            # back, rather than wait for a chunk that will never come.
+            lost = leaf == "rpc/res" and isinstance(e, MemoryError)
+            try:
+                from edge_runtime import refuse
+                refuse.payload(self, leaf, payload, e)
+            finally:
+                if lost:
+                    self.rpc.fail_all("no_memory", "the board had no memory for an answer")
             return
         if not isinstance(msg, dict):
-            self.refuse("bad_envelope", "payload on %s is not a map" % leaf)
+            from edge_runtime import refuse
+            refuse.payload(self, leaf, payload, None)
             return
         if leaf == "req":
             try:
@@ -458,9 +437,8 @@ class Runtime:
 
     def on_refused(self, topic, size):
         # The link read past a message too large for its receive buffer.
-        leaf = topic[len(self._base):] if topic.startswith(self._base) else topic
-        self.refuse("too_large", "a message of %d bytes on %s is over the %d-byte limit"
-                    % (size, clip(leaf), self.limits["payload"]))
+        from edge_runtime import refuse
+        refuse.too_large(self, topic, size)
 
     def _presence(self, payload):
         # presence.py, for a new connection (payload None) or the bridge's status: both
@@ -569,9 +547,8 @@ class Runtime:
             self._queue.append(msg)
         else:
             # Not remembered as seen: the same request may be sent again later.
-            self.stats["busy"] += 1
-            self.refuse("busy", "the board is running %d requests and has %d queued"
-                        % (len(self.active), len(self._queue)), {"req": req})
+            from edge_runtime import refuse
+            refuse.busy(self, req)
             return
         self._seen.push(req)
 
@@ -609,7 +586,9 @@ class Runtime:
         else:
             self._runs_started += 1
             run = Run(self, "%s.%d" % (self.boot, self._runs_started), msg)
-        platform.unload("control")  # kept between runs (_on_ctl)
+        # Kept between runs (_on_ctl), let go as one starts.
+        platform.unload("control")
+        platform.unload("refuse")
         self.active[run.id] = run
         try:
             run.task = platform.asyncio.create_task(self._drive(run, state))
@@ -678,39 +657,40 @@ class Runtime:
                 self.stats["no_memory"] = 0
             except platform.asyncio.CancelledError:
                 run.emit("run.cancelled", {"reason": run.cancel_reason or "cancelled"})
-            except RunFailed as e:
-                err = {"kind": e.kind, "msg": e.msg}
-                if e.cause:
-                    err["cause"] = e.cause
-                run.emit("run.failed", {"err": err, "retryable": e.retryable})
-            except MemoryError as e:
-                # The run's state goes with the run; collected, the heap serves the next
-                # one, so asking again is worth it.
-                platform.collect()
-                self.stats["no_memory"] += 1
-                platform.log("run", run.id, "ran out of memory")
-                platform.print_exception(e)
-                e = None
-                # Its run.started, if it has not gone, goes without the echoed text (the
-                # large event, which found no heap: tried again as is, it left the run
-                # unended at the host); one that was not even made is made with the req
-                # and the user, so the host can match the run.failed to its request.
-                d = run.started_d
-                if d is None and not run.emitter.last_id:
-                    d = run.started_d = {"req": run.req, "conv": run.conv, "usr": run.user}
-                if d is not None:
-                    d["input_len"] = len(run.input)
-                    d["input"] = ""
-                d = None
-                run.emit("run.failed", {"err": {"kind": "internal",
-                                                "msg": "the board ran out of memory"},
-                                        "retryable": True})
             except Exception as e:
-                # The detail goes to the console; the host sees a customer-safe message.
-                platform.log("run", run.id, "crashed:", repr(e))
-                run.emit("run.failed", {"err": {"kind": "internal",
-                                                "msg": "the board hit an internal error"},
-                                        "retryable": False})
+                # One run.failed for the three ways a run fails (one emit, not three).
+                retryable = isinstance(e, MemoryError)
+                if isinstance(e, RunFailed):
+                    err = {"kind": e.kind, "msg": e.msg}
+                    if e.cause:
+                        err["cause"] = e.cause
+                    retryable = e.retryable
+                elif retryable:
+                    # The run's state goes with the run; collected, the heap serves the
+                    # next one, so asking again is worth it.
+                    platform.collect()
+                    self.stats["no_memory"] += 1
+                    platform.log("run", run.id, "ran out of memory")
+                    platform.print_exception(e)
+                    e = None
+                    # Its run.started, if it has not gone, goes without the echoed text
+                    # (the large event, which found no heap: tried again as is, it left
+                    # the run unended at the host); one that was not even made is made
+                    # with the req and the user, so the host can match the run.failed to
+                    # its request.
+                    d = run.started_d
+                    if d is None and not run.emitter.last_id:
+                        d = run.started_d = {"req": run.req, "conv": run.conv, "usr": run.user}
+                    if d is not None:
+                        d["input_len"] = len(run.input)
+                        d["input"] = ""
+                    d = None
+                    err = {"kind": "internal", "msg": "the board ran out of memory"}
+                else:
+                    # The detail goes to the console; the host sees a customer-safe message.
+                    platform.log("run", run.id, "crashed:", repr(e))
+                    err = {"kind": "internal", "msg": "the board hit an internal error"}
+                run.emit("run.failed", {"err": err, "retryable": retryable})
         finally:
             self.active.pop(run.id, None)
             # Only the event ring outlives a run (for replays), not its state.
@@ -770,8 +750,7 @@ async def _state(run, commit):
                             seed[f.name] = values[f.name]
             names = values = None
             if seed is not None:
-                for f in seed:
-                    run.state[f] = seed[f]
+                run.state.update(seed)  # empty until now: the run has not started
                 # What was loaded, encoded: a deep copy for the end's comparison that an
                 # app changing a list in place cannot touch (state.commit).
                 run.loaded = codec.encode(seed)

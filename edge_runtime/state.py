@@ -120,18 +120,12 @@ def _diff(old, new):
     return d
 
 
-def _empty(merge, delta):
-    return (merge == "sum" and delta == 0) or (merge in ("append", "union", "deep")
-                                                and not delta and delta is not None)
-
-
 async def commit(run):
     # The durable fields the run changed, each a write with its own id. Called between
     # the handler's return and run.done, so what fails is reported before it.
     loaded = codec.decode(run.loaded, len(run.loaded), len(run.loaded)) if run.loaded else {}
     run.loaded = None
     writes = []
-    unwritable = []
     for f in durable(run.agent):
         name = f.name
         if name not in run.state:
@@ -139,16 +133,17 @@ async def commit(run):
         new = run.state[name]
         if name in loaded and loaded[name] == new:
             continue
+        merge = f.merge
         try:
-            delta = _delta(f.merge, loaded.get(name), new)
+            delta = _delta(merge, loaded.get(name), new)
         except ValueError as e:
-            unwritable.append((name, str(e)))
+            await run.event("error", {"kind": "commit", "msg": "%s was not written: %s" % (name, e),
+                                      "fields": [name]})
             continue
-        if not _empty(f.merge, delta):
+        # A delta that changes nothing (nothing added, no key changed) is not sent.
+        if not ((merge == "sum" and delta == 0) or (merge in ("append", "union", "deep")
+                                                    and not delta and delta is not None)):
             writes.append({"field": name, "value": delta, "w": run.w()})
-    for name, why in unwritable:
-        await run.event("error", {"kind": "commit", "msg": "%s was not written: %s" % (name, why),
-                                  "fields": [name]})
     if not writes:
         return
     runtime = run.runtime

@@ -67,12 +67,6 @@ class _Deltas:
         self.more = 0  # characters of the turn past those
         self.sent = False  # whether an event of the turn's text has gone
 
-    def wait_ms(self, ms):
-        # How long the caller may wait for the next chunk before pending text is due.
-        if not self.n:
-            return ms
-        return max(1, self.run.delta_ms - platform.ticks_diff(platform.ticks_ms(), self.since))
-
     async def add(self, kind, text):
         if kind != self.kind:
             await self.flush()
@@ -214,213 +208,46 @@ async def model_loop(run, state=None, pause=0):
     # opened (memstart.start; the test below is its own, kept here so that an agent
     # whose tools are kept never imports memstart).
     specs = agent.specs
+    keep = True
     if agent.fields:
         # Loaded only for an agent that declares fields: the memory tools and core memory,
         # and (only as the run starts) what they need opened first.
         from edge_runtime.memtools import Memory
         mem = Memory(run)
-        keep = True
         for f in agent.fields:
             if f.core or (f.stream and f.vis != "private" and f.kind == "collection"):
                 keep = False
-        if specs is None or not keep:
-            from edge_runtime import memstart
-            try:
-                tools = [t.describe(False) for t in agent.tools.values()]
-                if agent.docs:
-                    agent.docs.extend(tools)  # kb.search, for a `tool` rule
-                specs = codec.Raw(await memstart.start(mem, tools))
-            finally:
-                memstart = None
-                platform.unload("memstart")
-            if keep:
-                agent.specs = specs
-    elif specs is None:
+    if specs is None or not keep:
         tools = [t.describe(False) for t in agent.tools.values()]
         if agent.docs:
             agent.docs.extend(tools)  # kb.search, for a `tool` rule
-        specs = agent.specs = codec.Raw(codec.encode_exact(tools))
+        if mem is None:
+            specs = codec.encode_exact(tools)
+        else:
+            from edge_runtime import memstart
+            try:
+                specs = await memstart.start(mem, tools)
+            finally:
+                memstart = None
+                platform.unload("memstart")
         tools = None
-    start, end, model, tool_path, completed = _NODES
+        specs = codec.Raw(specs)
+        if keep:
+            agent.specs = specs
     for step in range(first, agent.max_steps):
         run.check_cancelled()
         if pause is not None:
             await pause.write(run, step, messages, usage, ())
         m = step + 1
-        here = (model, await node(run, model, usage), m)
-        calls = []
-        if mem is None:
-            await _fit(run, messages, len(agent.instructions), 2)
-        else:
-            # Core memory as it is now, and what is in view (memtools).
-            await _fit(run, messages, *mem.assemble(messages))
-        args = {"messages": messages, "tools": specs}
-        if run.conv and run.sc:
-            # Whose conversation this is, signed by the bridge: it gives the model the
-            # conversation's earlier turns, which the board never holds.
-            args["sc"] = run.sc
-        if agent.model:
-            args["model"] = agent.model
-        if agent.max_tokens:
-            args["max_tokens"] = agent.max_tokens
-        if agent.docs:
-            # A `before` rule: the bridge retrieves for the latest user text and adds the
-            # passages to the call; they never come here, only which they were (a
-            # `cite` chunk, below). The docs Rule's methods carry names the
-            # firmware already has (update, send, extend, call): no new ones in the
-            # board's qstr pool for every agent (test_on_small_heap).
-            agent.docs.update(args)
-        deltas = _Deltas(run, m)
-        begun = False
-        try:
-            # The call goes out first: the model's answer is what the run waits for, and
-            # whatever is queued ahead of it on the link (msg.start) or read ahead of it
-            # at the bridge holds it up. msg.start still comes before the turn's text.
-            call = await run.rpc.start("llm.complete", args, run.id)
-            try:
-                # Right behind the call, as one payload (Emitter.pump): run.started on
-                # the first step, node.start and msg.start. Three messages arriving one
-                # after another held up the bridge as it started the model call (figure
-                # 1 of benchmarks/bench_bridge.py, 0.2-0.5 ms at p50). Waiting (flow) as
-                # run.event does: before, for events of the run still waiting; after,
-                # when the link had no room for these.
-                if run.emitter.backlog:
-                    await run.runtime.flow(run.emitter)
-                run.begin()
-                run.emitter.emit(start, {"kind": "model"}, here)
-                run.emitter.emit("msg.start", {"m": m, "role": "assistant"})
-                begun = True
-                if not run.emitter.pump():
-                    await run.runtime.flow(run.emitter)
-                # A turn for the link, then the step's collection while the model
-                # works, rather than between the request and the call.
-                await platform.sleep_ms(0)
-                platform.collect()
-                while True:
-                    ch = await call.next(deltas.wait_ms(_IDLE_MS))
-                    if ch is None:
-                        if call.done:
-                            break
-                        if deltas.n:
-                            await deltas.flush()
-                        continue
-                    if not isinstance(ch, dict):
-                        continue
-                    if isinstance(ch.get("text"), str) and ch["text"]:
-                        await deltas.add("msg.delta", ch["text"])
-                    elif isinstance(ch.get("reason"), str) and ch["reason"]:
-                        await deltas.add("reason.delta", ch["reason"])
-                    elif isinstance(ch.get("tool"), dict):
-                        await deltas.flush()
-                        calls.append(ch["tool"])
-                    elif agent.docs:
-                        # Which passages the bridge added to the call (`cite`).
-                        await deltas.flush()
-                        await agent.docs.send(run, ch)
-                if deltas.n:
-                    await deltas.flush()
-                    # A turn for the link to send the turn's last text before msg.end,
-                    # run.done and the run's collection are made: the host is waiting
-                    # for the text, not for them.
-                    await platform.sleep_ms(0)
-                final = call.result
-            finally:
-                run.rpc.end(call)
-        except RpcError as e:
-            if not begun:
-                run.emit(start, {"kind": "model"}, here)
-                run.emit("msg.start", {"m": m, "role": "assistant"})
-            await deltas.flush()
-            run.emit("msg.end", {"m": m})
-            run.emit(end, {"status": "failed"}, here)
-            # The bridge's own words for a model's failure (what to do about it, and
-            # whether asking again can help); anything else failed on the way to it.
-            # A `before` agent's knowledge failing is its own kind: the model was never
-            # asked (docs.py), and so is its refusal of a collection (`forbidden`).
-            kb = e.kind in _KB
-            d = e.detail if (kb or e.kind == "llm") and isinstance(e.detail, dict) else {}
-            msg = d.get("msg")
-            raise RunFailed(_KB[0] if kb else "llm", msg[:200] if isinstance(msg, str) and msg
-                            else "the model is unavailable (%s)" % e.kind,
-                            d.get("retryable") is True if kb else d.get("retryable") is not False,
-                            d.get("cause"))
-        # The step's end, msg.end, usage and node.end, goes as one payload too, waiting
-        # (flow) as run.event does: before, for the turn's text still waiting; after,
-        # when the link had no room for these.
-        if run.emitter.backlog:
-            await run.runtime.flow(run.emitter)
-        if not isinstance(final, dict):
-            final = {}
-        # How the model ended the turn, as the bridge says (`length`: its token limit cut
-        # the answer short), so a host can say so.
-        got = final.get("finish")
-        run.emitter.emit("msg.end", {"m": m, "finish": got} if isinstance(got, str) else {"m": m})
-        got = final.get("usage")
-        if not isinstance(got, dict):
-            got = {}
-        # The step's tokens, on its node; the run's total is run.done's.
-        for key in usage:
-            value = got.get(key)
-            if isinstance(value, int):
-                usage[key] += value
-        run.emitter.emit("usage", got, here)
-        if not calls and final.get("finish") == "tool_calls":
-            # The model called a tool but no call reached the board: ending "done"
-            # would claim an answer that was never given.
-            run.emit(end, {"status": "failed"}, here)
-            raise RunFailed("llm", "the model's tool call was lost on the way", True)
-        # Its way out: to the tools it called, or done with its answer.
-        run.emitter.emit(end, {"status": completed, "port": "tools" if calls else "done"}, here)
-        if not run.emitter.pump():
-            await run.runtime.flow(run.emitter)
+        # A step as two functions of its own: what the model step no longer needs (its
+        # call's args, its streamed text) goes with it before the tools run (a tool's own
+        # calls are where a memory run peaks), and no block of code is 2 KiB that a
+        # fragmented heap must find room for (the runtime's import, bench_heap's figure,
+        # fits a 32-bit heap 384 bytes smaller, for 32 bytes more on it).
+        calls = await _model_step(run, m, messages, usage, specs, mem)
         if not calls:
             return usage
-        # The turn's text goes back to the model with its tool calls. Joined only now:
-        # a long answer that ends the run never needs its text in one piece on the heap.
-        text = "".join(deltas.text)
-        if deltas.more:
-            text += " [cut: %d more characters]" % deltas.more
-        messages.append({"role": "assistant", "content": text, "tools": calls})
-        # What the step no longer needs goes before its tools run (a tool's own calls
-        # are where a memory run peaks).
-        deltas = final = got = args = None
-        waiting = []
-        for call in calls:
-            run.check_cancelled()
-            name = call.get("name")
-            cid = call.get("call")
-            input_text = call.get("input") or "{}"
-            tool = agent.tools.get(name) if isinstance(name, str) else None
-            if tool is not None and (tool.fn is None or tool.approval):
-                # Answered later: announced, with the run's pause, once the turn's other
-                # calls have run (pause.py).
-                waiting.append(call)
-                continue
-            path = tool_path + str(name)
-            here = (path, await node(run, path, None), m)
-            starting = (start, {"kind": "tool"}, here)
-            result = None
-            if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
-                await run.event(*starting)
-                output, failed = await mem.tool(cid, name, input_text, _tool_output)
-            else:
-                # The tool's node.start goes with its tool.call, and its tool.result with
-                # its node.end: one payload each (Run.event's `held`).
-                await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
-                                              "client": False}, None, starting)
-                answer = None
-                if tool is None and agent.docs:
-                    # kb.search, for a `tool` rule (None: not its tool).
-                    answer = await agent.docs.call(run, name, input_text)
-                if answer is not None:
-                    output, failed = answer
-                elif tool is None:
-                    output, failed = "no tool named %s" % name, True
-                else:
-                    output, failed = await _run_tool(tool, input_text)
-                result = ("tool.result", {"call": cid, "output": output, "failed": failed}, None)
-            await run.event(end, {"status": "failed" if failed else completed}, here, result)
-            messages.append({"role": "tool", "call": cid, "content": output})
+        waiting = await _call_tools(run, calls, messages, mem, m)
         if waiting:
             if mem is not None and mem.viewing:
                 # What memory.load keeps in view is this run's, not the checkpoint's.
@@ -431,3 +258,198 @@ async def model_loop(run, state=None, pause=0):
             await pause.write(run, step + 1, messages, usage, waiting)
             return None
     raise RunFailed("condition", "the model did not finish within %d steps" % agent.max_steps)
+
+
+async def _model_step(run, m, messages, usage, specs, mem):
+    # One model step, the node /model: the conversation fitted to the context, the call,
+    # the model's text streamed as it comes, and the step's end. Returns the tool calls
+    # the model made, its turn appended to `messages` with them; none: it answered.
+    agent = run.agent
+    emitter = run.emitter  # the run's own, for its whole life
+    start, end, model, _, completed = _NODES
+    here = (model, await node(run, model, usage), m)
+    if mem is None:
+        await _fit(run, messages, len(agent.instructions), 2)
+    else:
+        # Core memory as it is now, and what is in view (memtools).
+        await _fit(run, messages, *mem.assemble(messages))
+    args = {"messages": messages, "tools": specs}
+    if run.conv and run.sc:
+        # Whose conversation this is, signed by the bridge: it gives the model the
+        # conversation's earlier turns, which the board never holds.
+        args["sc"] = run.sc
+    if agent.model:
+        args["model"] = agent.model
+    if agent.max_tokens:
+        args["max_tokens"] = agent.max_tokens
+    if agent.docs:
+        # A `before` rule: the bridge retrieves for the latest user text and adds the
+        # passages to the call; they never come here, only which they were (a
+        # `cite` chunk, below). The docs Rule's methods carry names the
+        # firmware already has (update, send, extend, call): no new ones in the
+        # board's qstr pool for every agent (test_on_small_heap).
+        agent.docs.update(args)
+    deltas = _Deltas(run, m)
+    calls = []
+    begun = False
+    try:
+        # The call goes out first: the model's answer is what the run waits for, and
+        # whatever is queued ahead of it on the link (msg.start) or read ahead of it
+        # at the bridge holds it up. msg.start still comes before the turn's text.
+        call = await run.rpc.start("llm.complete", args, run.id)
+        try:
+            # Right behind the call, as one payload (Emitter.pump): run.started on
+            # the first step, node.start and msg.start. Three messages arriving one
+            # after another held up the bridge as it started the model call (figure
+            # 1 of benchmarks/bench_bridge.py, 0.2-0.5 ms at p50). Waiting (flow) as
+            # run.event does: before, for events of the run still waiting; after,
+            # when the link had no room for these.
+            if emitter.backlog:
+                await run.runtime.flow(emitter)
+            run.begin()
+            emitter.emit(start, {"kind": "model"}, here)
+            emitter.emit("msg.start", {"m": m, "role": "assistant"})
+            begun = True
+            if not emitter.pump():
+                await run.runtime.flow(emitter)
+            # A turn for the link, then the step's collection while the model
+            # works, rather than between the request and the call.
+            await platform.sleep_ms(0)
+            platform.collect()
+            while True:
+                # The wait for a chunk: until pending text is due (delta_ms after its
+                # oldest character came), or _IDLE_MS when none is pending.
+                wait = _IDLE_MS
+                if deltas.n:
+                    wait = max(1, run.delta_ms - platform.ticks_diff(platform.ticks_ms(),
+                                                                     deltas.since))
+                ch = await call.next(wait)
+                if ch is None:
+                    if call.done:
+                        break
+                    if deltas.n:
+                        await deltas.flush()
+                    continue
+                if not isinstance(ch, dict):
+                    continue
+                if isinstance(ch.get("text"), str) and ch["text"]:
+                    await deltas.add("msg.delta", ch["text"])
+                elif isinstance(ch.get("reason"), str) and ch["reason"]:
+                    await deltas.add("reason.delta", ch["reason"])
+                elif isinstance(ch.get("tool"), dict):
+                    await deltas.flush()
+                    calls.append(ch["tool"])
+                elif agent.docs:
+                    # Which passages the bridge added to the call (`cite`).
+                    await deltas.flush()
+                    await agent.docs.send(run, ch)
+            if deltas.n:
+                await deltas.flush()
+                # A turn for the link to send the turn's last text before msg.end,
+                # run.done and the run's collection are made: the host is waiting
+                # for the text, not for them.
+                await platform.sleep_ms(0)
+            final = call.result
+        finally:
+            run.rpc.end(call)
+    except RpcError as e:
+        if not begun:
+            run.emit(start, {"kind": "model"}, here)
+            run.emit("msg.start", {"m": m, "role": "assistant"})
+        await deltas.flush()
+        run.emit("msg.end", {"m": m})
+        run.emit(end, {"status": "failed"}, here)
+        # The bridge's own words for a model's failure (what to do about it, and
+        # whether asking again can help); anything else failed on the way to it.
+        # A `before` agent's knowledge failing is its own kind: the model was never
+        # asked (docs.py), and so is its refusal of a collection (`forbidden`).
+        kb = e.kind in _KB
+        d = e.detail if (kb or e.kind == "llm") and isinstance(e.detail, dict) else {}
+        msg = d.get("msg")
+        raise RunFailed(_KB[0] if kb else "llm", msg[:200] if isinstance(msg, str) and msg
+                        else "the model is unavailable (%s)" % e.kind,
+                        d.get("retryable") is True if kb else d.get("retryable") is not False,
+                        d.get("cause"))
+    # The step's end, msg.end, usage and node.end, goes as one payload too, waiting
+    # (flow) as run.event does: before, for the turn's text still waiting; after,
+    # when the link had no room for these.
+    if emitter.backlog:
+        await run.runtime.flow(emitter)
+    if not isinstance(final, dict):
+        final = {}
+    # How the model ended the turn, as the bridge says (`length`: its token limit cut
+    # the answer short), so a host can say so.
+    finish = final.get("finish")
+    emitter.emit("msg.end", {"m": m, "finish": finish} if isinstance(finish, str) else {"m": m})
+    got = final.get("usage")
+    if not isinstance(got, dict):
+        got = {}
+    # The step's tokens, on its node; the run's total is run.done's.
+    for key in usage:
+        value = got.get(key)
+        if isinstance(value, int):
+            usage[key] += value
+    emitter.emit("usage", got, here)
+    if not calls and finish == "tool_calls":
+        # The model called a tool but no call reached the board: ending "done"
+        # would claim an answer that was never given.
+        run.emit(end, {"status": "failed"}, here)
+        raise RunFailed("llm", "the model's tool call was lost on the way", True)
+    # Its way out: to the tools it called, or done with its answer.
+    emitter.emit(end, {"status": completed, "port": "tools" if calls else "done"}, here)
+    if not emitter.pump():
+        await run.runtime.flow(emitter)
+    if calls:
+        # The turn's text goes back to the model with its tool calls. Joined only now:
+        # a long answer that ends the run never needs its text in one piece on the heap.
+        text = "".join(deltas.text)
+        if deltas.more:
+            text += " [cut: %d more characters]" % deltas.more
+        messages.append({"role": "assistant", "content": text, "tools": calls})
+    return calls
+
+
+async def _call_tools(run, calls, messages, mem, m):
+    # The model step's tool calls in their order, each a node /tool/<name>, its result
+    # appended to `messages`. Returns the calls answered later (a client tool, or one that
+    # needs approval), for the run's pause.
+    agent = run.agent
+    start, end, _, tool_path, completed = _NODES
+    waiting = []
+    for call in calls:
+        run.check_cancelled()
+        name = call.get("name")
+        cid = call.get("call")
+        input_text = call.get("input") or "{}"
+        tool = agent.tools.get(name) if isinstance(name, str) else None
+        if tool is not None and (tool.fn is None or tool.approval):
+            # Answered later: announced, with the run's pause, once the turn's other
+            # calls have run (pause.py).
+            waiting.append(call)
+            continue
+        path = tool_path + str(name)
+        here = (path, await node(run, path, None), m)
+        starting = (start, {"kind": "tool"}, here)
+        result = None
+        if mem is not None and tool is None and isinstance(name, str) and name.startswith("memory."):
+            await run.event(*starting)
+            output, failed = await mem.tool(cid, name, input_text, _tool_output)
+        else:
+            # The tool's node.start goes with its tool.call, and its tool.result with
+            # its node.end: one payload each (Run.event's `held`).
+            await run.event("tool.call", {"call": cid, "name": name, "input": input_text,
+                                          "client": False}, None, starting)
+            answer = None
+            if tool is None and agent.docs:
+                # kb.search, for a `tool` rule (None: not its tool).
+                answer = await agent.docs.call(run, name, input_text)
+            if answer is not None:
+                output, failed = answer
+            elif tool is None:
+                output, failed = "no tool named %s" % name, True
+            else:
+                output, failed = await _run_tool(tool, input_text)
+            result = ("tool.result", {"call": cid, "output": output, "failed": failed}, None)
+        await run.event(end, {"status": "failed" if failed else completed}, here, result)
+        messages.append({"role": "tool", "call": cid, "content": output})
+    return waiting
