@@ -52,7 +52,12 @@ from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import i686_binary  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
 from tools.steps import Steps  # noqa: E402
-from tools.virtual_board import VirtualBoard, lay_out_flash, micropython_binary  # noqa: E402
+from tools.virtual_board import (  # noqa: E402
+    VirtualBoard,
+    lay_out_flash,
+    micropython_binary,
+    run_on_flash,
+)
 
 IMPORT = (
     "import gc; import edge_runtime.demo, edge_runtime.board, edge_runtime.toolloop; "
@@ -125,28 +130,11 @@ def bits(exe: str) -> int:
 
 
 def import_ok(exe: str, flash: Path, kib: int) -> bool:
-    env = dict(os.environ, MICROPYPATH=".frozen:")
-    proc = subprocess.run(
-        [exe, "-X", f"heapsize={kib}K", "-c", IMPORT],
-        cwd=flash,
-        env=env,
-        capture_output=True,
-        timeout=60,
-    )
-    return proc.returncode == 0
+    return run_on_flash(exe, flash, IMPORT, f"{kib}K").returncode == 0
 
 
 def import_alloc(exe: str, flash: Path) -> int:
-    env = dict(os.environ, MICROPYPATH=".frozen:")
-    out = subprocess.run(
-        [exe, "-X", "heapsize=1M", "-c", IMPORT],
-        cwd=flash,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
-    return int(out.split()[-1])
+    return int(run_on_flash(exe, flash, IMPORT).stdout.split()[-1])
 
 
 class TurnRig:

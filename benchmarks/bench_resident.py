@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_heap import I686, TurnRig, bits  # noqa: E402
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider  # noqa: E402
-from tools.virtual_board import install_package, micropython_binary  # noqa: E402
+from tools.virtual_board import install_package, micropython_binary, run_on_flash  # noqa: E402
 
 # The order a demo turn loads them in (platform brings asyncio, frozen in the port).
 MODULES = (
@@ -79,11 +78,9 @@ demo.main()
 
 
 def modules(exe: str, flash: Path) -> tuple[list[tuple[str, int]], int, str]:
-    env = dict(os.environ, MICROPYPATH=".frozen:")
-    out = subprocess.run(
-        [exe, "-X", "heapsize=1M", "-c", PROBE % (MODULES,)],
-        cwd=flash, env=env, capture_output=True, text=True, timeout=60, check=True,
-    ).stdout.splitlines()
+    done = run_on_flash(exe, flash, PROBE % (MODULES,))
+    done.check_returncode()
+    out = done.stdout.splitlines()
     rows = [(w[1], int(w[2])) for w in (line.split() for line in out) if w[0] == "module"]
     total = next(int(line.split()[1]) for line in out if line.startswith("total"))
     pool = next((line for line in out if line.startswith("qstr pool")), "")

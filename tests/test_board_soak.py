@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from tests.soak import (
     Soak,
 )
 from tests.stack import frozen_binary
-from tools.virtual_board import lay_out_flash, micropython_binary
+from tools.virtual_board import lay_out_flash, micropython_binary, run_on_flash
 
 # 300 in the suite, for the suite's time (CI's budget: the 500 this was, with the 32-bit
 # soak's 300, took 175 s of a 19-minute suite); the 1,000 pass with
@@ -185,15 +184,7 @@ def test_the_probes_intern_no_name_of_their_own() -> None:
         main += "import micropython\nmicropython.qstr_info(1)\n"
         with tempfile.TemporaryDirectory(prefix="wren-soak-") as tmp:
             flash = lay_out_flash(Path(tmp) / "flash", {"device": "x"}, mpy=True, main_py=main)
-            env = dict(os.environ, MICROPYPATH=".frozen:")
-            out = subprocess.run(
-                [exe, "-X", "heapsize=128K", "main.py"],
-                cwd=flash,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            out = run_on_flash(exe, flash, heap="128K")
             assert out.returncode == 0, out.stdout + out.stderr
             # Module paths differ with the directory: compared without it.
             names[probes] = {

@@ -48,6 +48,7 @@ from tools.virtual_board import (
     board_sources,
     lay_out_flash,
     micropython_binary,
+    run_on_flash,
 )
 
 ROOT = EDGE_DIR.parent
@@ -160,14 +161,7 @@ def test_a_unix_build_loads_on_the_unix_port_and_its_tracebacks_name_the_module(
 ) -> None:
     out, _ = builds["unix"]
     for exe in _binaries():
-        done = subprocess.run(
-            [exe, "-X", "heapsize=256K", "-c", _NAMED],
-            cwd=out,
-            env=dict(os.environ, MICROPYPATH=".frozen:"),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = run_on_flash(exe, out, _NAMED, "256K")
         said = done.stdout + done.stderr
         assert done.stdout.splitlines()[0] == "edge_runtime.link", said
         assert 'File "edge_runtime.codec", line' in said, said
@@ -344,14 +338,7 @@ def _assert_installed(lib: Path, exe: str) -> None:
         assert (lib / "edge_runtime" / src.name).read_bytes() == src.read_bytes()
     # What was installed is the whole runtime: the demo and every module import from it.
     imports = "; ".join(f"import edge_runtime.{m}" for m in MODULES if m != "__init__")
-    done = subprocess.run(
-        [exe, "-X", "heapsize=1M", "-c", f"{imports}; print('ok')"],
-        cwd=lib,
-        env=dict(os.environ, MICROPYPATH=".frozen:"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_on_flash(exe, lib, f"{imports}; print('ok')")
     assert done.stdout.strip() == "ok", done.stdout + done.stderr
 
 

@@ -173,6 +173,24 @@ def lay_out_flash(
     return flash
 
 
+def run_on_flash(
+    exe: str, flash: Path, code: str | None = None, heap: str = "1M", timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """The MicroPython binary `exe` run once at `heap` in `flash`, whose modules come first
+    on its import path and the port's frozen ones after, as on a board: `code` as its
+    `-c`, or the flash's main.py when None. Its output is captured as text; the caller
+    judges its exit. For a probe or a measurement; a board that stays up is a
+    VirtualBoard."""
+    return subprocess.run(
+        [exe, "-X", f"heapsize={heap}", *(("-c", code) if code is not None else ("main.py",))],
+        cwd=flash,
+        env=dict(os.environ, MICROPYPATH=".frozen:"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @dataclass
 class VirtualBoard:
     flash: Path
