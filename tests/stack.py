@@ -661,6 +661,20 @@ class Stack:
         with self._console_cond:
             return len(self._console)
 
+    def console_count(self, needle: str, at_least: int, timeout: float = 10.0) -> int:
+        """How many console lines contain `needle`, once at least `at_least` do or
+        `timeout` seconds have passed: the console is read by a thread of the test's, so
+        a line the board printed just before a run's end may reach it after the host has
+        that end (seen in CI, on a loaded machine). The caller asserts the count."""
+        deadline = time.monotonic() + timeout
+        with self._console_cond:
+            while True:
+                n = sum(needle in line for line in self._console)
+                left = deadline - time.monotonic()
+                if n >= at_least or left <= 0:
+                    return n
+                self._console_cond.wait(min(left, _POLL_S * 4))
+
     def wait_console(self, needle: str, after: int = 0, timeout: float = RUN_TIMEOUT_S) -> str:
         """Wait for a console line containing `needle` at index `after` or later; return it."""
         return self._wait_console(needle, after, time.monotonic() + timeout, "board console")

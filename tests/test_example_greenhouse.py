@@ -62,7 +62,7 @@ def test_the_greenhouse_waters_a_dry_bed_after_a_yes_and_an_answer(tmp_path: Pat
         assert snap.nodes["/model"].usage.tokens_out > 0 and snap.active == []
         # 7 steps of a budget of 12: no warning; the valve ran once, after its yes.
         assert snap.budgets == {}
-        assert "\n".join(s.console).count("valve 2 open for 10 min") == 1
+        assert s.console_count("valve 2 open for 10 min", 1) == 1
         text = "".join(r.text for r in snap.rows if r.kind == "assistant")
         # The host approved first, then answered: the answer is the last tool output.
         assert text.endswith("Bed 2 is being watered. The gardener says: no feeding today")

@@ -70,9 +70,8 @@ def _check_finished(s: Stack, snap: RunSnapshot, ran_before: int) -> None:
     outputs = sorted(str(r.output) for r in results.values())
     assert outputs == ["2.5", "valve 3 is open", "yes, vent it"]
     # Each tool ran once: the local one before the pause, the approved one after it.
-    console = "\n".join(s.console)
-    assert console.count("tool read_pressure ran") == 1
-    assert console.count("tool open_valve ran") == 1
+    assert s.console_count("tool read_pressure ran", 1) == 1
+    assert s.console_count("tool open_valve ran", 1) == 1
     assert ran_before == 0  # nothing ran before its approval
     texts = [r.text for r in snap.rows if r.kind == "assistant"]
     assert texts[-1] == "Valve 3 is open; venting."
