@@ -204,9 +204,19 @@ def test_bad_bodies_are_refused_by_name_and_the_bridge_serves_on(stack: Stack) -
         (json.dumps({"input": "hi", "conv": 7}).encode(), 400, "bad_envelope"),
         (json.dumps({"input": "x" * 70_000}).encode(), 413, "too_large"),
         (json.dumps({"input": "x" * 6_000}).encode(), 413, "too_large"),
+        # Values JSON allows and the wire does not: an integer past 64 bits, and nesting
+        # deeper than a board decodes (the second past the JSON parser's own recursion).
+        (json.dumps({"input": "hi", "ttl": 10**30}).encode(), 400, "bad_envelope"),
+        (b'{"input": "hi", "x": ' + b"[" * 16 + b"]" * 16 + b"}", 400, "bad_envelope"),
+        (b'{"input": "hi", "x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", 400, "bad_envelope"),
     ]
+    # A client tool's answer goes on to the board as it came: an output past 64 bits once
+    # failed its encode (found by tests/test_http_fuzz.py, answered 500).
+    tool = f"{base}/v1/devices/thermo1/runs/r1/tool"
+    cases += [(json.dumps({"call": "c1", "output": -(2**64)}).encode(), 400, "bad_envelope")]
     for body, status, kind in cases:
-        r = httpx.post(url, headers=bearer(alice) | {"content-type": "application/json"},
+        r = httpx.post(tool if b'"call"' in body else url,
+                       headers=bearer(alice) | {"content-type": "application/json"},
                        content=body)  # fmt: skip
         assert r.status_code == status, (body[:40], r.text)
         assert "Traceback" not in r.text

@@ -37,6 +37,7 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
+from edge_runtime import codec
 from edge_runtime.events import TERMINAL
 from server_bridge import access, tokens
 from server_bridge.host.reducer import STREAMS, Reducer
@@ -63,8 +64,35 @@ _BATCH = 256
 _MAX_BODY = 64 << 10
 _RUN_STATUSES = ("running", "paused", "done", "failed", "cancelled")
 _UNAUTHORIZED = "a valid session token is needed (Authorization: Bearer <token>)"
+# What a body may hold to go on as msgpack (server_bridge/wire.py): JSON allows any
+# integer and any nesting, msgpack carries 64-bit integers, and a board decodes at most
+# codec.MAX_DEPTH levels (a body nested deeper could never be taken). Checked as the body
+# is read, so such a value is refused by name rather than failing its encode (500).
+_WIRE_INTS = range(-(1 << 63), 1 << 64)
+_MAX_DEPTH = codec.MAX_DEPTH
 
 
+class _OffTheWire(ValueError):
+    """A JSON value that msgpack, or a board, cannot carry."""
+
+
+def _wire_int(text: str) -> int:
+    n = int(text)
+    if n not in _WIRE_INTS:
+        raise _OffTheWire(f"an integer of {len(text)} digits: msgpack carries 64 bits")
+    return n
+
+
+def _check_depth(obj: Any) -> None:
+    # Iterative: a walk by recursion would be what a deep body breaks.
+    todo = [(obj, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, dict | list):
+            if depth > _MAX_DEPTH:
+                raise _OffTheWire(f"nested deeper than {_MAX_DEPTH} levels")
+            items = value.values() if isinstance(value, dict) else value
+            todo.extend((v, depth + 1) for v in items)
 
 
 def _error(status: int, kind: str, msg: str) -> JSONResponse:
@@ -110,7 +138,12 @@ def build_app(bridge: Bridge, heartbeat_s: float = HEARTBEAT_S) -> Starlette:
         if not raw:
             return {}
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, parse_int=_wire_int)
+            _check_depth(obj)
+        except _OffTheWire as e:
+            raise _Refused(400, "bad_envelope", f"the body holds {e}") from None
+        except RecursionError:
+            raise _Refused(400, "bad_envelope", f"nested deeper than {_MAX_DEPTH} levels") from None
         except ValueError:
             raise _Refused(400, "bad_envelope", "the body is not JSON") from None
         if not isinstance(obj, dict):
