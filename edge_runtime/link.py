@@ -601,6 +601,11 @@ class Link:
                 self._rx_at = platform.ticks_ms()
                 self._ping = None  # any packet shows the broker is there
                 if t == mqtt.PUBLISH:
+                    if flags & 4:
+                        # QoS 2 (or 3, malformed): we never subscribe with 2. Refused
+                        # before it is handed on: delivered, then the connection ended,
+                        # it would come again on the next one.
+                        raise mqtt.MalformedPacket("QoS 2")
                     if self._stopping:
                         # Read after stop(): neither taken nor acknowledged, so the
                         # broker keeps it for the session's next connection (a board
@@ -622,8 +627,6 @@ class Link:
                                 self.on_message(topic, payload)
                             except Exception as e:  # an application bug must not end the link
                                 log("link: on_message", topic, repr(e))
-                    if qos > 1:
-                        raise mqtt.MalformedPacket("QoS 2")  # we never subscribe with 2
                     if qos:
                         # After delivery: if we die first, the broker sends it again.
                         ack = mqtt.encode_puback(pid)

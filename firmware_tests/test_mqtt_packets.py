@@ -458,6 +458,15 @@ def test_refusal_and_protocol_errors_lead_to_reconnect():
             await c.send("20 02 00 00")
             assert await link.wait_connected(WAIT_MS)
             assert link.stats["reconnects"] == 3
+            # A QoS 2 PUBLISH (we never subscribe with 2): the connection ends, and the
+            # message is not handed on first (the broker would send it again).
+            before = len(got)
+            await c.send("34 09 00 01 61 00 09 71 6f 73 32")  # QoS 2 id 9 "qos2"
+            c = await peer.accept()
+            await c.expect(hello)
+            await c.send("20 02 00 00")
+            assert await link.wait_connected(WAIT_MS)
+            assert len(got) == before and link.stats["reconnects"] == 4
             await _stop(link, task, c)
         finally:
             task.cancel()
