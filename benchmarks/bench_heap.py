@@ -50,6 +50,7 @@ from server_bridge.registry import Registry  # noqa: E402
 from server_bridge.tokens import sign  # noqa: E402
 from tests.model_server import ModelServer, Turn  # noqa: E402
 from tests.stack import i686_binary  # noqa: E402
+from tools import romfs  # noqa: E402
 from tools.broker import start_mosquitto  # noqa: E402
 from tools.steps import Steps  # noqa: E402
 from tools.virtual_board import (  # noqa: E402
@@ -134,7 +135,13 @@ def import_ok(exe: str, flash: Path, kib: int) -> bool:
 
 
 def import_alloc(exe: str, flash: Path) -> int:
-    return int(run_on_flash(exe, flash, IMPORT).stdout.split()[-1])
+    alloc = int(run_on_flash(exe, flash, IMPORT).stdout.split()[-1])
+    image = flash / romfs.IMAGE
+    if image.exists():
+        # Beyond the image's buffer: its object's block and its data's.
+        block = romfs.block_bytes(exe)
+        alloc -= block + -(-image.stat().st_size // block) * block
+    return alloc
 
 
 class TurnRig:
@@ -175,6 +182,7 @@ class TurnRig:
         timeout: float = TURN_TIMEOUT_S,
         agent: str = "thermostat",
         main_py: str | None = None,
+        romfs: bool = False,
     ) -> bool:
         """Whether a fresh board at `kib` KiB serves `ask` to `done` (with exactly the
         assistant text `expect`, if given) and is still running after it."""
@@ -184,8 +192,9 @@ class TurnRig:
         settings = {"device": device, "host": self.broker.host, "port": self.broker.port}
         more = {} if main_py is None else {"main_py": main_py}
         flash = lay_out_flash(
-            self.workdir / "boards" / device, settings, mpy=mpy, package=exe not in FROZEN, **more
-        )
+            self.workdir / "boards" / device, settings, mpy=mpy, package=exe not in FROZEN,
+            romfs=romfs, **more,
+        )  # fmt: skip
         board = VirtualBoard(flash, heap=f"{kib}K", exe=exe)
         proc = board.start()
         try:
@@ -248,6 +257,13 @@ def main() -> None:
         "the kit is), built by the kit as tests/stack.py frozen_binary() builds them: the "
         "frozen modules come first on the board's path, so their code is in the binary",
     )
+    parser.add_argument(
+        "--romfs",
+        action="store_true",
+        help="also measure each binary (not frozen) with the runtime's .mpy in a ROMFS image, "
+        "as `wren build --romfs` writes one: the heap beyond the image, which a board "
+        "holds in flash (tools/romfs.py)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
     figures = ["import"] if args.import_only else [f for f in args.figures.split(",") if f]
@@ -285,11 +301,15 @@ def main() -> None:
         command += f" --micropython {b}"
     if args.frozen:
         command += " --frozen"
+    if args.romfs:
+        command += " --romfs"
     print(f"command: {command}")
     words = {exe: bits(exe) for exe in binaries}
     for n, exe in enumerate(binaries, 1):
         print(f"binary {n}: {exe} ({words[exe]}-bit{', runtime frozen' if exe in frozen else ''})")
 
+    # The ROMFS rows, for binaries without the runtime frozen in.
+    romfs_kind = ("romfs",) if args.romfs else ()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wren-bench-heap-") as tmp:
         work = Path(tmp)
@@ -297,14 +317,17 @@ def main() -> None:
             progress("import: laying out the runtime as .py and .mpy (mpy-cross)")
             flashes = {
                 kind: lay_out_flash(
-                    work / f"import{kind}", {"device": "x"}, kind == ".mpy",
+                    work / f"import{kind}",
+                    {"device": "x"},
+                    kind == ".mpy",
                     package=kind != "frozen",
                 )  # fmt: skip
                 for kind in (".py", ".mpy", "frozen")
             }
+            flashes["romfs"] = lay_out_flash(work / "importromfs", {"device": "x"}, romfs=True)
             for n, exe in enumerate(binaries, 1):
                 label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                for kind in ("frozen",) if exe in frozen else (".py", ".mpy"):
+                for kind in ("frozen",) if exe in frozen else (".py", ".mpy", *romfs_kind):
                     name = f"import runtime ({kind})"
 
                     def imports(k: int, f: Path = flashes[kind], e: str = exe) -> bool:
@@ -318,12 +341,14 @@ def main() -> None:
             try:
                 for n, exe in enumerate(binaries, 1):
                     label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                    for mpy in (True,) if exe in frozen else (False, True):
-                        kind = "frozen" if exe in frozen else ".mpy" if mpy else ".py"
+                    kinds = ("frozen",) if exe in frozen else (".py", ".mpy", *romfs_kind)
+                    for kind in kinds:
                         name = f"one demo turn ({kind})"
 
-                        def turns(k: int, m: bool = mpy, e: str = exe) -> bool:
-                            return rig.turn_ok(e, k, m, "How warm is it in here?")
+                        def turns(k: int, kd: str = kind, e: str = exe) -> bool:
+                            return rig.turn_ok(
+                                e, k, kd != ".py", "How warm is it in here?", romfs=kd == "romfs"
+                            )
 
                         rows.append(
                             (
@@ -344,19 +369,16 @@ def main() -> None:
                 try:
                     for n, exe in enumerate(binaries, 1):
                         label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                        name = f"long answer ({'frozen' if exe in frozen else '.mpy'})"
+                        for kind in ("frozen",) if exe in frozen else (".mpy", *romfs_kind):
+                            name = f"long answer ({kind})"
 
-                        def longs(k: int, e: str = exe) -> bool:
-                            return rig.turn_ok(e, k, True, "Count for me", LONG, LONG_TIMEOUT_S)
+                            def longs(k: int, e: str = exe, r: bool = kind == "romfs") -> bool:
+                                return rig.turn_ok(
+                                    e, k, True, "Count for me", LONG, LONG_TIMEOUT_S, romfs=r
+                                )
 
-                        rows.append(
-                            (
-                                name,
-                                label,
-                                bisect_kib(f"{name} [{label}]", longs, 8, 256),
-                                None,
-                            )
-                        )
+                            found = bisect_kib(f"{name} [{label}]", longs, 8, 256)
+                            rows.append((name, label, found, None))
                 finally:
                     rig.close()
 
@@ -369,22 +391,24 @@ def main() -> None:
                 trials = [0]
                 for n, exe in enumerate(binaries, 1):
                     label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                    name = f"memory turn ({'frozen' if exe in frozen else '.mpy'})"
+                    for kind in ("frozen",) if exe in frozen else (".mpy", *romfs_kind):
+                        name = f"memory turn ({kind})"
 
-                    def memories(k: int, e: str = exe) -> bool:
-                        trials[0] += 1
-                        return memory_turn_ok(
-                            e,
-                            k,
-                            True,
-                            (broker.host, broker.port),
-                            work / "memory",
-                            f"heapm{trials[0]}",
-                            package=e not in FROZEN,
-                        )
+                        def memories(k: int, e: str = exe, r: bool = kind == "romfs") -> bool:
+                            trials[0] += 1
+                            return memory_turn_ok(
+                                e,
+                                k,
+                                True,
+                                (broker.host, broker.port),
+                                work / "memory",
+                                f"heapm{trials[0]}",
+                                package=e not in FROZEN,
+                                romfs=r,
+                            )
 
-                    found = bisect_kib(f"{name} [{label}]", memories, 8, 256)
-                    rows.append((name, label, found, None))
+                        found = bisect_kib(f"{name} [{label}]", memories, 8, 256)
+                        rows.append((name, label, found, None))
             finally:
                 broker.stop()
 
@@ -396,16 +420,17 @@ def main() -> None:
             try:
                 for n, exe in enumerate(binaries, 1):
                     label = f"{n}: {words[exe]}-bit{' frozen' if exe in frozen else ''}"
-                    name = f"kiosk turn ({'frozen' if exe in frozen else '.mpy'})"
+                    for kind in ("frozen",) if exe in frozen else (".mpy", *romfs_kind):
+                        name = f"kiosk turn ({kind})"
 
-                    def kiosks(k: int, e: str = exe) -> bool:
-                        return rig.turn_ok(
-                            e, k, True, "How do I reset the printer?", answer,
-                            agent="kiosk", main_py=main_py,
-                        )  # fmt: skip
+                        def kiosks(k: int, e: str = exe, r: bool = kind == "romfs") -> bool:
+                            return rig.turn_ok(
+                                e, k, True, "How do I reset the printer?", answer,
+                                agent="kiosk", main_py=main_py, romfs=r,
+                            )  # fmt: skip
 
-                    found = bisect_kib(f"{name} [{label}]", kiosks, 8, 256)
-                    rows.append((name, label, found, None))
+                        found = bisect_kib(f"{name} [{label}]", kiosks, 8, 256)
+                        rows.append((name, label, found, None))
             finally:
                 rig.close()
 
@@ -426,6 +451,10 @@ def main() -> None:
         )
     print("min heap: smallest -X heapsize (bisected, 1 KiB steps) that succeeds;")
     print("ratio: against importing the .py runtime on the same binary;")
+    if args.romfs:
+        print(
+            "romfs: the runtime's .mpy in a ROMFS image; the heap beyond it (flash on a board)"
+        )
     if "long" in figures:
         print(
             f"long answer: {len(LONG):,} characters in {LONG_CHUNK}-character chunks from the "

@@ -79,10 +79,11 @@ async def serve(device, proc, timeout_ms=20000):
             task.cancel()
 
 
-def turn_ok(exe, heap_kib, mpy, broker, workdir, device, package=True):
+def turn_ok(exe, heap_kib, mpy, broker, workdir, device, package=True, romfs=False):
     # One trial: a fresh flash for `device` under `workdir` (core memory starts empty, so
     # the board also restores it with core.load), the board at heap_kib KiB; without the
-    # runtime on flash (package=False) for a binary that has it frozen in.
+    # runtime on flash (package=False) for a binary that has it frozen in, or with it in a
+    # ROMFS image (romfs=True: heap_kib is then the heap beyond the image).
     import asyncio
 
     from firmware_tests import support
@@ -91,7 +92,8 @@ def turn_ok(exe, heap_kib, mpy, broker, workdir, device, package=True):
     host, port = broker
     support.BROKER = (host, port)
     settings = {"device": device, "host": host, "port": port}
-    flash = lay_out_flash(workdir / device, settings, mpy=mpy, main_py=MAIN_PY, package=package)
+    flash = lay_out_flash(workdir / device, settings, mpy=mpy, main_py=MAIN_PY, package=package,
+                          romfs=romfs)
     board = VirtualBoard(flash, heap="%dK" % heap_kib, exe=exe)
     proc = board.start()
     try:

@@ -162,6 +162,26 @@ def test_settings_are_checked_before_anything_is_copied(
     assert (board.flash / "settings.json").read_bytes() == good.read_bytes()
 
 
+def test_a_romfs_build_onto_a_board_without_romfs_is_refused_before_its_flash_changes(
+    board: PtyBoard, tmp_path: Path
+) -> None:
+    # The unix port behind the pty has no ROMFS partition (no vfs.rom_ioctl), as stock
+    # ESP32 and Pico W firmware have none: the flash says so and copies nothing.
+    out = tmp_path / "romfs"
+    done = wren(ROOT, "build", "--target", "unix", "--romfs", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    port = board.start()
+    done = wren(tmp_path, "flash", "--port", port, "--build", str(out))
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert line == (
+        "wren flash: the board's firmware has no ROMFS partition (vfs.rom_ioctl): flash a "
+        "firmware with one, or build without --romfs"
+    )
+    assert list(board.flash.iterdir()) == []
+
+
 @pytest.mark.parametrize("kind", ["path", "socket"])
 def test_a_port_that_is_not_there_is_one_line(built: Path, tmp_path: Path, kind: str) -> None:
     port = "/dev/ttyWREN-NONE0" if kind == "path" else f"socket://127.0.0.1:{free_port()}"

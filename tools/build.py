@@ -32,6 +32,12 @@ standard manifest and freezes `edge_runtime` (edge_runtime/manifest.py) and the 
 the output then holds `main.py` alone, as the board's flash needs nothing else. Build
 the port with it (`make BOARD=... FROZEN_MANIFEST=PATH` in ports/esp32 or ports/rp2).
 `frozen_binary()` does that for the unix port with the team's MicroPython kit.
+
+`--romfs` puts the compiled package and agent in a ROMFS image instead (`romfs.img` in the
+output, beside main.py), for a firmware with a ROMFS partition: its .mpy then runs from
+flash in place, as frozen code does, with no firmware of your own to build for each
+change. `wren flash --port PORT` deploys it with `mpremote romfs deploy`; tools/romfs.py
+says more.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from tools import romfs
 from tools.virtual_board import (
     EDGE_DIR,
     MAIN_PY,
@@ -154,6 +161,16 @@ class FrozenBuild:
     files: list[Built]
     manifest: Path
     frozen: list[Built]
+
+
+@dataclass(frozen=True)
+class RomfsBuild:
+    """A --romfs build: the board's flash files (main.py), its ROMFS image, and the
+    modules the image holds as mpy-cross compiled them."""
+
+    files: list[Built]
+    image: Built
+    holds: list[Built]
 
 
 def target_of(name: str) -> Target:
@@ -261,18 +278,26 @@ def _prepare_out(out: Path) -> None:
 
 def _write_build_json(
     out: Path, target: Target, version: str, files: list[Built], agent: AgentSource,
-    frozen: list[str],
+    frozen: list[str], rom: RomfsBuild | None = None,
 ) -> None:  # fmt: skip
-    doc = {
+    doc: dict[str, Any] = {
         "target": target.name,
         "arch": target.arch,
         "mpy": version,
         "agent": agent.name or "edge_runtime.demo",
-        # Modules the firmware must hold (--frozen-manifest); a flash copy of one would
-        # shadow it (a board's sys.path puts its root before .frozen).
+        # Modules the board holds outside its flash: frozen into the firmware
+        # (--frozen-manifest) or in its ROMFS (--romfs); a flash copy of one would shadow
+        # it (a board's sys.path puts its root before .frozen and /rom).
         "frozen": frozen,
         "files": [{"path": b.path, "size": b.size, "sha256": b.sha256} for b in files],
     }
+    if rom is not None:
+        doc["romfs"] = {
+            "path": rom.image.path,
+            "size": rom.image.size,
+            "sha256": rom.image.sha256,
+            "holds": [{"path": b.path, "size": b.size} for b in rom.holds],
+        }
     (out / BUILD_JSON).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -295,6 +320,29 @@ def build(target: str, out: Path, agent: Path | None = None) -> list[Built]:
         shutil.copytree(scratch, out, dirs_exist_ok=True)
     _write_build_json(out, t, version, files, source, [])
     return files
+
+
+def build_romfs(target: str, out: Path, agent: Path | None = None) -> RomfsBuild:
+    """Compile the package and `agent` for `target` into a ROMFS image, `out`/romfs.img,
+    and write the board's flash files beside it: main.py alone."""
+    t = target_of(target)
+    source = agent_of(agent)
+    version = mpy_version(mpy_cross())
+    with tempfile.TemporaryDirectory(prefix="wren-romfs-") as tmp:
+        rom = Path(tmp)
+        holds = _compile(t, source, rom)
+        try:
+            data = romfs.image_of(rom)
+        except romfs.RomfsError as e:
+            raise BuildError(str(e)) from None
+    _prepare_out(out)
+    (out / romfs.IMAGE).write_bytes(data)
+    (out / "main.py").write_text(source.main_py)
+    files = [_record(out, out / "main.py")]
+    built = RomfsBuild(files, _record(out, out / romfs.IMAGE), holds)
+    names = ["edge_runtime", *(name for _, name in source.modules)]
+    _write_build_json(out, t, version, files, source, names, built)
+    return built
 
 
 def frozen_manifest_text(target: Target, agent: AgentSource, copies: Path) -> str:
@@ -522,6 +570,12 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
         help="write a MicroPython manifest that freezes the package and the agent into the "
         "target's firmware (make FROZEN_MANIFEST=PATH); --out then holds main.py alone",
     )
+    b.add_argument(
+        "--romfs",
+        action="store_true",
+        help="put the package and the agent in a ROMFS image (romfs.img) for a firmware with "
+        "a ROMFS partition, where .mpy runs from flash; --out then holds the image and main.py",
+    )
 
 
 def _table(files: list[Built], out: TextIO) -> None:
@@ -541,9 +595,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         t = target_of(target)
         version = mpy_version(mpy_cross())
+        if args.frozen_manifest is not None and args.romfs:
+            raise BuildError(
+                "--frozen-manifest and --romfs are two ways to hold the code: pick one"
+            )
         if args.frozen_manifest is not None:
             fb = build_frozen(target, dest, args.frozen_manifest, args.agent)
             files = fb.files
+        elif args.romfs:
+            rb = build_romfs(target, dest, args.agent)
+            files = rb.files
         else:
             files = build(target, dest, args.agent)
     except (BuildError, OSError) as e:
@@ -554,6 +615,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.frozen_manifest is not None:
         print("frozen into the firmware (as .mpy: flash, not heap):", file=out)
         _table(fb.frozen, out)
+        print("on the board's flash:", file=out)
+    if args.romfs:
+        print(f"in the ROMFS image {dest / romfs.IMAGE} ({rb.image.size:,} bytes; .mpy run "
+              "from flash, not heap):", file=out)  # fmt: skip
+        _table(rb.holds, out)
         print("on the board's flash:", file=out)
     _table(files, out)
     if args.frozen_manifest is not None:

@@ -15,6 +15,11 @@ not have, and a flash copy of a module the build says is frozen into the firmwar
 copies are hashed again on the board, then the board is soft-reset from its friendly
 REPL, so it boots as at power-on and runs main.py.
 
+A `wren build --romfs` output holds a ROMFS image beside main.py. The board is asked
+first whether its firmware has a ROMFS partition (`vfs.rom_ioctl`) and the sha256 of what
+that partition holds; an image that differs is written with `mpremote romfs deploy`, and
+flash copies of the modules in it are removed (they would shadow it).
+
 The port is anything mpremote's `connect` takes as a device: a path (/dev/ttyUSB0,
 /dev/ttyACM0, COM3) or a pyserial URL (socket://HOST:PORT, rfc2217://HOST:PORT).
 """
@@ -110,6 +115,8 @@ class FlashReport:
     copied: list[LocalFile] = field(default_factory=list)
     unchanged: list[LocalFile] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    # A --romfs build's image: deployed (True) or already on the board (False).
+    romfs: tuple[LocalFile, bool] | None = None
     seconds: float = 0.0
     reset: bool = False
 
@@ -225,6 +232,73 @@ def parse_query(out: str) -> tuple[
 # --- what to copy ---------------------------------------------------------------------------
 
 
+# Whether the board's firmware has a ROMFS partition, and the sha256 of its first `n`
+# bytes (a deployed image of the build's size), hashed in place from the memory-mapped
+# partition: nothing is copied into the heap.
+ROM_QUERY = """\
+def _wren_rom(n):
+    import vfs
+    if not hasattr(vfs, 'rom_ioctl'):
+        return 'none'
+    try:
+        from hashlib import sha256
+        from binascii import hexlify
+    except ImportError:
+        return '?'
+    rom = vfs.rom_ioctl(2, 0)
+    if not isinstance(rom, memoryview) or len(rom) < n:
+        return 'small %%d' %% (len(rom) if isinstance(rom, memoryview) else -1)
+    return hexlify(sha256(rom[:n]).digest()).decode()
+print(%r, _wren_rom(%d))
+del _wren_rom
+"""
+
+
+def rom_state(port: str, size: int) -> str:
+    """What the board's ROMFS partition holds: 'none' (no ROMFS in its firmware), '?' (no
+    hashlib), 'small N' (a partition of N bytes, too small for `size`), or the sha256 of its
+    first `size` bytes."""
+    # The flash's first call: mpremote's soft reset stops what the board runs.
+    out = mpremote(port, [["exec", ROM_QUERY % (MARK, size)]], resume=False)
+    for line in out.splitlines():
+        if line.startswith(MARK + " "):
+            return line[len(MARK) + 1 :].strip()
+    raise FlashError(f"the board did not answer the ROMFS query: {out.strip()[-200:]!r}")
+
+
+def deploy_romfs(port: str, build_dir: Path, record: dict[str, Any]) -> LocalFile | None:
+    """The build's ROMFS image written to the board's partition when it holds other bytes;
+    the image, or None when it was already there."""
+    try:
+        listed = record["romfs"]
+        image = _local(str(listed["path"]), build_dir / str(listed["path"]))
+    except (KeyError, TypeError) as e:
+        raise FlashError(
+            f"{build_dir / BUILD_JSON}: its romfs entry cannot be read ({e})"
+        ) from None
+    except OSError as e:
+        raise FlashError(f"the build's ROMFS image cannot be read: {e}") from None
+    if image.sha256 != listed.get("sha256"):
+        raise FlashError(f"{image.source} is not the image {BUILD_JSON} lists: build again")
+    held = rom_state(port, image.size)
+    if held == "none":
+        raise FlashError(
+            "the board's firmware has no ROMFS partition (vfs.rom_ioctl): flash a firmware "
+            "with one, or build without --romfs"
+        )
+    if held.startswith("small"):
+        raise FlashError(
+            f"the board's ROMFS partition ({held.split()[1]} bytes) cannot hold the "
+            f"{image.size:,}-byte image"
+        )
+    if held == image.sha256:
+        return None
+    mpremote(port, [["romfs", "deploy", str(image.source)]])
+    if rom_state(port, image.size) != image.sha256:
+        raise FlashError("the board's ROMFS partition holds other bytes than were deployed")
+    return image
+
+
 def _local(path: str, source: Path) -> LocalFile:
     data = source.read_bytes()
     return LocalFile(path, source, len(data), hashlib.sha256(data).hexdigest())
@@ -336,6 +410,13 @@ def flash(
         files.append(_local(SETTINGS, settings))
     # Said in one line here rather than by mpremote's "failed to access".
     open_port(port).close()
+    rom: tuple[LocalFile, bool] | None = None
+    if "romfs" in record:
+        # First: a board without ROMFS is told so before its flash is changed.
+        deployed = deploy_romfs(port, build_dir, record)
+        listed = record["romfs"]
+        rom = (deployed, True) if deployed else (
+            _local(str(listed["path"]), build_dir / str(listed["path"])), False)  # fmt: skip
     paths, dirs = asked(files, frozen)
     sums, held = query(port, paths, dirs)
     todo = plan(files, frozen, sums, held)
@@ -354,7 +435,7 @@ def flash(
         wrong = [f.path for f in todo.copy if after.get(f.path) not in (f.sha256, "?")]
         if wrong:
             raise FlashError(f"the board holds other bytes than were copied: {', '.join(wrong)}")
-    report = FlashReport(todo.copy, todo.same, todo.remove)
+    report = FlashReport(todo.copy, todo.same, todo.remove, rom)
     if reset:
         soft_reset(port)
         report.reset = True
@@ -371,6 +452,9 @@ def show(report: FlashReport, port: str, build_dir: Path, record: dict[str, Any]
     rows: list[tuple[str, str, int | None]] = [("copied", f.path, f.size) for f in report.copied]
     rows += [("unchanged", f.path, f.size) for f in report.unchanged]
     rows += [("removed", path, None) for path in report.removed]
+    if report.romfs is not None:
+        image, deployed = report.romfs
+        rows.append(("deployed" if deployed else "unchanged", "ROMFS " + image.path, image.size))
     width = max((len(r[1]) for r in rows), default=0)
     for what, path, size in sorted(rows, key=lambda r: r[1]):
         shown = f"{size:>9,}" if size is not None else ""

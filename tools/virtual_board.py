@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import edge_runtime
+from tools import romfs as romfs_tools
 from tools.owned_process import die_with_owner, stop_process
 
 EDGE_DIR = Path(edge_runtime.__file__).resolve().parent
@@ -158,13 +160,23 @@ def lay_out_flash(
     mpy: bool = True,
     main_py: str = MAIN_PY,
     package: bool = True,
+    romfs: bool = False,
 ) -> Path:
     """Write the board's file system: edge_runtime/ (.mpy by default, as `wren deploy`
     puts on a board, or .py), settings.json and main.py. `package=False` leaves the
     runtime off, for a firmware that has it frozen in: a flash copy would be imported
-    before the frozen one (the board's working directory comes first on its path)."""
+    before the frozen one (the board's working directory comes first on its path).
+    `romfs=True` puts the .mpy package in a ROMFS image (`romfs.img`) instead, which the
+    board mounts at boot as a ROMFS firmware does (tools/romfs.py)."""
     flash.mkdir(parents=True, exist_ok=True)
-    if package:
+    image = flash / romfs_tools.IMAGE
+    if image.exists():
+        image.unlink()
+    if package and romfs:
+        with tempfile.TemporaryDirectory(prefix="wren-romfs-") as tmp:
+            install_package(Path(tmp), mpy=True)
+            image.write_bytes(romfs_tools.image_of(Path(tmp)))
+    if package and not romfs:
         install_package(flash, mpy)
     elif (flash / "edge_runtime").exists():
         shutil.rmtree(flash / "edge_runtime")
@@ -180,7 +192,12 @@ def run_on_flash(
     on its import path and the port's frozen ones after, as on a board: `code` as its
     `-c`, or the flash's main.py when None. Its output is captured as text; the caller
     judges its exit. For a probe or a measurement; a board that stays up is a
-    VirtualBoard."""
+    VirtualBoard. A flash with a ROMFS image mounts it first, and `heap` is the heap
+    beyond it (tools/romfs.py)."""
+    image = flash / romfs_tools.IMAGE
+    if image.exists():
+        heap = str(romfs_tools.heap_for(exe, heap_bytes(heap), image.stat().st_size))
+        code = romfs_tools.boot_code(code)
     return subprocess.run(
         [exe, "-X", f"heapsize={heap}", *(("-c", code) if code is not None else ("main.py",))],
         cwd=flash,
@@ -219,10 +236,18 @@ class VirtualBoard:
 
     def command(self) -> list[str]:
         exe = None if self.force_cpython else self.exe or micropython_binary()
+        if exe is None and (self.flash / romfs_tools.IMAGE).exists():
+            raise BoardError("a board with a ROMFS image runs on the MicroPython unix port only")
         if exe is None:
             self.runtime = "cpython"
             return [sys.executable, "-u", "main.py"]
         self.runtime = "micropython"
+        image = self.flash / romfs_tools.IMAGE
+        if image.exists():
+            # As a ROMFS firmware boots: the image mounted, then main.py; the heap given is
+            # the heap beyond the image, which a board holds in flash.
+            heap = romfs_tools.heap_for(exe, heap_bytes(self.heap), image.stat().st_size)
+            return [exe, "-X", f"heapsize={heap}", "-c", romfs_tools.boot_code()]
         return [exe, "-X", f"heapsize={self.heap}", "main.py"]
 
     def start(self) -> subprocess.Popen[str]:
@@ -296,7 +321,10 @@ class VirtualBoard:
         code = None if self.proc is None else self.proc.poll()
         if code in (None, 0, EXIT_RESET) or not self.last_line.startswith("MemoryError"):
             return None
-        sources = not any((self.flash / "edge_runtime").glob("*.mpy"))
+        sources = (
+            not any((self.flash / "edge_runtime").glob("*.mpy"))
+            and not (self.flash / romfs_tools.IMAGE).exists()
+        )
         return out_of_heap(self.heap, sources)
 
     def stop(self) -> None:
