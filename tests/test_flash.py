@@ -162,6 +162,44 @@ def test_settings_are_checked_before_anything_is_copied(
     assert (board.flash / "settings.json").read_bytes() == good.read_bytes()
 
 
+def test_a_romfs_build_is_deployed_once_and_the_board_runs_the_runtime_from_its_partition(
+    tmp_path: Path,
+) -> None:
+    # A board whose firmware has a ROMFS partition (firmware_tests/sim/romfs_partition.py:
+    # a file behind vfs.rom_ioctl, mounted at /rom at boot), written by mpremote's own
+    # `romfs deploy` through the console, as on a board.
+    out = tmp_path / "romfs"
+    done = wren(ROOT, "build", "--target", "unix", "--romfs", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    image = (out / "romfs.img").read_bytes()
+    flash = tmp_path / "flash"
+    # A flash copy of the runtime from an earlier, plain flash: it would come before /rom.
+    shutil.copytree(ROOT / "edge_runtime", flash / "edge_runtime")
+    partition = tmp_path / "partition.bin"
+    with PtyBoard(flash, romfs=partition) as board:
+        port = board.start()
+        done = wren(tmp_path, "flash", "--port", port, "--build", str(out))
+        assert done.returncode == 0, done.stderr
+        assert f"  deployed   ROMFS romfs.img  {len(image):>9,}" in done.stdout
+        assert "  copied     main.py" in done.stdout
+        assert "  removed    edge_runtime" in done.stdout
+        assert partition.read_bytes()[: len(image)] == image
+        assert sorted(p.name for p in flash.iterdir()) == ["main.py"]
+        # The board boots into the runtime, found in its partition.
+        board.wait_for("settings.json has no device id", timeout_s=30)
+        where = subprocess.run(
+            [sys.executable, "-m", "mpremote", "connect", port, "exec",
+             "import edge_runtime.board as b; print(b.__file__)"],
+            capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+        assert where.stdout.strip() == "/rom/edge_runtime/board.mpy", where.stdout + where.stderr
+        # The same build again: the partition already holds the image, nothing is written.
+        again = wren(tmp_path, "flash", "--port", port, "--build", str(out))
+        assert again.returncode == 0, again.stderr
+        assert "  unchanged  ROMFS romfs.img" in again.stdout
+        assert "copied 0 files (0 bytes)" in again.stdout
+
+
 def test_a_romfs_build_onto_a_board_without_romfs_is_refused_before_its_flash_changes(
     board: PtyBoard, tmp_path: Path
 ) -> None:

@@ -18,6 +18,14 @@ starts with it). What the console does is what a board's does:
   that resets itself (exit 75, edge_runtime/board.py) boot again with main.py;
 - output nobody reads is dropped, as a board's USB port drops it with no host.
 
+`romfs=PATH` gives the board a firmware with a ROMFS partition (MicroPython v1.25 and
+later, where a firmware enables it): PATH is the partition, a file of `romfs_size` bytes
+that holds across reboots. Each boot runs firmware_tests/sim/romfs_partition.py first,
+which adds `vfs.rom_ioctl` (mpremote's `romfs deploy` writes through it) and mounts an
+image found there at /rom, as such a firmware does; then main.py or the REPL. The
+partition is read into the heap on the unix port, so the board's heap is given beyond it
+(tools/romfs.py heap_for), as a board's partition is flash.
+
 Two terminals stand between the client and the board: the one clients open (its path
 stays the same across reboots, so a client keeps its port) and one per board, the
 process's stdin/stdout, on which the unix port switches the terminal modes itself.
@@ -31,6 +39,7 @@ import fcntl
 import os
 import pty
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,8 +51,9 @@ import tty
 from pathlib import Path
 from types import TracebackType
 
+from tools import romfs
 from tools.owned_process import die_with_owner
-from tools.virtual_board import DEFAULT_HEAP, EXIT_RESET, micropython_binary
+from tools.virtual_board import DEFAULT_HEAP, EXIT_RESET, heap_bytes, micropython_binary
 
 # What the unix port prints as it enters the raw REPL, and as its friendly REPL starts
 # (the banner's last line): the console's mode is read from them.
@@ -71,6 +81,14 @@ LOG_LIMIT = 4 * 1024 * 1024
 # How often a console with no client on its terminal looks for one, and the loop's tick.
 TICK_S = 0.05
 START_TIMEOUT_S = 10.0
+# A simulated ROMFS partition's size: room for the runtime and an agent (about 70 KB).
+ROMFS_SIZE = 128 * 1024
+# The simulated partition (romfs=...): its module, copied beside the machine.py stand-in
+# (the folder holds network.py too, which a board without Wi-Fi must not find), and what
+# each boot runs first.
+ROMFS_SIM = Path(__file__).resolve().parent.parent / "firmware_tests" / "sim" / "romfs_partition.py"
+ROMFS_BOOT = "import romfs_partition\nromfs_partition.boot()\ndel romfs_partition\n"
+MAIN_AFTER_BOOT = "with open('main.py') as _f:\n    _main = _f.read()\ndel _f\nexec(_main)\n"
 
 
 class PtyBoardError(RuntimeError):
@@ -127,8 +145,12 @@ class PtyBoard:
         env: dict[str, str] | None = None,
         tcp_port: int = 0,
         machine_reset: bool = True,
+        romfs: Path | None = None,
+        romfs_size: int = ROMFS_SIZE,
     ) -> None:
         self.flash = Path(flash)
+        self.romfs = romfs
+        self.romfs_size = romfs_size
         self.machine_reset = machine_reset
         self.heap = heap
         self.exe = exe
@@ -204,7 +226,10 @@ class PtyBoard:
         if not self.flash.is_dir():
             raise PtyBoardError(f"no flash directory at {self.flash}")
         self._shim = tempfile.TemporaryDirectory(prefix="wren-ptyboard-")
-        (Path(self._shim.name) / "machine.py").write_text(MACHINE_PY)
+        if self.machine_reset:
+            (Path(self._shim.name) / "machine.py").write_text(MACHINE_PY)
+        if self.romfs is not None:
+            shutil.copy(ROMFS_SIM, Path(self._shim.name) / ROMFS_SIM.name)
         # The clients' terminal. Raw, as a serial line is: bytes pass unchanged.
         self._client, slave = pty.openpty()
         tty.setraw(slave)
@@ -295,8 +320,17 @@ class PtyBoard:
         env = dict(os.environ if self.env is None else self.env)
         shim = f":{self._shim.name}" if self.machine_reset else ""
         env["MICROPYPATH"] = f"{self.flash.resolve()}:.frozen{shim}"
-        argv = [self.exe, "-X", f"heapsize={self.heap}"]
-        argv += ["main.py"] if kind == "main" else ["-i"]
+        if self.romfs is None:
+            argv = [self.exe, "-X", f"heapsize={self.heap}"]
+            argv += ["main.py"] if kind == "main" else ["-i"]
+        else:
+            if not self.machine_reset:
+                env["MICROPYPATH"] += f":{self._shim.name}"
+            env["WREN_SIM_ROMFS"] = f"{self.romfs.resolve()}:{self.romfs_size}"
+            heap = romfs.heap_for(self.exe, heap_bytes(self.heap), self.romfs_size)
+            argv = [self.exe, "-X", f"heapsize={heap}"]
+            argv += ["-c", ROMFS_BOOT + MAIN_AFTER_BOOT] if kind == "main" else [
+                "-i", "-c", ROMFS_BOOT]  # fmt: skip
         self._board_modes()
         owner = die_with_owner()
         slave = self._board_slave
