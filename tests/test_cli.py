@@ -224,6 +224,21 @@ def test_demo_with_the_board_on_cpython() -> None:
     assert "events: 20 " in proc.stdout
 
 
+def test_demo_with_the_runtime_in_a_romfs_image_serves_every_turn_on_a_smaller_heap() -> None:
+    # 96K beyond the image: the 64-bit memory turn from ROMFS needs 84 (bench_heap
+    # --romfs), from .mpy on the heap 122.
+    proc = _demo("--romfs", "--heap", "96K")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "heap 96K, the runtime in romfs.img (the heap is beyond it)" in proc.stdout
+    statuses = [line for line in proc.stdout.splitlines() if line.startswith("status: ")]
+    assert statuses and all(line.startswith("status: done") for line in statuses), proc.stdout
+    refused = _demo("--romfs", "--py")
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == (
+        "wren demo: --romfs runs .mpy on the MicroPython unix port: not with --py or --cpython"
+    )
+
+
 def test_demo_says_which_part_failed_when_the_broker_is_unreachable() -> None:
     proc = _demo("--broker", f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1

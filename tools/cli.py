@@ -113,6 +113,13 @@ MIN_HEAP = 16 * 1024
 MAX_HEAP = 1024 * 1024 * 1024
 
 
+# `--romfs` of `wren demo` and `wren board --virtual`.
+ROMFS_HELP = (
+    "run the runtime's .mpy in place from a ROMFS image, as a board whose firmware has a "
+    "ROMFS partition does (wren build --romfs); --heap is then the heap beyond the image"
+)
+
+
 def heap_size(text: str) -> str:
     """`-X heapsize` for the unix port (`128K`, `2M`, `131072`); an argparse type."""
     m = _HEAP.fullmatch(text.strip())
@@ -175,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"run the board from .py sources instead of .mpy (needs --heap {PY_HEAP})",
     )
     d.add_argument("--cpython", action="store_true", help="run the virtual board on CPython")
+    d.add_argument("--romfs", action="store_true", help=ROMFS_HELP)
     d.add_argument(
         "--http",
         type=broker_address,
@@ -205,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"run from .py sources instead of .mpy built with mpy-cross (needs --heap {PY_HEAP})",
     )
     v.add_argument("--cpython", action="store_true", help="run the board code on CPython")
+    v.add_argument("--romfs", action="store_true", help=ROMFS_HELP)
     v.add_argument(
         "--main",
         type=Path,

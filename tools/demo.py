@@ -238,6 +238,14 @@ def _serve_dashboard(
     return f"{server.url}/ui/"
 
 
+def _check_romfs(args: argparse.Namespace) -> None:
+    # A ROMFS image holds .mpy for the unix port: neither sources nor CPython read one.
+    if args.romfs and (args.py or args.cpython):
+        raise BoardError(
+            "--romfs runs .mpy on the MicroPython unix port: not with --py or --cpython"
+        )
+
+
 def run_demo(args: argparse.Namespace) -> int:
     out = sys.stdout
     device = args.device
@@ -305,7 +313,10 @@ def run_demo(args: argparse.Namespace) -> int:
         flash_dir = workdir / "boards" / device
         board = VirtualBoard(flash_dir, heap=args.heap, force_cpython=args.cpython)
         try:
-            flash = lay_out_flash(board.flash, settings, mpy=board.runs_mpy(not args.py))
+            _check_romfs(args)
+            flash = lay_out_flash(
+                board.flash, settings, mpy=board.runs_mpy(not args.py), romfs=args.romfs
+            )
         except BoardError as e:
             raise DemoError(str(e)) from e
         notice = fallback_notice()
@@ -323,6 +334,8 @@ def run_demo(args: argparse.Namespace) -> int:
         runtime = "MicroPython unix port" if board.runtime == "micropython" else "CPython"
         heap = f", heap {args.heap}" if board.runtime == "micropython" else ""
         kind = ".mpy" if board.runs_mpy(not args.py) else ".py"
+        if args.romfs:
+            kind = "the runtime in romfs.img (the heap is beyond it), its"
         print(
             f"board: {device} on {runtime}{heap}, {kind} files in {flash}"
             f" (pid {board.proc.pid if board.proc else '?'})",
@@ -433,7 +446,10 @@ def run_board(args: argparse.Namespace) -> int:
     except OSError as e:
         raise DemoError(f"cannot read the board's main.py: {e}") from e
     try:
-        lay_out_flash(flash, settings, mpy=board.runs_mpy(not args.py), main_py=main_py)
+        _check_romfs(args)
+        lay_out_flash(
+            flash, settings, mpy=board.runs_mpy(not args.py), main_py=main_py, romfs=args.romfs
+        )
     except BoardError as e:
         raise DemoError(str(e)) from e
     notice = fallback_notice()
