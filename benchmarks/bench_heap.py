@@ -20,6 +20,8 @@ of ../shared/micropython (or $WREN_MICROPYTHON_I686) when it is there.
     python benchmarks/bench_heap.py --figures turn --micropython PATH   # that binary only
     python benchmarks/bench_heap.py --frozen    # also unix ports with edge_runtime frozen in
                                                 # (the kit's x64 and i686), flash without it
+    python benchmarks/bench_heap.py --romfs     # also each binary with the runtime's .mpy in
+                                                # a ROMFS image: the heap beyond the image
 
 Progress goes to stderr, the table to stdout.
 """

@@ -350,7 +350,8 @@ class Link:
 
     def _connected(self):
         # "Up" includes the subscriptions: whoever waited for it can rely on receiving.
-        # The opening's code goes (a later subscribe() loads it again for its SUBACK).
+        # The opening's code goes (a later subscribe() loads it again for its SUBSCRIBE
+        # and SUBACK, and lets it go once that is in).
         platform.unload("mqttopen")
         self.connected = True
         self._up.set()
@@ -484,7 +485,8 @@ class Link:
                 # carried (retransmits, DUP set), then the outbox while there is room.
                 if self._nsubs < len(self._subs):
                     pid = self._new_pid()
-                    if not self._nsubs:
+                    if not self._nsubs and not self.connected:
+                        # The connect-time SUBSCRIBE: its SUBACK brings the link up.
                         self._sub_pid = pid
                     new = self._subs[self._nsubs:]
                     self._nsubs = len(self._subs)
@@ -656,6 +658,10 @@ class Link:
                     if pid == self._sub_pid:
                         self._sub_pid = 0
                         self._connected()
+                    elif self.connected:
+                        # A subscribe() made once the link was up: its SUBACK is in,
+                        # and the opening's code goes again, as when the link came up.
+                        platform.unload("mqttopen")
                 elif t != mqtt.PINGRESP:
                     # A second CONNACK, a QoS 2 flow or an UNSUBACK we never caused:
                     # the broker and we disagree about the session.

@@ -124,6 +124,37 @@ def test_publish_subscribe_round_trip_qos0_qos1_and_retained():
     run(main())
 
 
+def test_a_subscribe_once_the_link_is_up_lets_the_opening_code_go_after_its_suback():
+    # subscribe() on a link that is up sends its SUBSCRIBE at once; the packet and its
+    # SUBACK are mqttopen.py's, loaded for them. Once the SUBACK is in, that code goes
+    # again (from .mpy, as on a board), as it goes when a link comes up; and the link,
+    # up already, does not come up a second time (it did once: a link that connected
+    # with no subscription took the first later SUBACK for its connect-time one).
+    async def main():
+        base = _base()
+        got, on_msg = _collector()
+        ups = []
+        link = _link("upsub", on_message=on_msg, on_connect=lambda: ups.append(1))
+        keep = _link("keep")
+
+        async def body():
+            keep.publish(base + "/r", b"retained", 1, True)
+            await _until(lambda: keep.pending == 0, "the retained message's PUBACK")
+            assert link.connected
+            link.subscribe(base + "/r", 1)
+            # The broker sends the SUBACK, then the retained message, on one connection.
+            await _until(lambda: got == [(base + "/r", b"retained")], "the retained message")
+            if getattr(mqttopen, "__file__", "").endswith(".mpy"):
+                assert "edge_runtime.mqttopen" not in sys.modules
+            assert len(ups) == 1 and link.stats["connects"] == 1
+            keep.publish(base + "/r", b"", 1, True)
+            await _until(lambda: keep.pending == 0, "the clearing PUBACK")
+
+        await _with([link, keep], body)
+
+    run(main())
+
+
 class CutProxy:
     # Sits between a Link and the broker and forwards whole packets both ways, except
     # that it swallows the first PUBLISH on `topic` from the client and cuts both
