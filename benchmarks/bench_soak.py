@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.soak import Fault, RunRecord, Soak  # noqa: E402
-from tests.stack import StackError  # noqa: E402
+from tests.stack import RUNTIMES, StackError, frozen_binary  # noqa: E402
 from tools.steps import Steps  # noqa: E402
 
 RUNS = 1000
@@ -256,6 +256,14 @@ def main() -> None:
         help="the bridge's --merge-ms (0, as tests/soak.py: each chunk on as it comes)",
     )
     parser.add_argument("--micropython", metavar="PATH", help="the board's binary")
+    parser.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="flash",
+        help="where the board holds the runtime: .mpy on its flash (the default), frozen "
+        "into --micropython (default then: the kit's x64 unix port built with it frozen, "
+        "tests/stack.py frozen_binary), or in a ROMFS image (--heap beyond it)",
+    )
     parser.add_argument("--csv", type=Path, metavar="PATH", help="one row per request")
     parser.add_argument(
         "--console", type=Path, metavar="PATH", help="the soak board's whole console, to read"
@@ -277,12 +285,21 @@ def main() -> None:
             command += f" {flag} {value}"
     if args.micropython:
         command += f" --micropython {args.micropython}"
+    if args.runtime != "flash":
+        command += f" --runtime {args.runtime}"
+    if args.runtime == "frozen" and not args.micropython:
+        args.micropython = frozen_binary("x64")
+        if args.micropython is None:
+            parser.error("--runtime frozen needs --micropython PATH or the kit to build one")
     started = time.monotonic()
 
     progress(f"soak: {args.runs} requests at {args.heap} ...")
     forced: list[tuple[RunRecord, list[RunRecord]]] = []
     bridge_args = ["--merge-ms", str(args.merge_ms)]
-    with Soak(heap=args.heap, micropython=args.micropython, bridge_args=bridge_args) as soak:
+    with Soak(
+        heap=args.heap, micropython=args.micropython, bridge_args=bridge_args,
+        runtime=args.runtime,
+    ) as soak:  # fmt: skip
         records: list[RunRecord] = []
         while len(records) < args.runs:
             records += soak.run(min(100, args.runs - len(records)))
@@ -303,8 +320,9 @@ def main() -> None:
     if args.baseline_runs:
         progress(f"baseline: the agent alone, {args.baseline_runs} requests ...")
         with Soak(
-            heap=args.heap, micropython=args.micropython, bridge_args=bridge_args, probe=False
-        ) as alone:
+            heap=args.heap, micropython=args.micropython, bridge_args=bridge_args, probe=False,
+            runtime=args.runtime,
+        ) as alone:  # fmt: skip
             baseline = alone.run(args.baseline_runs)
     if args.csv:
         write_csv(args.csv, records + [r for f in forced for r in (f[0], *f[1])])

@@ -566,8 +566,12 @@ class Soak:
         bridge_args: Sequence[str] = (),
         probe: bool = True,
         ballast: bool = True,
+        runtime: str = "flash",
     ) -> None:
         self.heap = heap
+        # Where the board holds the runtime (tests/stack.py RUNTIMES): "frozen" for a
+        # binary that has it frozen in, whose flash must not hold a copy.
+        self.runtime = runtime
         self.micropython = micropython
         self.bridge_args = ["--merge-ms", "0", *bridge_args]
         # Without the probe the board runs the agent alone and each run's own heap line
@@ -610,6 +614,7 @@ class Soak:
             heap=self.heap,
             micropython=self.micropython,
             main_py=main_py(self.probe, self.ballast),
+            runtime=self.runtime,
             bridge_args=self.bridge_args,
             board_settings={"port": self.relay.port},
         )

@@ -22,7 +22,10 @@ What runs:
   `--openai-base-url model_url --model model`), its stdout and stderr in `bridge.log`.
 - **board**: `edge_runtime` laid out as .mpy (`lay_out_flash`) and run on the MicroPython
   unix port (`micropython=` another binary) at `heap`; its console is read by a thread
-  into `console`.
+  into `console`. `runtime="frozen"` leaves the runtime off the flash, for a binary that
+  has it frozen in (`frozen_binary`: a flash copy would come first on the board's path and
+  be what runs); `runtime="romfs"` puts it in a ROMFS image (tools/romfs.py), `heap` then
+  being the heap beyond it.
 - **host**: a HostClient signed in as the tenant's host user, with a session token for
   the end user `alice`.
 
@@ -148,6 +151,11 @@ def forget_bridge_status(broker: MosquittoProcess, prefix: str = PREFIX) -> None
                    port=broker.port)  # fmt: skip
 
 
+# Where a Stack's board holds the runtime: on its flash (as .mpy, or .py with mpy=False),
+# frozen into its binary, or in a ROMFS image.
+RUNTIMES = ("flash", "frozen", "romfs")
+
+
 class StackError(RuntimeError):
     """A part of the stack did not start, stop or answer in time, or died."""
 
@@ -194,6 +202,7 @@ class Stack:
         heap: str | None = None,
         micropython: str | None = None,
         mpy: bool = True,
+        runtime: str = "flash",
         persistence: bool = False,
         broker_conf: str = "",
         board_settings: Mapping[str, Any] | None = None,
@@ -221,6 +230,9 @@ class Stack:
         self.heap = heap or "128K"
         self.micropython = micropython
         self.mpy = mpy
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
+        self.runtime = runtime
         self.persistence = persistence
         self.broker_conf = broker_conf
         self.access = access
@@ -326,7 +338,10 @@ class Stack:
             **self.board_settings,
         }
         try:
-            lay_out_flash(self.flash, settings, mpy=self.mpy, main_py=self.main_py)
+            lay_out_flash(
+                self.flash, settings, mpy=self.mpy, main_py=self.main_py,
+                package=self.runtime != "frozen", romfs=self.runtime == "romfs",
+            )  # fmt: skip
         except (BoardError, subprocess.CalledProcessError) as e:
             raise StackError(f"board: could not lay out the flash: {e}") from e
 
