@@ -32,7 +32,6 @@ import argparse
 import logging
 import os
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,9 +56,11 @@ from tools.broker import start_mosquitto  # noqa: E402
 from tools.steps import Steps  # noqa: E402
 from tools.virtual_board import (  # noqa: E402
     VirtualBoard,
+    gc_block_bytes,
     lay_out_flash,
     micropython_binary,
     run_on_flash,
+    word_bits,
 )
 
 IMPORT = (
@@ -123,13 +124,7 @@ def logged(name: str, ok: Callable[[int], bool]) -> Callable[[int], bool]:
 
 def bits(exe: str) -> int:
     """32 or 64: the word size of a MicroPython binary."""
-    out = subprocess.run(
-        [exe, "-c", "import sys; print(sys.maxsize > 2**32)"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout.strip()
-    return 64 if out == "True" else 32
+    return word_bits(exe)
 
 
 def import_ok(exe: str, flash: Path, kib: int) -> bool:
@@ -141,7 +136,7 @@ def import_alloc(exe: str, flash: Path) -> int:
     image = flash / romfs.IMAGE
     if image.exists():
         # Beyond the image's buffer: its object's block and its data's.
-        block = romfs.block_bytes(exe)
+        block = gc_block_bytes(exe)
         alloc -= block + -(-image.stat().st_size // block) * block
     return alloc
 

@@ -47,7 +47,6 @@ import random
 import re
 import shutil
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -63,6 +62,7 @@ from server_bridge.registry import Registry
 from tests.model_server import ModelServer, ToolCall, Turn
 from tests.stack import TENANT, Stack, StackError, assistant_text
 from tools.demo import AGENT
+from tools.virtual_board import gc_block_bytes
 
 __all__ = [
     "AGENT_PY",
@@ -177,16 +177,8 @@ def main_py(probe: bool = True, ballast: bool = True) -> str:
 
 
 def gc_block(exe: str) -> int:
-    """Bytes per GC block of a MicroPython binary: four machine words (the unix port's
-    MICROPY_BYTES_PER_GC_BLOCK), 32 on a 64-bit build, 16 on a 32-bit one."""
-    out = subprocess.run(
-        [exe, "-c", "import sys; print(sys.maxsize > 2**32)"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout.strip()
-    return 32 if out == "True" else 16
+    """Bytes per GC block of a MicroPython binary (tools/virtual_board.py)."""
+    return gc_block_bytes(exe)
 
 
 # The four fields and the local tool, as AGENT_PY declares them.

@@ -53,7 +53,13 @@ from types import TracebackType
 
 from tools import romfs
 from tools.owned_process import die_with_owner
-from tools.virtual_board import DEFAULT_HEAP, EXIT_RESET, heap_bytes, micropython_binary
+from tools.virtual_board import (
+    DEFAULT_HEAP,
+    EXIT_RESET,
+    gc_block_bytes,
+    heap_bytes,
+    micropython_binary,
+)
 
 # What the unix port prints as it enters the raw REPL, and as its friendly REPL starts
 # (the banner's last line): the console's mode is read from them.
@@ -327,7 +333,7 @@ class PtyBoard:
             if not self.machine_reset:
                 env["MICROPYPATH"] += f":{self._shim.name}"
             env["WREN_SIM_ROMFS"] = f"{self.romfs.resolve()}:{self.romfs_size}"
-            heap = romfs.heap_for(self.exe, heap_bytes(self.heap), self.romfs_size)
+            heap = romfs.heap_for(gc_block_bytes(self.exe), heap_bytes(self.heap), self.romfs_size)
             argv = [self.exe, "-X", f"heapsize={heap}"]
             argv += ["-c", ROMFS_BOOT + MAIN_AFTER_BOOT] if kind == "main" else [
                 "-i", "-c", ROMFS_BOOT]  # fmt: skip

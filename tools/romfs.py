@@ -21,8 +21,6 @@ on a board, where the image is flash.
 
 from __future__ import annotations
 
-import functools
-import subprocess
 from pathlib import Path
 
 IMAGE = "romfs.img"
@@ -85,22 +83,10 @@ def boot_code(then: str | None = None, image: str = IMAGE) -> str:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def block_bytes(exe: str) -> int:
-    """The GC block of the MicroPython binary `exe`: 16 bytes on 32-bit, 32 on 64-bit."""
-    done = subprocess.run(
-        [exe, "-c", "import sys; print(sys.maxsize > 2**32)"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return 32 if done.stdout.strip() == "True" else 16
-
-
-def heap_for(exe: str, heap_bytes: int, image_bytes: int) -> int:
-    """The `-X heapsize` that leaves `heap_bytes` beyond an image of `image_bytes`: its
-    buffer's blocks (the object's header and its data), their share of the GC's tables,
-    and one block for the data's alignment."""
-    block = block_bytes(exe)
+def heap_for(block: int, heap_bytes: int, image_bytes: int) -> int:
+    """The `-X heapsize` that leaves `heap_bytes` beyond an image of `image_bytes` on a
+    binary whose GC blocks are `block` bytes (tools/virtual_board.py gc_block_bytes): the
+    image's buffer's blocks (the object's header and its data), their share of the GC's
+    tables, and one block for the data's alignment."""
     blocks = -(-image_bytes // block) + 2
     return heap_bytes + int(blocks * (block + _GC_TABLE_BYTES_PER_BLOCK)) + block

@@ -8,6 +8,7 @@ has no wheel (Linux aarch64, for one) it runs the same files on CPython and says
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -44,6 +45,25 @@ def heap_bytes(text: str) -> int:
     text = text.strip()
     unit = {"k": 1024, "m": 1024 * 1024}.get(text[-1:].lower(), 1)
     return int(text[:-1] if unit > 1 else text) * unit
+
+
+@functools.lru_cache(maxsize=8)
+def word_bits(exe: str) -> int:
+    """32 or 64: the word size of the MicroPython binary `exe`."""
+    done = subprocess.run(
+        [exe, "-c", "import sys; print(sys.maxsize > 2**32)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return 64 if done.stdout.strip() == "True" else 32
+
+
+def gc_block_bytes(exe: str) -> int:
+    """Bytes per GC block of the MicroPython binary `exe`: four machine words (the unix
+    port's MICROPY_BYTES_PER_GC_BLOCK), 32 on a 64-bit build, 16 on a 32-bit one."""
+    return word_bits(exe) // 2
 
 
 def out_of_heap(heap: str, py: bool) -> str:
@@ -196,7 +216,9 @@ def run_on_flash(
     beyond it (tools/romfs.py)."""
     image = flash / romfs_tools.IMAGE
     if image.exists():
-        heap = str(romfs_tools.heap_for(exe, heap_bytes(heap), image.stat().st_size))
+        heap = str(
+            romfs_tools.heap_for(gc_block_bytes(exe), heap_bytes(heap), image.stat().st_size)
+        )
         code = romfs_tools.boot_code(code)
     return subprocess.run(
         [exe, "-X", f"heapsize={heap}", *(("-c", code) if code is not None else ("main.py",))],
@@ -246,7 +268,9 @@ class VirtualBoard:
         if image.exists():
             # As a ROMFS firmware boots: the image mounted, then main.py; the heap given is
             # the heap beyond the image, which a board holds in flash.
-            heap = romfs_tools.heap_for(exe, heap_bytes(self.heap), image.stat().st_size)
+            heap = romfs_tools.heap_for(
+                gc_block_bytes(exe), heap_bytes(self.heap), image.stat().st_size
+            )
             return [exe, "-X", f"heapsize={heap}", "-c", romfs_tools.boot_code()]
         return [exe, "-X", f"heapsize={self.heap}", "main.py"]
 
