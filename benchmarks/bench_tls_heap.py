@@ -7,6 +7,7 @@ imported, not copied.
 
     python benchmarks/bench_tls_heap.py                    # the unix port (64-bit)
     python benchmarks/bench_tls_heap.py --micropython PATH # another binary
+    python benchmarks/bench_tls_heap.py --romfs            # also from a ROMFS image
 
 A binary built without TLS (the 32-bit kit's, MICROPY_PY_SSL=0) gets the plain figure
 and the reason there is no TLS one. What the figure leaves out: the unix port's mbedTLS
@@ -93,6 +94,11 @@ def main() -> None:
         metavar="PATH",
         help="a MicroPython binary to measure (repeatable; default: the unix port)",
     )
+    parser.add_argument(
+        "--romfs",
+        action="store_true",
+        help="also with the runtime's .mpy in a ROMFS image (the heap beyond it; tools/romfs.py)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
     # Absolute: each board runs in its own flash directory.
@@ -108,6 +114,8 @@ def main() -> None:
     command = "python benchmarks/bench_tls_heap.py" + "".join(
         f" --micropython {b}" for b in args.micropython or ()
     )
+    if args.romfs:
+        command += " --romfs"
     print(f"command: {command}")
     rows: list[tuple[str, str, int | None, list[int], str]] = []
     with tempfile.TemporaryDirectory(prefix="wren-bench-tls-") as tmp:
@@ -123,28 +131,34 @@ def main() -> None:
                 label = f"{n}: {bits(exe)}-bit"
                 print(f"binary {n}: {exe} ({label.split(': ')[1]})")
 
-                def plain(k: int, e: str = exe) -> bool:
-                    return rig.turn_ok(e, k, True, ASK)
+                for kind in (".mpy", "romfs") if args.romfs else (".mpy",):
+                    rom = kind == "romfs"
 
-                kib, fails = bisect_kib(f"demo turn, plain [{label}]", plain, 8, 256)
-                rows.append(("demo turn, plain (.mpy)", label, kib, fails, ""))
-                if not has_tls(exe):
-                    rows.append(("demo turn, TLS (.mpy)", label, None, [],
-                                 "no tls module: built without MICROPY_PY_SSL"))  # fmt: skip
-                    continue
+                    def plain(k: int, e: str = exe, r: bool = rom) -> bool:
+                        return rig.turn_ok(e, k, True, ASK, romfs=r)
 
-                def secure(k: int, e: str = exe) -> bool:
-                    with tls_boards(pki, port):
-                        return rig.turn_ok(e, k, True, ASK)
+                    kib, fails = bisect_kib(f"demo turn, plain {kind} [{label}]", plain, 8, 256)
+                    rows.append((f"demo turn, plain ({kind})", label, kib, fails, ""))
+                    if not has_tls(exe):
+                        rows.append((f"demo turn, TLS ({kind})", label, None, [],
+                                     "no tls module: built without MICROPY_PY_SSL"))  # fmt: skip
+                        continue
 
-                kib, fails = bisect_kib(f"demo turn, TLS [{label}]", secure, 8, 256)
-                rows.append(("demo turn, TLS (.mpy)", label, kib, fails, ""))
+                    def secure(k: int, e: str = exe, r: bool = rom) -> bool:
+                        with tls_boards(pki, port):
+                            return rig.turn_ok(e, k, True, ASK, romfs=r)
+
+                    kib, fails = bisect_kib(f"demo turn, TLS {kind} [{label}]", secure, 8, 256)
+                    rows.append((f"demo turn, TLS ({kind})", label, kib, fails, ""))
         finally:
             rig.close()
 
     print(f"{'what':24} {'binary':10} {'min heap KiB':>12} {'vs plain':>9}  fails above the min")
     for name, label, kib, fails, why in rows:
-        base = next((r[2] for r in rows if r[1] == label and r[0].endswith("plain (.mpy)")), None)
+        kind = name[name.index("(") :]
+        base = next(
+            (r[2] for r in rows if r[1] == label and r[0] == f"demo turn, plain {kind}"), None
+        )
         more = f"{kib - base:+d}" if kib is not None and base is not None else ""
         above = ", ".join(f"{k}K" for k in fails) or "none"
         tail = why or f"{above} (of {bench_heap.ABOVE} checked)"
