@@ -289,6 +289,35 @@ def test_the_example_passes_as_a_user_runs_it(tmp_path: Path) -> None:
     ]
 
 
+# The example's heap with its code in a ROMFS image (`--wren-code romfs`): all three
+# passed at 88K beyond the image on both targets (2026-12-06), where from .mpy on the
+# flash the scenarios need up to 124K (CEILING, less its 4 KiB).
+ROMFS_HEAP = "88K"
+
+
+@pytest.mark.parametrize("target", ["unix", "pty"])
+def test_the_example_passes_from_a_romfs_image_on_a_smaller_heap(
+    tmp_path: Path, target: str
+) -> None:
+    report = tmp_path / "report.xml"
+    done = _pytest(str(EXAMPLE), "--wren-code", "romfs", "--wren-target", target,
+                   "--wren-heap", ROMFS_HEAP, f"--junitxml={report}", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite is not None
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("3", "0", "0")
+    if target == "unix":
+        # The same heap with the code on the flash is too small: the image is what fits.
+        flash = _pytest(str(EXAMPLE), "--wren-heap", ROMFS_HEAP, "-x", cwd=tmp_path)
+        assert flash.returncode == pytest.ExitCode.TESTS_FAILED, flash.stdout
+
+
+def test_a_wrong_code_is_a_usage_error(tmp_path: Path) -> None:
+    done = _pytest(str(EXAMPLE), "--wren-code", "frozen", cwd=tmp_path)
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "--wren-code 'frozen': use flash or romfs" in done.stderr
+
+
 def test_a_wrong_target_is_a_usage_error(tmp_path: Path) -> None:
     done = _pytest(str(EXAMPLE), "--wren-target", "usb", cwd=tmp_path)
     assert done.returncode == pytest.ExitCode.USAGE_ERROR

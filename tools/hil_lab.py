@@ -107,6 +107,8 @@ _POLL_S = 0.05
 # How long a serial console is to say nothing more before its prompt is taken to be the
 # last thing it printed.
 _QUIET_S = 0.3
+# Where a lab's boards hold the runtime and the agent (Lab's `code`).
+CODES = ("flash", "romfs")
 
 
 class LabError(RuntimeError):
@@ -786,6 +788,7 @@ class Lab:
         broker_host: str = "127.0.0.1",
         settings: Mapping[str, Any] | None = None,
         build_target: str = "unix",
+        code: str = "flash",
     ) -> None:
         self._owned: tempfile.TemporaryDirectory[str] | None = None
         if workdir is None:
@@ -801,6 +804,12 @@ class Lab:
         except build_mod.BuildError as e:
             raise LabError(f"build: {e}") from None
         self.build_target = build_target
+        # Where the board holds the runtime and the agent: .mpy on its flash, or in a
+        # ROMFS image (`wren build --romfs`): a unix board boots with it, a pty board has
+        # a ROMFS partition that `wren flash` writes, a serial board's firmware needs one.
+        if code not in CODES:
+            raise LabError(f"board: code {code!r}: use {' or '.join(CODES)}")
+        self.code = code
         self.settings_path = self.workdir / "settings.json"
         self.registry_path = self.workdir / "registry.json"
         self.users = {
@@ -899,7 +908,9 @@ class Lab:
             self._flashes += 1
             blank = self.workdir / f"flash-{self._flashes}"
             blank.mkdir()
-            pty = PtyBoard(blank, heap=heap, exe=micropython)
+            # A ROMFS firmware's partition, blank as the board's flash is.
+            partition = blank.with_name(blank.name + ".romfs") if self.code == "romfs" else None
+            pty = PtyBoard(blank, heap=heap, exe=micropython, romfs=partition)
             try:
                 port = pty.start()
             except PtyBoardError as e:
@@ -938,11 +949,14 @@ class Lab:
     def staged(self, agent: Agent) -> Path:
         """`wren build`'s output for `agent` (the board's files: edge_runtime and the
         agent as .mpy, a main.py that imports it), made once per agent."""
-        key = hashlib.sha256(repr((agent, self.build_target)).encode()).hexdigest()[:12]
-        out = self.workdir / f"build-{key}"
+        key = hashlib.sha256(repr((agent, self.build_target, self.code)).encode()).hexdigest()
+        out = self.workdir / f"build-{key[:12]}"
         if out.name not in self._staged:
             try:
-                build_mod.build(self.build_target, out, agent.path)
+                if self.code == "romfs":
+                    build_mod.build_romfs(self.build_target, out, agent.path)
+                else:
+                    build_mod.build(self.build_target, out, agent.path)
             except (build_mod.BuildError, OSError) as e:
                 raise LabError(f"build: {e}") from None
             self._staged.add(out.name)

@@ -26,7 +26,10 @@ Fixtures (all named `wren_*`; tools/hil_lab.py has the parts they hand out):
   flash` once a session (only what changed), and soft-reset for each test. A real board
   reaches the broker over Wi-Fi: give `--wren-broker-host` an address of this machine
   it can reach, and its Wi-Fi in `--wren-settings FILE` (JSON merged into its
-  settings.json, checked as `wren flash` checks it).
+  settings.json, checked as `wren flash` checks it). `--wren-code romfs` puts the
+  runtime and the agent in a ROMFS image instead (`wren build --romfs`), as a board whose
+  firmware has a ROMFS partition holds them: the `pty` board gets such a partition, and
+  `--wren-heap` is then the heap beyond the image.
 - `wren_host`: a host client signed in with a session token: `ask`, `request`,
   `wait`, `wait_tool` and `answer` (a client tool answered from the test), `on_tool`.
 
@@ -69,6 +72,10 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "settings": ("a JSON file merged into the board's settings.json (Wi-Fi, say)", None),
     "build-target": ("what `wren build` compiles for: esp32, esp32s3, rp2 or unix (default "
                      "unix; it matters only to an agent's native code)", None),
+    "code": ("where the board holds the runtime and the agent: flash (.mpy on its file "
+             "system, the default) or romfs (a ROMFS image, `wren build --romfs`: the heap "
+             "is then the heap beyond it; a serial board's firmware needs a ROMFS partition)",
+             None),
     "timeout": ("seconds a run may take in wren_host.ask (default 60)", None),
 }  # fmt: skip
 # Options that name files: relative to the configuration file when set there.
@@ -111,6 +118,12 @@ def pytest_configure(config: pytest.Config) -> None:
             _Target.parse(target)
         except TargetError as e:
             raise pytest.UsageError(str(e)) from None
+    code = _option(config, "code")
+    if code is not None:
+        from tools.hil_lab import CODES
+
+        if code not in CODES:
+            raise pytest.UsageError(f"--wren-code {code!r}: use {' or '.join(CODES)}")
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -209,6 +222,7 @@ def wren_lab(
         broker_host=_option(pytestconfig, "broker-host") or "127.0.0.1",
         settings=settings,
         build_target=_option(pytestconfig, "build-target") or "unix",
+        code=_option(pytestconfig, "code") or "flash",
     )
     yield lab
     lab.close()
