@@ -107,6 +107,8 @@ _POLL_S = 0.05
 # How long a serial console is to say nothing more before its prompt is taken to be the
 # last thing it printed.
 _QUIET_S = 0.3
+# The raw REPL at rest: its banner's end and its prompt, as a board prints them.
+RAW_PROMPT = "raw REPL; CTRL-B to exit\r\n>"
 # Where a lab's boards hold the runtime and the agent (Lab's `code`).
 CODES = ("flash", "romfs")
 
@@ -733,6 +735,12 @@ class SerialBoard(Board):
                 if time.monotonic() > deadline or self._failure is not None:
                     tail = self._text[-400:]
                     raise LabError(f"board: no REPL prompt on {self.port} in 10s: {tail!r}")
+                if self._text.endswith(RAW_PROMPT) and time.monotonic() - self._heard_at > _QUIET_S:
+                    # At rest in the raw REPL: a board still rebooting into it (the last
+                    # board's stop) when our Ctrl-B came took that key before it entered
+                    # it (seen once in CI on the socat pty). Leave it again.
+                    self._write(b"\x02")
+                    self._heard_at = time.monotonic()
                 self._cond.wait(_QUIET_S / 2)
         mark = self._mark_text()
         self._write(b"\x04")
