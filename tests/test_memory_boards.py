@@ -7,6 +7,7 @@ its memory, the scripted model."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from server_bridge.host.reducer import RunSnapshot
@@ -67,6 +68,7 @@ def test_a_users_usual_temperature_follows_them_to_another_board(tmp_path: Path)
         assert secret is not None
         other = sign(bytes.fromhex(secret), TENANT, "someone-else")
         snap = s.wait_run(s.client.request(SECOND, other, USE))
+        ended_ns = time.time_ns()
         (loaded,) = calls(snap, "memory.load")
         assert "usual_celsius: null" in str(loaded[1])
         ((given, _, failed),) = calls(snap, "set_temperature")
@@ -75,11 +77,15 @@ def test_a_users_usual_temperature_follows_them_to_another_board(tmp_path: Path)
         # first run left it. The first went before the bridge held that user's memory
         # (it reads no file on its network thread) and so did the third, another user's:
         # their runs loaded it.
-        wait_for(
-            lambda: counters(stats).get("wren_host_req_unseeded_total") == 2,
-            "three requests counted",
-        )
+        # From a snapshot the bridge made once the last run had ended: one written
+        # during that run (they come every 0.2 s, and a run can be quicker) can hold its
+        # request but not yet its state.load (a CI rehearsal read 1 so). The second file
+        # written after the end, as the first may hold counters taken just before it.
+        wait_for(lambda: stats.stat().st_mtime_ns > ended_ns, "a snapshot after the runs")
+        first_ns = stats.stat().st_mtime_ns
+        wait_for(lambda: stats.stat().st_mtime_ns > first_ns, "the next snapshot")
         got = counters(stats)
+        assert got.get("wren_host_req_unseeded_total") == 2, got
         assert got.get("wren_host_req_seeded_total") == 1, got
         assert got.get("wren_rpc_calls_state_load_total") == 2, got
 
