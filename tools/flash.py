@@ -266,9 +266,9 @@ def rom_state(port: str, size: int) -> str:
     raise FlashError(f"the board did not answer the ROMFS query: {out.strip()[-200:]!r}")
 
 
-def deploy_romfs(port: str, build_dir: Path, record: dict[str, Any]) -> LocalFile | None:
+def deploy_romfs(port: str, build_dir: Path, record: dict[str, Any]) -> tuple[LocalFile, bool]:
     """The build's ROMFS image written to the board's partition when it holds other bytes;
-    the image, or None when it was already there."""
+    the image, and whether it was written (False: it was there already)."""
     try:
         listed = record["romfs"]
         image = _local(str(listed["path"]), build_dir / str(listed["path"]))
@@ -292,11 +292,11 @@ def deploy_romfs(port: str, build_dir: Path, record: dict[str, Any]) -> LocalFil
             f"{image.size:,}-byte image"
         )
     if held == image.sha256:
-        return None
+        return image, False
     mpremote(port, [["romfs", "deploy", str(image.source)]])
     if rom_state(port, image.size) != image.sha256:
         raise FlashError("the board's ROMFS partition holds other bytes than were deployed")
-    return image
+    return image, True
 
 
 def _local(path: str, source: Path) -> LocalFile:
@@ -413,10 +413,7 @@ def flash(
     rom: tuple[LocalFile, bool] | None = None
     if "romfs" in record:
         # First: a board without ROMFS is told so before its flash is changed.
-        deployed = deploy_romfs(port, build_dir, record)
-        listed = record["romfs"]
-        rom = (deployed, True) if deployed else (
-            _local(str(listed["path"]), build_dir / str(listed["path"])), False)  # fmt: skip
+        rom = deploy_romfs(port, build_dir, record)
     paths, dirs = asked(files, frozen)
     sums, held = query(port, paths, dirs)
     todo = plan(files, frozen, sums, held)

@@ -94,7 +94,6 @@ ROMFS_SIZE = 128 * 1024
 # each boot runs first.
 ROMFS_SIM = Path(__file__).resolve().parent.parent / "firmware_tests" / "sim" / "romfs_partition.py"
 ROMFS_BOOT = "import romfs_partition\nromfs_partition.boot()\ndel romfs_partition\n"
-MAIN_AFTER_BOOT = "with open('main.py') as _f:\n    _main = _f.read()\ndel _f\nexec(_main)\n"
 
 
 class PtyBoardError(RuntimeError):
@@ -335,7 +334,7 @@ class PtyBoard:
             env["WREN_SIM_ROMFS"] = f"{self.romfs.resolve()}:{self.romfs_size}"
             heap = romfs.heap_for(gc_block_bytes(self.exe), heap_bytes(self.heap), self.romfs_size)
             argv = [self.exe, "-X", f"heapsize={heap}"]
-            argv += ["-c", ROMFS_BOOT + MAIN_AFTER_BOOT] if kind == "main" else [
+            argv += ["-c", ROMFS_BOOT + romfs.RUN_MAIN] if kind == "main" else [
                 "-i", "-c", ROMFS_BOOT]  # fmt: skip
         self._board_modes()
         owner = die_with_owner()

@@ -26,6 +26,8 @@ from pathlib import Path
 IMAGE = "romfs.img"
 # What a ROMFS firmware puts on sys.path after the flash root (extmod/vfs.c).
 MOUNT = "/rom"
+# What a board runs once booted, for `-c` on the unix port: main.py, as a script.
+RUN_MAIN = "with open('main.py') as _f:\n    _main = _f.read()\ndel _f\nexec(_main)\n"
 # The GC's cost of a heap block beyond its bytes: two bits in the allocation table and one
 # in the finaliser table (py/gc.c), in bytes.
 _GC_TABLE_BYTES_PER_BLOCK = 3 / 8
@@ -67,10 +69,7 @@ def boot_code(then: str | None = None, image: str = IMAGE) -> str:
     `then`): `image` (in the working directory) read into one buffer of its exact size, so
     nothing is left behind it in the heap, mounted at /rom, and /rom and /rom/lib put on
     sys.path."""
-    if then is not None:
-        run = f"exec({then!r})\n"
-    else:
-        run = "with open('main.py') as _f:\n    _main = _f.read()\ndel _f\nexec(_main)\n"
+    run = RUN_MAIN if then is None else f"exec({then!r})\n"
     return (
         "import os, sys, vfs\n"
         f"_rom = bytearray(os.stat({image!r})[6])\n"
