@@ -597,15 +597,17 @@ def test_runs_end_whole_through_a_bridge_killed_and_a_node_stopped(
         client.close()
 
 
-def test_nats_gives_a_dead_nodes_unacknowledged_message_after_later_ones(
+def test_nats_gives_a_dead_nodes_unacknowledged_message_again_in_either_order(
     tmp_path: Path,
 ) -> None:
     """The broker's part in a rehearsal of the test above whose run ended `done` without
     its first 64 characters: a QoS 1 message that a node delivered to a board's session
-    and that the board had not acknowledged when the node died comes again only after
-    NATS's ack wait (30 s), behind what was published since, which the board, on its
-    next node, has at once. Order on one topic does not hold across a node's death; a
-    board must take chunks by `s` (the test below)."""
+    and that the board had not acknowledged when the node died is not lost, and neither
+    is one published while the node was down; but their order on the board's next node
+    is not the order they were published in every time. Two orders are seen here: the
+    first message again at once and then the second (the node died before the
+    delivery was recorded elsewhere), or the second at once and the first only after
+    NATS's ack wait (30 s) ran out. A board must take chunks by `s` (the test below)."""
     pw = secrets.token_hex(8)
     device = "fleet-order"
     cluster = start_nats_cluster(
@@ -655,14 +657,15 @@ def test_nats_gives_a_dead_nodes_unacknowledged_message_after_later_ones(
         acking.set()
         board.connect("127.0.0.1", cluster.mqtt_ports[0])
         board.loop_start()
+
+        def again() -> list[bytes | bytearray]:
+            return [payload for payload, _ in got[1:]]
+
+        # The ack wait (30 s) runs from the first delivery, before the kill: 45 s
+        # from here bounds the late order with room on a loaded machine.
         with came:
-            assert came.wait_for(lambda: len(got) >= 2, 25), got
-            # s2 first; s1 again (DUP) only once the 30 s ack wait from its first
-            # delivery has run out.
-            assert [payload for payload, _ in got] == [b"s1", b"s2"], got
-            came.wait_for(lambda: len(got) >= 3, 2.0)
-            assert [payload for payload, _ in got[:2]] == [b"s1", b"s2"], got
-            assert b"s1" not in [payload for payload, _ in got[2:]], got
+            assert came.wait_for(lambda: {b"s1", b"s2"} <= set(again()), 45), got
+            assert set(again()) == {b"s1", b"s2"}, got
     finally:
         for c in (board, sender):
             c.loop_stop()
