@@ -284,8 +284,8 @@ class ClusterBoard:
                     # after a reconnect, say) is acknowledged again but not used twice.
                     seen = isinstance(s, int) and s <= call[2]
                     # Past the next one: an earlier chunk has not come (yet). A broker
-                    # may deliver it late: NATS 2.9 gives a session a QoS 1 message its
-                    # dead node had delivered unacknowledged only after its ack wait
+                    # may deliver it late: NATS 2.9 may give a session a QoS 1 message
+                    # its dead node had delivered unacknowledged only after its ack wait
                     # (30 s), behind what came since. Taken, the earlier one would then
                     # be dropped as seen and the run end done without its text.
                     ahead = isinstance(s, int) and s > call[2] + 1
