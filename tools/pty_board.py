@@ -56,8 +56,7 @@ from tools.owned_process import die_with_owner
 from tools.virtual_board import (
     DEFAULT_HEAP,
     EXIT_RESET,
-    gc_block_bytes,
-    heap_bytes,
+    heap_beyond_image,
     micropython_binary,
 )
 
@@ -332,7 +331,7 @@ class PtyBoard:
             if not self.machine_reset:
                 env["MICROPYPATH"] += f":{self._shim.name}"
             env["WREN_SIM_ROMFS"] = f"{self.romfs.resolve()}:{self.romfs_size}"
-            heap = romfs.heap_for(gc_block_bytes(self.exe), heap_bytes(self.heap), self.romfs_size)
+            heap = heap_beyond_image(self.exe, self.heap, self.romfs_size)
             argv = [self.exe, "-X", f"heapsize={heap}"]
             argv += ["-c", ROMFS_BOOT + romfs.RUN_MAIN] if kind == "main" else [
                 "-i", "-c", ROMFS_BOOT]  # fmt: skip

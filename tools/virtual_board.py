@@ -66,6 +66,12 @@ def gc_block_bytes(exe: str) -> int:
     return word_bits(exe) // 2
 
 
+def heap_beyond_image(exe: str, heap: str, image_bytes: int) -> int:
+    """The `-X heapsize` for `exe` that leaves `heap` (as `--heap` gives it) beyond a
+    ROMFS image of `image_bytes` held in the heap (tools/romfs.py heap_for)."""
+    return romfs_tools.heap_for(gc_block_bytes(exe), heap_bytes(heap), image_bytes)
+
+
 def out_of_heap(heap: str, py: bool) -> str:
     """One line for a board that died of a MemoryError at `heap`: what to pass instead."""
     want = PY_HEAP if py else DEFAULT_HEAP
@@ -216,9 +222,7 @@ def run_on_flash(
     beyond it (tools/romfs.py)."""
     image = flash / romfs_tools.IMAGE
     if image.exists():
-        heap = str(
-            romfs_tools.heap_for(gc_block_bytes(exe), heap_bytes(heap), image.stat().st_size)
-        )
+        heap = str(heap_beyond_image(exe, heap, image.stat().st_size))
         code = romfs_tools.boot_code(code)
     return subprocess.run(
         [exe, "-X", f"heapsize={heap}", *(("-c", code) if code is not None else ("main.py",))],
@@ -268,9 +272,7 @@ class VirtualBoard:
         if image.exists():
             # As a ROMFS firmware boots: the image mounted, then main.py; the heap given is
             # the heap beyond the image, which a board holds in flash.
-            heap = romfs_tools.heap_for(
-                gc_block_bytes(exe), heap_bytes(self.heap), image.stat().st_size
-            )
+            heap = heap_beyond_image(exe, self.heap, image.stat().st_size)
             return [exe, "-X", f"heapsize={heap}", "-c", romfs_tools.boot_code()]
         return [exe, "-X", f"heapsize={self.heap}", "main.py"]
 
